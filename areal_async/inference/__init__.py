@@ -1,0 +1,1 @@
+"""Generation: the SGLang-protocol HTTP client (no torch) and the embedded server, engine and model (torch)."""

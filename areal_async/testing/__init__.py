@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: tiny checkpoints made locally (no downloads)."""

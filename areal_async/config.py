@@ -47,6 +47,7 @@ class DataConfig(_Section):
     num_eval: int = 200
     seed: int = 0
     apply_chat_template: bool = False
+    reward: str = "arith"  # reward registry name ("arith", "math", "code") or "module:function"
 
 
 class ServerConfig(_Section):
@@ -63,6 +64,7 @@ class ServerConfig(_Section):
     api_key: str | None = None
     extra_args: list[str] = []  # passed through to sglang.launch_server
     startup_timeout_s: float = 300.0
+    torch_threads: int = 1  # intra-op threads per embedded server process
 
     def validate(self, prefix: str) -> None:
         _check(self.num_servers >= 1, f"{prefix}.num_servers", "must be >= 1")
@@ -166,6 +168,7 @@ class TrainConfig(_Section):
     keep_versions: int = 2
     checkpoint_every: int = 0  # steps; 0 = only at the end
     torchrun_args: list[str] = []
+    torch_threads: int = 1  # intra-op threads per trainer rank (CPU)
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)

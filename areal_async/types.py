@@ -71,6 +71,16 @@ class GenerationResult(msgspec.Struct, kw_only=True):
     server: str = ""  # URL of the server that produced the last segment
 
 
+class Sample(msgspec.Struct, kw_only=True):
+    """One dataset item: a prompt with its reference answer. `messages` is set for chat-style prompts."""
+
+    id: int
+    prompt: str
+    answer: str
+    messages: list[dict] | None = None
+    meta: dict[str, float | int | str | bool] = {}
+
+
 class Trajectory(msgspec.Struct, kw_only=True):
     """One sample ready for training (see the module docstring for the alignment convention)."""
 

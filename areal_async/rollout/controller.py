@@ -1,0 +1,297 @@
+"""The asynchronous RL schedule, on one asyncio event loop.
+
+Two loops share a StalenessBuffer (buffer.py):
+
+    rollout loop (RolloutManager, rollout.py)       train loop (AsyncRLController.run, below)
+    ------------------------------------------      -------------------------------------------------------
+    wait: admission rule allows a group             wait: buffer holds B groups -> take the oldest B
+    start workflow.run(client, sample) as a task    trainer.train_step(trajectories, v)      (RPC to all ranks)
+    group done -> buffer.finish(group)              trainer.publish(v + 1)                   (HF checkpoint)
+                                                    servers: pause(abort) -> load v + 1 -> continue
+                                                      (interrupted requests resume in the client, tokens after
+                                                       the switch carry version v + 1)
+                                                    v += 1 -> buffer.set_version(v): capacity grows by B
+                                                    every k steps: held-out eval, checkpoint
+
+Modes come from the same code: async (eta >= 1 or unbounded, interruptible), sync (eta = 0: after B groups start,
+nothing else starts until the weights of v + 1 are live, so generation never overlaps training), and async without
+interruption (the weight load waits for in-flight requests to finish instead of aborting them).
+
+Embedding: build an `InferenceClient` over your servers, a trainer (anything with the `Trainer` protocol; the
+torchrun workers are reached through `areal_async.train.client.TrainerGroup`), a workflow and samples, then
+`await AsyncRLController(...).run()`. Or drive `RolloutManager` + `StalenessBuffer` yourself and consume batches with
+`buffer.get_batch()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+from areal_async.rollout.buffer import StalenessBuffer
+from areal_async.rollout.rollout import RolloutManager
+from areal_async.rollout.samples import SampleStream
+from areal_async.rollout.workflow_api import Generator, Workflow
+from areal_async.types import CheckpointResult, PublishResult, TrainStepResult, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class Trainer(Protocol):
+    async def train_step(self, trajectories: list[Trajectory], policy_version: int) -> TrainStepResult: ...
+
+    async def publish(self, version: int, root: str, keep: int = 2) -> PublishResult: ...
+
+    async def save_checkpoint(self, path: str) -> CheckpointResult: ...
+
+
+class InferenceAdmin(Generator, Protocol):
+    async def pause(self, mode: str = "abort") -> Any: ...
+
+    async def resume(self) -> Any: ...
+
+    async def update_weights_from_disk(self, path: str, version: int) -> Any: ...
+
+
+@dataclass
+class ScheduleConfig:
+    """The knobs of the schedule itself (RunConfig carries them; kept separate so embedders need no RunConfig)."""
+
+    batch_size: int
+    total_steps: int
+    eta: int | None = 4
+    interruptible: bool = True
+    max_concurrent_groups: int = 64
+    filter_uniform_reward: bool = False
+    eval_every: int = 10
+    checkpoint_every: int = 0
+    keep_versions: int = 2
+    max_wall_s: float | None = None
+
+
+@dataclass
+class RunState:
+    """Everything a resume needs besides the trainer's own checkpoint."""
+
+    version: int = 0
+    data_position: int = 0
+    trained_samples: int = 0
+    trained_groups: int = 0
+    max_staleness_seen: int = 0
+    wall_s: float = 0.0  # training wall time accumulated over resumed segments
+    base_accuracy: float | None = None
+    staleness_hist: dict[str, int] = field(default_factory=dict)
+
+
+Evaluator = Callable[[], Awaitable[dict[str, float]]]
+
+
+class AsyncRLController:
+    def __init__(self, cfg: ScheduleConfig, client: InferenceAdmin, trainer: Trainer, workflow: Workflow,
+                 stream: SampleStream, run_dir: str, *, evaluator: Evaluator | None = None,
+                 logger: Any = None, state: RunState | None = None,
+                 on_batch: Callable[[int, list[Trajectory]], None] | None = None) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.trainer = trainer
+        self.workflow = workflow
+        self.stream = stream
+        self.run_dir = run_dir
+        self.evaluator = evaluator
+        self.logger = logger
+        self.state = state or RunState()
+        self.on_batch = on_batch  # called with every trained batch (tests assert on versions; users can log)
+        self.buffer = StalenessBuffer(cfg.batch_size, cfg.eta, cfg.max_concurrent_groups)
+        self.buffer.restore(self.state.version)
+        self.stream.seek(self.state.data_position)
+        self.rollout = RolloutManager(client, workflow, stream, self.buffer,
+                                      filter_uniform_reward=cfg.filter_uniform_reward)
+        self.timings = {"wait_batch_s": 0.0, "train_s": 0.0, "publish_s": 0.0, "weight_load_s": 0.0, "eval_s": 0.0}
+        self.evals: list[dict[str, float]] = []
+        self.latest_weights: str | None = None
+
+    # ---- the schedule -------------------------------------------------------------------------------------------
+
+    async def run(self) -> RunState:
+        st = self.state
+        if st.base_accuracy is None and self.evaluator is not None:
+            ev = await self._evaluate()
+            st.base_accuracy = ev["accuracy"]
+        t_start = time.monotonic() - st.wall_s
+        self.rollout.start()
+        try:
+            while st.version < self.cfg.total_steps:
+                if self.cfg.max_wall_s is not None and time.monotonic() - t_start >= self.cfg.max_wall_s:
+                    log.info("max_wall_s reached at version %d", st.version)
+                    break
+                await self._train_one_step(t_start)
+                st.wall_s = time.monotonic() - t_start
+                if self.cfg.eval_every and st.version % self.cfg.eval_every == 0 \
+                        and st.version < self.cfg.total_steps:
+                    await self._evaluate()
+                if self.cfg.checkpoint_every and st.version % self.cfg.checkpoint_every == 0:
+                    await self.save_checkpoint()
+        finally:
+            await self.rollout.stop()
+            await self.buffer.close()
+        st.wall_s = time.monotonic() - t_start
+        if self.evaluator is not None:
+            await self._evaluate()
+        return st
+
+    async def _train_one_step(self, t_start: float) -> None:
+        st = self.state
+        v = st.version
+        t0 = time.monotonic()
+        groups = await self.buffer.get_batch()
+        t1 = time.monotonic()
+        trajs = [t for g in groups for t in g.trajectories]
+        staleness = self._record_staleness(trajs, v)
+        if self.on_batch is not None:
+            self.on_batch(v, trajs)
+        result = await self.trainer.train_step(trajs, v)
+        t2 = time.monotonic()
+        await self._sync_weights(v + 1)
+        t3 = time.monotonic()
+        st.version = v + 1
+        st.data_position = self.stream.position
+        st.trained_samples += len(trajs)
+        st.trained_groups += len(groups)
+        await self.buffer.set_version(st.version)
+        self.timings["wait_batch_s"] += t1 - t0
+        self.timings["train_s"] += t2 - t1
+        rewards = [t.reward for t in trajs]
+        record = {
+            "version": st.version,
+            "wall_s": time.monotonic() - t_start,
+            "reward_mean": sum(rewards) / len(rewards),
+            "response_len_mean": sum(t.response_len for t in trajs) / len(trajs),
+            "staleness_mean": staleness[0],
+            "staleness_max": staleness[1],
+            "interrupted_frac": sum(1 for t in trajs if t.info.get("interruptions", 0)) / len(trajs),
+            "multi_version_frac": sum(1 for t in trajs if _spans_versions(t)) / len(trajs),
+            "wait_batch_s": t1 - t0,
+            "train_step_s": t2 - t1,
+            "weight_sync_s": t3 - t2,
+            "trained_samples": st.trained_samples,
+            "samples_per_s": st.trained_samples / max(time.monotonic() - t_start, 1e-9),
+            "buffer_groups": len(self.buffer),
+            "running_groups": self.buffer.running,
+            "rollout_failed": self.rollout.stats.failed,
+            "rollout_filtered": self.rollout.stats.filtered,
+            **{f"train/{k}": v for k, v in result.stats.items()},
+        }
+        self._log("train", st.version, record)
+
+    async def _sync_weights(self, version: int) -> None:
+        """Publish version `version` from the trainer and make every server serve it."""
+        t0 = time.monotonic()
+        pub = await self.trainer.publish(version, os.path.join(self.run_dir, "weights"), self.cfg.keep_versions)
+        t1 = time.monotonic()
+        if self.cfg.interruptible:
+            await self.client.pause("abort")
+            try:
+                await self.client.update_weights_from_disk(pub.path, version)
+            finally:
+                await self.client.resume()
+        else:  # servers finish their in-flight requests under the old weights, then load
+            await self.client.update_weights_from_disk(pub.path, version)
+        self.timings["publish_s"] += t1 - t0
+        self.timings["weight_load_s"] += time.monotonic() - t1
+        self.latest_weights = pub.path
+
+    async def _evaluate(self) -> dict[str, float]:
+        assert self.evaluator is not None
+        t0 = time.monotonic()
+        ev = await self.evaluator()
+        self.timings["eval_s"] += time.monotonic() - t0
+        ev = {**ev, "version": self.state.version, "wall_s": self.state.wall_s}
+        self.evals.append(ev)
+        self._log("eval", self.state.version, ev)
+        return ev
+
+    # ---- bookkeeping --------------------------------------------------------------------------------------------
+
+    def _record_staleness(self, trajs: list[Trajectory], v: int) -> tuple[float, int]:
+        """Staleness of a token = v - the version that produced it; returns (mean, max) over response tokens."""
+        total = count = worst = 0
+        hist = self.state.staleness_hist
+        for t in trajs:
+            for m, ver in zip(t.loss_mask, t.versions):
+                if m:
+                    s = v - ver
+                    total += s
+                    count += 1
+                    worst = max(worst, s)
+                    hist[str(s)] = hist.get(str(s), 0) + 1
+        self.state.max_staleness_seen = max(self.state.max_staleness_seen, worst)
+        return (total / count if count else 0.0), worst
+
+    def _log(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        if self.logger is not None:
+            self.logger.log(kind, step, values)
+        if kind == "train":
+            log.info("step %d  reward %.3f  len %.1f  staleness %.2f/%d  samples/s %.1f  wait %.2fs  train %.2fs  "
+                     "sync %.2fs", step, values["reward_mean"], values["response_len_mean"],
+                     values["staleness_mean"], values["staleness_max"], values["samples_per_s"],
+                     values["wait_batch_s"], values["train_step_s"], values["weight_sync_s"])
+        else:
+            log.info("eval @ version %d: accuracy %.1f%%  (%.1fs)", step, 100 * values["accuracy"], values["seconds"])
+
+    async def save_checkpoint(self) -> str:
+        """Trainer state through the trainer's own checkpoint, controller state as JSON beside it."""
+        st = self.state
+        path = os.path.join(self.run_dir, "checkpoints", f"v{st.version}")
+        await self.trainer.save_checkpoint(os.path.join(path, "trainer"))
+        st.data_position = self.stream.position
+        save_state(self.run_dir, st, path)
+        return path
+
+
+def _spans_versions(t: Trajectory) -> bool:
+    seen = {ver for m, ver in zip(t.loss_mask, t.versions) if m}
+    return len(seen) > 1
+
+
+def save_state(run_dir: str, state: RunState, ckpt_path: str) -> None:
+    """Write the controller state next to the trainer checkpoint, then point `latest.json` at it (atomically)."""
+    os.makedirs(ckpt_path, exist_ok=True)
+    data = {**state.__dict__, "checkpoint": os.path.abspath(ckpt_path)}
+    with open(os.path.join(ckpt_path, "controller.json"), "w") as f:
+        json.dump(data, f, indent=2)
+    latest = os.path.join(run_dir, "checkpoints", "latest.json")
+    tmp = latest + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, latest)
+
+
+def load_state(run_dir: str) -> tuple[RunState, str] | None:
+    """The latest controller state and its checkpoint directory, or None for a fresh run."""
+    latest = os.path.join(run_dir, "checkpoints", "latest.json")
+    if not os.path.exists(latest):
+        return None
+    with open(latest) as f:
+        data = json.load(f)
+    ckpt = data.pop("checkpoint")
+    return RunState(**data), ckpt
+
+
+async def run_forever_guard(*aws: Awaitable[Any]) -> None:
+    """Wait for all; the first failure cancels the rest (used to tie the run to its child processes' health)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            t.result()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,39 @@
+"""Held-out evaluation through the same inference servers: greedy decoding, accuracy by the task's reward."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from areal_async.rollout.workflow_api import Generator
+from areal_async.rollout.workflows.rlvr import ScoreFn
+from areal_async.tokenizer import Tokenizer
+from areal_async.types import SamplingParams, Sample
+
+
+async def evaluate(client: Generator, tokenizer: Tokenizer, samples: list[Sample], score: ScoreFn, *,
+                   max_new_tokens: int, use_chat_template: bool = False, concurrency: int = 256) -> dict[str, float]:
+    """Greedy accuracy on `samples` (a reward >= 0.5 counts as correct), mean completion length, and seconds."""
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    sem = asyncio.Semaphore(concurrency)
+    t0 = time.monotonic()
+
+    async def one(s: Sample) -> tuple[float, int]:
+        if s.messages is not None or use_chat_template:
+            ids = tokenizer.apply_chat_template(s.messages or [{"role": "user", "content": s.prompt}])
+        else:
+            ids = tokenizer.encode(s.prompt)
+        async with sem:
+            g = await client.agenerate(ids, sampling, rid=None)  # type: ignore[arg-type]
+        reward, _ = await score(tokenizer.decode(g.output_ids), s.answer, s.prompt)
+        return reward, len(g.output_ids)
+
+    results = await asyncio.gather(*(one(s) for s in samples))
+    n = max(len(results), 1)
+    return {
+        "accuracy": sum(1.0 for r, _ in results if r >= 0.5) / n,
+        "mean_reward": sum(r for r, _ in results) / n,
+        "mean_len": sum(length for _, length in results) / n,
+        "seconds": time.monotonic() - t0,
+        "num": float(len(results)),
+    }

@@ -1,0 +1,37 @@
+"""Workflows shipped with areal_async, and `build_workflow` that picks one from the config."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_async.config import RunConfig
+    from areal_async.rollout.workflow_api import Workflow
+    from areal_async.rollout.workflows.rlvr import ScoreFn
+    from areal_async.tokenizer import Tokenizer
+
+
+def build_workflow(cfg: "RunConfig", tokenizer: "Tokenizer", score: "ScoreFn") -> "Workflow":
+    """rollout.workflow: "rlvr", "multi_turn", or "module:callable" called as callable(cfg, tokenizer, score)."""
+    from areal_async.config import ConfigError
+    from areal_async.types import SamplingParams
+
+    r = cfg.rollout
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k)
+    name = r.workflow
+    if name == "rlvr":
+        from areal_async.rollout.workflows.rlvr import RLVRWorkflow
+
+        return RLVRWorkflow(tokenizer, score, sampling, r.group_size, use_chat_template=cfg.data.apply_chat_template)
+    if name == "multi_turn":
+        name = "areal_async.rollout.workflows.multi_turn:make_workflow"
+    if ":" not in name:
+        raise ConfigError(f"rollout.workflow: unknown workflow {name!r} (rlvr, multi_turn or module:callable)")
+    module, _, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"rollout.workflow: cannot import {name!r}: {e}") from None
+    return factory(cfg, tokenizer, score)

@@ -63,6 +63,8 @@ class ServerConfig(_Section):
     max_total_tokens: int = 65536  # KV-cache token budget per server
     api_key: str | None = None
     extra_args: list[str] = []  # passed through to sglang.launch_server
+    base_gpu_id: int = 0  # sglang: server i uses --base-gpu-id base_gpu_id + i * gpus_per_server
+    gpus_per_server: int = 1
     startup_timeout_s: float = 300.0
     torch_threads: int = 1  # intra-op threads per embedded server process
 
@@ -169,6 +171,7 @@ class TrainConfig(_Section):
     checkpoint_every: int = 0  # steps; 0 = only at the end
     torchrun_args: list[str] = []
     torch_threads: int = 1  # intra-op threads per trainer rank (CPU)
+    cuda_visible_devices: str | None = None  # e.g. "6,7": keeps trainers off the servers' GPUs on a shared node
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)

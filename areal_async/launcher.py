@@ -95,10 +95,13 @@ class Launcher:
         return self.spawn(f"server{index}", cmd, env), f"http://{host}:{port}"
 
     def start_sglang_server(self, index: int, model: str, *, host: str, port: int, api_key: str | None,
-                            extra_args: list[str]) -> tuple[Child, str]:
+                            extra_args: list[str], base_gpu_id: int = 0, gpus_per_server: int = 1
+                            ) -> tuple[Child, str]:
         port = port or free_port(host)
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port",
                str(port), *extra_args]
+        if "--base-gpu-id" not in extra_args:
+            cmd += ["--base-gpu-id", str(base_gpu_id + index * gpus_per_server)]
         if api_key:
             cmd += ["--api-key", api_key]
         return self.spawn(f"server{index}", cmd), f"http://{host}:{port}"
@@ -128,8 +131,8 @@ class Launcher:
     # ---- trainers -----------------------------------------------------------------------------------------------
 
     def start_trainers(self, *, model: str, nproc: int, config_json: str, seed: int, secret_hex: str,
-                       torch_threads: int, resume: str | None = None, torchrun_args: list[str] | None = None
-                       ) -> Child:
+                       torch_threads: int, resume: str | None = None, torchrun_args: list[str] | None = None,
+                       cuda_visible_devices: str | None = None) -> Child:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
         cmd += torchrun_args if torchrun_args else ["--standalone"]
         cmd += ["-m", "areal_async.train.worker", "--model", model, "--run-dir", self.run_dir,
@@ -137,6 +140,8 @@ class Launcher:
         if resume:
             cmd += ["--resume", resume]
         env = {**_thread_env(torch_threads), "AREAL_RPC_SECRET": secret_hex}
+        if cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         return self.spawn("trainer", cmd, env)
 
     # ---- health and teardown ------------------------------------------------------------------------------------

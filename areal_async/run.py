@@ -118,13 +118,15 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
                         max_total_tokens=srv.max_total_tokens, max_running_requests=srv.max_running_requests,
                         api_key=srv.api_key, torch_threads=srv.torch_threads))
                 else:
-                    started.append(launcher.start_sglang_server(i, model_path, host=srv.host, port=port,
-                                                                api_key=srv.api_key, extra_args=srv.extra_args))
+                    started.append(launcher.start_sglang_server(
+                        i, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=srv.extra_args,
+                        base_gpu_id=srv.base_gpu_id, gpus_per_server=srv.gpus_per_server))
             urls = [u for _, u in started]
         launcher.start_trainers(
             model=model_path, nproc=train_cfg.nproc, config_json=msgspec.json.encode(train_cfg).decode(),
             seed=cfg.seed, secret_hex=secret.hex(), torch_threads=train_cfg.torch_threads,
-            resume=os.path.join(resumed[1], "trainer") if resumed else None, torchrun_args=train_cfg.torchrun_args)
+            resume=os.path.join(resumed[1], "trainer") if resumed else None, torchrun_args=train_cfg.torchrun_args,
+            cuda_visible_devices=train_cfg.cuda_visible_devices)
         if srv.backend != "external":
             await _race(launcher.wait_healthy(started, srv.startup_timeout_s, srv.api_key), launcher.watch())
         client = InferenceClient(urls, api_key=srv.api_key)

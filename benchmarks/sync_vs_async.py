@@ -1,0 +1,110 @@
+"""Sync against async on equal terms: the same task, model, config and number of trained samples, one run after
+the other on the same machine.
+
+    python benchmarks/sync_vs_async.py --out benchmarks/out/sync_vs_async.json [--steps 40] [--quick]
+
+Modes: sync (eta = 0: generation never overlaps training), async with eta in {1, 2, 4, 8} (interruptible), and async
+eta = 4 without interruptible generation (weight loads wait for in-flight requests). For each: wall time to the same
+number of trained samples, trained samples/s, generated tokens/s, the busy fraction of the inference server and of the
+trainer, final held-out accuracy and the staleness histogram. Writes JSON, a markdown table (next to --out, .md) and a
+PNG of held-out accuracy against wall time for every mode (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runs import markdown_table, run_one  # noqa: E402
+
+MODES = [
+    ("sync", ["mode=sync"]),
+    ("async eta=1", ["mode=async", "eta=1"]),
+    ("async eta=2", ["mode=async", "eta=2"]),
+    ("async eta=4", ["mode=async", "eta=4"]),
+    ("async eta=8", ["mode=async", "eta=8"]),
+    ("async eta=4, no interruption", ["mode=async", "eta=4", "rollout.interruptible=false"]),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="2 modes, 2 steps, tiny batches: a smoke test")
+    ap.add_argument("--modes", nargs="*", default=None, help="subset of mode names")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    args = ap.parse_args()
+    modes = MODES if not args.modes else [m for m in MODES if m[0] in args.modes]
+    extra = list(args.overrides)
+    if args.quick:
+        modes = [MODES[0], MODES[3]]
+        extra = ["rollout.batch_size=2", "rollout.group_size=2", "eval.num_prompts=8", "rollout.max_new_tokens=24",
+                 "eval.max_new_tokens=24", *extra]
+        args.steps = 2
+    out_dir = os.path.splitext(os.path.abspath(args.out))[0] + "_runs"
+    runs = []
+    for name, ov in modes:
+        slug = name.replace(" ", "_").replace(",", "").replace("=", "")
+        s = run_one(name, os.path.join(out_dir, slug),
+                    [*ov, f"total_steps={args.steps}", f"eval.every_steps={args.eval_every}", *extra])
+        wall = s["wall_s"]
+        t = s["timings"]
+        runs.append({
+            "name": name, "mode": s["mode"], "eta": s["eta"], "interruptible": s["interruptible"],
+            "wall_s": wall, "trained_samples": s["trained_samples"],
+            "trained_samples_per_s": s["trained_samples"] / wall,
+            "generated_tokens_per_s": s["rollout"]["generated_tokens"] / wall,
+            "server_busy_frac": s.get("server_busy_s", 0.0) / wall if s.get("server_busy_s") is not None else None,
+            "trainer_busy_frac": (t["train_s"] + t["publish_s"]) / wall,
+            "base_accuracy": s["base_accuracy"], "final_accuracy": s["final_accuracy"],
+            "max_staleness_seen": s["max_staleness_seen"], "staleness_hist": s["staleness_hist"],
+            "eval_curve": [(e["wall_s"], e["accuracy"]) for e in s["evals"]],
+        })
+    sync = next((r for r in runs if r["mode"] == "sync"), None)
+    for r in runs:
+        r["speedup_vs_sync"] = sync["wall_s"] / r["wall_s"] if sync else None
+    result = {"runs": runs, "steps": args.steps, "overrides": extra}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    table = markdown_table(runs, [
+        ("name", "mode", ""), ("wall_s", "wall s", ".1f"), ("speedup_vs_sync", "speedup", ".2f"),
+        ("trained_samples", "samples", "d"), ("trained_samples_per_s", "samples/s", ".2f"),
+        ("generated_tokens_per_s", "gen tok/s", ".0f"), ("server_busy_frac", "server busy", ".2f"),
+        ("trainer_busy_frac", "trainer busy", ".2f"), ("base_accuracy", "base acc", ".3f"),
+        ("final_accuracy", "final acc", ".3f"), ("max_staleness_seen", "max stale", "d"),
+    ])
+    base = os.path.splitext(args.out)[0]
+    with open(base + ".md", "w") as f:
+        f.write(table + "\n")
+    print(table)
+    plot(runs, base + ".png")
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        if r["eval_curve"]:
+            xs, ys = zip(*r["eval_curve"])
+            ax.plot(xs, [100 * y for y in ys], "o-", label=r["name"])
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

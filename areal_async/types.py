@@ -25,7 +25,7 @@ class Array(msgspec.Struct, frozen=True):
 
     dtype: str  # numpy dtype name: "int32", "float32", "uint8", "bfloat16" is not used on the wire
     shape: list[int]
-    data: memoryview | bytes
+    data: memoryview  # bytes and bytearray values encode too; decoding gives a view into the frame
 
     @classmethod
     def from_numpy(cls, a: np.ndarray) -> "Array":

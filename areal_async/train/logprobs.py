@@ -1,0 +1,210 @@
+"""Per-token logprobs (and entropy) of a transformers causal LM on packed sequences, plus packed-layout helpers.
+
+A packed micro-batch is several sequences laid end to end as one row, input_ids [1, N], with no padding. Attention
+must not cross sequence boundaries. We pass `position_ids` that restart at 0 for every sequence and no
+attention_mask: transformers (masking_utils, >= 4.56) detects the restarts and builds a block-diagonal causal mask for
+eager/sdpa, and flash-attention turns the same position_ids into varlen cu_seqlens. `use_cache=False` matters: with
+a cache object present transformers skips the packed detection and sequences would see each other.
+`explicit_mask=True` (automatic on a transformers without the detection) builds the block-diagonal mask here.
+
+Alignment (see areal_async/types.py): logp[t] = log p(input_ids[t] | the tokens before t in its own sequence),
+and 0 at each sequence's first token. entropy[t] is the entropy of that same next-token distribution (0 at first
+tokens). Logits are divided by the sampling temperature first, as the inference server did for the behaviour
+logprobs.
+
+Memory: the model's logits [N, V] (model dtype) are the one full-vocab tensor. The fp32 log-softmax runs over
+chunks of tokens, and under autograd each chunk is checkpointed, so no [N, V] fp32 copy is ever kept for backward;
+the chunk is recomputed there instead (cheap next to the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from areal_async.train.losses import entropy_from_logits
+
+__all__ = ["packed_forward_logprobs", "pad_forward_logprobs", "seq_ids_from_lens", "position_ids_from_lens",
+           "broadcast_to_tokens", "block_causal_mask", "logprobs_from_logits"]
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _lens_tensor(seq_lens: Tensor | Sequence[int], device: torch.device | None = None) -> Tensor:
+    lens = torch.as_tensor(seq_lens, dtype=torch.long, device=device)
+    if lens.dim() != 1:
+        raise ValueError(f"seq_lens must be a flat [B] sequence, got shape {tuple(lens.shape)}")
+    if lens.numel() and int(lens.min()) < 1:
+        raise ValueError(f"every sequence must have at least one token, got seq_lens={lens.tolist()}")
+    return lens
+
+
+def seq_ids_from_lens(seq_lens: Tensor | Sequence[int], device: torch.device | None = None) -> Tensor:
+    """Each token's sequence index: [3, 2] -> [0, 0, 0, 1, 1]. [B] -> [N] int64."""
+    lens = _lens_tensor(seq_lens, device)
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+
+
+def position_ids_from_lens(seq_lens: Tensor | Sequence[int], device: torch.device | None = None) -> Tensor:
+    """Positions restarting at 0 for every sequence: [3, 2] -> [0, 1, 2, 0, 1]. [B] -> [N] int64."""
+    lens = _lens_tensor(seq_lens, device)
+    starts = torch.cumsum(lens, 0) - lens  # [B] offset of each sequence
+    total = int(lens.sum())
+    return torch.arange(total, device=lens.device) - torch.repeat_interleave(starts, lens)
+
+
+def broadcast_to_tokens(values: Tensor, seq_lens: Tensor | Sequence[int]) -> Tensor:
+    """Repeat one value per sequence onto its tokens (e.g. advantages). [B] -> [N]."""
+    lens = _lens_tensor(seq_lens, values.device)
+    if values.shape != lens.shape:
+        raise ValueError(f"values shape {tuple(values.shape)} != seq_lens shape {tuple(lens.shape)}")
+    return torch.repeat_interleave(values, lens)
+
+
+def block_causal_mask(seq_lens: Tensor | Sequence[int], device: torch.device | None = None) -> Tensor:
+    """Boolean [1, 1, N, N] mask, True where query i may attend key j: same sequence and j <= i."""
+    ids = seq_ids_from_lens(seq_lens, device)  # [N]
+    n = ids.numel()
+    causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    return (causal & (ids[:, None] == ids[None, :]))[None, None]
+
+
+def _chunk_logp(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    z = logits.float() / temperature  # [C, V] fp32, transient
+    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def _chunk_logp_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    z = logits.float() / temperature
+    lp = z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return lp, entropy_from_logits(z)
+
+
+def logprobs_from_logits(logits: Tensor, targets: Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,
+                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[Tensor, Tensor | None]:
+    """log softmax(logits / T)[targets] (and entropy) row by row, in fp32 chunks. [M, V], [M] -> [M], [M] | None."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    lps: list[Tensor] = []
+    ents: list[Tensor] = []
+    for s in range(0, logits.shape[0], chunk_tokens):
+        lg, tg = logits[s:s + chunk_tokens], targets[s:s + chunk_tokens]
+        if compute_entropy:
+            lp, ent = (checkpoint(_chunk_logp_entropy, lg, tg, temperature, use_reentrant=False) if grad
+                       else _chunk_logp_entropy(lg, tg, temperature))
+            ents.append(ent)
+        else:
+            lp = (checkpoint(_chunk_logp, lg, tg, temperature, use_reentrant=False) if grad
+                  else _chunk_logp(lg, tg, temperature))
+        lps.append(lp)
+    # No rows (a micro-batch of one-token sequences): still return a tensor attached to the graph, so backward runs
+    # through the model like on every other rank (FSDP collectives must match) and just yields zero gradients.
+    empty = logits.float().sum(-1)  # [0]
+    logp = torch.cat(lps) if lps else empty
+    entropy = (torch.cat(ents) if ents else empty.clone()) if compute_entropy else None
+    return logp, entropy
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _transformers_detects_packing() -> bool:
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
+def _explicit_attention_mask(model: torch.nn.Module, seq_lens: Tensor, device: torch.device) -> Tensor:
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    allowed = block_causal_mask(seq_lens, device)  # [1, 1, N, N] bool
+    if impl == "sdpa":
+        return allowed
+    if impl == "eager":  # eager attention adds the mask to the scores
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"explicit packed masks support attn_implementation 'sdpa' or 'eager', not {impl!r}; "
+                     "flash/flex attention take packing from position_ids (explicit_mask=False)")
+
+
+def packed_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: Tensor | Sequence[int], *,
+                            temperature: float = 1.0, compute_entropy: bool = False,
+                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                            explicit_mask: bool | None = None) -> tuple[Tensor, Tensor | None]:
+    """Forward one packed micro-batch and return per-token logp [N] (fp32) and entropy [N] (fp32) or None.
+
+    `input_ids` [N] is the concatenation of sequences of lengths `seq_lens` [B] (sum == N), no padding. Gradient
+    flows to the model when grad mode is on. `explicit_mask`: None = rely on transformers' position_ids packing
+    detection when available, True = pass a block-diagonal mask built here (sdpa/eager only; N x N memory).
+    """
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be a flat [N] tensor, got shape {tuple(input_ids.shape)}")
+    device = _model_device(model)
+    ids = input_ids.to(device=device, dtype=torch.long)  # [N]
+    lens = _lens_tensor(seq_lens, device)
+    n = ids.numel()
+    if int(lens.sum()) != n:
+        raise ValueError(f"sum(seq_lens)={int(lens.sum())} != len(input_ids)={n}")
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return empty, (empty.clone() if compute_entropy else None)
+    if explicit_mask is None:
+        explicit_mask = not _transformers_detects_packing()
+    pos = position_ids_from_lens(lens)  # [N]
+    kwargs: dict = {"input_ids": ids[None], "position_ids": pos[None], "use_cache": False}
+    if explicit_mask:
+        kwargs["attention_mask"] = _explicit_attention_mask(model, lens, device)
+    logits = model(**kwargs).logits[0]  # [N, V]
+    # Row t predicts token t + 1; rows that would predict the next sequence's first token are zeroed below.
+    lp, ent = logprobs_from_logits(logits[:-1], ids[1:], temperature=temperature, compute_entropy=compute_entropy,
+                                   chunk_tokens=chunk_tokens)  # [N - 1]
+    is_first = pos == 0  # [N]
+    zero = lp.new_zeros(1)
+    logp = torch.where(is_first, 0.0, torch.cat([zero, lp]))
+    entropy = torch.where(is_first, 0.0, torch.cat([zero, ent])) if ent is not None else None
+    return logp, entropy
+
+
+def pad_forward_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int] | Tensor], *,
+                         temperature: float = 1.0, compute_entropy: bool = False,
+                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, pad_id: int = 0) -> tuple[Tensor, Tensor | None]:
+    """The padded-batch way, for comparison: right-pad to the longest, one [B, L] forward with an attention mask.
+
+    Same outputs as `packed_forward_logprobs` on the concatenation: flat logp [N] and entropy [N] | None. Like a
+    padded trainer, it pays for the log-softmax of the padding positions too.
+    """
+    device = _model_device(model)
+    rows = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return empty, (empty.clone() if compute_entropy else None)
+    lens = _lens_tensor([r.numel() for r in rows])
+    b, width = len(rows), int(lens.max())
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :r.numel()] = r
+    ids = ids.to(device)  # [B, L]
+    valid = torch.arange(width)[None, :] < lens[:, None]  # [B, L]
+    valid = valid.to(device)
+    pos = torch.arange(width, device=device).expand(b, width)
+    logits = model(input_ids=ids, attention_mask=valid.long(), position_ids=pos, use_cache=False).logits  # [B, L, V]
+    vocab = logits.shape[-1]
+    lp, ent = logprobs_from_logits(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1),
+                                   temperature=temperature, compute_entropy=compute_entropy,
+                                   chunk_tokens=chunk_tokens)  # [B * (L - 1)]
+
+    def unpad(x: Tensor) -> Tensor:
+        full = torch.cat([x.new_zeros(b, 1), x.reshape(b, width - 1)], dim=1)  # [B, L], 0 at position 0
+        return full[valid]  # [N] row-major == concatenation order
+
+    return unpad(lp), (unpad(ent) if ent is not None else None)

@@ -1,0 +1,559 @@
+"""The embedded inference server: SGLang's HTTP protocol over an `Engine` (aiohttp).
+
+Why embedded: on a laptop or a CPU box there is no SGLang, yet the controller, the client and the tests must talk to
+the very protocol they will meet on GPUs. This server answers the same requests with the same shapes (see
+/work/shared/reference/sglang_http.md), so a real SGLang server can replace it without the client noticing.
+
+Parsing, validation and response shapes are in protocol.py (pure functions); this module only moves bytes between
+HTTP and the engine, and owns three pieces of server state: readiness (503 while starting or stopping), the set of
+request ids in flight (a duplicate rid is a 400), and the API key.
+
+In-process use (tests, launchers, notebooks):
+
+    server = await start_server("/path/to/hf_checkpoint", port=0, api_key="secret")
+    ...  # server.url is "http://127.0.0.1:<port>", server.engine is the engine
+    await server.close()  # or: async with await start_server(...) as server: ...
+
+Authentication: with an API key every endpoint except /health and /health_generate requires
+`Authorization: Bearer <key>` (401 otherwise), as SGLang's --api-key does; the key is compared in constant time.
+
+Errors: bad input is HTTP 400 `{"error": {"message": ...}}`; a failure inside a handler is logged and becomes a 500
+with the same shape; the server keeps serving either way. A client that disconnects mid-request has its engine
+requests aborted (aiohttp cancels the handler; the cleanup is shielded from that cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from areal_async.inference import protocol as P
+from areal_async.inference.engine_api import Engine, EngineRequest, EngineSampling
+
+log = logging.getLogger(__name__)
+
+_json_enc = msgspec.json.Encoder()
+_END = object()  # a driver task finished (queue sentinel)
+SSE_DONE = b"data: [DONE]\n\n"
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+MAX_BODY_BYTES = 256 << 20  # a batch of long token-id prompts is large; aiohttp's default is 1 MiB
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json_enc.encode(obj), status=status, content_type="application/json")
+
+
+def error_response(message: str, status: int) -> web.Response:
+    return json_response(P.error_body(message, status), status)
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + _json_enc.encode(obj) + b"\n\n"
+
+
+class _Run:
+    """Drives the engine requests of one HTTP call concurrently and reports their progress through one queue.
+
+    `progress()` yields the index of a request each time it has new tokens (or finished) and raises the first
+    failure. `close()` cancels what is still running and aborts it in the engine: it is shielded, so it completes
+    even when the handler itself is being cancelled by a client disconnect.
+    """
+
+    def __init__(self, server: "SGLangServer", accs: list[P.Accumulator]):
+        self.server = server
+        self.engine = server.engine
+        self.accs = accs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks = [asyncio.create_task(self._drive(i)) for i in range(len(accs))]
+
+    async def _drive(self, i: int) -> None:
+        acc = self.accs[i]
+        try:
+            gen = self.engine.generate(acc.req)
+            try:
+                async for chunk in gen:
+                    acc.add(chunk)
+                    self.queue.put_nowait((i, None))
+                    if acc.finished:
+                        break
+            finally:
+                aclose = getattr(gen, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            if not acc.finished:
+                acc.abort_reason("the engine ended the request without a finish reason")
+                self.queue.put_nowait((i, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # reported to the handler, which decides between 400, 500 and a stream error
+            self.queue.put_nowait((i, e))
+        finally:
+            self.queue.put_nowait((i, _END))
+
+    async def progress(self) -> AsyncIterator[int]:
+        ended = 0
+        while ended < len(self.tasks):
+            i, ev = await self.queue.get()
+            if ev is _END:
+                ended += 1
+            elif ev is not None:
+                raise ev
+            else:
+                yield i
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await self.server.shielded(self._cleanup())
+
+    async def _cleanup(self) -> None:
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for acc in self.accs:
+            if not acc.finished:
+                await self.server.abort_exact(acc.rid)
+        self.server.release([a.rid for a in self.accs])
+
+
+class SGLangServer:
+    """Handlers and state of one server; `build_app` wires them into an aiohttp application."""
+
+    def __init__(self, engine: Engine, *, api_key: str | None = None, served_model_name: str | None = None):
+        self.engine = engine
+        self.api_key = api_key
+        self.served_model_name = served_model_name or engine.model_path
+        self.status = "starting"  # starting | ready | stopping
+        self.created = int(time.time())
+        self.inflight: set[str] = set()
+        self.url = ""
+        self._background: set[asyncio.Task] = set()
+
+    # ---- shared machinery ---------------------------------------------------------------------------------------
+
+    @property
+    def limits(self) -> P.Limits:
+        return P.Limits(vocab_size=self.engine.vocab_size, context_len=self.engine.context_len)
+
+    def claim(self, rids: list[str]) -> None:
+        """Reserve request ids for this call; a rid already in flight is a 400, as in SGLang."""
+        dup = next((r for r in rids if r in self.inflight), None)
+        if dup is not None:
+            raise P.ProtocolError(f"duplicate request id {dup!r}: a request with this rid is already in flight")
+        self.inflight.update(rids)
+
+    def release(self, rids: list[str]) -> None:
+        self.inflight.difference_update(rids)
+
+    async def abort_exact(self, rid: str) -> None:
+        """Abort one request. The engine aborts by prefix, so skip it when that would hit another request
+        (closing the request's generator has already told the engine)."""
+        if any(r != rid and r.startswith(rid) for r in self.inflight):
+            return
+        with contextlib.suppress(Exception):
+            await self.engine.abort(rid)
+
+    async def shielded(self, coro) -> Any:
+        """Run `coro` to completion even if the awaiting handler is cancelled (client gone)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return await asyncio.shield(task)
+
+    def start_run(self, reqs: list[EngineRequest], *, text_in_logprobs: bool = False) -> _Run:
+        started = time.perf_counter()
+        self.claim([r.rid for r in reqs])
+        accs = [P.Accumulator(r, self.engine, text_in_logprobs=text_in_logprobs, started=started) for r in reqs]
+        return _Run(self, accs)
+
+    async def run_to_end(self, run: _Run) -> None:
+        try:
+            async for _ in run.progress():
+                pass
+        except P.ProtocolError:
+            raise
+        except ValueError as e:  # the engine refused the request (Engine.generate's contract)
+            raise P.ProtocolError(str(e)) from None
+        finally:
+            await run.close()
+
+    async def stream(self, request: web.Request, run: _Run, render: Callable[[int], list[dict]],
+                     tail: Callable[[], list[dict]] = lambda: []) -> web.StreamResponse:
+        """Server-sent events: `render(i)` turns progress on request i into events; `[DONE]` ends the stream.
+
+        Headers go out with the first event, so an engine refusal before any token is still a plain 400.
+        """
+        resp: web.StreamResponse | None = None
+
+        async def open_stream() -> web.StreamResponse:
+            r = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await r.prepare(request)
+            return r
+
+        try:
+            async for i in run.progress():
+                events = render(i)
+                if events and resp is None:
+                    resp = await open_stream()
+                for ev in events:
+                    await resp.write(sse_event(ev))
+            if resp is None:
+                resp = await open_stream()
+            for ev in tail():
+                await resp.write(sse_event(ev))
+        except asyncio.CancelledError:  # the client went away while we waited on the engine
+            await run.close()
+            raise
+        except ConnectionResetError:  # ... or while we were writing to it
+            await run.close()
+            if resp is None:
+                raise
+            return resp
+        except Exception as e:
+            if resp is None:
+                await run.close()
+                if isinstance(e, ValueError) and not isinstance(e, P.ProtocolError):
+                    raise P.ProtocolError(str(e)) from None
+                raise
+            log.exception("error while streaming %s", request.path)
+            status = e.status if isinstance(e, P.ProtocolError) else 500
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(sse_event(P.error_body(f"{type(e).__name__}: {e}", status)))
+        await run.close()
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
+        return resp
+
+    # ---- native SGLang endpoints --------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        plan = P.parse_generate(await request.read(), self.engine, self.limits)
+        run = self.start_run(plan.requests, text_in_logprobs=plan.return_text_in_logprobs)
+        if not plan.stream:
+            await self.run_to_end(run)
+            out = [a.generate_response() for a in run.accs]
+            return json_response(out if plan.batched else out[0])
+
+        sent = [-1] * len(run.accs)  # tokens covered by the last event; -2 once the final event is out
+
+        def render(i: int) -> list[dict]:
+            acc = run.accs[i]
+            if sent[i] == -2 or (not acc.finished and len(acc.output_ids) == sent[i]):
+                return []
+            sent[i] = -2 if acc.finished else len(acc.output_ids)
+            ev = acc.generate_response()
+            if plan.batched:
+                ev["index"] = i
+            return [ev]
+
+        return await self.stream(request, run, render)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = P.parse_pause(await request.read())
+        await self.shielded(self.engine.pause(mode))
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await request.read()
+        await self.shielded(self.engine.resume())
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        a: P.AbortIn = P.decode_body(await request.read(), P.AbortIn, empty_ok=True)
+        if a.abort_all:
+            await self.engine.abort(abort_all=True)
+        elif a.rid:  # an empty rid would prefix-match everything; only abort_all may do that
+            await self.engine.abort(a.rid)
+        return web.Response()
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if await self.engine.flush_cache():
+            return web.Response(text="Cache flushed.\n")
+        return web.Response(status=400, text="Cache not flushed: requests are running or waiting.\n")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        u: P.UpdateFromDiskIn = P.decode_body(await request.read(), P.UpdateFromDiskIn)
+        try:
+            ok, msg, paused = await self.shielded(self.engine.update_weights_from_disk(
+                u.model_path, P.version_str(u.weight_version), u.abort_all_requests, u.flush_cache))
+        except Exception as e:
+            log.exception("update_weights_from_disk(%s) failed", u.model_path)
+            ok, msg, paused = False, f"{type(e).__name__}: {e}", 0
+        return json_response({"success": ok, "message": msg, "num_paused_requests": paused}, 200 if ok else 400)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        g: P.InitGroupIn = P.decode_body(await request.read(), P.InitGroupIn)
+        return await self._success_call("init_weights_update_group", self.engine.init_weights_update_group(
+            g.master_address, g.master_port, g.rank_offset, g.world_size, g.group_name, g.backend))
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        u: P.UpdateFromDistributedIn = P.decode_body(await request.read(), P.UpdateFromDistributedIn)
+        u.check()
+        if u.abort_all_requests:
+            await self.engine.abort(abort_all=True)
+        return await self._success_call("update_weights_from_distributed", self.engine.update_weights_from_distributed(
+            u.names, u.dtypes, u.shapes, u.group_name, P.version_str(u.weight_version), u.flush_cache))
+
+    async def _success_call(self, what: str, coro) -> web.Response:
+        try:
+            ok, msg = await self.shielded(coro)
+        except Exception as e:
+            log.exception("%s failed", what)
+            ok, msg = False, f"{type(e).__name__}: {e}"
+        return json_response({"success": ok, "message": msg}, 200 if ok else 400)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        u: P.UpdateWeightVersionIn = P.decode_body(await request.read(), P.UpdateWeightVersionIn)
+        version = str(u.new_version)
+        if u.abort_all_requests:
+            await self.engine.abort(abort_all=True)
+        await self.engine.set_weight_version(version)
+        return json_response({"success": True, "message": f"Weight version updated to {version}",
+                              "new_version": version})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.status == "ready" else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """200 when the engine can make a token: it is busy (so it evidently can) or paused by choice, or a
+        one-token request finishes within the timeout."""
+        if self.status != "ready":
+            return web.Response(status=503)
+        if self.engine.paused or self.engine.num_running() > 0:
+            return web.Response(status=200)
+        req = EngineRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                            sampling=EngineSampling(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        run = self.start_run([req])
+        try:
+            await asyncio.wait_for(self.run_to_end(run), HEALTH_GENERATE_TIMEOUT_S)
+        except Exception as e:
+            log.warning("health_generate failed: %s", e)
+            return web.Response(status=503)
+        ok = run.accs[0].finish_reason is not None and run.accs[0].finish_reason.get("type") != "abort"
+        return web.Response(status=200 if ok else 503)
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        args = e.server_args()
+        arch = args.get("architecture")
+        return json_response({"model_path": e.model_path, "tokenizer_path": args.get("tokenizer_path", e.model_path),
+                              "is_generation": True, "weight_version": e.weight_version,
+                              "served_model_name": self.served_model_name, "preferred_sampling_params": None,
+                              "has_image_understanding": False, "has_audio_understanding": False,
+                              "architectures": [arch] if arch else None, "context_len": e.context_len,
+                              "vocab_size": e.vocab_size})
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        from areal_async import __version__
+
+        e = self.engine
+        info = {k: v for k, v in e.server_args().items() if k != "api_key"}  # never echo a secret
+        info.update({"served_model_name": self.served_model_name, "url": self.url, "version": __version__,
+                     "weight_version": e.weight_version, "status": self.status, "paused": e.paused,
+                     "num_running_reqs": e.num_running(), "num_waiting_reqs": e.num_waiting(),
+                     "context_length": e.context_len, "api_key_required": self.api_key is not None})
+        return json_response(info)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [{
+            "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "areal_async",
+            "root": self.engine.model_path, "max_model_len": self.engine.context_len}]})
+
+    # ---- OpenAI-compatible endpoints ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        plan = P.parse_completion(await request.read(), self.engine, self.limits)
+        return await self._openai(request, plan, "cmpl-", P.completion_response, P.completion_chunk)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        engine = self.engine
+        plan = P.parse_chat(await request.read(), engine, self.limits,
+                            lambda msgs, tools: engine.apply_chat_template(msgs, tools, add_generation_prompt=True))
+        return await self._openai(request, plan, "chatcmpl-", P.chat_response, P.chat_chunk)
+
+    async def _openai(self, request: web.Request, plan: P.OpenAIPlan, id_prefix: str, respond, chunk
+                      ) -> web.StreamResponse:
+        rid = f"{id_prefix}{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = self.served_model_name
+        run = self.start_run(plan.requests)
+        if not plan.stream:
+            await self.run_to_end(run)
+            return json_response(respond(plan, run.accs, model, rid, created))
+
+        deltas = [P.StreamDelta(hold_tool_calls=bool(plan.tools)) for _ in run.accs]
+        done = [False] * len(run.accs)
+
+        def render(i: int) -> list[dict]:
+            acc = run.accs[i]
+            if done[i]:
+                return []
+            done[i] = acc.finished
+            ev = chunk(plan, i, acc, deltas[i], model, rid, created)
+            return [] if ev is None else [ev]
+
+        def tail() -> list[dict]:
+            return [P.usage_chunk(plan, run.accs, model, rid, created)] if plan.include_usage else []
+
+        return await self.stream(request, run, render, tail)
+
+
+# ---- the application --------------------------------------------------------------------------------------------
+
+SERVER_KEY = web.AppKey("sglang_server", SGLangServer)
+
+
+# Answer in every state: health reports the state itself, info only reads the engine's settings.
+_ALWAYS_OPEN = frozenset({"/health", "/health_generate", "/model_info", "/get_model_info", "/server_info",
+                          "/get_server_info", "/v1/models"})
+
+
+def _ready_middleware(srv: SGLangServer):
+    """503 for generation and control while the engine is starting or stopping (it cannot act on them)."""
+
+    @web.middleware
+    async def ready(request: web.Request, handler):
+        if srv.status != "ready" and request.path not in _ALWAYS_OPEN:
+            return error_response(f"server is {srv.status}", 503)
+        return await handler(request)
+
+    return ready
+
+
+def _auth_middleware(api_key: str | None):
+    expected = api_key.encode() if api_key is not None else None
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if expected is not None and not request.path.startswith("/health"):
+            got = request.headers.get("Authorization", "")
+            token = got[7:].encode() if got[:7].lower() == "bearer " else b""
+            if not hmac.compare_digest(token, expected):
+                return error_response("Unauthorized: missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                      401)
+        return await handler(request)
+
+    return auth
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler):
+    """Every failure becomes a JSON error; a bug in a handler is a logged 500, never a dead server."""
+    try:
+        return await handler(request)
+    except P.ProtocolError as e:
+        return error_response(str(e), e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = error_response(e.reason or "error", e.status)
+        if "Allow" in e.headers:
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(f"internal server error: {type(e).__name__}: {e}", 500)
+
+
+def build_app(engine: Engine, *, api_key: str | None = None, served_model_name: str | None = None
+              ) -> web.Application:
+    """The aiohttp application for `engine`. The server starts in state "starting" (health 503, generation 503);
+    `start_server` marks it ready once the engine has started (`app[SERVER_KEY].status = "ready"`)."""
+    srv = SGLangServer(engine, api_key=api_key, served_model_name=served_model_name)
+    app = web.Application(middlewares=[_error_middleware, _auth_middleware(api_key), _ready_middleware(srv)],
+                          client_max_size=MAX_BODY_BYTES)
+    app[SERVER_KEY] = srv
+    r = app.router
+    r.add_post("/generate", srv.generate)
+    r.add_put("/generate", srv.generate)
+    r.add_post("/pause_generation", srv.pause_generation)
+    r.add_post("/continue_generation", srv.continue_generation)
+    r.add_post("/abort_request", srv.abort_request)
+    r.add_route("GET", "/flush_cache", srv.flush_cache)
+    r.add_post("/flush_cache", srv.flush_cache)
+    r.add_post("/update_weights_from_disk", srv.update_weights_from_disk)
+    r.add_post("/init_weights_update_group", srv.init_weights_update_group)
+    r.add_post("/update_weights_from_distributed", srv.update_weights_from_distributed)
+    r.add_post("/update_weight_version", srv.update_weight_version)
+    r.add_get("/health", srv.health)
+    r.add_get("/health_generate", srv.health_generate)
+    for path in ("/get_model_info", "/model_info"):
+        r.add_get(path, srv.get_model_info)
+    for path in ("/get_server_info", "/server_info"):
+        r.add_get(path, srv.get_server_info)
+    r.add_get("/v1/models", srv.list_models)
+    r.add_post("/v1/completions", srv.completions)
+    r.add_post("/v1/chat/completions", srv.chat_completions)
+    return app
+
+
+@dataclass
+class RunningServer:
+    """A started server: `url` to call, `engine` behind it, `close()` to stop both (in that order: requests in
+    flight are aborted, the listener closes, then the engine shuts down)."""
+
+    url: str
+    engine: Engine
+    runner: web.AppRunner
+    server: SGLangServer
+
+    async def close(self) -> None:
+        if self.server.status == "stopping":
+            return
+        self.server.status = "stopping"
+        with contextlib.suppress(Exception):
+            await self.engine.abort(abort_all=True)
+            if self.engine.paused:
+                await self.engine.resume()  # waiting requests were aborted; nothing left to hold
+        await self.runner.cleanup()
+        await self.engine.shutdown()
+
+    async def __aenter__(self) -> "RunningServer":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def start_server(model: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None, *,
+                       engine: Engine | None = None, served_model_name: str | None = None,
+                       **engine_kw: Any) -> RunningServer:
+    """Bind `host:port` (0 = an ephemeral port), start the engine, and return once the server is ready.
+
+    `engine_kw` go to `AsyncEngine(model, ...)` (device, dtype, max_total_tokens, max_running_requests,
+    weight_version, seed); pass `engine=` to serve an engine you built yourself. While the engine starts, the
+    port is already bound and /health answers 503, as SGLang's does.
+    """
+    if engine is None:
+        from areal_async.inference.engine import AsyncEngine
+
+        # loading a checkpoint takes seconds to minutes: keep the caller's event loop responsive meanwhile
+        engine = await asyncio.to_thread(AsyncEngine, model, **engine_kw)
+    app = build_app(engine, api_key=api_key, served_model_name=served_model_name)
+    srv = app[SERVER_KEY]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_port = runner.addresses[0][1]
+        url_host = f"[{host}]" if ":" in host else host
+        srv.url = f"http://{url_host}:{bound_port}"
+        await engine.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    srv.status = "ready"
+    log.info("serving %s at %s", model, srv.url)
+    return RunningServer(url=srv.url, engine=engine, runner=runner, server=srv)

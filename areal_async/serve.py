@@ -1,0 +1,81 @@
+"""`python -m areal_async.serve --model DIR`: the embedded SGLang-protocol inference server as a process.
+
+When the engine is ready the process prints one line to stdout,
+
+    areal_async server ready at http://127.0.0.1:30000
+
+(`READY_PREFIX` + URL, with the real port when --port 0 asked for an ephemeral one), so launchers can wait for it
+or parse the URL. SIGTERM and SIGINT stop it cleanly: in-flight requests are aborted, the listener closes and the
+engine shuts down. Exit status 0 after a clean stop, 1 when start-up fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+READY_PREFIX = "areal_async server ready at "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m areal_async.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF checkpoint directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint except /health*")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--max-total-tokens", type=int, default=65536, help="KV-cache budget in tokens")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--weight-version", default="0", help="reported as meta_info.weight_version until an update")
+    p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: the model path)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Run until SIGTERM/SIGINT."""
+    from areal_async.inference.server import start_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = await start_server(
+        args.model, args.host, args.port, args.api_key, served_model_name=args.served_model_name,
+        device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests, weight_version=str(args.weight_version), seed=args.seed)
+    try:
+        print(f"{READY_PREFIX}{server.url}", flush=True)
+        await stop.wait()
+        logging.getLogger(__name__).info("signal received; shutting down")
+    finally:
+        await server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    log = logging.getLogger(__name__)
+    try:
+        runner(serve(args))
+    except Exception as e:  # one readable line for the launcher's log; the traceback with --log-level debug
+        log.error("server failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

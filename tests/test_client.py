@@ -1,0 +1,675 @@
+"""InferenceClient against a stand-in SGLang app: wire format, retries, routing, failover, interruption logic.
+
+The stand-in (`FakeSGLang`) is not a model and not our server: it exists because a real server will not, on demand,
+answer 500 twice, die mid-request and come back on the same port, abort a request "from elsewhere" at a chosen
+token, or fail a weight update on one replica. It answers with SGLang 0.5.x's shapes and records what it received.
+Its "model" is arithmetic: token ids 4..29 stand for the letters a..z and the next token is the letter after the last
+input token (wrapping), so outputs are predictable and a resubmitted request continues seamlessly.
+The client against the real embedded server is tested in tests/test_client_server.py and tests/test_interruption.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from areal_async.inference.client import AdminError, InferenceClient, InferenceError, _find_stop, parse_weight_version
+from areal_async.inference.routing import Router
+from areal_async.types import SamplingParams
+
+FIRST, NUM = 4, 26  # token ids 4..29 are the letters a..z  # token ids 4..29 are the letters a..z
+
+
+def tok_text(t: int) -> str:
+    return chr(ord("a") + (t - FIRST) % NUM) if FIRST <= t < FIRST + NUM else f"<{t}>"
+
+
+def next_tok(t: int) -> int:
+    return FIRST + (t - FIRST + 1) % NUM if FIRST <= t < FIRST + NUM else FIRST
+
+
+def tok_logprob(t: int, version: str) -> float:
+    v = 0 if version == "default" else int(version)
+    return -0.01 * t - v
+
+
+class FakeSGLang:
+    def __init__(self, port: int = 0, *, token_delay: float = 0.0, version: str = "default"):
+        self.port = port
+        self.token_delay = token_delay
+        self.version = version
+        self.received: list[dict] = []  # /generate bodies in arrival order
+        self.auth: list[str | None] = []
+        self.fail_statuses: list[int] = []  # popped one per /generate: answer with this status instead
+        self.abort_after: list[int] = []  # popped one per /generate: abort after this many tokens
+        self.health_status = 200
+        self.update_ok = True
+        self.admin: list[tuple[str, dict]] = []
+        self.paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._inflight: dict[str, dict] = {}
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    async def wait_progress(self, n_requests: int, n_tokens: int) -> None:
+        """Until `n_requests` are in flight and each has made at least `n_tokens` tokens."""
+        for _ in range(5000):
+            made = [st["made"] for st in self._inflight.values()]
+            if len(made) >= n_requests and min(made) >= n_tokens:
+                return
+            await asyncio.sleep(0.002)
+        raise AssertionError("stand-in made no progress")
+
+    async def start(self) -> "FakeSGLang":
+        app = web.Application()
+        app.router.add_post("/generate", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/model_info", self._model_info)
+        app.router.add_post("/pause_generation", self._pause)
+        app.router.add_post("/continue_generation", self._continue)
+        app.router.add_post("/abort_request", self._abort)
+        app.router.add_post("/update_weights_from_disk", self._update)
+        app.router.add_post("/update_weight_version", self._update_version)
+        for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache"):
+            app.router.add_post(path, self._record_ok)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.05, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def kill(self) -> None:
+        """Drop every connection and stop listening, like a crashed process."""
+        for st in list(self._inflight.values()):
+            st["task"].cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._inflight.clear()
+
+    @staticmethod
+    def _json(obj, status: int = 200) -> web.Response:
+        return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.received.append(body)
+        self.auth.append(request.headers.get("Authorization"))
+        if self.fail_statuses:
+            status = self.fail_statuses.pop(0)
+            return self._json({"error": {"message": f"injected {status}"}}, status)
+        sp = body["sampling_params"]
+        if sp["max_new_tokens"] > 10_000:
+            return self._json({"error": {"message": "max_new_tokens is too large"}}, 400)
+        rid = body["rid"]
+        if rid in self._inflight:
+            return self._json({"error": {"message": f"rid {rid} in flight"}}, 400)
+        await self._resumed.wait()  # a request that arrives while paused waits, as in SGLang
+        st = {"aborted": False, "task": asyncio.current_task(), "made": 0}
+        self._inflight[rid] = st
+        try:
+            abort_at = self.abort_after.pop(0) if self.abort_after else None
+            ids = list(body["input_ids"])
+            out: list[int] = []
+            version = self.version
+            finish: dict = {"type": "length", "length": sp["max_new_tokens"]}
+            stops = sp.get("stop") or []
+            text = ""
+            while len(out) < sp["max_new_tokens"]:
+                await asyncio.sleep(self.token_delay)
+                if st["aborted"] or (abort_at is not None and len(out) >= abort_at):
+                    finish = {"type": "abort", "message": "Abort before prefill" if not out else "aborted",
+                              "status_code": None, "err_type": None}
+                    break
+                t = next_tok(ids[-1] if not out else out[-1])
+                out.append(t)
+                st["made"] = len(out)
+                text += tok_text(t)
+                if len(out) >= sp.get("min_new_tokens", 0):
+                    hit = next((s for s in stops if text.endswith(s)), None)  # own segment only, like SGLang
+                    if hit is not None:
+                        finish = {"type": "stop", "matched": hit}
+                        text = text[: -len(hit)]
+                        break
+            with_text = body.get("return_text_in_logprobs", False)
+            meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out),
+                    "cached_tokens": 0, "weight_version": version, "e2e_latency": 0.0,
+                    "output_token_logprobs": [[tok_logprob(t, version), t, tok_text(t) if with_text else None]
+                                              for t in out]}
+            return self._json({"text": text, "output_ids": out, "meta_info": meta})
+        finally:
+            self._inflight.pop(rid, None)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return self._json({"model_path": "fake", "tokenizer_path": "fake", "is_generation": True,
+                           "weight_version": self.version})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append(("pause", body))
+        self.paused = True
+        self._resumed.clear()
+        if body.get("mode", "abort") == "abort":
+            marked = set(self._inflight)
+            for st in self._inflight.values():
+                st["aborted"] = True
+            while marked & set(self._inflight):  # returns once the aborted requests have answered
+                await asyncio.sleep(0.001)
+        return self._json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: web.Request) -> web.Response:
+        self.admin.append(("continue", msgspec.json.decode(await request.read())))
+        self.paused = False
+        self._resumed.set()
+        return self._json({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append(("abort", body))
+        for rid, st in self._inflight.items():
+            if body.get("abort_all") or rid.startswith(body.get("rid", "")):
+                st["aborted"] = True
+        return web.Response(status=200)
+
+    async def _update(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append(("update", body))
+        if not self.update_ok:
+            return self._json({"success": False, "message": "cannot load", "num_paused_requests": 0}, 400)
+        self.version = body["weight_version"]
+        return self._json({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def _record_ok(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.admin.append((request.path, msgspec.json.decode(raw) if raw else {}))
+        return self._json({"success": True, "message": "ok"})
+
+    async def _update_version(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append(("version", body))
+        self.version = body["new_version"]
+        return self._json({"success": True, "message": "ok"})
+
+
+# ---- fixtures --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def fakes():
+    """Factory of started stand-in servers; all killed at the end."""
+    made: list[FakeSGLang] = []
+
+    async def make(n: int = 1, **kw) -> list[FakeSGLang]:
+        out = [await FakeSGLang(**kw).start() for _ in range(n)]
+        made.extend(out)
+        return out
+
+    yield make
+    for f in made:
+        await f.kill()
+
+
+def fast_client(urls: list[str], **kw) -> InferenceClient:
+    kw = {"backoff_s": 0.01, "probe_interval_s": 0.05, "unavailable_timeout_s": 10.0, **kw}
+    return InferenceClient(urls, **kw)
+
+
+PROMPT = [FIRST + 0, FIRST + 1]  # "ab": the stand-in continues c, d, e, ...
+
+
+def letters(ids: list[int]) -> str:
+    return "".join(tok_text(t) for t in ids)
+
+
+# ---- pure helpers ----------------------------------------------------------------------------------------------
+
+
+def test_parse_weight_version():
+    assert parse_weight_version("default") == 0
+    assert parse_weight_version("12") == 12
+    assert parse_weight_version(3) == 3
+    assert parse_weight_version(None) == 0
+    assert parse_weight_version("v2-exp") == 0  # documented: foreign labels read as 0
+
+
+def test_find_stop_places_match_on_completing_token():
+    texts = ["ab", "c", "de", "f"]
+    assert _find_stop(texts, ["cd"], 0) == (2, "cd", 2)  # 'd' arrives with token 2
+    assert _find_stop(texts, ["zz"], 0) is None
+    assert _find_stop(texts, ["f", "bc"], 0) == (1, "bc", 1)  # earliest completing token wins
+    assert _find_stop(texts, ["bc"], 3) is None  # min_new_tokens: too early to stop
+    assert _find_stop(["a", "b", "a", "b"], ["ab"], 3) == (3, "ab", 2)  # a later occurrence still counts
+
+
+def test_router_least_outstanding_and_sticky():
+    r = Router(["http://a", "http://b/"])
+    a, b = r.servers["http://a"], r.servers["http://b"]
+    a.outstanding = 3
+    assert r.pick() is b
+    b.outstanding = 5
+    assert r.pick() is a
+    assert r.pick("k1") is a and r.pick("k1") is a
+    a.outstanding = 100
+    assert r.pick("k1") is a  # sticky beats load while healthy
+    r.mark_down("http://a")
+    assert r.pick("k1") is b and r.session_server("k1") == "http://b"  # moves, and stays moved
+    r.mark_up("http://a")
+    assert r.pick("k1") is b
+    r.mark_down("http://b")
+    r.mark_down("http://a")
+    assert r.pick() is None
+    with pytest.raises(ValueError):
+        Router([])
+    with pytest.raises(ValueError):
+        Router(["http://a", "http://a/"])
+
+
+def test_client_module_does_not_import_torch():
+    code = ("import sys; import areal_async.inference.client, areal_async.inference.routing; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ---- wire format -----------------------------------------------------------------------------------------------
+
+
+async def test_payload_shape_auth_and_result(fakes):
+    (srv,) = await fakes(1, version="7")
+    async with fast_client([srv.url], api_key="sekret") as c:
+        res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=5, temperature=0.0), rid="r1",
+                                return_text=True)
+    body = srv.received[0]
+    assert set(body) == {"input_ids", "sampling_params", "return_logprob", "stream", "rid"}
+    assert body["return_logprob"] is True and body["stream"] is False and body["rid"] == "r1"
+    assert body["input_ids"] == PROMPT
+    assert body["sampling_params"]["max_new_tokens"] == 5 and body["sampling_params"]["temperature"] == 0.0
+    assert srv.auth[0] == "Bearer sekret"
+    assert letters(res.output_ids) == "cdefg" and res.text == "cdefg"
+    assert res.output_logprobs == [tok_logprob(t, "7") for t in res.output_ids]
+    assert res.output_versions == [7] * 5
+    assert res.finish_reason == "length" and res.num_interruptions == 0 and res.server == srv.url
+    assert res.input_ids == PROMPT
+
+
+async def test_stop_string_and_default_version(fakes):
+    (srv,) = await fakes(1)
+    async with fast_client([srv.url]) as c:
+        res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=20, stop=["ef"]), return_text=True)
+    assert letters(res.output_ids) == "cdef"  # stop token kept in ids, like SGLang
+    assert res.text == "cd" and res.finish_reason == "stop" and res.matched_stop == "ef"
+    assert res.output_versions == [0] * 4  # "default" is version 0
+    assert srv.received[0]["return_text_in_logprobs"] is True
+
+
+async def test_bad_input(fakes):
+    (srv,) = await fakes(1)
+    async with fast_client([srv.url]) as c:
+        with pytest.raises(InferenceError, match="max_new_tokens is too large") as ei:
+            await c.agenerate(PROMPT, SamplingParams(max_new_tokens=20_000))
+        assert ei.value.status == 400
+        assert len(srv.received) == 1  # never retried
+        with pytest.raises(ValueError):
+            await c.agenerate([], SamplingParams())
+        with pytest.raises(ValueError):
+            await c.agenerate(PROMPT, SamplingParams(n=2))
+        assert c.stats()["retries"] == 0
+
+
+# ---- retries, routing, failover --------------------------------------------------------------------------------
+
+
+async def test_retries_5xx_with_fresh_rids(fakes):
+    (srv,) = await fakes(1)
+    srv.fail_statuses = [500, 500]
+    async with fast_client([srv.url], max_retries=3) as c:
+        res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=3), rid="q")
+        assert letters(res.output_ids) == "cde"
+        assert c.stats()["retries"] == 2
+        assert [b["rid"] for b in srv.received] == ["q", "q-1", "q-2"]
+        srv.fail_statuses = [500] * 4  # max_retries=3: four attempts in all
+        with pytest.raises(InferenceError, match="failed after 4 attempts"):
+            await c.agenerate(PROMPT, SamplingParams(max_new_tokens=3), rid="z")
+        assert c.stats()["servers"][srv.url]["healthy"]  # a 500 is not a dead server
+
+
+async def test_least_outstanding_spreads_load(fakes):
+    a, b = await fakes(2, token_delay=0.002)
+    async with fast_client([a.url, b.url]) as c:
+        results = await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=20))
+                                         for _ in range(20)))
+        assert all(len(r.output_ids) == 20 for r in results)
+        n_a, n_b = len(a.received), len(b.received)
+        assert n_a + n_b == 20 and abs(n_a - n_b) <= 1
+        # with a busy server, new work goes to the idle one
+        busy = [asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=200))) for _ in range(2)]
+        await a.wait_progress(1, 1)
+        await b.wait_progress(1, 1)
+        before_a, before_b = len(a.received), len(b.received)
+        assert (before_a, before_b) == (n_a + 1, n_b + 1)
+        await asyncio.gather(*busy)
+
+
+async def test_sticky_sessions(fakes):
+    a, b = await fakes(2)
+    async with fast_client([a.url, b.url]) as c:
+        for key in ("s1", "s2", "s3", "s4"):
+            for _ in range(3):
+                await c.agenerate(PROMPT, SamplingParams(max_new_tokens=2), session_key=key)
+        pinned = {k: c.session_server(k) for k in ("s1", "s2", "s3", "s4")}
+        assert set(pinned.values()) == {a.url, b.url}  # keys are spread
+        for k, url in pinned.items():
+            res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=2), session_key=k)
+            assert res.server == url
+        assert len(a.received) + len(b.received) == 16
+        assert len(a.received) == 8  # 2 keys x 4 requests each
+
+
+async def test_killed_server_fails_over_and_returns(fakes):
+    a, b = await fakes(2, token_delay=0.005)
+    async with fast_client([a.url, b.url]) as c:
+        tasks = [asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=60))) for _ in range(8)]
+        await a.wait_progress(4, 1)
+        await b.wait_progress(4, 1)
+        port = a.port
+        await a.kill()
+        results = await asyncio.gather(*tasks)
+        assert all(len(r.output_ids) == 60 and r.finish_reason == "length" for r in results)
+        assert all(letters(r.output_ids)[:3] == "cde" for r in results)
+        st = c.stats()
+        assert st["failovers"] >= 4 and not st["servers"][a.url]["healthy"]
+        assert {r.server for r in results} == {b.url}
+        # while a is down everything goes to b
+        n_b = len(b.received)
+        await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=2)) for _ in range(4)))
+        assert len(b.received) == n_b + 4
+        # restart on the same port: the background probe puts it back
+        a2 = await fakes(1, port=port)
+        for _ in range(200):
+            if c.stats()["servers"][a.url]["healthy"]:
+                break
+            await asyncio.sleep(0.02)
+        assert c.stats()["servers"][a.url]["healthy"]
+        await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=2)) for _ in range(4)))
+        assert len(a2[0].received) >= 1
+
+
+async def test_all_down_waits_then_recovers_or_raises(fakes):
+    (a,) = await fakes(1)
+    port = a.port
+    await a.kill()
+    async with fast_client([a.url], unavailable_timeout_s=10.0) as c:
+        task = asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=3)))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        (a2,) = await fakes(1, port=port)
+        res = await task
+        assert letters(res.output_ids) == "cde"
+    async with fast_client([a.url], unavailable_timeout_s=0.3) as c:
+        await a2.kill()
+        with pytest.raises(InferenceError, match="no healthy inference server"):
+            await c.agenerate(PROMPT, SamplingParams(max_new_tokens=3))
+
+
+async def test_503_takes_server_out(fakes):
+    a, b = await fakes(2)
+    a.health_status = 503
+    a.fail_statuses = [503]
+    async with fast_client([a.url, b.url]) as c:
+        res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=2))
+        assert res.server == b.url and c.stats()["failovers"] == 1
+        assert not c.stats()["servers"][a.url]["healthy"]
+        assert await c.health() == {a.url: False, b.url: True}
+        a.health_status = 200
+        for _ in range(200):
+            if c.stats()["servers"][a.url]["healthy"]:
+                break
+            await asyncio.sleep(0.02)
+        assert c.stats()["servers"][a.url]["healthy"]
+
+
+# ---- interruption logic (the real-server version is tests/test_interruption.py) --------------------------------
+
+
+async def test_pause_resume_resubmits_with_new_version(fakes):
+    (srv,) = await fakes(1, token_delay=0.002)
+    async with fast_client([srv.url]) as c:
+        tasks = [asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=100, min_new_tokens=90),
+                                                 rid=f"g{i}")) for i in range(4)]
+        await srv.wait_progress(4, 5)
+        await c.pause()
+        assert c.paused
+        await asyncio.sleep(0.05)  # interrupted requests wait for resume, they do not resubmit
+        assert len(srv.received) == 4
+        await c.update_weights_from_disk("/ckpt/v1", 1)
+        await c.resume()
+        results = await asyncio.gather(*tasks)
+    for i, r in enumerate(results):
+        assert len(r.output_ids) == 100 and r.finish_reason == "length" and r.num_interruptions == 1
+        expect = [FIRST + (2 + k) % NUM for k in range(100)]
+        assert r.output_ids == expect  # seamless
+        cut = r.output_versions.index(1)
+        assert 0 < cut < 100 and r.output_versions == [0] * cut + [1] * (100 - cut)
+        assert r.output_logprobs == [tok_logprob(t, "0" if k < cut else "1") for k, t in enumerate(r.output_ids)]
+    resub = [b for b in srv.received[4:]]
+    assert len(resub) == 4
+    for b in resub:
+        i = int(b["rid"].split("-")[0][1:])
+        done = len(b["input_ids"]) - len(PROMPT)
+        assert b["rid"] == f"g{i}-1" and b["sampling_params"]["max_new_tokens"] == 100 - done
+        assert b["sampling_params"]["min_new_tokens"] == max(0, 90 - done)
+    assert ("update", {"model_path": "/ckpt/v1", "weight_version": "1", "abort_all_requests": False,
+                       "flush_cache": True}) in srv.admin
+    assert c.stats()["interruptions"] == 4
+
+
+async def test_abort_from_elsewhere_is_resubmitted(fakes):
+    (srv,) = await fakes(1)
+    srv.abort_after = [5, 0, 3]  # three aborts, one of them before any token
+    async with fast_client([srv.url]) as c:
+        res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=30))
+        assert res.output_ids == [FIRST + (2 + k) % NUM for k in range(30)]
+        assert res.num_interruptions == 3 and res.finish_reason == "length"
+        srv.abort_after = [0] * 10  # aborted again and again with nothing made: give up with "abort"
+        res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=30))
+        assert res.finish_reason == "abort" and res.output_ids == []
+
+
+async def test_stop_string_across_resubmission_boundary(fakes):
+    (srv,) = await fakes(1)
+    srv.abort_after = [3]  # first segment "cde" aborted; stop string "efg" spans the boundary
+    async with fast_client([srv.url]) as c:
+        res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=40, stop=["efg"]), return_text=True)
+    assert letters(res.output_ids) == "cdefg"
+    assert res.finish_reason == "stop" and res.matched_stop == "efg" and res.text == "cd"
+    assert res.num_interruptions == 1
+    assert len(res.output_logprobs) == len(res.output_versions) == 5
+
+
+async def test_client_abort_ends_request(fakes):
+    (srv,) = await fakes(1, token_delay=0.002)
+    async with fast_client([srv.url]) as c:
+        task = asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=5000), rid="victim"))
+        await srv.wait_progress(1, 1)
+        out = await c.abort("victim")
+        assert out == {srv.url: None}
+        res = await task
+    assert res.finish_reason == "abort" and 0 < len(res.output_ids) < 5000 and res.num_interruptions == 0
+    assert res.output_ids == [FIRST + (2 + k) % NUM for k in range(len(res.output_ids))]
+
+
+async def test_cancelled_request_is_aborted_on_server(fakes):
+    (srv,) = await fakes(1, token_delay=0.002)
+    async with fast_client([srv.url]) as c:
+        task = asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=5000), rid="gone"))
+        await srv.wait_progress(1, 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if srv.num_inflight == 0:
+                break
+            await asyncio.sleep(0.01)
+    assert ("abort", {"rid": "gone", "abort_all": False}) in srv.admin
+    assert srv.num_inflight == 0
+
+
+# ---- admin fan-out ---------------------------------------------------------------------------------------------
+
+
+async def test_update_failure_is_aggregated(fakes):
+    a, b = await fakes(2)
+    b.update_ok = False
+    async with fast_client([a.url, b.url]) as c:
+        with pytest.raises(AdminError) as ei:
+            await c.update_weights_from_disk("/ckpt/v3", 3)
+        assert ei.value.results[a.url]["success"] is True
+        assert isinstance(ei.value.results[b.url], InferenceError) and "cannot load" in str(ei.value.results[b.url])
+        info = await c.model_info()
+        assert info[a.url]["weight_version"] == "3" and info[b.url]["weight_version"] == "default"
+        await c.update_weight_version(4)
+        assert {u: r["weight_version"] for u, r in (await c.model_info()).items()} == {a.url: "4", b.url: "4"}
+        res = await c.pause(mode="in_place")
+        assert set(res) == {a.url, b.url} and all(r["status"] == "ok" for r in res.values())
+        await c.resume()
+        assert not c.paused
+
+
+async def test_distributed_update_payloads(fakes):
+    a, b = await fakes(2)
+    async with fast_client([a.url, b.url]) as c:
+        await c.init_weights_update_group("10.0.0.1", 29555, ranks_per_server=[2, 1], backend="gloo")
+        await c.update_weights_from_distributed(["w"], ["float32"], [[2, 3]], 7)
+        await c.flush_cache()
+        with pytest.raises(ValueError):
+            await c.init_weights_update_group("10.0.0.1", 29555, ranks_per_server=[1])
+    init = {"master_address": "10.0.0.1", "master_port": 29555, "world_size": 4,
+            "group_name": "weight_update_group", "backend": "gloo"}
+    assert ("/init_weights_update_group", {**init, "rank_offset": 1}) in a.admin  # trainer is rank 0
+    assert ("/init_weights_update_group", {**init, "rank_offset": 3}) in b.admin  # after a's two ranks
+    upd = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2, 3]], "group_name": "weight_update_group",
+           "flush_cache": True, "abort_all_requests": False, "weight_version": "7"}
+    assert ("/update_weights_from_distributed", upd) in a.admin and ("/update_weights_from_distributed", upd) in b.admin
+    assert ("/flush_cache", {}) in a.admin
+
+
+async def test_restarted_server_catches_up_weights(fakes):
+    a, b = await fakes(2)
+    async with fast_client([a.url, b.url]) as c:
+        await c.update_weights_from_disk("/ckpt/v5", 5)
+        port = a.port
+        await a.kill()
+        assert (await c.health())[a.url] is False
+        (a2,) = await fakes(1, port=port)  # comes back with its launch weights
+        for _ in range(200):
+            if c.stats()["servers"][a.url]["healthy"]:
+                break
+            await asyncio.sleep(0.02)
+        assert c.stats()["servers"][a.url]["healthy"]
+        assert a2.version == "5" and ("update", {"model_path": "/ckpt/v5", "weight_version": "5",
+                                                 "abort_all_requests": False, "flush_cache": True}) in a2.admin
+
+
+async def test_closed_client_refuses(fakes):
+    (srv,) = await fakes(1)
+    c = fast_client([srv.url])
+    await c.agenerate(PROMPT, SamplingParams(max_new_tokens=1))
+    await c.close()
+    with pytest.raises(InferenceError, match="closed"):
+        await c.agenerate(PROMPT, SamplingParams(max_new_tokens=1))
+
+
+# ---- against the real embedded server --------------------------------------------------------------------------
+
+
+async def _wait_healthy(c: InferenceClient, url: str) -> None:
+    for _ in range(500):
+        if c.stats()["servers"][url]["healthy"]:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{url} never came back")
+
+
+@pytest.mark.timeout(120)
+async def test_real_server_greedy_and_many_concurrent(tiny_ckpt):
+    from areal_async.inference.server import start_server
+
+    prompt = [10, 11, 12, 13, 14]
+    async with await start_server(tiny_ckpt, port=0) as server, fast_client([server.url]) as c:
+        one = await c.agenerate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+                                return_text=True)
+        two = await c.agenerate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
+        assert one.output_ids == two.output_ids and len(one.output_ids) == 24
+        assert max(abs(a - b) for a, b in zip(one.output_logprobs, two.output_logprobs)) < 1e-4
+        assert all(lp <= 0 for lp in one.output_logprobs) and one.output_versions == [0] * 24
+        assert isinstance(one.text, str) and one.text
+        lengths = [8 + (7 * i) % 25 for i in range(64)]
+        results = await asyncio.gather(*(
+            c.agenerate([10 + i % 50, 11, 12], SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=1.0))
+            for i, n in enumerate(lengths)))
+        assert [len(r.output_ids) for r in results] == lengths
+        assert all(r.finish_reason == "length" and len(r.output_logprobs) == len(r.output_ids) for r in results)
+        assert c.stats()["tokens"] == 48 + sum(lengths) and c.stats()["retries"] == 0
+        # a request the server rejects: clear error, nothing retried
+        with pytest.raises(InferenceError) as ei:
+            await c.agenerate([10**9], SamplingParams(max_new_tokens=4))
+        assert ei.value.status == 400 and c.stats()["retries"] == 0
+
+
+@pytest.mark.timeout(120)
+async def test_real_servers_routing_and_failover(tiny_ckpt):
+    from areal_async.inference.server import start_server
+
+    a = await start_server(tiny_ckpt, port=0)
+    b = await start_server(tiny_ckpt, port=0)
+    restarted = None
+    try:
+        async with fast_client([a.url, b.url]) as c:
+            greedy = SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True)
+            prompts = [[10 + i, 20, 30 + i] for i in range(8)]
+            ref = await asyncio.gather(*(c.agenerate(p, greedy) for p in prompts))
+            st = c.stats()["servers"]
+            assert st[a.url]["requests"] == st[b.url]["requests"] == 4  # least outstanding: an even split
+            for key in ("alpha", "beta", "gamma"):
+                first = await c.agenerate(prompts[0], SamplingParams(max_new_tokens=2), session_key=key)
+                again = await c.agenerate(prompts[0], SamplingParams(max_new_tokens=2), session_key=key)
+                assert first.server == again.server == c.session_server(key)
+
+            # kill a with requests in flight: they fail over to b and still come out exactly as before
+            tasks = [asyncio.create_task(c.agenerate(p, greedy)) for p in prompts]
+            for _ in range(2000):  # until a's four are admitted: they cannot finish 300 tokens before the kill
+                if a.engine.num_running() == 4:
+                    break
+                await asyncio.sleep(0.005)
+            assert a.engine.num_running() == 4
+            port = int(a.url.rsplit(":", 1)[1])
+            await a.close()
+            results = await asyncio.gather(*tasks)
+            assert [r.output_ids for r in results] == [r.output_ids for r in ref]
+            assert c.stats()["failovers"] >= 1 and not c.stats()["servers"][a.url]["healthy"]
+            assert {r.server for r in results} == {b.url}
+
+            restarted = await start_server(tiny_ckpt, port=port)
+            await _wait_healthy(c, a.url)
+            more = await asyncio.gather(*(c.agenerate(p, SamplingParams(max_new_tokens=4)) for p in prompts))
+            assert {r.server for r in more} == {a.url, b.url}
+    finally:
+        for s in (a, b, restarted):
+            if s is not None:
+                await s.close()

@@ -1,0 +1,297 @@
+"""The controller's handle on the trainer ranks: connect to all of them, fan every call out, merge the answers.
+
+Torch-free (the controller may run without torch). Every trainer method is a collective, so every call goes to
+every rank and calls never overlap (one lock): the ranks then see the same calls in the same order. A train step
+splits the batch by prompt group (groups are never split, so group advantages stay rank-local), balanced across
+ranks by token count, and each rank receives only its own shard. The ranks reduce their statistics among
+themselves, so rank 0's stats are the global ones.
+
+Weight broadcast to inference servers (see train/broadcast.py for the trainer side) is driven from here too:
+`init_broadcast_group` and `broadcast_weights` take any object with the two InferenceClient fan-out methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any, Protocol, TypeVar
+
+from areal_async.rpc import RpcAuthError, RpcClient, RpcError
+from areal_async.train.messages import WeightPlan, WeightPlanRequest
+from areal_async.train.packing import balance_across_ranks
+from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequest, CheckpointResult, Empty,
+                               InitBroadcastRequest, PublishRequest, PublishResult, TrainerInfo, Trajectory,
+                               TrainStepRequest, TrainStepResult, pack_trajectories)
+
+__all__ = ["TrainerGroup", "TrainerError", "WeightReceivers", "split_by_rank", "validate_trajectories"]
+
+T = TypeVar("T")
+_ERROR_GRACE_S = 10.0  # after one rank fails, how long the others get to report their own error
+
+
+class TrainerError(RuntimeError):
+    """A trainer call failed; `rank` says where, `cause` is the RpcError / ConnectionError / TimeoutError."""
+
+    def __init__(self, method: str, rank: int, cause: BaseException) -> None:
+        what = f"{cause.remote_type}: {cause.remote_message}" if isinstance(cause, RpcError) else repr(cause)
+        super().__init__(f"trainer rank {rank}: {method} failed: {what}")
+        self.method = method
+        self.rank = rank
+        self.cause = cause
+
+    @property
+    def bad_input(self) -> bool:
+        """The trainer rejected the batch (nothing was trained): the caller's data is at fault."""
+        return isinstance(self.cause, RpcError) and self.cause.remote_type.endswith("BatchError")
+
+
+class WeightReceivers(Protocol):
+    """What broadcast needs of the inference side: `inference.client.InferenceClient` fits."""
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, *,
+                                        ranks_per_server: int | list[int] = 1, group_name: str = ...,
+                                        backend: str = ...) -> Any: ...
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              version: int, *, group_name: str = ..., flush_cache: bool = ...,
+                                              abort_all_requests: bool = ...) -> Any: ...
+
+
+def validate_trajectories(trajs: list[Trajectory]) -> None:
+    """Shape checks before anything is sent: a clear ValueError naming the trajectory, nothing trained."""
+    if not trajs:
+        raise ValueError("train_step needs at least one trajectory")
+    for i, t in enumerate(trajs):
+        n = len(t.input_ids)
+        if n < 2:
+            raise ValueError(f"trajectory {i}: needs at least 2 tokens, has {n}")
+        for field in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(t, field)) != n:
+                raise ValueError(f"trajectory {i}: len({field})={len(getattr(t, field))} != len(input_ids)={n}")
+        if t.loss_mask[0]:
+            raise ValueError(f"trajectory {i}: loss_mask[0] must be 0 (the first token has no context)")
+    if sum(t.response_len for t in trajs) == 0:
+        raise ValueError("no trajectory has a trainable token (loss_mask is all 0)")
+
+
+def split_by_rank(trajs: list[Trajectory], world_size: int) -> list[list[Trajectory]]:
+    """Whole prompt groups per rank, balanced by total tokens; within a rank, groups keep their batch order."""
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(trajs):
+        groups.setdefault(t.group_id, []).append(i)
+    members = list(groups.values())
+    tokens = [sum(len(trajs[i].input_ids) for i in m) for m in members]
+    return [[trajs[i] for g in rank_groups for i in members[g]]
+            for rank_groups in balance_across_ranks(tokens, world_size)]
+
+
+class TrainerGroup:
+    """Connected clients of all trainer ranks. Create with `await TrainerGroup.connect(...)`."""
+
+    def __init__(self, clients: list[RpcClient], infos: list[TrainerInfo]) -> None:
+        self.clients = clients
+        self.infos = infos
+        self._lock = asyncio.Lock()
+        self._broadcast_plan: dict[tuple[str, int], WeightPlan] = {}
+
+    @property
+    def world_size(self) -> int:
+        return len(self.clients)
+
+    @property
+    def version(self) -> int:
+        """The trainers' version as last reported (after connect, train_step or load_checkpoint)."""
+        return self.infos[0].version
+
+    # ---- connecting ----
+
+    @classmethod
+    async def connect(cls, run_dir: str, world_size: int, secret: bytes, timeout: float = 600.0) -> "TrainerGroup":
+        """Wait for every `{run_dir}/trainer/rank{r}.json`, connect and authenticate, and check each rank's
+        identity. `timeout` covers model loading on the ranks. A rank file left by an earlier job is retried
+        until the new one replaces it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        clients: list[RpcClient] = []
+        try:
+            for rank in range(world_size):
+                clients.append(await _connect_rank(run_dir, rank, world_size, secret, deadline))
+            infos = await asyncio.gather(*(c.call("info", Empty(), TrainerInfo, timeout=30.0) for c in clients))
+        except BaseException:
+            await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+            raise
+        for rank, info in enumerate(infos):
+            if info.rank != rank or info.world_size != world_size:
+                await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+                raise ConnectionError(f"{run_dir}: rank file {rank} leads to rank {info.rank} of {info.world_size}"
+                                      f" (expected {rank} of {world_size}); a stale job?")
+        return cls(clients, list(infos))
+
+    # ---- fan-out ----
+
+    async def _call(self, method: str, requests: list[Any] | Any, response_type: type[T], *,
+                    ranks: list[int] | None = None, timeout: float | None = None) -> list[T]:
+        """Call `method` on `ranks` (default all) concurrently; one request per rank or the same for all."""
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        reqs = requests if isinstance(requests, list) else [requests] * len(ranks)
+        tasks = [asyncio.ensure_future(self.clients[r].call(method, q, response_type, timeout=timeout))
+                 for r, q in zip(ranks, reqs)]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if pending:  # a rank failed: the others usually fail too (they agree on errors); give them a moment
+            _, pending = await asyncio.wait(pending, timeout=_ERROR_GRACE_S)
+            for t in pending:
+                t.cancel()
+        failures = [(r, t.exception()) for r, t in zip(ranks, tasks) if t.done() and not t.cancelled()
+                    and t.exception() is not None]
+        if failures:
+            # the rank that found the problem rather than one that only heard about it
+            primary = [f for f in failures if "another trainer rank" not in str(f[1])] or failures
+            rank, exc = primary[0]
+            raise TrainerError(method, rank, exc) from exc
+        return [t.result() for t in tasks]
+
+    async def info(self) -> list[TrainerInfo]:
+        self.infos = await self._call("info", Empty(), TrainerInfo, timeout=60.0)
+        return self.infos
+
+    async def train_step(self, trajectories: list[Trajectory], policy_version: int) -> TrainStepResult:
+        """One train step on the whole batch. `policy_version` is the trainers' current version (v); the result
+        carries v + 1 and the global stats. Raises ValueError for a malformed batch (nothing sent), TrainerError
+        if a rank fails (`.bad_input` when the trainers rejected the data)."""
+        validate_trajectories(trajectories)
+        shards = split_by_rank(trajectories, self.world_size)
+        total_resp = sum(t.response_len for t in trajectories)
+        batches = [TrainStepRequest(batch=pack_trajectories(s, policy_version, total_resp, len(trajectories)))
+                   for s in shards]
+        async with self._lock:
+            results = await self._call("train_step", batches, TrainStepResult)
+        versions = {r.version for r in results}
+        if len(versions) != 1:
+            raise RuntimeError(f"trainer ranks disagree on the version after the step: {sorted(versions)}")
+        for info in self.infos:
+            info.version = results[0].version
+        return results[0]
+
+    async def publish(self, version: int, root: str, keep: int = 2) -> PublishResult:
+        """Write `root/v<version>` as an HF checkpoint (atomic; older versions beyond `keep` removed)."""
+        async with self._lock:
+            results = await self._call("publish", PublishRequest(version=version, root=root, keep=keep),
+                                       PublishResult)
+        return results[0]
+
+    async def save_checkpoint(self, path: str) -> CheckpointResult:
+        async with self._lock:
+            return (await self._call("save_checkpoint", CheckpointRequest(path=path), CheckpointResult))[0]
+
+    async def load_checkpoint(self, path: str) -> CheckpointResult:
+        async with self._lock:
+            result = (await self._call("load_checkpoint", CheckpointRequest(path=path), CheckpointResult))[0]
+        for info in self.infos:
+            info.version = result.version
+        return result
+
+    # ---- weight broadcast ----
+
+    async def weight_plan(self, bucket_bytes: int = 256 << 20) -> WeightPlan:
+        """How `broadcast` will bucket the weights (asked of rank 0; no collective)."""
+        async with self._lock:
+            return (await self._call("weight_plan", WeightPlanRequest(bucket_bytes=bucket_bytes), WeightPlan,
+                                     ranks=[0]))[0]
+
+    async def init_broadcast(self, req: InitBroadcastRequest) -> None:
+        """Trainer side of the group (rank 0 joins; blocks until the servers join too)."""
+        async with self._lock:
+            await self._call("init_broadcast", req, Empty)
+
+    async def broadcast(self, req: BroadcastRequest) -> BroadcastResult:
+        """Trainer side of one weight broadcast (servers must be receiving concurrently)."""
+        async with self._lock:
+            return (await self._call("broadcast", req, BroadcastResult))[0]
+
+    async def init_broadcast_group(self, servers: WeightReceivers, master_address: str, master_port: int, *,
+                                   num_server_ranks: int, ranks_per_server: int | list[int] = 1,
+                                   group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+        """Trainer rank 0 and every server rank form one group: both sides' rendezvous run concurrently.
+        `master_address:master_port` must be reachable from the servers and free on trainer rank 0's host."""
+        req = InitBroadcastRequest(master_address=master_address, master_port=master_port,
+                                   world_size=1 + num_server_ranks, group_name=group_name, backend=backend)
+        await _both(self.init_broadcast(req),
+                    servers.init_weights_update_group(master_address, master_port, ranks_per_server=ranks_per_server,
+                                                      group_name=group_name, backend=backend))
+
+    async def broadcast_weights(self, servers: WeightReceivers, version: int, *,
+                                group_name: str = "weight_update_group", bucket_bytes: int = 256 << 20,
+                                flush_cache: bool = True) -> BroadcastResult:
+        """Send the current weights to every server as `version`: one trainer broadcast, and per bucket one
+        /update_weights_from_distributed fan-out, in the order the trainer sends them."""
+        plan = self._broadcast_plan.get((group_name, bucket_bytes))
+        if plan is None:  # the layout never changes: ask once per (group, bucket size)
+            plan = self._broadcast_plan[(group_name, bucket_bytes)] = await self.weight_plan(bucket_bytes)
+
+        async def receive() -> None:
+            for spec in plan.buckets:
+                await servers.update_weights_from_distributed(spec.names, spec.dtypes, spec.shapes, version,
+                                                              group_name=group_name, flush_cache=flush_cache)
+
+        req = BroadcastRequest(version=version, group_name=group_name, bucket_bytes=bucket_bytes)
+        result, _ = await _both(self.broadcast(req), receive())
+        if result.buckets != plan.buckets:
+            raise RuntimeError("the trainer broadcast a different weight layout than it announced")
+        return result
+
+    # ---- lifecycle ----
+
+    async def shutdown(self) -> None:
+        """Ask every rank to exit (after any call in progress), then close the connections."""
+        async with self._lock:
+            try:
+                await self._call("shutdown", Empty(), Empty, timeout=120.0)
+            except TrainerError as e:
+                if not isinstance(e.cause, ConnectionError):
+                    raise
+            finally:
+                await self.close()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+    async def __aenter__(self) -> "TrainerGroup":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _both(a, b) -> tuple[Any, Any]:
+    """Run two awaitables concurrently; if either fails, cancel the other and raise."""
+    ta, tb = asyncio.ensure_future(a), asyncio.ensure_future(b)
+    done, pending = await asyncio.wait([ta, tb], return_when=asyncio.FIRST_EXCEPTION)
+    for t in done:
+        if t.exception() is not None:
+            for p in pending:
+                p.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            raise t.exception()
+    return ta.result(), tb.result()
+
+
+async def _connect_rank(run_dir: str, rank: int, world_size: int, secret: bytes, deadline: float) -> RpcClient:
+    loop = asyncio.get_running_loop()
+    path = os.path.join(run_dir, "trainer", f"rank{rank}.json")
+    last_error: BaseException | None = None
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise ConnectionError(f"trainer rank {rank} did not come up: {path}: {last_error or 'no rank file'}")
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+            if meta.get("world_size") != world_size:
+                raise ConnectionError(f"world_size {meta.get('world_size')} in the rank file, expected {world_size}")
+            return await RpcClient.connect(meta["address"], secret, timeout=min(remaining, 5.0))
+        except RpcAuthError:  # the rank is up and refused our secret: retrying will not help
+            raise
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, ConnectionError, OSError) as e:
+            last_error = e
+        await asyncio.sleep(min(0.2, max(deadline - loop.time(), 0)))

@@ -1,0 +1,284 @@
+"""One trainer rank: `torchrun --nproc_per_node N -m areal_async.train.worker --model DIR --run-dir DIR ...`.
+
+Each rank loads its FSDP2 shard of the model (train/engine.py), then serves the controller over our RPC channel
+(areal_async/rpc.py) and writes `{run_dir}/trainer/rank{r}.json` = {"address", "rank", "world_size", "pid"}
+(atomically, once listening). The controller (`TrainerGroup` in train/client.py) connects to every rank and sends
+each call to all of them; handlers that touch torch run in the RPC server's single worker thread, in arrival order,
+so the collectives of successive calls line up on every rank.
+
+The rank exits cleanly (barrier, destroy_process_group, rank file removed) on the `shutdown` RPC, on SIGTERM/SIGINT,
+when its parent (torchrun's agent) dies, or when the controller's connection has been gone for `--orphan-timeout`
+seconds, so an abandoned job does not linger. The RPC secret comes from the environment (AREAL_RPC_SECRET, hex),
+never the command line, where every user of the machine could read it.
+
+Devices: `TrainConfig.device` "auto" is this rank's CUDA device (LOCAL_RANK) with nccl, else CPU with gloo.
+Multi-node: use torchrun's own rendezvous (`--nnodes --rdzv-backend c10d --rdzv-endpoint ...` in
+`TrainConfig.torchrun_args`), a run dir on a filesystem every node and the controller share, and `--rpc-host` set to
+an address of this node the controller can reach (the default 127.0.0.1 only serves a controller on the same host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import msgspec
+
+from areal_async.config import ConfigError, TrainConfig, from_dict
+from areal_async.train.messages import WeightPlan, WeightPlanRequest
+from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequest, CheckpointResult, Empty,
+                               InitBroadcastRequest, PublishRequest, PublishResult, TrainerInfo, TrainStepRequest,
+                               TrainStepResult)
+
+log = logging.getLogger("areal_async.train.worker")
+
+SECRET_ENV = "AREAL_RPC_SECRET"
+_TEARDOWN_TIMEOUT_S = 30.0  # a barrier that has not completed by then means the other ranks are gone
+_STOP_GRACE_S = 60.0  # after an unrequested stop (signal, orphan), how long a running call may take to finish
+
+
+def rank_file(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "trainer", f"rank{rank}.json")
+
+
+def read_secret() -> bytes:
+    """The shared RPC secret from AREAL_RPC_SECRET (hex). Raises ValueError with what is wrong."""
+    raw = os.environ.get(SECRET_ENV)
+    if not raw:
+        raise ValueError(f"{SECRET_ENV} is not set: the controller passes the RPC secret (hex) in the environment")
+    try:
+        secret = bytes.fromhex(raw.strip())
+    except ValueError:
+        raise ValueError(f"{SECRET_ENV} is not valid hex") from None
+    if len(secret) < 16:
+        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes (32 hex digits), got {len(secret)}")
+    return secret
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m areal_async.train.worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF checkpoint directory of the initial policy")
+    p.add_argument("--run-dir", required=True, help="rank files go to RUN_DIR/trainer/")
+    p.add_argument("--config-json", default="{}", help="TrainConfig as JSON (omitted keys take their defaults)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--resume", default=None, help="a checkpoint directory written by save_checkpoint")
+    p.add_argument("--rpc-host", default="127.0.0.1", help="interface the RPC server listens on")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of the rollouts: logprobs are computed at the same temperature")
+    p.add_argument("--orphan-timeout", type=float, default=120.0,
+                   help="exit when the controller has been disconnected this many seconds")
+    p.add_argument("--connect-timeout", type=float, default=3600.0,
+                   help="exit when no controller has connected this many seconds after start")
+    p.add_argument("--broadcast-timeout", type=float, default=600.0,
+                   help="timeout of collectives in the weight-broadcast group")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def _write_atomic(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class TrainerService:
+    """The RPC methods of one rank (names in train/messages.py METHODS)."""
+
+    def __init__(self, engine, server) -> None:
+        self.engine = engine
+        self.server = server
+
+    def register(self) -> None:
+        s = self.server
+        s.register("info", self.info, Empty)  # on the loop: answers even while a step runs
+        s.register("train_step", self.train_step, TrainStepRequest, blocking=True)
+        s.register("publish", self.publish, PublishRequest, blocking=True)
+        s.register("save_checkpoint", self.save_checkpoint, CheckpointRequest, blocking=True)
+        s.register("load_checkpoint", self.load_checkpoint, CheckpointRequest, blocking=True)
+        s.register("weight_plan", self.weight_plan, WeightPlanRequest, blocking=True)
+        s.register("init_broadcast", self.init_broadcast, InitBroadcastRequest, blocking=True)
+        s.register("broadcast", self.broadcast, BroadcastRequest, blocking=True)
+        s.register("shutdown", self.shutdown, Empty, blocking=True)
+
+    def info(self, _: Empty) -> TrainerInfo:
+        return self.engine.info()
+
+    def train_step(self, req: TrainStepRequest) -> TrainStepResult:
+        version, stats = self.engine.train_step(req.batch)
+        return TrainStepResult(version=version, stats=stats)
+
+    def publish(self, req: PublishRequest) -> PublishResult:
+        return self.engine.publish(req.root, req.version, req.keep)
+
+    def save_checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
+        seconds = self.engine.save_checkpoint(req.path)
+        return CheckpointResult(path=os.path.abspath(req.path), version=self.engine.version, seconds=seconds)
+
+    def load_checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
+        seconds = self.engine.load_checkpoint(req.path)
+        return CheckpointResult(path=os.path.abspath(req.path), version=self.engine.version, seconds=seconds)
+
+    def weight_plan(self, req: WeightPlanRequest) -> WeightPlan:
+        from areal_async.train.broadcast import spec_bytes
+
+        buckets = self.engine.weight_plan(req.bucket_bytes)
+        return WeightPlan(buckets=buckets, num_bytes=sum(spec_bytes(b) for b in buckets))
+
+    def init_broadcast(self, req: InitBroadcastRequest) -> Empty:
+        self.engine.init_broadcast(req)
+        return Empty()
+
+    def broadcast(self, req: BroadcastRequest) -> BroadcastResult:
+        return self.engine.broadcast(req)
+
+    def shutdown(self, _: Empty) -> Empty:
+        self.server.request_stop()  # serve_forever returns once this reply is sent
+        return Empty()
+
+
+def _num_clients(server) -> int:
+    """Authenticated connections. rpc.RpcServer has no public count yet, so this reads its session set."""
+    count = getattr(server, "num_clients", None)
+    if count is not None:
+        return count() if callable(count) else int(count)
+    return sum(1 for s in getattr(server, "_sessions", ()) if getattr(s, "authed", False))
+
+
+async def _watchdog(server, args: argparse.Namespace, parent: int, stop) -> None:
+    """Stop when the parent (pid `parent`, noted at start-up: it may have died while the model loaded) is gone, or
+    the controller is: no orphaned trainers."""
+    started = last_seen = time.monotonic()
+    ever_connected = False
+    while True:
+        now = time.monotonic()
+        if os.getppid() != parent:
+            stop(f"parent process {parent} exited", 1)
+            return
+        if _num_clients(server) > 0:
+            ever_connected, last_seen = True, now
+        elif ever_connected and now - last_seen > args.orphan_timeout:
+            stop(f"the controller has been disconnected for {args.orphan_timeout:.0f}s", 1)
+            return
+        elif not ever_connected and now - started > args.connect_timeout:
+            stop(f"no controller connected within {args.connect_timeout:.0f}s", 1)
+            return
+        await asyncio.sleep(1.0)
+
+
+async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -> int:
+    """Serve until stopped; returns the exit code: 0 after `shutdown` or a signal, 1 when orphaned."""
+    from areal_async.rpc import RpcServer
+
+    server = RpcServer(secret, name=f"trainer-rank{engine.rank}")
+    service = TrainerService(engine, server)
+    service.register()
+    loop = asyncio.get_running_loop()
+
+    exit_code = 0
+    deadlines: list[threading.Timer] = []
+
+    def stop(reason: str, code: int = 0) -> None:
+        nonlocal exit_code
+        exit_code = max(exit_code, code)
+        log.warning("stopping: %s", reason)
+        server.request_stop()
+        # a call stuck in a collective (another rank died) would keep serve_forever waiting forever
+        timer = threading.Timer(_STOP_GRACE_S, lambda: (log.error("still busy %.0fs after the stop; exiting",
+                                                                  _STOP_GRACE_S), os._exit(1)))
+        timer.daemon = True
+        timer.start()
+        deadlines.append(timer)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop, f"signal {signal.Signals(sig).name}")
+    address = await server.start_tcp(args.rpc_host, 0)
+    path = rank_file(args.run_dir, engine.rank)
+    _write_atomic(path, {"address": address, "rank": engine.rank, "world_size": engine.world_size,
+                         "pid": os.getpid()})
+    log.info("rank %d/%d serving on %s (model %s, device %s)", engine.rank, engine.world_size, address,
+             args.model, engine.device)
+    watchdog = loop.create_task(_watchdog(server, args, parent, stop))
+    try:
+        await server.serve_forever()
+    finally:
+        for timer in deadlines:
+            timer.cancel()
+        watchdog.cancel()
+        engine.close_broadcast()
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    return exit_code
+
+
+def _teardown(engine) -> None:
+    """Barrier, then destroy the process group, bounded: ranks that are gone must not keep us alive."""
+    import torch.distributed as dist
+
+    def run() -> None:
+        try:
+            engine.bind_device()
+            if dist.get_world_size() > 1:
+                dist.barrier()
+            dist.destroy_process_group()
+        except Exception as e:  # peers already gone
+            log.warning("process-group teardown: %s", e)
+
+    t = threading.Thread(target=run, name="teardown", daemon=True)
+    t.start()
+    t.join(_TEARDOWN_TIMEOUT_S)
+    if t.is_alive():
+        log.error("teardown barrier did not complete in %.0fs; exiting without it", _TEARDOWN_TIMEOUT_S)
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parent = os.getppid()
+    args = _parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s trainer[{rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        secret = read_secret()
+        cfg = from_dict(json.loads(args.config_json), TrainConfig)
+    except (ValueError, ConfigError, msgspec.ValidationError) as e:  # json.JSONDecodeError is a ValueError
+        log.error("bad arguments: %s", e)
+        return 2
+
+    from areal_async.train.engine import TrainEngine, init_distributed
+
+    device = init_distributed(cfg.device)
+    if device.type == "cpu":
+        import torch
+
+        torch.set_num_threads(cfg.torch_threads)  # ranks share the host's cores
+    engine = TrainEngine(args.model, cfg, seed=args.seed, temperature=args.temperature, device=device,
+                         broadcast_timeout_s=args.broadcast_timeout)
+    if args.resume:
+        engine.load_checkpoint(args.resume)
+        log.info("resumed from %s at version %d", args.resume, engine.version)
+    code = asyncio.run(_serve(engine, args, secret, parent))
+    _teardown(engine)
+    return code
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    # Everything is flushed, closed and torn down by now; skip the interpreter's own finalisation, which after a
+    # torch.distributed job spends seconds in C++ destructors and would only delay torchrun and the controller.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

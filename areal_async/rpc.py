@@ -567,6 +567,11 @@ class RpcServer:
         await self._stopped.wait()
         await self.close()
 
+    @property
+    def num_clients(self) -> int:
+        """Authenticated connections right now (a trainer uses it to notice that its controller is gone)."""
+        return sum(1 for s in self._sessions if s.authed)
+
     def request_stop(self) -> None:
         """Ask serve_forever to return once the replies of the calls in flight (e.g. "shutdown") are sent.
 

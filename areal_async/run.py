@@ -69,7 +69,7 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
     import msgspec
 
     from areal_async.inference.client import InferenceClient
-    from areal_async.launcher import Launcher
+    from areal_async.launcher import Launcher, free_port
     from areal_async.metrics import MetricsLogger, plot_run
     from areal_async.rewards.runner import RewardRunner
     from areal_async.rollout.controller import AsyncRLController, RunState, ScheduleConfig, load_state, save_state
@@ -126,7 +126,7 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             model=model_path, nproc=train_cfg.nproc, config_json=msgspec.json.encode(train_cfg).decode(),
             seed=cfg.seed, secret_hex=secret.hex(), torch_threads=train_cfg.torch_threads,
             resume=os.path.join(resumed[1], "trainer") if resumed else None, torchrun_args=train_cfg.torchrun_args,
-            cuda_visible_devices=train_cfg.cuda_visible_devices)
+            cuda_visible_devices=train_cfg.cuda_visible_devices, temperature=cfg.rollout.temperature)
         if srv.backend != "external":
             await _race(launcher.wait_healthy(started, srv.startup_timeout_s, srv.api_key), launcher.watch())
         client = InferenceClient(urls, api_key=srv.api_key)
@@ -145,6 +145,11 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             pub = await trainers.publish(state.version, os.path.join(run_dir, "weights"), train_cfg.keep_versions)
             await client.update_weights_from_disk(pub.path, state.version)
 
+        if train_cfg.weight_sync == "broadcast":
+            info = (await trainers.info())[0]
+            backend = "nccl" if info.device.startswith("cuda") else "gloo"
+            await trainers.init_broadcast_group(client, srv.host if srv.backend != "external" else _my_address(),
+                                                free_port(), num_server_ranks=len(urls), backend=backend)
         workflow = build_workflow(cfg, tokenizer, score)
 
         async def evaluator() -> dict[str, float]:
@@ -156,16 +161,17 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             interruptible=cfg.rollout.interruptible, max_concurrent_groups=cfg.rollout.max_concurrent_groups,
             filter_uniform_reward=cfg.rollout.filter_uniform_reward, eval_every=cfg.eval.every_steps,
             checkpoint_every=cfg.train.checkpoint_every, keep_versions=train_cfg.keep_versions,
-            max_wall_s=cfg.max_wall_s)
+            max_wall_s=cfg.max_wall_s, weight_sync=train_cfg.weight_sync)
         ctrl = AsyncRLController(sched, client, trainers, workflow, SampleStream(train_samples, seed=cfg.seed),
                                  run_dir, evaluator=evaluator if eval_samples else None, logger=logger, state=state)
         state = await _race(ctrl.run(), launcher.watch())
         await _race(ctrl.save_checkpoint(), launcher.watch())
         final_dir = os.path.join(run_dir, "final")
-        if ctrl.latest_weights:
+        final_src = await _race(ctrl.publish_final(), launcher.watch())
+        if final_src:
             if os.path.isdir(final_dir):
                 shutil.rmtree(final_dir)
-            shutil.copytree(ctrl.latest_weights, final_dir)
+            shutil.copytree(final_src, final_dir)
         summary = {
             "mode": cfg.rollout.mode,
             "eta": cfg.rollout.effective_eta,
@@ -181,7 +187,7 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             "rollout": ctrl.rollout.stats.__dict__,
             "timings": ctrl.timings,
             "evals": ctrl.evals,
-            "final_checkpoint": final_dir if ctrl.latest_weights else None,
+            "final_checkpoint": final_dir if final_src else None,
             "model": model_path,
         }
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -221,6 +227,13 @@ async def _race(main, watcher):
         for t in (main_t, watch_t):
             t.cancel()
         await asyncio.gather(main_t, watch_t, return_exceptions=True)
+
+
+def _my_address() -> str:
+    """An address of this host that external servers can reach (for the broadcast rendezvous)."""
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
 
 
 def print_summary(s: dict[str, Any]) -> None:

@@ -103,15 +103,17 @@ def test_resume_continues_version_and_data_position(async_run, tiny_ckpt):
 
 
 def test_sync_mode_never_trains_stale_tokens(tiny_ckpt, tmp_path):
+    """Also the broadcast weight path: trainer rank 0 -> the server over torch.distributed (gloo here)."""
     run_dir = str(tmp_path / "sync")
     p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=sync", "total_steps=3",
-                 "eval.every_steps=0", *COMMON])
+                 "eval.every_steps=0", "train.weight_sync=broadcast", *COMMON])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     train = records(run_dir, "train")
     assert len(train) == 3
     assert all(r["staleness_max"] == 0 and r["multi_version_frac"] == 0 for r in train)
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["eta"] == 0
+    assert os.path.exists(os.path.join(run_dir, "final", "model.safetensors"))  # published at the end
 
 
 def test_crashed_trainer_ends_the_run_cleanly(tiny_ckpt, tmp_path):

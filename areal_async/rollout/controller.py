@@ -49,6 +49,9 @@ class Trainer(Protocol):
 
     async def save_checkpoint(self, path: str) -> CheckpointResult: ...
 
+    # only for weight_sync="broadcast": send the weights straight to the servers (see train/client.py)
+    async def broadcast_weights(self, servers: Any, version: int) -> Any: ...
+
 
 class InferenceAdmin(Generator, Protocol):
     async def pause(self, mode: str = "abort") -> Any: ...
@@ -72,6 +75,7 @@ class ScheduleConfig:
     checkpoint_every: int = 0
     keep_versions: int = 2
     max_wall_s: float | None = None
+    weight_sync: str = "disk"  # "disk": publish an HF checkpoint and load it; "broadcast": torch.distributed
 
 
 @dataclass
@@ -189,21 +193,42 @@ class AsyncRLController:
         self._log("train", st.version, record)
 
     async def _sync_weights(self, version: int) -> None:
-        """Publish version `version` from the trainer and make every server serve it."""
+        """Make every server serve the trainer's weights as `version`.
+
+        disk: the trainer publishes an HF checkpoint (while generation goes on), then the servers load it.
+        broadcast: the servers receive the tensors from trainer rank 0 over torch.distributed.
+        Interruptible: the load happens between pause(abort) and continue; otherwise the servers finish their
+        in-flight requests under the old weights first.
+        """
         t0 = time.monotonic()
-        pub = await self.trainer.publish(version, os.path.join(self.run_dir, "weights"), self.cfg.keep_versions)
+        if self.cfg.weight_sync == "disk":
+            pub = await self.trainer.publish(version, os.path.join(self.run_dir, "weights"), self.cfg.keep_versions)
+            self.latest_weights = pub.path
+
+            async def load() -> None:
+                await self.client.update_weights_from_disk(pub.path, version)
+        else:
+            async def load() -> None:
+                await self.trainer.broadcast_weights(self.client, version)
         t1 = time.monotonic()
         if self.cfg.interruptible:
             await self.client.pause("abort")
             try:
-                await self.client.update_weights_from_disk(pub.path, version)
+                await load()
             finally:
                 await self.client.resume()
-        else:  # servers finish their in-flight requests under the old weights, then load
-            await self.client.update_weights_from_disk(pub.path, version)
+        else:
+            await load()
         self.timings["publish_s"] += t1 - t0
         self.timings["weight_load_s"] += time.monotonic() - t1
-        self.latest_weights = pub.path
+
+    async def publish_final(self) -> str | None:
+        """An HF checkpoint of the current weights (already there with disk sync; written now with broadcast)."""
+        if self.latest_weights is None and self.state.version > 0:
+            pub = await self.trainer.publish(self.state.version, os.path.join(self.run_dir, "weights"),
+                                             self.cfg.keep_versions)
+            self.latest_weights = pub.path
+        return self.latest_weights
 
     async def _evaluate(self) -> dict[str, float]:
         assert self.evaluator is not None

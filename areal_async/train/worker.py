@@ -148,11 +148,8 @@ class TrainerService:
 
 
 def _num_clients(server) -> int:
-    """Authenticated connections. rpc.RpcServer has no public count yet, so this reads its session set."""
-    count = getattr(server, "num_clients", None)
-    if count is not None:
-        return count() if callable(count) else int(count)
-    return sum(1 for s in getattr(server, "_sessions", ()) if getattr(s, "authed", False))
+    """Authenticated connections to this rank's RPC server."""
+    return server.num_clients
 
 
 async def _watchdog(server, args: argparse.Namespace, parent: int, stop) -> None:

@@ -172,6 +172,7 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             if os.path.isdir(final_dir):
                 shutil.rmtree(final_dir)
             shutil.copytree(final_src, final_dir)
+        server_busy = await _server_busy_s(urls, srv.api_key)
         summary = {
             "mode": cfg.rollout.mode,
             "eta": cfg.rollout.effective_eta,
@@ -186,6 +187,7 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             "staleness_hist": state.staleness_hist,
             "rollout": ctrl.rollout.stats.__dict__,
             "timings": ctrl.timings,
+            "server_busy_s": server_busy,  # summed over servers; divide by wall_s * num_servers for a fraction
             "evals": ctrl.evals,
             "final_checkpoint": final_dir if final_src else None,
             "model": model_path,
@@ -227,6 +229,25 @@ async def _race(main, watcher):
         for t in (main_t, watch_t):
             t.cancel()
         await asyncio.gather(main_t, watch_t, return_exceptions=True)
+
+
+async def _server_busy_s(urls: list[str], api_key: str | None) -> float | None:
+    """Seconds the servers spent computing (the embedded engine reports `busy_s` in /server_info; others don't)."""
+    import aiohttp
+
+    total = 0.0
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            for url in urls:
+                async with session.get(url + "/server_info", headers=headers) as r:
+                    busy = (await r.json()).get("busy_s")
+                    if busy is None:
+                        return None
+                    total += float(busy)
+    except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
+        return None
+    return total
 
 
 def _my_address() -> str:

@@ -163,7 +163,8 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             checkpoint_every=cfg.train.checkpoint_every, keep_versions=train_cfg.keep_versions,
             max_wall_s=cfg.max_wall_s, weight_sync=train_cfg.weight_sync)
         ctrl = AsyncRLController(sched, client, trainers, workflow, SampleStream(train_samples, seed=cfg.seed),
-                                 run_dir, evaluator=evaluator if eval_samples else None, logger=logger, state=state)
+                                 run_dir, evaluator=evaluator if eval_samples else None, logger=logger, state=state,
+                                 busy_probe=lambda: _server_busy_s(urls, srv.api_key))
         state = await _race(ctrl.run(), launcher.watch())
         await _race(ctrl.save_checkpoint(), launcher.watch())
         final_dir = os.path.join(run_dir, "final")
@@ -172,7 +173,6 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             if os.path.isdir(final_dir):
                 shutil.rmtree(final_dir)
             shutil.copytree(final_src, final_dir)
-        server_busy = await _server_busy_s(urls, srv.api_key)
         summary = {
             "mode": cfg.rollout.mode,
             "eta": cfg.rollout.effective_eta,
@@ -187,7 +187,9 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             "staleness_hist": state.staleness_hist,
             "rollout": ctrl.rollout.stats.__dict__,
             "timings": ctrl.timings,
-            "server_busy_s": server_busy,  # summed over servers; divide by wall_s * num_servers for a fraction
+            # compute seconds summed over servers during the training loop (embedded servers report it)
+            "server_busy_s": ctrl.timings.get("server_busy_s"),
+            "num_servers": len(urls),
             "evals": ctrl.evals,
             "final_checkpoint": final_dir if final_src else None,
             "model": model_path,

@@ -59,7 +59,8 @@ def main() -> None:
             "wall_s": wall, "trained_samples": s["trained_samples"],
             "trained_samples_per_s": s["trained_samples"] / wall,
             "generated_tokens_per_s": s["rollout"]["generated_tokens"] / wall,
-            "server_busy_frac": s.get("server_busy_s", 0.0) / wall if s.get("server_busy_s") is not None else None,
+            "server_busy_frac": (s["server_busy_s"] / (wall * s.get("num_servers", 1))
+                                 if s.get("server_busy_s") is not None else None),
             "trainer_busy_frac": (t["train_s"] + t["publish_s"]) / wall,
             "base_accuracy": s["base_accuracy"], "final_accuracy": s["final_accuracy"],
             "max_staleness_seen": s["max_staleness_seen"], "staleness_hist": s["staleness_hist"],

@@ -99,7 +99,8 @@ class AsyncRLController:
     def __init__(self, cfg: ScheduleConfig, client: InferenceAdmin, trainer: Trainer, workflow: Workflow,
                  stream: SampleStream, run_dir: str, *, evaluator: Evaluator | None = None,
                  logger: Any = None, state: RunState | None = None,
-                 on_batch: Callable[[int, list[Trajectory]], None] | None = None) -> None:
+                 on_batch: Callable[[int, list[Trajectory]], None] | None = None,
+                 busy_probe: Callable[[], Awaitable[float | None]] | None = None) -> None:
         self.cfg = cfg
         self.client = client
         self.trainer = trainer
@@ -110,6 +111,7 @@ class AsyncRLController:
         self.logger = logger
         self.state = state or RunState()
         self.on_batch = on_batch  # called with every trained batch (tests assert on versions; users can log)
+        self.busy_probe = busy_probe  # the servers' cumulative compute seconds, read around the training loop
         self.buffer = StalenessBuffer(cfg.batch_size, cfg.eta, cfg.max_concurrent_groups)
         self.buffer.restore(self.state.version)
         self.stream.seek(self.state.data_position)
@@ -126,6 +128,7 @@ class AsyncRLController:
         if st.base_accuracy is None and self.evaluator is not None:
             ev = await self._evaluate()
             st.base_accuracy = ev["accuracy"]
+        busy0 = await self.busy_probe() if self.busy_probe else None
         t_start = time.monotonic() - st.wall_s
         self.rollout.start()
         try:
@@ -144,6 +147,9 @@ class AsyncRLController:
             await self.rollout.stop()
             await self.buffer.close()
         st.wall_s = time.monotonic() - t_start
+        busy1 = await self.busy_probe() if self.busy_probe else None
+        if busy0 is not None and busy1 is not None:
+            self.timings["server_busy_s"] = busy1 - busy0
         if self.evaluator is not None:
             await self._evaluate()
         return st

@@ -1,0 +1,502 @@
+"""The decoder of the Qwen2 / Qwen2.5 / Qwen3 / Llama dense family, written for continuous batching.
+
+One forward pass serves a whole engine step: the tokens of every scheduled request are concatenated into one flat
+batch `[N]` (no padding), so embeddings, projections and MLPs run as single matmuls over all requests. Only attention
+needs per-request structure; it reads keys and values from a paged KV cache (`KVCache`) and runs as one batched SDPA
+per *attention group*: requests padded to the same number of new tokens and keys (decode rows have one new token
+each; prefill chunks have many). Keeping decode rows apart means a long prefill chunk never pads them, and large
+decode batches are further split by cache length so one long request does not make every row attend over its
+length.
+
+The family differs in a few switches, all read from config.json (`ModelSpec.from_hf_config`): Qwen2 has a bias on
+q/k/v, Qwen3 RMS-normalises q and k per head before RoPE, Llama may have biases everywhere (`attention_bias`,
+`mlp_bias`), and any of them may tie the LM head to the embeddings. Numerics follow transformers' implementation
+(RMSNorm in fp32, RoPE tables computed in fp32 then cast, rotate-half layout), so fp32 logits agree to ~1e-5.
+
+Weights are stored fused (q|k|v and gate|up) for fewer, larger matmuls; `params` exposes every Hugging Face tensor
+name as a view into the fused storage, so loading a checkpoint is a `copy_` per name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# Hugging Face `architectures[0]` -> our family name.
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class StepInterrupted(Exception):
+    """Raised by `DecoderModel.forward` between layers when its `interrupt` callback says so."""
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's config asks for something this implementation does not do; the message names it."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything about the architecture that the forward pass and the weight shapes depend on."""
+
+    architecture: str  # the HF class name, e.g. "Qwen2ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope_theta: float
+    rope_type: str = "default"
+    rope_params: tuple[tuple[str, float], ...] = ()  # the scaling parameters of rope_type, sorted by key
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
+        """Parse a config.json dict; raises `UnsupportedModelError` naming whatever is not supported."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else f"<model_type {cfg.get('model_type')!r}>"
+        family = SUPPORTED_ARCHITECTURES.get(arch)
+        if family is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"{arch}: unsupported hidden_act {act!r} (only silu)")
+        if cfg.get("use_sliding_window"):
+            raise UnsupportedModelError(f"{arch}: sliding-window attention (use_sliding_window=true) is not supported")
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        theta, rope_type, rope_params = _parse_rope(cfg, arch)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
+            qk_norm=family == "qwen3",
+            rope_theta=theta,
+            rope_type=rope_type,
+            rope_params=rope_params,
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The Hugging Face tensor names this model is made of, with their shapes (the lm head only when untied)."""
+        h, i = self.hidden_size, self.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h),
+                                              "model.norm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        for layer in range(self.num_layers):
+            p = f"model.layers.{layer}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            for name, out in (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)):
+                shapes[p + f"self_attn.{name}.weight"] = (out, h)
+                if self.qkv_bias:
+                    shapes[p + f"self_attn.{name}.bias"] = (out,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+            if self.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+            for name, (o, n) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                shapes[p + f"mlp.{name}.weight"] = (o, n)
+                if self.mlp_bias:
+                    shapes[p + f"mlp.{name}.bias"] = (o,)
+        return shapes
+
+
+def _parse_rope(cfg: dict, arch: str) -> tuple[float, str, tuple[tuple[str, float], ...]]:
+    """RoPE base and scaling from either config layout: transformers 5 writes `rope_parameters` (theta inside),
+    older checkpoints write `rope_theta` plus an optional `rope_scaling` dict (`type` or `rope_type`)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{arch}: unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"{arch}: partial_rotary_factor != 1 is not supported")
+    keys = {"linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    picked = []
+    for key in keys.get(rope_type, ()):
+        if key not in params:
+            raise UnsupportedModelError(f"{arch}: rope scaling {rope_type!r} needs {key!r} in its parameters")
+        picked.append((key, float(params[key])))
+    return theta, rope_type, tuple(sorted(picked))
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, scaled per `spec.rope_type` exactly as transformers does."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    p = dict(spec.rope_params)
+    if spec.rope_type == "linear":
+        inv_freq = inv_freq / p["factor"]
+    elif spec.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        factor, old_len = p["factor"], p["original_max_position_embeddings"]
+        low, high = p["low_freq_factor"], p["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class KVCache:
+    """Paged key/value storage, preallocated for a token budget.
+
+    Per layer one tensor `[num_pages, page_size, 2 * num_kv_heads, head_dim]` holding k heads then v heads, so a
+    step stores its new keys and values with one `index_copy_` and reads a request's pages with one `index_select`.
+    Page 0 is never handed out: padded page-table entries point at it and the attention bias hides what they read.
+    """
+
+    def __init__(self, spec: ModelSpec, max_tokens: int, page_size: int, device: torch.device, dtype: torch.dtype):
+        self.page_size = page_size
+        self.num_pages = -(-max_tokens // page_size) + 1  # + the dummy page 0
+        self.kv = torch.zeros((spec.num_layers, self.num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim),
+                              device=device, dtype=dtype)
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+
+@dataclass
+class AttnGroup:
+    """Requests that share one padded attention call. Their new tokens are `flat[start:end]`, request-major."""
+
+    start: int
+    end: int
+    q_len: int  # padded number of new tokens per request (1 for decode)
+    page_idx: torch.Tensor  # [B * P] long: every request's pages in order, padded with page 0
+    bias: torch.Tensor  # [B, 1, q_len, P * page_size] additive mask: 0 where key j is visible to query i, else -inf
+    q_index: torch.Tensor | None = None  # [B * q_len] long: flat index of each padded query (q_len > 1)
+    valid: torch.Tensor | None = None  # [B * q_len] bool: which padded queries are real (q_len > 1)
+
+    @property
+    def batch(self) -> int:
+        return self.bias.shape[0]
+
+
+@dataclass
+class StepBatch:
+    """One forward pass: flat tokens, where their keys/values go, how they attend, which rows need logits."""
+
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long
+    write_slots: torch.Tensor  # [N] long: page * page_size + offset, where each token's k/v is stored
+    groups: list[AttnGroup]
+    logits_idx: torch.Tensor  # [M] long: flat rows whose next-token logits are wanted
+    num_tokens: int = 0
+
+
+# One request's part of a step: (new tokens, position of the first, its pages, its row in the page table).
+SeqChunk = tuple[list[int], int, list[int], int]
+
+
+def build_step_batch(seqs: list[SeqChunk], page_table: torch.Tensor, page_size: int, device: torch.device,
+                     logits_rows: list[list[int]], dtype: torch.dtype = torch.float32) -> StepBatch:
+    """Build the tensors of one step on the host and move them once.
+
+    `page_table` [rows, max_pages] (host, long) holds each request's pages. `logits_rows[b]` lists offsets into
+    `seqs[b]`'s new tokens whose next-token logits are wanted. Requests with one new token form the decode group;
+    the rest form a prefill group, padded to its longest chunk. Host work is kept to a few list passes and one
+    tensor per kind of data: at small batch sizes a step's cost is mostly fixed overhead.
+    """
+    decode_groups = _length_buckets([b for b, s in enumerate(seqs) if len(s[0]) == 1], [s[1] for s in seqs])
+    decode = [b for g in decode_groups for b in g]
+    prefill = [b for b, s in enumerate(seqs) if len(s[0]) > 1]
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    flat_start = [0] * len(seqs)
+    for b in decode:
+        toks, start, pages, _ = seqs[b]
+        flat_start[b] = len(ids)
+        ids.append(toks[0])
+        pos.append(start)
+        slots.append(pages[start // page_size] * page_size + start % page_size)
+    for b in prefill:
+        toks, start, pages, _ = seqs[b]
+        flat_start[b] = len(ids)
+        ids.extend(toks)
+        end = start + len(toks)
+        pos.extend(range(start, end))
+        p = start
+        while p < end:  # page by page: a run of consecutive slots
+            page, off = divmod(p, page_size)
+            run = min(end - p, page_size - off)
+            base = pages[page] * page_size + off
+            slots.extend(range(base, base + run))
+            p += run
+    flat = torch.tensor([ids, pos, slots], dtype=torch.long).to(device)  # [3, N]
+    logits_idx = [flat_start[b] + r for b in range(len(seqs)) for r in logits_rows[b]]
+    groups = []
+    for members in [*decode_groups, prefill]:
+        if not members:
+            continue
+        q_lens = [len(seqs[b][0]) for b in members]
+        starts = [seqs[b][1] for b in members]
+        kv_lens = [st + q for st, q in zip(starts, q_lens)]
+        q_len = max(q_lens)
+        n_pages = -(-max(kv_lens) // page_size)
+        meta = torch.tensor([[seqs[b][3] for b in members], kv_lens, starts])  # [3, B]: table rows, kv lens, starts
+        page_idx = page_table.index_select(0, meta[0])[:, :n_pages].reshape(-1)  # [B * P]
+        key_pos = torch.arange(n_pages * page_size)  # [S]
+        if q_len == 1:
+            hidden = (key_pos[None, :] >= meta[1][:, None])[:, None, None, :]  # [B, 1, 1, S]
+        else:
+            q_pos = meta[2][:, None] + torch.arange(q_len)[None, :]  # [B, Q]
+            # causal; a padded query (i >= its q_len) sees exactly the request's keys, so no row is all -inf
+            hidden = (key_pos[None, None, :] > q_pos[:, :, None]) | (key_pos[None, None, :] >= meta[1][:, None, None])
+            hidden = hidden[:, None]  # [B, 1, Q, S]
+        bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+        g = AttnGroup(start=flat_start[members[0]], end=flat_start[members[-1]] + q_lens[-1], q_len=q_len,
+                      page_idx=page_idx.to(device), bias=bias.to(device))
+        if q_len > 1:
+            q_lens_t = torch.tensor(q_lens)
+            offs = torch.arange(q_len)[None, :]
+            firsts = torch.tensor([flat_start[b] for b in members])
+            g.q_index = (firsts[:, None] + torch.minimum(offs, q_lens_t[:, None] - 1)).reshape(-1).to(device)
+            g.valid = (offs < q_lens_t[:, None]).reshape(-1).to(device)
+        groups.append(g)
+    return StepBatch(input_ids=flat[0], positions=flat[1], write_slots=flat[2], groups=groups,
+                     logits_idx=torch.tensor(logits_idx, dtype=torch.long).to(device), num_tokens=len(ids))
+
+
+# Decode rows are bucketed by length only when there are enough of them for the padding saved to pay for the
+# extra attention calls (each costs a few fixed-overhead ops per layer).
+MIN_ROWS_TO_BUCKET = 16
+
+
+def _length_buckets(rows: list[int], lengths: list[int]) -> list[list[int]]:
+    """Split decode rows into attention groups by cache length: a group's keys are padded to its longest row, so
+    one long request in a batch of short ones would make every row gather and attend over its length. Rows are
+    sorted longest first and a new group opens when a row is shorter than half the group's longest."""
+    if len(rows) < MIN_ROWS_TO_BUCKET:
+        return [rows] if rows else []
+    rows = sorted(rows, key=lambda b: -lengths[b])
+    groups: list[list[int]] = []
+    for b in rows:
+        if groups and 2 * (lengths[b] + 1) > lengths[groups[-1][0]] + 1:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
+
+
+class _Layer:
+    """One decoder layer's tensors (fused storage)."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype):
+        h, i = spec.hidden_size, spec.intermediate_size
+        qkv_out = spec.q_size + 2 * spec.kv_size
+
+        def new(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        self.ln1 = new(h)
+        self.ln2 = new(h)
+        self.qkv_w = new(qkv_out, h)  # [q | k | v, hidden]
+        self.qkv_b = new(qkv_out) if spec.qkv_bias else None
+        self.o_w = new(h, spec.q_size)
+        self.o_b = new(h) if spec.o_bias else None
+        # Qwen3: one weight per head row [H + Hkv, D]: q_norm repeated for q heads, then k_norm for k heads
+        self.qk_norm = new(spec.num_heads + spec.num_kv_heads, spec.head_dim) if spec.qk_norm else None
+        self.gate_up_w = new(2 * i, h)  # [gate | up, hidden]
+        self.gate_up_b = new(2 * i) if spec.mlp_bias else None
+        self.down_w = new(h, i)
+        self.down_b = new(h) if spec.mlp_bias else None
+
+    def named_views(self, spec: ModelSpec, prefix: str) -> dict[str, torch.Tensor]:
+        q, kv, i = spec.q_size, spec.kv_size, spec.intermediate_size
+        out = {prefix + "input_layernorm.weight": self.ln1, prefix + "post_attention_layernorm.weight": self.ln2,
+               prefix + "self_attn.q_proj.weight": self.qkv_w[:q], prefix + "self_attn.k_proj.weight": self.qkv_w[q:q + kv],
+               prefix + "self_attn.v_proj.weight": self.qkv_w[q + kv:], prefix + "self_attn.o_proj.weight": self.o_w,
+               prefix + "mlp.gate_proj.weight": self.gate_up_w[:i], prefix + "mlp.up_proj.weight": self.gate_up_w[i:],
+               prefix + "mlp.down_proj.weight": self.down_w}
+        if self.qkv_b is not None:
+            out[prefix + "self_attn.q_proj.bias"] = self.qkv_b[:q]
+            out[prefix + "self_attn.k_proj.bias"] = self.qkv_b[q:q + kv]
+            out[prefix + "self_attn.v_proj.bias"] = self.qkv_b[q + kv:]
+        if self.o_b is not None:
+            out[prefix + "self_attn.o_proj.bias"] = self.o_b
+        if self.qk_norm is not None:
+            # expanded views: copying a [D] checkpoint tensor into them fills every head's row
+            out[prefix + "self_attn.q_norm.weight"] = self.qk_norm[:spec.num_heads]
+            out[prefix + "self_attn.k_norm.weight"] = self.qk_norm[spec.num_heads:]
+        if self.gate_up_b is not None:
+            out[prefix + "mlp.gate_proj.bias"] = self.gate_up_b[:i]
+            out[prefix + "mlp.up_proj.bias"] = self.gate_up_b[i:]
+            out[prefix + "mlp.down_proj.bias"] = self.down_b
+        return out
+
+
+def _linear_add(x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x + inp @ w.T (+ b), one fused addmm for the residual connections."""
+    out = torch.addmm(x, inp, w.t())
+    return out if b is None else out.add_(b)
+
+
+class DecoderModel:
+    """The forward pass over a `StepBatch` with a `KVCache`. Not an nn.Module: inference only, no hooks, no grads.
+
+    Speed notes (CPU decode is bound by per-op overhead, so the op count per layer matters): RoPE is applied to the
+    whole fused q|k|v row at once with tables that leave v unchanged and fold the softmax scale into q; the k|v
+    half is then stored with a single `index_copy_`; residual adds are fused into `addmm`."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.spec = spec
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.embed = torch.zeros(spec.vocab_size, spec.hidden_size, device=self.device, dtype=dtype)
+        self.norm = torch.zeros(spec.hidden_size, device=self.device, dtype=dtype)
+        self.lm_head = self.embed if spec.tie_word_embeddings else torch.zeros_like(self.embed)
+        self.layers = [_Layer(spec, self.device, dtype) for _ in range(spec.num_layers)]
+        self.params: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not spec.tie_word_embeddings:
+            self.params["lm_head.weight"] = self.lm_head
+        for n, layer in enumerate(self.layers):
+            self.params.update(layer.named_views(spec, f"model.layers.{n}."))
+        # RoPE tables for every position, computed in fp32 like transformers, then cast. rotate_half(x) equals
+        # roll(x, D/2) with the first half negated, so the sign goes into the sine table.
+        inv_freq = rope_inv_freq(spec)
+        freqs = torch.arange(spec.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
+        half = spec.head_dim // 2
+        sign = torch.cat((-torch.ones(half), torch.ones(spec.head_dim - half)))
+        self.cos = emb.cos().to(device=self.device, dtype=dtype)
+        self.sin = (emb.sin() * sign).to(device=self.device, dtype=dtype)
+        self.scale = spec.head_dim ** -0.5
+        # per-head-row factors for the fused q|k|v rope: q rows carry the softmax scale; v rows get cos = 1 and
+        # sin = 0, i.e. pass through unchanged
+        h, hkv = spec.num_heads, spec.num_kv_heads
+        self._rope_mul = torch.tensor([self.scale] * h + [1.0] * hkv + [0.0] * hkv, dtype=dtype,
+                                      device=self.device)[:, None]  # [H + 2Hkv, 1]
+        self._cos_add = torch.tensor([0.0] * (h + hkv) + [1.0] * hkv, dtype=dtype, device=self.device)[:, None]
+
+    @torch.inference_mode()
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy already-validated tensors (HF names; any float dtype, any device) into the model's storage."""
+        for name, t in tensors.items():
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue  # the same tensor as the embeddings
+            self.params[name].copy_(t)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, cache: KVCache, interrupt: Callable[[], bool] | None = None
+                ) -> torch.Tensor:
+        """Run the new tokens through the model, storing their k/v in `cache`; returns fp32 logits
+        `[len(batch.logits_idx), vocab]`.
+
+        `interrupt` is polled after every layer; when it returns True the pass stops with `StepInterrupted`. The
+        cache then holds some layers' k/v for these tokens, which is harmless: a later pass over the same positions
+        rewrites every layer before reading it."""
+        spec = self.spec
+        n, h, hkv, d = batch.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        eps = spec.rms_norm_eps
+        x = F.embedding(batch.input_ids, self.embed)  # [N, hidden]
+        # [N, H + 2Hkv, D] rope tables for the fused rows: (q: scaled rope, k: rope, v: identity)
+        cos = torch.addcmul(self._cos_add, self.cos[batch.positions][:, None, :], self._rope_mul)
+        sin = self.sin[batch.positions][:, None, :] * self._rope_mul
+        half, i = d // 2, spec.intermediate_size
+        for li, layer in enumerate(self.layers):
+            hs = F.rms_norm(x, (spec.hidden_size,), layer.ln1, eps)
+            qkv = F.linear(hs, layer.qkv_w, layer.qkv_b).view(n, h + 2 * hkv, d)  # [N, H + 2Hkv, D]
+            if layer.qk_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+                qk = F.rms_norm(qkv[:, :h + hkv], (d,), None, eps) * layer.qk_norm
+                qkv = torch.cat((qk, qkv[:, h + hkv:]), dim=1)
+            qkv = torch.addcmul(qkv * cos, qkv.roll(half, dims=-1), sin)
+            kv_pages = cache.kv[li]  # [pages, page_size, 2Hkv, D]
+            kv_pages.view(-1, 2 * hkv, d).index_copy_(0, batch.write_slots, qkv[:, h:])
+            attn = self._attention(qkv[:, :h], kv_pages, batch.groups)  # [N, H D]
+            x = _linear_add(x, attn, layer.o_w, layer.o_b)
+            hs = F.rms_norm(x, (spec.hidden_size,), layer.ln2, eps)
+            gate_up = F.linear(hs, layer.gate_up_w, layer.gate_up_b)  # [N, 2I]
+            act = F.silu(gate_up[:, :i]).mul_(gate_up[:, i:])
+            x = _linear_add(x, act, layer.down_w, layer.down_b)
+            if interrupt is not None and interrupt():
+                raise StepInterrupted
+        x = F.rms_norm(x[batch.logits_idx], (spec.hidden_size,), self.norm, eps)  # [M, hidden]
+        return F.linear(x, self.lm_head).float()  # [M, V]
+
+    def _attention(self, q: torch.Tensor, kv_pages: torch.Tensor, groups: list[AttnGroup]) -> torch.Tensor:
+        """q [N, H, D] (already scaled); kv_pages [num_pages, page_size, 2Hkv, D] -> [N, H * D]."""
+        spec = self.spec
+        h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        outs = []
+        for g in groups:
+            b = g.batch
+            kv = kv_pages.index_select(0, g.page_idx).view(b, -1, 2 * hkv, d).transpose(1, 2)  # [B, 2Hkv, S, D]
+            if g.q_index is None:
+                qg = q[g.start:g.end].unsqueeze(2)  # [B, H, 1, D]
+            else:
+                qg = q.index_select(0, g.q_index).view(b, g.q_len, h, d).transpose(1, 2)  # [B, H, Q, D]
+            out = F.scaled_dot_product_attention(qg, kv[:, :hkv], kv[:, hkv:], attn_mask=g.bias, scale=1.0,
+                                                 enable_gqa=hkv != h)  # [B, H, Q, D]
+            out = out.transpose(1, 2).reshape(b * g.q_len, h * d)
+            if g.valid is not None:
+                out = out[g.valid]
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    @torch.inference_mode()
+    def score(self, sequences: list[list[int]], page_size: int = 16) -> list[torch.Tensor]:
+        """Full-sequence logits `[T, V]` (fp32) for each sequence, through the same paged path the engine uses
+        (a temporary cache sized for exactly these sequences). For tests and prompt scoring."""
+        counts = [-(-len(s) // page_size) for s in sequences]
+        cache = KVCache(self.spec, sum(counts) * page_size, page_size, self.device, self.dtype)
+        table = torch.zeros(len(sequences), max(counts), dtype=torch.long)
+        seqs: list[SeqChunk] = []
+        next_page = 1
+        for row, (s, c) in enumerate(zip(sequences, counts)):
+            pages = list(range(next_page, next_page + c))
+            table[row, :c] = torch.tensor(pages)
+            seqs.append((list(s), 0, pages, row))
+            next_page += c
+        rows = [list(range(len(s))) for s in sequences]
+        logits = self.forward(build_step_batch(seqs, table, page_size, self.device, rows, self.dtype), cache)
+        return list(logits.split([len(s) for s in sequences]))

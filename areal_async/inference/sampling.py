@@ -1,0 +1,115 @@
+"""Batched token sampling for the engine: one set of tensor ops per step for every request that samples.
+
+The logprob reported for a sampled token is `log_softmax(logits / temperature)` at that token, computed after the
+logit processors that change the model's distribution (frequency/presence/repetition penalties, and the ban on stop
+tokens before `min_new_tokens`) and before the truncations that only restrict where samples may land (top-k, top-p,
+min-p). Greedy rows (temperature < 1e-6) report `log_softmax(logits)` and take the argmax.
+
+Sampling draws `argmax(p / E)` with `E ~ Exponential(1)` per entry, which picks index i with probability p_i (the
+exponential race); it needs no normalisation after truncation and no host sync. A request with its own `seed` gets
+its own generator, so its samples do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-6
+
+
+@dataclass
+class RowParams:
+    """One sampling row's settings, as the engine keeps them per request."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    generator: torch.Generator | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    banned: list[int] | None = None  # token ids forbidden at this step (stop tokens before min_new_tokens)
+    output_ids: list[int] | None = None  # generated so far; only needed with penalties
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalty(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def process_logits(logits: torch.Tensor, rows: list[RowParams]) -> torch.Tensor:
+    """Apply penalties and bans in place to logits [B, V] (fp32); rows without any are untouched."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        if r.has_penalty and r.output_ids:
+            ids = torch.tensor(r.output_ids, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)  # [V]
+            seen = counts > 0
+            row = logits[i]
+            if r.repetition_penalty != 1.0:
+                penalised = torch.where(row > 0, row / r.repetition_penalty, row * r.repetition_penalty)
+                row.copy_(torch.where(seen, penalised, row))
+            row.sub_(counts * r.frequency_penalty + seen.to(logits.dtype) * r.presence_penalty)
+        if r.banned:
+            logits[i, r.banned] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[RowParams], generator: torch.Generator | None,
+           top_logprobs_num: int = 0) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Sample one token per row of logits [B, V] (fp32, already processed).
+
+    Returns (tokens [B] long, logprobs [B] fp32, optional (top values [B, k], top ids [B, k]))."""
+    device = logits.device
+    temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=device)  # [B]
+    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)  # [B, V]
+    greedy = [r.greedy for r in rows]
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = logprobs.exp()  # [B, V]
+        probs = _truncate(probs, rows)
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        # a draw of exactly 0 (possible in fp32) would turn p / E into inf, or NaN where p is 0
+        tokens = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+        if any(greedy):
+            mask = torch.tensor(greedy, device=device)
+            tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
+    token_logprobs = logprobs.gather(1, tokens[:, None])[:, 0]
+    top = None
+    if top_logprobs_num > 0:
+        top = logprobs.topk(min(top_logprobs_num, logits.shape[1]), dim=-1)
+        top = (top.values, top.indices)
+    return tokens, token_logprobs, top
+
+
+def _truncate(probs: torch.Tensor, rows: list[RowParams]) -> torch.Tensor:
+    """Zero what top-k, top-p and min-p exclude (in that order, as SGLang applies them); never the top token."""
+    vocab = probs.shape[1]
+    need_sort = any((0 < r.top_k < vocab) or r.top_p < 1.0 for r in rows)
+    if need_sort:
+        top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=probs.device)
+        top_p = torch.tensor([r.top_p for r in rows], device=probs.device, dtype=probs.dtype)
+        sorted_p, idx = probs.sort(dim=-1, descending=True)  # [B, V]
+        ranks = torch.arange(vocab, device=probs.device)[None, :]
+        drop = ranks >= top_k[:, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # probability mass ranked above each entry
+        drop = mass_before > top_p[:, None] * sorted_p.sum(dim=-1, keepdim=True)
+        drop[:, 0] = False
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+    if any(r.min_p > 0 for r in rows):
+        min_p = torch.tensor([r.min_p for r in rows], device=probs.device, dtype=probs.dtype)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs

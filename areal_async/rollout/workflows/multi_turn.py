@@ -1,0 +1,293 @@
+"""Multi-turn episodes: the model acts, an environment answers, and the whole conversation becomes ONE trajectory.
+
+    reset(sample) -> observation ──tokenize──> ids            (loss_mask 0, version -1)
+    loop:  agenerate(ids) -> output ids, logprobs, versions   (loss_mask 1: exactly the generated tokens)
+           step(decoded text) -> feedback, reward, done
+           ids += output ids + tokenized feedback             (loss_mask 0)
+
+Token in, token out: the next turn's input is the previous input ids + the generated ids + the feedback's ids. The
+model's text is never re-tokenised, so the trained tokens are exactly the sampled ones and their behaviour
+logprobs stay valid (re-tokenising "12+3" can give different ids than the model produced). Interrupted generation
+resumes inside a turn (the client does it), so one turn may span several policy versions; `versions` records which.
+
+Observations are either plain text (appended as is: for base models and plain-text tasks such as arith; the
+model's EOS token stays in the context before the feedback, because it was generated) or chat messages (rendered
+with the tokenizer's chat template). For chat, only the *new* messages are rendered: the
+`ChatTokens` helper renders the template twice around a fixed stand-in conversation and keeps the difference, and
+closes the model's turn with the template's own end-of-turn text (e.g. ChatML's "<|im_end|>\\n"), minus whatever
+part of it the model already generated.
+
+The environment API is two coroutines (`Env` below); `CheckerEnv` is a ready-made one: it grades each attempt with
+a reward function and answers "wrong, try again" until the attempts run out. `make_workflow` is what
+`rollout.workflow: multi_turn` builds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Protocol, Union, runtime_checkable
+
+import msgspec
+
+from areal_async.rollout.workflow_api import Generator
+from areal_async.tokenizer import Tokenizer
+from areal_async.types import SamplingParams, Sample, Trajectory
+
+Observation = Union[str, list[dict]]  # plain text, or chat messages ({"role", "content", ...})
+ScoreFn = Callable[[str, str, str], Awaitable[tuple[float, "str | None"]]]  # (completion, answer, prompt)
+
+
+@runtime_checkable
+class Env(Protocol):
+    """One episode's environment. A fresh instance per episode (see `EnvFactory`); methods may await anything."""
+
+    async def reset(self, sample: Sample) -> Observation:
+        """The first observation: the prompt as text, or as chat messages."""
+        ...
+
+    async def step(self, action: str) -> tuple[Observation, float, bool]:
+        """React to the model's decoded turn: (feedback observation, reward for this step, episode done)."""
+        ...
+
+
+EnvFactory = Callable[[Sample], Env]
+
+
+# ---- chat rendering of deltas ------------------------------------------------------------------------------------
+
+_STAND_IN = [{"role": "user", "content": "areal-stand-in"}, {"role": "assistant", "content": "areal-stand-in"}]
+_MARK = "\x00AREAL-TURN-END\x00"
+
+
+class ChatTokens:
+    """Token ids for appending messages to a conversation whose earlier tokens must not change.
+
+    Why a stand-in conversation: chat templates render whole conversations, and many emit different text for a
+    message depending on what precedes it (the first system block, tool-response grouping). Rendering
+    `stand_in + new` and subtracting the rendering of `stand_in` gives the text the template would put after a
+    finished assistant turn, which is what a new user or tool message looks like mid-conversation.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        closed = tokenizer.apply_chat_template(
+            _STAND_IN[:1] + [{"role": "assistant", "content": _MARK}], add_generation_prompt=False, tokenize=False)
+        assert isinstance(closed, str)
+        if _MARK not in closed:
+            raise ValueError("the chat template drops assistant content; cannot find its end-of-turn text")
+        self.turn_end = closed.split(_MARK, 1)[1]  # e.g. "<|im_end|>\n"
+
+    def delta_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of `messages` rendered as the continuation of a conversation that ended with an assistant turn."""
+        base = self.tok.apply_chat_template(_STAND_IN, add_generation_prompt=False, tokenize=False)
+        full = self.tok.apply_chat_template(_STAND_IN + list(messages), add_generation_prompt=add_generation_prompt,
+                                            tokenize=False)
+        assert isinstance(base, str) and isinstance(full, str)
+        if not full.startswith(base):
+            raise ValueError("the chat template renders earlier turns differently once more messages follow; "
+                             "appending feedback tokens is not possible with it")
+        return self.tok.encode(full[len(base):])
+
+    def close_turn_ids(self, output_ids: list[int]) -> list[int]:
+        """The end-of-turn tokens the template puts after an assistant message, minus what the model generated.
+
+        If the model stopped on a token whose text starts the template's end-of-turn text (ChatML's <|im_end|>),
+        only the rest (the newline) is added; if it stopped for length or on another EOS, all of it is.
+        """
+        if output_ids:
+            last = self.tok.decode([output_ids[-1]], skip_special_tokens=False)
+            if last and self.turn_end.startswith(last):
+                rest = self.turn_end[len(last):]
+                return self.tok.encode(rest) if rest else []
+        return self.tok.encode(self.turn_end)
+
+
+# ---- the workflow ---------------------------------------------------------------------------------------------------
+
+
+class MultiTurnConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Knobs of `make_workflow` (set under `rollout.multi_turn` in a run config)."""
+
+    max_turns: int = 2  # model turns per episode
+    max_total_tokens: int = 1024  # the whole trajectory (prompt + every turn + feedback) stays within this
+    feedback: str = "Wrong, try again.\n{prompt}"  # CheckerEnv's retry message ({prompt}, {answer_text} allowed)
+    retry_discount: float = 0.5  # reward of a correct attempt k (k = 0, 1, ...) is retry_discount ** k
+    chat: bool = False  # render prompts and feedback as chat messages instead of plain text
+
+
+class EpisodeResult(msgspec.Struct, kw_only=True):
+    """A finished episode before it becomes a Trajectory (kept for tests and logging)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    prompt_len: int
+    reward: float
+    turns: int
+    step_rewards: list[float]
+    turn_outputs: list[list[int]]  # the generated ids of each turn, as returned by the client
+    turn_inputs: list[list[int]]  # the input ids of each turn, as sent to the client
+    finish: str  # "done" (the env ended it), "max_turns", "max_tokens", "abort"
+    interruptions: int = 0
+
+
+class MultiTurnWorkflow:
+    """`group_size` episodes of `env_factory(sample)` per sample; each episode is one Trajectory.
+
+    The trajectory reward is the sum of the step rewards (an environment that wants discounting or a final-only
+    reward computes it in `step`).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, env_factory: EnvFactory, sampling: SamplingParams, group_size: int, *,
+                 max_turns: int = 2, max_total_tokens: int = 1024, chat: bool = False) -> None:
+        if max_turns < 1 or group_size < 1:
+            raise ValueError("max_turns and group_size must be >= 1")
+        self.tok = tokenizer
+        self.env_factory = env_factory
+        self.sampling = sampling
+        self.group_size = group_size
+        self.max_turns = max_turns
+        self.max_total_tokens = max_total_tokens
+        self.chat = chat
+        self._chat_tokens: ChatTokens | None = None
+
+    @property
+    def chat_tokens(self) -> ChatTokens:
+        if self._chat_tokens is None:
+            self._chat_tokens = ChatTokens(self.tok)
+        return self._chat_tokens
+
+    def _first_ids(self, obs: Observation) -> tuple[list[int], bool]:
+        """(prompt ids, chat mode) for the first observation."""
+        if isinstance(obs, str) and not self.chat:
+            return self.tok.encode(obs), False
+        messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else list(obs)
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        assert isinstance(ids, list)
+        return ids, True
+
+    def _feedback_ids(self, obs: Observation, output_ids: list[int], chat: bool) -> list[int]:
+        if not chat:
+            if not isinstance(obs, str):
+                raise TypeError("a plain-text episode got chat messages as feedback; return a str from step()")
+            return self.tok.encode(obs)
+        messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else list(obs)
+        return self.chat_tokens.close_turn_ids(output_ids) + self.chat_tokens.delta_ids(messages)
+
+    async def episode(self, client: Generator, sample: Sample, index: int = 0) -> EpisodeResult:
+        env = self.env_factory(sample)
+        obs = await env.reset(sample)
+        ids, chat = self._first_ids(obs)
+        if len(ids) >= self.max_total_tokens:
+            raise ValueError(f"sample {sample.id}: the prompt has {len(ids)} tokens, max_total_tokens is "
+                             f"{self.max_total_tokens}")
+        n0 = len(ids)
+        mask, lps, vers = [0] * n0, [0.0] * n0, [-1] * n0
+        step_rewards: list[float] = []
+        outs: list[list[int]] = []
+        ins: list[list[int]] = []
+        finish, interruptions = "max_turns", 0
+        key = f"s{sample.id}-e{index}"  # one server per episode: each turn's prompt is the last one's prefix
+        for _turn in range(self.max_turns):
+            budget = min(self.sampling.max_new_tokens, self.max_total_tokens - len(ids))
+            if budget <= 0:
+                finish = "max_tokens"
+                break
+            sp = msgspec.structs.replace(self.sampling, max_new_tokens=budget)
+            ins.append(list(ids))
+            gen = await client.agenerate(list(ids), sp, session_key=key)
+            out = list(gen.output_ids)
+            outs.append(out)
+            interruptions += gen.num_interruptions
+            ids += out
+            mask += [1] * len(out)
+            lps += list(gen.output_logprobs)
+            vers += list(gen.output_versions)
+            if gen.finish_reason == "abort":  # aborted by someone on purpose (not an interruption): stop here
+                finish = "abort"
+                break
+            obs, reward, done = await env.step(self.tok.decode(out))
+            step_rewards.append(float(reward))
+            if done:
+                finish = "done"
+                break
+            fb = self._feedback_ids(obs, out, chat)
+            room = self.max_total_tokens - len(ids)
+            if len(fb) >= room:  # no room left for the model to answer the feedback
+                finish = "max_tokens"
+                break
+            ids += fb
+            mask += [0] * len(fb)
+            lps += [0.0] * len(fb)
+            vers += [-1] * len(fb)
+        return EpisodeResult(input_ids=ids, loss_mask=mask, logprobs=lps, versions=vers, prompt_len=n0,
+                       reward=sum(step_rewards), turns=len(outs), step_rewards=step_rewards, turn_outputs=outs,
+                       turn_inputs=ins, finish=finish, interruptions=interruptions)
+
+    @staticmethod
+    def to_trajectory(ep: EpisodeResult, group_id: int = 0) -> Trajectory:
+        info: dict[str, Any] = {"turns": ep.turns, "finish": ep.finish, "interruptions": ep.interruptions}
+        if ep.step_rewards:
+            info["first_reward"] = ep.step_rewards[0]
+        return Trajectory(input_ids=ep.input_ids, loss_mask=ep.loss_mask, logprobs=ep.logprobs,
+                          versions=ep.versions, reward=ep.reward, group_id=group_id, prompt_len=ep.prompt_len,
+                          info=info)
+
+    async def run(self, client: Generator, sample: Sample) -> list[Trajectory] | None:
+        eps = await asyncio.gather(*(self.episode(client, sample, i) for i in range(self.group_size)))
+        trajs = [self.to_trajectory(e) for e in eps if e.turns > 0]
+        return trajs or None
+
+
+# ---- a ready-made environment: grade, and let the model retry ----------------------------------------------------
+
+
+class CheckerEnv:
+    """Grade each attempt with a reward function; on a wrong answer say so and let the model try again.
+
+    Attempt k (0-based) that is correct ends the episode with reward `retry_discount ** k`; a wrong attempt scores
+    0 and, while attempts remain, gets `feedback` back (formatted with the sample's prompt).
+    """
+
+    def __init__(self, score: ScoreFn, *, max_attempts: int = 2, feedback: str = "Wrong, try again.\n{prompt}",
+                 retry_discount: float = 0.5, threshold: float = 0.5) -> None:
+        self.score = score
+        self.max_attempts = max_attempts
+        self.feedback = feedback
+        self.retry_discount = retry_discount
+        self.threshold = threshold
+        self.sample: Sample | None = None
+        self.attempt = 0
+        self.last_reason: str | None = None
+
+    async def reset(self, sample: Sample) -> Observation:
+        self.sample, self.attempt = sample, 0
+        return sample.messages if sample.messages is not None else sample.prompt
+
+    async def step(self, action: str) -> tuple[Observation, float, bool]:
+        assert self.sample is not None, "reset() first"
+        reward, self.last_reason = await self.score(action, self.sample.answer, self.sample.prompt)
+        k = self.attempt
+        self.attempt += 1
+        if reward >= self.threshold:
+            return "", float(reward) * self.retry_discount ** k, True
+        done = self.attempt >= self.max_attempts
+        return self.feedback.format(prompt=self.sample.prompt, answer_text=action), 0.0, done
+
+
+def make_workflow(cfg: Any, tokenizer: Tokenizer, score: ScoreFn) -> MultiTurnWorkflow:
+    """`rollout.workflow: multi_turn`: CheckerEnv over the run's reward, options from `rollout.multi_turn`."""
+    r = cfg.rollout
+    raw = getattr(r, "multi_turn", None) or {}
+    mt = raw if isinstance(raw, MultiTurnConfig) else msgspec.convert(
+        msgspec.to_builtins(raw), MultiTurnConfig, strict=False)
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k)
+    chat = mt.chat or bool(getattr(getattr(cfg, "data", None), "apply_chat_template", False))
+
+    def env_factory(_sample: Sample) -> Env:
+        return CheckerEnv(score, max_attempts=mt.max_turns, feedback=mt.feedback, retry_discount=mt.retry_discount)
+
+    return MultiTurnWorkflow(tokenizer, env_factory, sampling, r.group_size, max_turns=mt.max_turns,
+                             max_total_tokens=mt.max_total_tokens, chat=chat)

@@ -1,0 +1,487 @@
+"""The continuous-batching engine, driven directly (no HTTP): outputs against transformers, stop rules, pause
+modes, aborts, weight updates (disk and broadcast), the KV budget and input validation."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from areal_async.inference.engine import AsyncEngine
+from areal_async.inference.engine_api import EngineChunk, EngineRequest, EngineSampling
+from areal_async.testing.tiny import make_tiny_checkpoint
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def lively_ckpt(tmp_path_factory) -> str:
+    """A tiny qwen2 with large random weights: greedy outputs vary from token to token, so comparisons bite."""
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("lively") / "qwen2"), "qwen2", seed=5, init_std=0.3)
+
+
+@pytest.fixture
+async def make_engine():
+    engines: list[AsyncEngine] = []
+
+    async def make(path: str, **kw) -> AsyncEngine:
+        engine = AsyncEngine(path, device="cpu", **kw)
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.shutdown()
+
+
+@functools.lru_cache(maxsize=4)
+def _hf(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logprobs(path: str, seq: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """[T, V]: row t is the log-distribution of token t + 1."""
+    with torch.no_grad():
+        logits = _hf(path)(torch.tensor([seq])).logits[0].float()
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def req(rid: str, ids: list[int], **sampling) -> EngineRequest:
+    extra = {k: sampling.pop(k) for k in ("return_logprob", "logprob_start_len", "top_logprobs_num")
+             if k in sampling}
+    return EngineRequest(rid=rid, input_ids=ids, sampling=EngineSampling(**sampling), **extra)
+
+
+async def run(engine: AsyncEngine, r: EngineRequest) -> tuple[list[int], list[float], dict, list[EngineChunk]]:
+    ids, lps, chunks = [], [], []
+    async for c in engine.generate(r):
+        ids += c.new_ids
+        lps += c.new_logprobs
+        chunks.append(c)
+    return ids, lps, chunks[-1].finish_reason, chunks
+
+
+PROMPTS = ["hello 1 world", "2+3=", "abc", "The quick brown fox", "x" * 40, "(1+2)*3 = ?"]
+
+
+async def test_greedy_matches_transformers_generate(make_engine, lively_ckpt):
+    engine = await make_engine(lively_ckpt)
+    for text in PROMPTS[:3]:
+        ids = engine.encode(text)
+        out, lps, finish, _ = await run(engine, req(text, ids, max_new_tokens=24, temperature=0.0, ignore_eos=True,
+                                                    return_logprob=True))
+        ref = _hf(lively_ckpt).generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert out == ref
+        assert finish == {"type": "length", "length": 24}
+        # greedy logprobs are log_softmax of the raw logits at the chosen token
+        full = hf_logprobs(lively_ckpt, ids + out)
+        want = [full[len(ids) - 1 + i, t].item() for i, t in enumerate(out)]
+        assert max(abs(a - b) for a, b in zip(lps, want)) < 1e-4
+
+
+async def test_batched_equals_one_at_a_time_and_is_deterministic(make_engine, lively_ckpt):
+    # A small prefill chunk sends long prompts through several chunks while other requests decode; 20 requests with
+    # prompts of 2 to 160 tokens make the decode rows split into several length buckets.
+    engine = await make_engine(lively_ckpt, chunked_prefill_size=48)
+    prompts = [engine.encode(t) for t in PROMPTS] + [engine.encode(f"{i}: " + "ab" * (i * i // 2)) for i in range(14)]
+    alone = [(await run(engine, req(f"a{i}", p, max_new_tokens=40 + i, temperature=0.0, ignore_eos=True)))[0]
+             for i, p in enumerate(prompts)]
+    together = await asyncio.gather(*[
+        run(engine, req(f"b{i}", p, max_new_tokens=40 + i, temperature=0.0, ignore_eos=True))
+        for i, p in enumerate(prompts)])
+    assert [t[0] for t in together] == alone
+    assert len({tuple(a) for a in alone}) > 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_sampled_logprobs_are_tempered_log_softmax(make_engine, lively_ckpt, temperature):
+    engine = await make_engine(lively_ckpt, seed=1)
+    ids = engine.encode("2+3=")
+    outs = await asyncio.gather(*[run(engine, req(f"s{i}", ids, max_new_tokens=16, temperature=temperature,
+                                                  ignore_eos=True, return_logprob=True)) for i in range(3)])
+    for out, lps, _, _ in outs:
+        full = hf_logprobs(lively_ckpt, ids + out, temperature)
+        want = [full[len(ids) - 1 + i, t].item() for i, t in enumerate(out)]
+        assert max(abs(a - b) for a, b in zip(lps, want)) < 1e-4
+    assert len({tuple(o[0]) for o in outs}) > 1  # actually sampled
+
+
+async def test_seeded_requests_repeat_and_top_k_restricts(make_engine, lively_ckpt):
+    engine = await make_engine(lively_ckpt)
+    ids = engine.encode("abc")
+    a = await run(engine, req("a", ids, max_new_tokens=20, seed=7, ignore_eos=True))
+    # the same seed gives the same sample even when another request shares the batch
+    b, _ = await asyncio.gather(run(engine, req("b", ids, max_new_tokens=20, seed=7, ignore_eos=True)),
+                                run(engine, req("c", ids, max_new_tokens=20, ignore_eos=True)))
+    assert a[0] == b[0]
+    # top_k=1 is greedy
+    greedy = await run(engine, req("g", ids, max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    topk1 = await run(engine, req("k", ids, max_new_tokens=20, top_k=1, ignore_eos=True))
+    assert topk1[0] == greedy[0]
+    tiny_p = await run(engine, req("p", ids, max_new_tokens=20, top_p=1e-4, ignore_eos=True))
+    assert tiny_p[0] == greedy[0]
+
+
+async def test_input_logprobs_with_chunked_prefill(make_engine, lively_ckpt):
+    engine = await make_engine(lively_ckpt, chunked_prefill_size=5)
+    ids = engine.encode("The quick brown fox jumps")
+    full = hf_logprobs(lively_ckpt, ids)
+    for start in (0, 3):
+        out, _, finish, chunks = await run(engine, req(f"in{start}", ids, max_new_tokens=0, logprob_start_len=start))
+        assert out == [] and finish == {"type": "length", "length": 0}
+        got = chunks[0].input_logprobs
+        assert len(got) == len(ids) - start
+        if start == 0:
+            assert got[0] is None
+        want = {p: full[p - 1, ids[p]].item() for p in range(max(start, 1), len(ids))}
+        assert max(abs(got[p - start] - v) for p, v in want.items()) < 1e-4
+
+
+async def test_stop_rules(make_engine, lively_ckpt):
+    engine = await make_engine(lively_ckpt)
+    ids = engine.encode("hello 1 world")
+    free, _, _, _ = await run(engine, req("free", ids, max_new_tokens=30, temperature=0.0, ignore_eos=True))
+    text = engine.decode(free)
+    # stop token id: ends at the first occurrence, token included (ignore_eos only concerns eos)
+    tok = free[5]
+    out, _, finish, _ = await run(engine, req("tid", ids, max_new_tokens=30, temperature=0.0, stop_token_ids=[tok],
+                                              ignore_eos=True))
+    assert out == free[:free.index(tok) + 1] and finish == {"type": "stop", "matched": tok}
+    # min_new_tokens bans stop tokens until reached
+    out, _, finish, _ = await run(engine, req("min", ids, max_new_tokens=30, temperature=0.0, stop_token_ids=[tok],
+                                              min_new_tokens=free.index(tok) + 2, ignore_eos=True))
+    assert len(out) >= free.index(tok) + 2 and (finish["type"] == "length" or out[-1] == tok)
+    # stop string: ends as soon as the decoded output contains it; ids keep the stop tokens
+    stop = text[7:9]
+    out, _, finish, _ = await run(engine, req("str", ids, max_new_tokens=30, temperature=0.0, stop=[stop],
+                                              ignore_eos=True))
+    assert finish == {"type": "stop", "matched": stop}
+    assert stop in engine.decode(out) and stop not in engine.decode(out[:-1])
+    # eos stops unless ignore_eos; max_new_tokens caps the length
+    eos = engine.eos_token_ids
+    assert eos == [1]
+    lengths = await run(engine, req("len", ids, max_new_tokens=3, temperature=0.0, ignore_eos=True))
+    assert lengths[0] == free[:3] and lengths[2] == {"type": "length", "length": 3}
+
+
+async def test_eos_ends_generation_unless_ignored(make_engine, lively_ckpt):
+    engine = await make_engine(lively_ckpt, seed=3)
+    ids = engine.encode("x")
+    # Ban nothing, sample many short completions at high temperature: some hit eos (id 1) and stop on it.
+    outs = await asyncio.gather(*[run(engine, req(f"e{i}", ids, max_new_tokens=60, temperature=3.0))
+                                  for i in range(12)])
+    stopped = [o for o in outs if o[2]["type"] == "stop"]
+    assert stopped, "expected at least one eos at temperature 3"
+    for out, _, finish, _ in stopped:
+        assert finish == {"type": "stop", "matched": 1} and out[-1] == 1 and 1 not in out[:-1]
+    ignored = await asyncio.gather(*[run(engine, req(f"i{i}", ids, max_new_tokens=60, temperature=3.0,
+                                                     ignore_eos=True)) for i in range(6)])
+    assert all(o[2]["type"] == "length" and len(o[0]) == 60 for o in ignored)
+
+
+async def _first_chunk(gen) -> EngineChunk:
+    return await gen.__anext__()
+
+
+async def _rest(gen, first: EngineChunk) -> tuple[list[int], dict]:
+    ids = list(first.new_ids)
+    finish = first.finish_reason
+    async for c in gen:
+        ids += c.new_ids
+        finish = c.finish_reason
+    return ids, finish
+
+
+async def test_abort_by_rid_prefix(make_engine, lively_ckpt):
+    engine = await make_engine(lively_ckpt)
+    ids = engine.encode("abc")
+    gens = {rid: engine.generate(req(rid, ids, max_new_tokens=900, temperature=0.0, ignore_eos=True,
+                                     return_logprob=True)) for rid in ("grp-a-0", "grp-a-1", "grp-b-0")}
+    firsts = {rid: await _first_chunk(g) for rid, g in gens.items()}
+    assert await engine.abort("grp-a") == 2
+    results = {rid: await _rest(g, firsts[rid]) for rid, g in gens.items()}
+    for rid in ("grp-a-0", "grp-a-1"):
+        ids_, finish = results[rid]
+        assert finish["type"] == "abort" and 0 < len(ids_) < 900
+    assert results["grp-b-0"][1] == {"type": "length", "length": 900}
+    assert await engine.abort("nobody") == 0
+
+
+async def test_pause_abort_returns_partial_and_holds_new_requests(make_engine, lively_ckpt):
+    engine = await make_engine(lively_ckpt)
+    ids = engine.encode("abc")
+    gen = engine.generate(req("long", ids, max_new_tokens=900, temperature=0.0, ignore_eos=True, return_logprob=True))
+    first = await _first_chunk(gen)
+    await engine.pause("abort")
+    assert engine.paused and engine.num_running() == 0
+    chunks = [first] + [c async for c in gen]
+    out = [t for c in chunks for t in c.new_ids]
+    assert chunks[-1].finish_reason["type"] == "abort" and "message" in chunks[-1].finish_reason
+    assert 0 < len(out) < 900 and len(out) == sum(len(c.new_logprobs) for c in chunks)
+    # a request sent while paused waits, then runs after resume
+    task = asyncio.create_task(run(engine, req("later", ids, max_new_tokens=5, temperature=0.0, ignore_eos=True)))
+    await asyncio.sleep(0.3)
+    assert not task.done() and engine.num_waiting() == 1
+    await engine.resume()
+    later, _, finish, _ = await asyncio.wait_for(task, 30)
+    assert finish["type"] == "length" and later[:len(out)] == out[:5]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_pause_and_resume_continue_the_same_output(make_engine, lively_ckpt, mode):
+    engine = await make_engine(lively_ckpt)
+    ids = engine.encode("(1+2)*3 = ?")
+    reference, _, _, _ = await run(engine, req("ref", ids, max_new_tokens=600, temperature=0.0, ignore_eos=True))
+    gen = engine.generate(req("p", ids, max_new_tokens=600, temperature=0.0, ignore_eos=True))
+    got = list((await _first_chunk(gen)).new_ids)
+    await engine.pause(mode)
+    assert (engine.num_running(), engine.num_waiting()) == ((1, 0) if mode == "in_place" else (0, 1))
+    # what was made before the pause arrives; then nothing while paused
+    nxt = asyncio.create_task(gen.__anext__())
+    while (await asyncio.wait({nxt}, timeout=0.3))[0]:
+        got += nxt.result().new_ids
+        nxt = asyncio.create_task(gen.__anext__())
+    assert len(got) < 600
+    await engine.resume()
+    out, finish = await _rest(gen, await nxt)
+    assert got + out == reference and finish == {"type": "length", "length": 600}
+
+
+async def test_weight_update_from_disk_swaps_or_keeps_old(make_engine, tiny_ckpt, tiny_ckpt_b, tmp_path):
+    engine = await make_engine(tiny_ckpt, weight_version="0")
+    ids = engine.encode("2+3=")
+    probe = req("x", ids, max_new_tokens=0, logprob_start_len=0)
+
+    async def input_lps() -> list[float]:
+        _, _, _, chunks = await run(engine, probe)
+        return chunks[0].input_logprobs[1:]
+
+    def hf(path: str) -> list[float]:
+        full = hf_logprobs(path, ids)
+        return [full[p - 1, ids[p]].item() for p in range(1, len(ids))]
+
+    def close(a, b) -> bool:
+        return max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+    assert close(await input_lps(), hf(tiny_ckpt))
+    # bad checkpoints: nothing changes
+    from safetensors.torch import load_file, save_file
+
+    bad = []
+    for kind in ("missing", "shape", "corrupt"):
+        dst = str(tmp_path / kind)
+        shutil.copytree(tiny_ckpt_b, dst)
+        f = os.path.join(dst, "model.safetensors")
+        if kind == "corrupt":
+            with open(f, "r+b") as fh:
+                fh.truncate(500)
+        else:
+            t = load_file(f)
+            if kind == "missing":
+                t.pop("model.norm.weight")
+            else:
+                t["model.norm.weight"] = t["model.norm.weight"][:3].clone()
+            save_file(t, f)
+        bad.append(dst)
+    bad.append(make_tiny_checkpoint(str(tmp_path / "llama"), "llama"))
+    for path in bad:
+        ok, msg, n = await engine.update_weights_from_disk(path, "bad")
+        assert not ok and n == 0 and path in msg
+        assert engine.weight_version == "0" and engine.model_path == tiny_ckpt
+    assert close(await input_lps(), hf(tiny_ckpt))
+    # a good one swaps; the version and path follow; chunks carry the new version
+    ok, msg, _ = await engine.update_weights_from_disk(tiny_ckpt_b, "7")
+    assert ok, msg
+    assert engine.weight_version == "7" and engine.model_path == tiny_ckpt_b
+    assert close(await input_lps(), hf(tiny_ckpt_b))
+    _, _, _, chunks = await run(engine, req("v", ids, max_new_tokens=3, ignore_eos=True))
+    assert {c.weight_version for c in chunks} == {"7"}
+    ok, _, _ = await engine.update_weights_from_disk(tiny_ckpt, None)
+    assert ok and engine.weight_version == "8"
+
+
+async def test_weight_update_waits_for_running_or_aborts_them(make_engine, tiny_ckpt, tiny_ckpt_b):
+    engine = await make_engine(tiny_ckpt, weight_version="0")
+    ids = engine.encode("abc")
+    # not paused: the update waits for the in-flight request, which finishes entirely on the old weights
+    task = asyncio.create_task(run(engine, req("w", ids, max_new_tokens=400, ignore_eos=True)))
+    await asyncio.sleep(0.05)
+    ok, _, _ = await engine.update_weights_from_disk(tiny_ckpt_b, "1")
+    assert ok and task.done()
+    _, _, finish, chunks = task.result()
+    assert finish["type"] == "length" and {c.weight_version for c in chunks} == {"0"}
+    # abort_all_requests: in-flight requests end with abort at once
+    gen = engine.generate(req("w2", ids, max_new_tokens=900, ignore_eos=True))
+    first = await _first_chunk(gen)
+    ok, _, _ = await engine.update_weights_from_disk(tiny_ckpt, "2", abort_all_requests=True)
+    assert ok
+    out, finish = await _rest(gen, first)
+    assert finish["type"] == "abort" and len(out) < 900
+
+
+async def test_kv_budget_queues_requests_and_all_complete(make_engine, lively_ckpt):
+    # 128 tokens of KV: each request reserves 64 (prompt + max_new_tokens rounded to pages), so two run at once.
+    engine = await make_engine(lively_ckpt, max_total_tokens=128)
+    prompts = [engine.encode(t)[:10] for t in PROMPTS]
+    alone = (await run(engine, req("solo", prompts[0], max_new_tokens=40, temperature=0.0, ignore_eos=True)))[0]
+    tasks = [asyncio.create_task(run(engine, req(f"q{i}", p, max_new_tokens=40, temperature=0.0, ignore_eos=True)))
+             for i, p in enumerate(prompts)]
+    seen_waiting = 0
+    while not all(t.done() for t in tasks):
+        seen_waiting = max(seen_waiting, engine.num_waiting())
+        assert engine.num_running() <= 2
+        await asyncio.sleep(0.002)
+    results = [t.result() for t in tasks]
+    assert all(r[2] == {"type": "length", "length": 40} for r in results)
+    assert results[0][0] == alone
+    assert seen_waiting > 0
+    with pytest.raises(ValueError, match="never fit"):
+        engine.generate(req("huge", prompts[0], max_new_tokens=200))
+
+
+async def test_bad_requests_raise_value_error(make_engine, tiny_ckpt):
+    engine = await make_engine(tiny_ckpt)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate(req("e", [], max_new_tokens=4))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate(req("v", [3, engine.vocab_size], max_new_tokens=4))
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(req("c", [3] * 10, max_new_tokens=engine.context_len))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(req("p", [3], top_p=0.0))
+    gen = engine.generate(req("dup", [3, 4], max_new_tokens=500, ignore_eos=True))
+    await _first_chunk(gen)
+    with pytest.raises(ValueError, match="already in flight"):
+        async for _ in engine.generate(req("dup", [3, 4], max_new_tokens=4)):
+            pass
+    await engine.abort("dup")
+    await gen.aclose()
+    # the engine still serves after all that
+    out, _, finish, _ = await run(engine, req("ok", [3, 4], max_new_tokens=4, ignore_eos=True))
+    assert len(out) == 4 and finish["type"] == "length"
+
+
+async def test_tokenizer_access(make_engine, tiny_ckpt):
+    engine = await make_engine(tiny_ckpt)
+    ids = engine.encode("1+1=2")
+    assert engine.decode(ids) == "1+1=2" and len(ids) == 5
+    chat = engine.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert engine.decode(chat, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert engine.context_len == 1024 and engine.vocab_size == 100
+    args = engine.server_args()
+    assert args["model_path"] == tiny_ckpt and args["max_total_tokens"] == 65536
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The trainer side of SGLang's broadcast weight sync, as a trainer written for SGLang does it.
+SENDER = textwrap.dedent("""
+    import os
+    import sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from safetensors.torch import load_file
+    port, path = int(sys.argv[1]), sys.argv[2]
+    timeout = timedelta(seconds=60)
+    store, rank, world = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
+    store = dist.PrefixStore("wsync", store)
+    pg, _ = c10d._new_process_group_helper(2, 0, [], "gloo", store, group_name="wsync", timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {0: 0, 1: 1}
+    tensors = load_file(path + "/model.safetensors")
+    for name in sorted(tensors):
+        dist.broadcast(tensors[name].contiguous(), src=0, group=pg)
+    print("sent", len(tensors), flush=True)
+    # Skip interpreter teardown: destroying this process's TCPStore server while the engine still holds a
+    # connection to it aborts the process ("terminate called without an active exception").
+    os._exit(0)
+""")
+
+
+async def test_weights_from_distributed_broadcast(make_engine, tiny_ckpt, tiny_ckpt_b):
+    from safetensors import safe_open
+
+    engine = await make_engine(tiny_ckpt, weight_version="0")
+    port = _free_port()
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, str(port), tiny_ckpt_b],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ok, msg = await engine.init_weights_update_group("127.0.0.1", port, 1, 2, "wsync", "gloo")
+        assert ok, msg
+        with safe_open(os.path.join(tiny_ckpt_b, "model.safetensors"), "pt") as f:
+            names = sorted(f.keys())
+            shapes = [list(f.get_slice(n).get_shape()) for n in names]
+        ok, msg = await engine.update_weights_from_distributed(names, ["float32"] * len(names), shapes, "wsync", "9")
+        assert ok, msg
+        out, err = await asyncio.to_thread(sender.communicate, timeout=60)
+        assert sender.returncode == 0, err
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+    assert engine.weight_version == "9"
+    ids = engine.encode("2+3=")
+    _, _, _, chunks = await run(engine, req("x", ids, max_new_tokens=0, logprob_start_len=1))
+    full = hf_logprobs(tiny_ckpt_b, ids)
+    want = [full[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(chunks[0].input_logprobs, want)) < 1e-4
+    ok, msg = await engine.update_weights_from_distributed(["x"], ["float32"], [[1]], "nope", None)
+    assert not ok and "nope" in msg
+
+
+async def test_penalties_and_top_logprobs(make_engine, lively_ckpt):
+    engine = await make_engine(lively_ckpt)
+    ids = engine.encode("abc")
+    out, lps, _, chunks = await run(engine, req("pen", ids, max_new_tokens=12, temperature=0.0, ignore_eos=True,
+                                                presence_penalty=1.5, frequency_penalty=0.5,
+                                                return_logprob=True, top_logprobs_num=3))
+    # replay with transformers: greedy over logits minus the penalties of the tokens generated so far
+    seq, want = list(ids), []
+    for _ in range(12):
+        with torch.no_grad():
+            logits = _hf(lively_ckpt)(torch.tensor([seq])).logits[0, -1].float()
+        gen = seq[len(ids):]
+        for t in set(gen):
+            logits[t] -= 1.5 + 0.5 * gen.count(t)
+        want.append(int(logits.argmax()))
+        seq.append(want[-1])
+    assert out == want
+    plain = (await run(engine, req("plain", ids, max_new_tokens=12, temperature=0.0, ignore_eos=True)))[0]
+    assert plain != out
+    tops = [t for c in chunks for t in c.new_top_logprobs]
+    assert len(tops) == len(out)
+    for tok, lp, top in zip(out, lps, tops):
+        assert len(top) == 3 and top[0][1] == tok and abs(top[0][0] - lp) < 1e-6
+        assert top[0][0] >= top[1][0] >= top[2][0]
+
+
+def test_truncation_keeps_only_allowed_tokens():
+    from areal_async.inference.sampling import RowParams, sample
+
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0, -1.0]]).repeat(400, 1)  # [400, 5]
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(logits[0], dim=-1)
+    for row, allowed in ((RowParams(temperature=1.0, top_k=2), {0, 1}),
+                         (RowParams(temperature=1.0, top_p=0.4), {0}),
+                         (RowParams(temperature=1.0, top_p=float(probs[:2].sum()) + 1e-3), {0, 1, 2}),
+                         (RowParams(temperature=1.0, min_p=0.5), {0, 1}),
+                         (RowParams(temperature=1.0), {0, 1, 2, 3, 4})):
+        tokens, lps, _ = sample(logits.clone(), [row] * 400, gen)
+        assert set(tokens.tolist()) == allowed
+        # reported logprobs are the untruncated tempered distribution's
+        assert torch.allclose(lps, torch.log(probs)[tokens], atol=1e-6)

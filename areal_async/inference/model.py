@@ -354,7 +354,8 @@ class _Layer:
     def named_views(self, spec: ModelSpec, prefix: str) -> dict[str, torch.Tensor]:
         q, kv, i = spec.q_size, spec.kv_size, spec.intermediate_size
         out = {prefix + "input_layernorm.weight": self.ln1, prefix + "post_attention_layernorm.weight": self.ln2,
-               prefix + "self_attn.q_proj.weight": self.qkv_w[:q], prefix + "self_attn.k_proj.weight": self.qkv_w[q:q + kv],
+               prefix + "self_attn.q_proj.weight": self.qkv_w[:q],
+               prefix + "self_attn.k_proj.weight": self.qkv_w[q:q + kv],
                prefix + "self_attn.v_proj.weight": self.qkv_w[q + kv:], prefix + "self_attn.o_proj.weight": self.o_w,
                prefix + "mlp.gate_proj.weight": self.gate_up_w[:i], prefix + "mlp.up_proj.weight": self.gate_up_w[i:],
                prefix + "mlp.down_proj.weight": self.down_w}

@@ -44,6 +44,7 @@ import copy
 import logging
 import os
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 import torch
@@ -170,6 +171,7 @@ class AsyncEngine:
             raise ValueError("max_total_tokens, max_running_requests and chunked_prefill_size must be > 0")
         self.model_path = model_path
         self.weight_version = weight_version
+        self.busy_s = 0.0  # seconds spent in model steps since start (reported by /server_info)
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
@@ -454,7 +456,8 @@ class AsyncEngine:
                 "dtype": str(self.dtype).removeprefix("torch."), "max_total_tokens": self.max_total_tokens,
                 "max_running_requests": self.max_running_requests, "chunked_prefill_size": self.chunked_prefill_size,
                 "page_size": PAGE_SIZE, "context_length": self.context_len, "random_seed": self.seed,
-                "architecture": self.spec.architecture, "weight_version": self.weight_version}
+                "architecture": self.spec.architecture, "weight_version": self.weight_version,
+                "busy_s": self.busy_s}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
@@ -565,12 +568,14 @@ class AsyncEngine:
                 swap, self._pending_swap = self._pending_swap, None
                 swap()
             if self._can_step():
+                t_step = time.perf_counter()
                 try:
                     self._step()
                 except Exception as e:  # never leave clients hanging: fail the running requests, keep serving
                     log.exception("engine step failed")
                     for r in list(self._running):
                         self._finish(r, _abort_reason(f"engine error: {type(e).__name__}: {e}"))
+                self.busy_s += time.perf_counter() - t_step  # model compute time: benchmarks report busy fractions
             self._n_running, self._n_waiting = len(self._running), len(self._waiting)
             self._flush(force=not self._can_step())  # going idle: nothing may stay pending
 

@@ -101,7 +101,7 @@ def worked_solution(problem: Problem) -> str:
     """One step per line, then the final-answer line (no EOS: the tokenizer's EOS follows it)."""
     lines, v = [], problem.start
     for r in problem.values():
-        lines.append(f"{v}{problem.op}{problem.step}={r}")
+        lines.append(f"{v}{problem.op}{problem.step}={r}{'<' if r < problem.threshold else '>'}{problem.threshold}")
         v = r
     lines.append(f"{ANSWER_PREFIX} {v}")
     return "\n".join(lines)
@@ -122,12 +122,16 @@ def random_problem(rng: random.Random, spec: ArithSpec = ArithSpec(), num_steps:
             # the answer a + s*k is the first value above t: a + (s-1)*k <= t < a + s*k
             lo, hi = max(0, t - span + 1), min(t - (s - 1) * k, spec.max_value - span)
             if lo <= hi:
-                return Problem(rng.randint(lo, hi), "+", k, t)
+                prob = Problem(rng.randint(lo, hi), "+", k, t)
+                if t not in prob.values():  # no ties: every comparison in the solution is strict
+                    return prob
         else:
             # the answer a - s*k is the first value below t: a - s*k < t <= a - (s-1)*k
             lo, hi = max(span, t + (s - 1) * k), min(t + span - 1, spec.max_value)
             if lo <= hi:
-                return Problem(rng.randint(lo, hi), "-", k, t)
+                prob = Problem(rng.randint(lo, hi), "-", k, t)
+                if t not in prob.values():
+                    return prob
 
 
 def is_eval_problem(prompt: str, spec: ArithSpec = ArithSpec()) -> bool:

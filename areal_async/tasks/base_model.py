@@ -1,0 +1,309 @@
+"""The default base model: a tiny Qwen2 trained from scratch, in about a minute on a CPU, on the arith task.
+
+`ensure_base_model()` returns an HF checkpoint directory (config.json, model.safetensors, the char tokenizer with
+its chat template) that every loader in the project reads like a downloaded model. It is built once by a short
+supervised warm-up and cached; the cache key hashes every setting plus `FORMAT_VERSION`, so changing anything
+(here or through overrides) builds a new model instead of silently reusing a stale one.
+
+Why the warm-up data mixes two styles: RL needs headroom. Most warm-up answers are bare (`#### 54`, no work shown)
+and the rest are worked solutions (see `areal_async.tasks.arith`). The model learns both: greedy decoding follows
+the majority style and mostly guesses, so held-out greedy accuracy starts low, while sampling at temperature 1
+writes worked solutions often enough that most prompts get some correct samples. Rewarding correct answers then
+teaches the model to work the problem out, and greedy accuracy climbs fast while responses grow longer - the
+effect RL is used for on real models, visible in minutes on a laptop.
+
+Building: a plain single-process torch loop (transformers' Qwen2ForCausalLM, AdamW, warm-up + cosine schedule),
+sequences bucketed by length to avoid padding, loss on the answer tokens only. Deterministic for a seed on a given
+machine and thread count. Writes go to a temporary directory renamed into place, under a file lock, so concurrent
+builders neither corrupt the cache nor train twice.
+
+CLI: `python -m areal_async.tasks.base_model [--out DIR] [--seed S] [--cache-dir DIR] [key=value ...]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+from typing import Any, Iterator
+
+from areal_async.tasks import arith
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # bump when the build procedure changes in a way the settings do not capture
+MARKER = "areal_base_model.json"  # written last into the temporary directory; its presence means complete
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseModelSpec:
+    """Every setting of the base model and its warm-up; all of them enter the cache key."""
+
+    # architecture (Qwen2)
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    # supervised warm-up
+    sft_steps: int = 600
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    bare_answer_fraction: float = 0.6  # share of warm-up answers that skip the work (see the module docstring)
+    bucket_batches: int = 16  # batches drawn at once and sorted by length, so a batch has little padding
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        if self.sft_steps < 0 or self.batch_size < 1:
+            raise ValueError("sft_steps must be >= 0 and batch_size >= 1")
+        if not 0.0 <= self.bare_answer_fraction <= 1.0:
+            raise ValueError("bare_answer_fraction must be in [0, 1]")
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("AREAL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "areal_async")
+
+
+def cache_key(spec: BaseModelSpec, seed: int) -> str:
+    blob = json.dumps({"format": FORMAT_VERSION, "seed": seed, "task": dataclasses.asdict(arith.ArithSpec()),
+                       **dataclasses.asdict(spec)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def make_spec(**overrides: Any) -> BaseModelSpec:
+    """`BaseModelSpec` with overrides; an unknown name is an error listing the valid ones."""
+    names = {f.name for f in dataclasses.fields(BaseModelSpec)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown base model setting(s) {unknown}; valid: {sorted(names)}")
+    return BaseModelSpec(**overrides)
+
+
+def ensure_base_model(cache_dir: str | None = None, seed: int = 0, **overrides: Any) -> str:
+    """The checkpoint directory of the base model for (settings, seed), building it on first use."""
+    spec = make_spec(**overrides)
+    root = os.path.join(cache_dir or default_cache_dir(), "base_models")
+    final = os.path.join(root, f"arith-qwen2-{cache_key(spec, seed)}")
+    if _is_complete(final):
+        return final
+    os.makedirs(root, exist_ok=True)
+    with _file_lock(final + ".lock"):
+        if _is_complete(final):  # another process built it while we waited
+            return final
+        build_into(final, spec, seed)
+    return final
+
+
+def build_into(final: str, spec: BaseModelSpec, seed: int) -> None:
+    """Train into a fresh temporary sibling of `final`, then rename it into place. Call under the lock."""
+    parent, name = os.path.split(os.path.abspath(final))
+    for entry in os.listdir(parent):  # leftovers of builders that died (we hold the lock, so none is live)
+        if entry.startswith(name + ".tmp-"):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    if os.path.exists(final):  # incomplete: no marker
+        shutil.rmtree(final)
+    tmp = os.path.join(parent, f"{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        build_base_model(tmp, spec, seed)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+@contextlib.contextmanager
+def _file_lock(path: str) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the atomic rename alone keeps the cache consistent
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---- the warm-up ------------------------------------------------------------------------------------------------
+
+
+def warmup_text(problem: arith.Problem, rng: random.Random, bare_answer_fraction: float) -> str:
+    """The answer the warm-up teaches for `problem`: bare or worked (see the module docstring)."""
+    if rng.random() < bare_answer_fraction:
+        return f"{arith.ANSWER_PREFIX} {problem.answer}"
+    return arith.worked_solution(problem)
+
+
+def _warmup_batches(tokenizer, spec: BaseModelSpec, rng: random.Random, eos_id: int) -> Iterator[tuple[list, list]]:
+    """Endless (token lists, loss masks) batches of training-split problems, bucketed by length."""
+    task = arith.ArithSpec()
+    while True:
+        texts: list[tuple[str, str]] = []
+        while len(texts) < spec.batch_size * spec.bucket_batches:
+            p = arith.random_problem(rng, task)
+            prompt = arith.prompt_of(p)
+            if not arith.is_eval_problem(prompt, task):  # never train on held-out problems
+                texts.append((prompt, warmup_text(p, rng, spec.bare_answer_fraction)))
+        prompts = tokenizer.encode_batch([t[0] for t in texts], add_special_tokens=False)
+        answers = tokenizer.encode_batch([t[1] for t in texts], add_special_tokens=False)
+        seqs = [(p.ids + a.ids + [eos_id], len(p.ids)) for p, a in zip(prompts, answers)]
+        seqs.sort(key=lambda x: len(x[0]))
+        chunks = [seqs[i:i + spec.batch_size] for i in range(0, len(seqs), spec.batch_size)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            yield [s for s, _ in chunk], [n for _, n in chunk]
+
+
+def build_base_model(out_dir: str, spec: BaseModelSpec = BaseModelSpec(), seed: int = 0,
+                     device: str | None = None) -> dict[str, Any]:
+    """Train the base model from scratch and save it (with tokenizer and `MARKER`) into `out_dir`; returns stats."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from areal_async.tasks.char_tokenizer import save_char_tokenizer
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    os.makedirs(out_dir, exist_ok=True)
+    vocab_size = save_char_tokenizer(out_dir)
+    tokenizer = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json"))
+    eos_id, pad_id = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|pad|>")
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=spec.intermediate_size, max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta, initializer_range=spec.init_std, tie_word_embeddings=True,
+        use_sliding_window=False, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(cfg).to(device=dev, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("building the tiny base model (%.2fM params, %d warm-up steps on %s) into %s",
+             n_params / 1e6, spec.sft_steps, dev, out_dir)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=spec.weight_decay)
+
+    def lr_factor(step: int) -> float:  # linear warm-up, then cosine down to min_lr_ratio
+        warm = min(1.0, (step + 1) / max(1, spec.warmup_steps))
+        progress = min(1.0, step / max(1, spec.sft_steps))
+        return warm * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    batches = _warmup_batches(tokenizer, spec, random.Random(f"areal_async.base_model/{seed}"), eos_id)
+    model.train()
+    t0 = time.perf_counter()
+    loss_ema, tokens = float("nan"), 0
+    log_every = max(1, spec.sft_steps // 10)
+    for step in range(1, spec.sft_steps + 1):
+        seqs, prompt_lens = next(batches)
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [B, T]
+        labels = torch.full((len(seqs), width), -100, dtype=torch.long)  # [B, T], -100 = no loss
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [B, T]
+        for i, (s, n) in enumerate(zip(seqs, prompt_lens)):
+            ids[i, :len(s)] = torch.tensor(s)
+            labels[i, n:len(s)] = ids[i, n:len(s)]  # learn the answer and its EOS, not the random prompt
+            mask[i, :len(s)] = 1
+        tokens += int(mask.sum())
+        out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev))
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+        opt.step()
+        sched.step()
+        loss = out.loss.item()
+        loss_ema = loss if math.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * loss
+        if step % log_every == 0 or step == spec.sft_steps:
+            log.info("base model warm-up step %d/%d loss %.3f (%.1f s)", step, spec.sft_steps, loss_ema,
+                     time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = pad_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    stats = {"format_version": FORMAT_VERSION, "seed": seed, "settings": dataclasses.asdict(spec),
+             "task": dataclasses.asdict(arith.ArithSpec()), "num_params": n_params, "sft_seconds": round(seconds, 2),
+             "final_loss": round(loss_ema, 4), "tokens": tokens, "device": str(dev), "torch": torch.__version__,
+             "transformers": transformers.__version__}
+    with open(os.path.join(out_dir, MARKER), "w") as f:
+        json.dump(stats, f, indent=2)
+    log.info("base model ready in %.1f s (loss %.3f): %s", seconds, loss_ema, out_dir)
+    return stats
+
+
+# ---- CLI --------------------------------------------------------------------------------------------------------
+
+
+def _parse_overrides(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"overrides are key=value, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m areal_async.tasks.base_model",
+                                 description="Build (or find in the cache) the tiny default base model.")
+    ap.add_argument("--out", help="write the checkpoint here instead of the cache (rebuilt if settings differ)")
+    ap.add_argument("--cache-dir", help="cache root (default $AREAL_CACHE or ~/.cache/areal_async)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", help="BaseModelSpec settings, e.g. sft_steps=300")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        overrides = _parse_overrides(args.overrides)
+        if args.out:
+            spec = make_spec(**overrides)
+            marker = os.path.join(args.out, MARKER)
+            same = False
+            if os.path.isfile(marker):
+                with open(marker) as f:
+                    old = json.load(f)
+                same = (old.get("format_version") == FORMAT_VERSION and old.get("seed") == args.seed
+                        and old.get("settings") == dataclasses.asdict(spec))
+            if not same:
+                if os.path.exists(args.out) and os.listdir(args.out) and not os.path.isfile(marker):
+                    raise SystemExit(f"{args.out} exists and is not a base model directory; refusing to replace it")
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with _file_lock(os.path.abspath(args.out) + ".lock"):
+                    build_into(args.out, spec, args.seed)
+            path = args.out
+        else:
+            path = ensure_base_model(args.cache_dir, args.seed, **overrides)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

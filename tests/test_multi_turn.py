@@ -11,7 +11,6 @@ import asyncio
 import os
 from types import SimpleNamespace
 
-import aiohttp
 import msgspec
 import pytest
 
@@ -20,6 +19,7 @@ from areal_async.rollout.workflows.multi_turn import (ChatTokens, CheckerEnv, Mu
                                                        make_workflow)
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import GenerationResult, Sample, SamplingParams
+from areal_async.testing.interrupt import swap_weights_mid_generation
 
 pytestmark = pytest.mark.timeout(180)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,26 +144,7 @@ async def test_interrupted_turn_resumes_inside_the_episode(server_client, tiny_c
                                                                          temperature=0.0), 1, max_turns=2,
                            max_total_tokens=1000)
     task = asyncio.create_task(wf.episode(rec, Sample(id=0, prompt="What is 1+2?\n", answer="3")))
-    seen = [0]
-
-    async def progress() -> None:  # a streaming request batched with the episode's first turn
-        body = {"input_ids": [9, 10, 11], "sampling_params": {"max_new_tokens": 250, "temperature": 0,
-                                                               "ignore_eos": True}, "stream": True}
-        async with aiohttp.ClientSession() as s, s.post(server.url + "/generate",
-                                                        data=msgspec.json.encode(body)) as r:
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    seen[0] = msgspec.json.decode(line[6:])["meta_info"]["completion_tokens"]
-
-    observer = asyncio.create_task(progress())
-    for _ in range(4000):
-        if seen[0] >= 20:
-            break
-        await asyncio.sleep(0.005)
-    await client.pause()
-    await observer
-    await client.update_weights_from_disk(tiny_ckpt_b, 1)
-    await client.resume()
+    await swap_weights_mid_generation(server.url, client, tiny_ckpt_b, 1, max_new_tokens=250)
     ep = await task
     assert ep.turns == 2 and ep.interruptions >= 1
     first = [v for v in rec.calls[0][1].output_versions]

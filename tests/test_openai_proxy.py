@@ -21,6 +21,7 @@ from areal_async.inference.client import InferenceClient
 from areal_async.rollout.workflows.multi_turn import ChatTokens
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import Sample
+from areal_async.testing.interrupt import swap_weights_mid_generation
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(180)
@@ -211,26 +212,7 @@ async def test_interrupted_call_spans_versions(stack, tiny_ckpt_b):
     oai = sdk(proxy, eid)
     task = asyncio.create_task(oai.completions.create(
         model="m", prompt=[5, 6, 7, 8], max_tokens=300, temperature=0, extra_body={"ignore_eos": True}))
-    seen = [0]
-
-    async def progress() -> None:  # a streaming request batched with ours tells how far generation has come
-        body = {"input_ids": [9, 10, 11], "sampling_params": {"max_new_tokens": 300, "temperature": 0,
-                                                               "ignore_eos": True}, "stream": True}
-        async with aiohttp.ClientSession() as s, s.post(server.url + "/generate",
-                                                        data=msgspec.json.encode(body)) as r:
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    seen[0] = msgspec.json.decode(line[6:])["meta_info"]["completion_tokens"]
-
-    observer = asyncio.create_task(progress())
-    for _ in range(4000):
-        if seen[0] >= 20:
-            break
-        await asyncio.sleep(0.005)
-    await client.pause()
-    await observer
-    await client.update_weights_from_disk(tiny_ckpt_b, 1)
-    await client.resume()
+    await swap_weights_mid_generation(server.url, client, tiny_ckpt_b, 1, max_new_tokens=300)
     resp = await task
     assert resp.usage.completion_tokens == 300
     (call,) = proxy.episode(eid).calls

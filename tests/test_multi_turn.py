@@ -227,3 +227,28 @@ async def test_custom_env_example(server_client, tiny_ckpt):
     wf = mod.make_workflow(cfg, Tokenizer(tiny_ckpt), None)
     trajs = await wf.run(server_client[1], sample)
     assert len(trajs) == 2 and all(1 <= t.info["turns"] <= 3 for t in trajs)
+
+
+async def test_truncated_turn_ends_the_episode(server_client, tiny_ckpt):
+    """A turn cut off by max_new_tokens is not graded by the environment: the episode ends with truncated_reward."""
+    _server, client = server_client
+    tok = Tokenizer(tiny_ckpt)
+    stepped: list[str] = []
+
+    class Env(ScriptedEnv):
+        async def step(self, action):
+            stepped.append(action)
+            return await super().step(action)
+
+    sample = Sample(id=0, prompt="What is 1+2?\n", answer="3")
+    rec = Recorder(client)
+    wf = MultiTurnWorkflow(tok, lambda s: Env(3), SamplingParams(max_new_tokens=4, temperature=0.0), 1,
+                           max_turns=3, truncated_reward=-0.5)
+    ep = await wf.episode(rec, sample)
+    assert rec.calls[0][1].finish_reason == "length"  # a random model does not stop within 4 greedy tokens
+    assert ep.finish == "truncated" and ep.turns == 1 and ep.reward == -0.5 and stepped == []
+    check_token_in_token_out(lambda t, ids: None, ep, rec.calls)
+    # truncated_reward=None: the cut-off turn goes to the environment like any other
+    ep2 = await MultiTurnWorkflow(tok, lambda s: Env(3), SamplingParams(max_new_tokens=4, temperature=0.0), 1,
+                                  max_turns=3, truncated_reward=None).episode(client, sample)
+    assert ep2.finish == "done" and ep2.turns == 3 and len(stepped) == 3

@@ -25,7 +25,6 @@ torchrun workers are reached through `areal_async.train.client.TrainerGroup`), a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -314,15 +313,3 @@ def load_state(run_dir: str) -> tuple[RunState, str] | None:
     ckpt = data.pop("checkpoint")
     return RunState(**data), ckpt
 
-
-async def run_forever_guard(*aws: Awaitable[Any]) -> None:
-    """Wait for all; the first failure cancels the rest (used to tie the run to its child processes' health)."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            t.result()
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

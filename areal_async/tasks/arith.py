@@ -101,7 +101,7 @@ def worked_solution(problem: Problem) -> str:
     """One step per line, then the final-answer line (no EOS: the tokenizer's EOS follows it)."""
     lines, v = [], problem.start
     for r in problem.values():
-        lines.append(f"{v}{problem.op}{problem.step}={r}{'<' if r < problem.threshold else '>'}{problem.threshold}")
+        lines.append(f"{v}{problem.op}{problem.step}={r}")
         v = r
     lines.append(f"{ANSWER_PREFIX} {v}")
     return "\n".join(lines)

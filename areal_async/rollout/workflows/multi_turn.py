@@ -113,6 +113,7 @@ class MultiTurnConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     feedback: str = "Wrong, try again.\n{prompt}"  # CheckerEnv's retry message ({prompt}, {answer_text} allowed)
     retry_discount: float = 0.5  # reward of a correct attempt k (k = 0, 1, ...) is retry_discount ** k
     chat: bool = False  # render prompts and feedback as chat messages instead of plain text
+    truncated_reward: float | None = 0.0  # a turn cut off by max_new_tokens ends the episode with this reward
 
 
 class EpisodeResult(msgspec.Struct, kw_only=True):
@@ -128,7 +129,7 @@ class EpisodeResult(msgspec.Struct, kw_only=True):
     step_rewards: list[float]
     turn_outputs: list[list[int]]  # the generated ids of each turn, as returned by the client
     turn_inputs: list[list[int]]  # the input ids of each turn, as sent to the client
-    finish: str  # "done" (the env ended it), "max_turns", "max_tokens", "abort"
+    finish: str  # "done" (the env ended it), "truncated", "max_turns", "max_tokens", "abort"
     interruptions: int = 0
 
 
@@ -137,10 +138,18 @@ class MultiTurnWorkflow:
 
     The trajectory reward is the sum of the step rewards (an environment that wants discounting or a final-only
     reward computes it in `step`).
+
+    Truncated turns: a turn cut off by `max_new_tokens` is not shown to the environment; the episode ends there
+    with `truncated_reward` (None: pass it on like any other turn; with `ignore_eos` every turn ends by length,
+    so the rule does not apply). Why: when the reward can be read from a
+    cut-off text (an answer line followed by rambling), nothing teaches the model to stop, and in multi-turn
+    episodes, where failed episodes hold more turns (and more end-of-turn tokens) than successful ones, the
+    group-relative gradient pushes the end-of-sequence token down until the policy never stops.
     """
 
     def __init__(self, tokenizer: Tokenizer, env_factory: EnvFactory, sampling: SamplingParams, group_size: int, *,
-                 max_turns: int = 2, max_total_tokens: int = 1024, chat: bool = False) -> None:
+                 max_turns: int = 2, max_total_tokens: int = 1024, chat: bool = False,
+                 truncated_reward: float | None = 0.0) -> None:
         if max_turns < 1 or group_size < 1:
             raise ValueError("max_turns and group_size must be >= 1")
         self.tok = tokenizer
@@ -150,6 +159,7 @@ class MultiTurnWorkflow:
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.chat = chat
+        self.truncated_reward = truncated_reward
         self._chat_tokens: ChatTokens | None = None
 
     @property
@@ -206,6 +216,10 @@ class MultiTurnWorkflow:
             vers += list(gen.output_versions)
             if gen.finish_reason == "abort":  # aborted by someone on purpose (not an interruption): stop here
                 finish = "abort"
+                break
+            if gen.finish_reason == "length" and self.truncated_reward is not None and not sp.ignore_eos:
+                step_rewards.append(float(self.truncated_reward))
+                finish = "truncated"
                 break
             obs, reward, done = await env.step(self.tok.decode(out))
             step_rewards.append(float(reward))
@@ -290,4 +304,4 @@ def make_workflow(cfg: Any, tokenizer: Tokenizer, score: ScoreFn) -> MultiTurnWo
         return CheckerEnv(score, max_attempts=mt.max_turns, feedback=mt.feedback, retry_discount=mt.retry_discount)
 
     return MultiTurnWorkflow(tokenizer, env_factory, sampling, r.group_size, max_turns=mt.max_turns,
-                             max_total_tokens=mt.max_total_tokens, chat=chat)
+                             max_total_tokens=mt.max_total_tokens, chat=chat, truncated_reward=mt.truncated_reward)

@@ -87,7 +87,8 @@ async def test_text_episode_token_in_token_out(server_client, tiny_ckpt):
     _server, client = server_client
     tok = Tokenizer(tiny_ckpt)
     rec = Recorder(client)
-    wf = MultiTurnWorkflow(tok, lambda s: ScriptedEnv(3), SamplingParams(max_new_tokens=12), 1, max_turns=5)
+    wf = MultiTurnWorkflow(tok, lambda s: ScriptedEnv(3), SamplingParams(max_new_tokens=12), 1, max_turns=5,
+                           truncated_reward=None)
     ep = await wf.episode(rec, Sample(id=0, prompt="What is 1+2?\n", answer="3"))
     assert ep.turns == 3 and ep.finish == "done" and ep.reward == pytest.approx(0.75)
 
@@ -105,7 +106,7 @@ async def test_chat_episode_renders_only_the_new_messages(server_client, tiny_ck
     tok = Tokenizer(tiny_ckpt)
     rec = Recorder(client)
     wf = MultiTurnWorkflow(tok, lambda s: ScriptedEnv(2, chat=True), SamplingParams(max_new_tokens=10), 1,
-                           max_turns=4)
+                           max_turns=4, truncated_reward=None)
     ep = await wf.episode(rec, Sample(id=0, prompt="hello", answer=""))
     assert ep.turns == 2
 

@@ -90,6 +90,7 @@ class RolloutConfig(_Section):
     filter_uniform_reward: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
     reward_timeout_s: float = 10.0
     workflow: str = "rlvr"  # "rlvr", "multi_turn", or "module:callable" returning a Workflow
+    multi_turn: dict[str, Any] = {}  # options of the multi_turn workflow, checked by its MultiTurnConfig
 
     def validate(self, prefix: str) -> None:
         _check(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")

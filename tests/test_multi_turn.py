@@ -197,8 +197,8 @@ def test_make_workflow_from_the_run_config(tiny_ckpt):
     assert wf.max_turns == MultiTurnConfig().max_turns and not wf.chat
     # options given as a mapping (what a `rollout.multi_turn` config section would hold)
     fields = {f: getattr(cfg.rollout, f) for f in cfg.rollout.__struct_fields__}
-    cfg2 = SimpleNamespace(rollout=SimpleNamespace(**fields, multi_turn={"max_turns": 3, "max_total_tokens": 300}),
-                           data=cfg.data)
+    fields["multi_turn"] = {"max_turns": 3, "max_total_tokens": 300}
+    cfg2 = SimpleNamespace(rollout=SimpleNamespace(**fields), data=cfg.data)
     wf2 = make_workflow(cfg2, Tokenizer(tiny_ckpt), score)
     assert wf2.max_turns == 3 and wf2.max_total_tokens == 300
     with pytest.raises(msgspec.ValidationError):
@@ -253,3 +253,26 @@ async def test_truncated_turn_ends_the_episode(server_client, tiny_ckpt):
     ep2 = await MultiTurnWorkflow(tok, lambda s: Env(3), SamplingParams(max_new_tokens=4, temperature=0.0), 1,
                                   max_turns=3, truncated_reward=None).episode(client, sample)
     assert ep2.finish == "done" and ep2.turns == 3 and len(stepped) == 3
+
+
+async def test_behaviour_logprobs_match_an_independent_forward(server_client, tiny_ckpt):
+    """The logprobs stored in a multi-turn trajectory are those of the full sequence under the model: an HF
+    transformers forward over the whole trajectory (feedback and all) reproduces them at every trained token."""
+    import torch
+    import transformers
+
+    _server, client = server_client
+    tok = Tokenizer(tiny_ckpt)
+    wf = MultiTurnWorkflow(tok, lambda s: ScriptedEnv(3), SamplingParams(max_new_tokens=10, temperature=1.0), 1,
+                           max_turns=3, truncated_reward=None)
+    ep = await wf.episode(client, Sample(id=0, prompt="What is 1+2?\n", answer="3"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    ids = torch.tensor([ep.input_ids])  # [1, T]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)  # [T, V]
+    ref = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]  # [T-1]: log p(ids[t] | ids[:t]) for t >= 1
+    trained = [t for t, m in enumerate(ep.loss_mask) if m]
+    assert trained and trained[0] > 0
+    got = torch.tensor([ep.logprobs[t] for t in trained])
+    want = ref[torch.tensor(trained) - 1]
+    assert torch.allclose(got, want, atol=2e-3), (got - want).abs().max()

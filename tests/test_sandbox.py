@@ -166,7 +166,7 @@ def test_killing_the_parent_takes_the_sandbox_down(tmp_path):
         from areal_async.rewards.sandbox import Sandbox, SandboxLimits
         sb = Sandbox(SandboxLimits(wall_s=60, cpu_s=60))
         print(sb.uid, flush=True)
-        sb.write("main.py", "import os, time\\nfor _ in range(3):\\n    os.fork()\\nprint('up', flush=True)\\ntime.sleep(60)\\n")
+        sb.write("main.py", "import os, time\\nfor _ in range(3):\\n    os.fork()\\ntime.sleep(60)\\n")
         sb.run([sb.python(), "-I", "main.py"])
     """))
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)

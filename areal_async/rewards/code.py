@@ -1,13 +1,16 @@
-"""Code rewards: run a model-written Python program against tests inside the sandbox.
+r"""Code rewards: run a model-written Python program against tests inside the sandbox.
 
 The reference answer carries the tests, in one of the formats public code datasets use:
 
-- stdin/stdout cases (APPS, CodeContests, LiveCodeBench "stdin"):   {"inputs": ["1 2\n", ...], "outputs": ["3\n", ...]}
-- call-based cases (APPS / LiveCodeBench "functional"):              {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}
-- assert statements (MBPP, HumanEval-style):                         {"tests": ["assert add(1, 2) == 3", ...],
-                                                                       "setup": "import math"}  (setup optional)
-- a JSON list of such statements, or a plain string of assert lines (MBPP's test_list joined by newlines), or, when it is not assert lines, one block of
-  test code run after the solution (a HumanEval `check` function plus `meta["entry_point"]` is called for you).
+- stdin/stdout cases (APPS, CodeContests, LiveCodeBench "stdin"):
+      {"inputs": ["1 2\n", ...], "outputs": ["3\n", ...]}
+- call-based cases (APPS / LiveCodeBench "functional"):
+      {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}
+- assert statements (MBPP, HumanEval-style), setup optional:
+      {"tests": ["assert add(1, 2) == 3", ...], "setup": "import math"}
+- a JSON list of such statements, or a plain string of assert lines (MBPP's test_list joined by newlines), or, when
+  it is not assert lines, one block of test code run after the solution (a HumanEval `check` function plus
+  `meta["entry_point"]` is called for you).
 
 The program is the last fenced code block of the completion (```python ... ```), or the whole completion when it has
 none. The verdict is the fraction of tests passed, or all-or-nothing (`all_or_nothing=True`); a crash, timeout or

@@ -230,7 +230,8 @@ def _pick_uid() -> int:
     except OSError:
         ranges = [(0, 65535)]
     for lo_pref in (100_000, 60_000, 1000):
-        ok = [(max(lo, lo_pref), min(hi, 2**31 - 2)) for lo, hi in ranges if min(hi, 2**31 - 2) - max(lo, lo_pref) > 100]
+        top = 2**31 - 2
+        ok = [(max(lo, lo_pref), min(hi, top)) for lo, hi in ranges if min(hi, top) - max(lo, lo_pref) > 100]
         if ok:
             lo, hi = random.choice(ok)
             return random.randint(lo, hi)
@@ -466,7 +467,10 @@ def _verdict(returncode: int | None, out: bytes, err: bytes, info: bytes, cut: s
         elif sig == signal.SIGKILL:
             reason = "killed"  # the hard CPU limit, or the kernel's OOM killer
         else:
-            reason = f"signal {signal.Signals(sig).name}" if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+            try:
+                reason = f"signal {signal.Signals(sig).name}"
+            except ValueError:
+                reason = f"signal {sig}"
         return SandboxResult(ok=False, reason=reason, signal=sig, **common)
     if code == 0:
         return SandboxResult(ok=True, reason=None, exit_code=0, **common)

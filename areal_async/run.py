@@ -64,8 +64,14 @@ def resolve_model(cfg: RunConfig) -> str:
     return cfg.model.path
 
 
-async def run(cfg: RunConfig) -> dict[str, Any]:
-    """Launch servers and trainers, run the controller, write the outputs; always tear the children down."""
+async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
+    """Launch servers and trainers, run the controller, write the outputs; always tear the children down.
+
+    `workflow` replaces the one `rollout.workflow` names, so a Python caller (an agent environment, a notebook) can
+    hand in its own without making it importable by name: either a Workflow (an object with
+    `async run(client, sample) -> list[Trajectory] | None`) or a factory `f(cfg, tokenizer, score) -> Workflow`
+    called once the tokenizer and the reward runner exist (`score` is the configured reward, run off the loop).
+    """
     import msgspec
 
     from areal_async.inference.client import InferenceClient
@@ -150,7 +156,10 @@ async def run(cfg: RunConfig) -> dict[str, Any]:
             backend = "nccl" if info.device.startswith("cuda") else "gloo"
             await trainers.init_broadcast_group(client, srv.host if srv.backend != "external" else _my_address(),
                                                 free_port(), num_server_ranks=len(urls), backend=backend)
-        workflow = build_workflow(cfg, tokenizer, score)
+        if workflow is None:
+            workflow = build_workflow(cfg, tokenizer, score)
+        elif not hasattr(workflow, "run"):
+            workflow = workflow(cfg, tokenizer, score)
 
         async def evaluator() -> dict[str, float]:
             return await evaluate(client, tokenizer, eval_samples, score, max_new_tokens=cfg.eval.max_new_tokens,
@@ -282,7 +291,9 @@ def print_summary(s: dict[str, Any]) -> None:
     print("=" * 60)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, workflow: Any = None) -> int:
+    """The command line entry point, also callable from Python: `main(["total_steps=20"], workflow=make_workflow)`
+    runs with the same config handling, logging and exit codes, and the given workflow (see `run`)."""
     try:
         path, overrides = parse_args(argv)
         cfg = load_config(path, overrides)
@@ -297,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         runner = asyncio.run
     try:
-        runner(run(cfg))
+        runner(run(cfg, workflow))
     except KeyboardInterrupt:
         log.warning("interrupted; children stopped")
         return 130

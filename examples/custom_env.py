@@ -9,11 +9,9 @@ try again, three times at most; an episode (every turn) is one trajectory, train
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lets the run import this file as `custom_env`
-
-from areal_async.rollout.workflows.multi_turn import MultiTurnWorkflow  # noqa: E402
-from areal_async.tasks.arith import extract_answer  # noqa: E402
-from areal_async.types import SamplingParams  # noqa: E402
+from areal_async.rollout.workflows.multi_turn import MultiTurnWorkflow
+from areal_async.tasks.arith import extract_answer
+from areal_async.types import SamplingParams
 
 
 class HintEnv:
@@ -30,7 +28,7 @@ class HintEnv:
         return f"Wrong ({hint}). Try again.\n{self.sample.prompt}", 0.0, self.tries >= 3
 
 
-def make_workflow(cfg, tokenizer, score):  # rollout.workflow = "custom_env:make_workflow"
+def make_workflow(cfg, tokenizer, score):  # called by the run once the tokenizer exists
     r = cfg.rollout
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
     return MultiTurnWorkflow(tokenizer, lambda sample: HintEnv(), sampling, r.group_size, max_turns=3)
@@ -40,5 +38,4 @@ if __name__ == "__main__":
     from areal_async.run import main
 
     config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "multiturn.yaml")
-    sys.exit(main(["--config", config, "run_dir=runs/custom_env", "rollout.workflow=custom_env:make_workflow",
-                   *sys.argv[1:]]))
+    sys.exit(main(["--config", config, "run_dir=runs/custom_env", *sys.argv[1:]], workflow=make_workflow))

@@ -39,7 +39,7 @@ async def test_rejected_group_frees_its_slot():
     buf = StalenessBuffer(2, 0, max_running=10)
     await fill(buf, 2)
     assert buf.capacity() == 0
-    await buf.finish(None)
+    await buf.finish(None, 0)
     assert buf.capacity() == 1 and buf.rejected_total == 1
 
 
@@ -86,3 +86,48 @@ def test_bad_arguments():
         StalenessBuffer(0, 1, 1)
     with pytest.raises(ValueError):
         StalenessBuffer(1, -1, 1)
+
+
+def started_at(tag: int, version: int) -> Group:
+    g = group(tag)
+    g.start_version = version
+    return g
+
+
+async def test_batch_waits_for_a_straggler_and_takes_oldest_starts_first():
+    """eta = 1: a group started under v = 0 that is still running blocks the batch of step 1 (else its tokens would
+    be trained 2 versions old); once it lands, the batch takes it first although it finished last."""
+    buf = StalenessBuffer(2, 1, max_running=100)
+    v0 = [await buf.acquire_slot() for _ in range(4)]  # 4 groups under version 0 ((eta + 1) * B)
+    assert v0 == [0, 0, 0, 0]
+    await buf.finish(started_at(0, 0))
+    await buf.finish(started_at(1, 0))
+    assert [g.trajectories[0].reward for g in await buf.get_batch()] == [0.0, 1.0]  # step 0
+    await buf.set_version(1)
+    v1 = [await buf.acquire_slot() for _ in range(2)]
+    assert v1 == [1, 1]
+    await buf.finish(started_at(2, 0))  # one of version 0's groups lands; the other (3) is still running
+    for tag in (10, 11):
+        await buf.finish(started_at(tag, 1))
+    waiter = asyncio.create_task(buf.get_batch())  # step 1: 3 groups ready, but group 3 (started at 0) runs
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await buf.finish(started_at(3, 0))
+    batch = await asyncio.wait_for(waiter, 1.0)
+    assert [g.start_version for g in batch] == [0, 0]
+    assert sorted(g.trajectories[0].reward for g in batch) == [2.0, 3.0]
+    assert [g.start_version for g in buf._groups] == [1, 1]
+
+
+async def test_rejected_straggler_releases_the_batch():
+    buf = StalenessBuffer(1, 0, max_running=10)
+    assert await buf.acquire_slot() == 0
+    waiter = asyncio.create_task(buf.get_batch())
+    await asyncio.sleep(0.02)
+    await buf.finish(None, 0)  # filtered out: nothing to wait for any more, but no batch yet either
+    await buf.set_version(0)
+    assert await buf.acquire_slot() == 0
+    await buf.finish(started_at(7, 0))
+    assert (await asyncio.wait_for(waiter, 1.0))[0].trajectories[0].reward == 7.0
+    with pytest.raises(ValueError, match="start_version"):
+        await buf.finish(None)

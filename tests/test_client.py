@@ -530,6 +530,28 @@ async def test_cancelled_request_is_aborted_on_server(fakes):
     assert srv.num_inflight == 0
 
 
+async def test_connection_cap_holds_generations_back_but_not_admin_calls(fakes):
+    """Past `max_connections`, generations wait in the client (not counted as outstanding on any server), while
+    pause/continue/health still get through at once: they must never queue behind the generations."""
+    (srv,) = await fakes(1, token_delay=0.002)
+    async with fast_client([srv.url], max_connections=2) as c:
+        tasks = [asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=5000), rid=f"cap{i}"))
+                 for i in range(5)]
+        await srv.wait_progress(2, 1)
+        await asyncio.sleep(0.05)
+        assert srv.num_inflight == 2 and c.stats()["servers"][srv.url]["outstanding"] == 2
+        assert (await asyncio.wait_for(c.health(), 5)) == {srv.url: True}
+        await asyncio.wait_for(c.pause(), 5)  # the two on the wire come back aborted and wait for resume
+        await asyncio.wait_for(c.resume(), 5)
+        await srv.wait_progress(2, 1)
+        assert srv.num_inflight == 2
+        for t in tasks:
+            t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    assert [a[0] for a in srv.admin[:2]] == ["pause", "continue"]
+
+
 # ---- admin fan-out ---------------------------------------------------------------------------------------------
 
 

@@ -79,10 +79,10 @@ def test_problems_are_well_formed_and_difficulty_is_long_tailed():
 def test_worked_solution_format():
     p = arith.Problem(start=12, op="+", step=7, threshold=30)
     assert arith.prompt_of(p) == "Add 7 to 12 until above 30.\n"
-    assert arith.worked_solution(p) == "12+7=19<30\n19+7=26<30\n26+7=33>30\n#### 33"
+    assert arith.worked_solution(p) == "12+7=19\n19+7=26\n26+7=33\n#### 33"
     q = arith.Problem(start=25, op="-", step=9, threshold=10)
     assert arith.prompt_of(q) == "Subtract 9 from 25 until below 10.\n"
-    assert arith.worked_solution(q) == "25-9=16>10\n16-9=7<10\n#### 7"
+    assert arith.worked_solution(q) == "25-9=16\n16-9=7\n#### 7"
 
 
 def test_samples_carry_answer_and_difficulty():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import logging
 import math
 import random
@@ -111,6 +112,7 @@ class _ConnectionFailed(Exception):
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 _DOWN_STATUS = {502, 503, 504}  # the server (or its proxy) says it cannot serve at all: leave rotation
 _JSON = {"Content-Type": "application/json"}
+_ADMIN_HEADROOM = 8  # connections per server beyond `max_connections`, kept for admin calls and probes
 
 
 def _error_message(body: bytes) -> str:
@@ -157,7 +159,10 @@ class InferenceClient:
     """Drives one or more SGLang-protocol servers. Use `async with InferenceClient(urls) as c:` or `await close()`.
 
     Bound to the event loop that first uses it (aiohttp sessions are). Safe for thousands of concurrent
-    `agenerate` calls; admin calls fan out to every server concurrently.
+    `agenerate` calls; admin calls fan out to every server concurrently. At most `max_connections` generations
+    (and raw completions) are on the wire at once; the rest wait in the client, uncounted by the router, and admin
+    calls (pause, resume, abort, health, weight updates) never wait behind them. For N rollouts in flight, set
+    `max_connections` >= N or the servers see only `max_connections` of them.
     """
 
     def __init__(self, urls: list[str], *, api_key: str | None = None, timeout_s: float = 3600,
@@ -177,6 +182,7 @@ class InferenceClient:
         self.unavailable_timeout_s = unavailable_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None  # made with the session: one per routed request on the wire
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._resumed = asyncio.Event()  # cleared by pause(), set by resume(): interrupted requests wait on it
@@ -208,10 +214,15 @@ class InferenceClient:
         loop = asyncio.get_running_loop()
         if self._session is None:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=60,
-                                             ttl_dns_cache=300)
+            # routed requests are capped by `_slots`; the headroom above the cap keeps admin calls (pause, abort,
+            # probes) from queueing behind thousands of generations waiting for a connection
+            connector = aiohttp.TCPConnector(limit=self.max_connections + _ADMIN_HEADROOM * len(self.urls),
+                                             limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
             timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
+            # no cookie jar: SGLang sets no cookies, and a real jar costs a cookie filter + parse per request
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
+                                                  cookie_jar=aiohttp.DummyCookieJar())
+            self._slots = asyncio.Semaphore(self.max_connections)
             self._loop = loop
         elif loop is not self._loop:
             raise InferenceError("InferenceClient is bound to the event loop that first used it")
@@ -335,29 +346,42 @@ class InferenceClient:
         `make_body(attempt)` builds the body per attempt (generate gives each attempt its own rid so that a
         retry never collides with a request the server may still be running)."""
         self._counts["requests"] += 1
+        self._http()  # the session and its slot semaphore exist from here on
+        slots = self._slots
+        assert slots is not None
         failures = 0
         attempt = 0
         tried: list[str] = []
         last_err: BaseException | None = None
         deadline: float | None = None
         while True:
-            server = self._router.pick(session_key, tried)
+            # a slot first, then the server: a request waiting for a connection holds no aiohttp state, and the
+            # least-outstanding choice is made with the load at the moment the request actually goes out
+            await slots.acquire()
+            try:
+                server = self._router.pick(session_key, tried)
+                if server is not None:
+                    if tried and server.url not in tried:
+                        self._counts["failovers"] += 1
+                    body = make_body(attempt)
+                    attempt += 1
+                    try:
+                        answer: tuple[int, bytes] | _ConnectionFailed = await self._send(server, method, path, body)
+                    except _ConnectionFailed as e:
+                        answer = e
+            finally:
+                slots.release()
             if server is None:
                 if deadline is None:
                     deadline = time.monotonic() + self.unavailable_timeout_s
                 await self._wait_for_healthy(deadline, last_err)
                 continue
             deadline = None
-            if tried and server.url not in tried:
-                self._counts["failovers"] += 1
-            body = make_body(attempt)
-            attempt += 1
-            try:
-                status, data = await self._send(server, method, path, body)
-            except _ConnectionFailed as e:
-                self._server_failed(server, str(e))
-                last_err = e
+            if isinstance(answer, _ConnectionFailed):
+                self._server_failed(server, str(answer))
+                last_err = answer
             else:
+                status, data = answer
                 if status == 200:
                     return data, server
                 msg = _error_message(data)
@@ -425,7 +449,7 @@ class InferenceClient:
                 sp = dict(base)
                 sp["max_new_tokens"] = remaining
                 sp["min_new_tokens"] = max(0, sampling.min_new_tokens - len(out_ids))
-                payload: dict[str, Any] = {"input_ids": prompt + out_ids, "sampling_params": sp,
+                payload: dict[str, Any] = {"input_ids": prompt + out_ids if out_ids else prompt, "sampling_params": sp,
                                            "return_logprob": True, "stream": False}
                 if stops:  # per-token text lets us honour a stop string that spans a resubmission boundary
                     payload["return_text_in_logprobs"] = True
@@ -457,11 +481,13 @@ class InferenceClient:
                     raise InferenceError(f"{server.url}/generate: no output_token_logprobs (return_logprob "
                                          "ignored?)", url=server.url)
                 version = parse_weight_version(meta.weight_version)
-                for lp, tid, ttext in triples:
-                    out_ids.append(tid)
-                    out_lps.append(-math.inf if lp is None else lp)
-                    out_vers.append(version)
-                    tok_texts.append(ttext)
+                if triples:  # column-wise in C: long answers make a per-token Python loop the hot spot
+                    lps, tids, ttexts = zip(*triples)
+                    out_ids.extend(tids)
+                    out_lps.extend([-math.inf if lp is None else lp for lp in lps] if None in lps else lps)
+                    out_vers.extend(itertools.repeat(version, len(tids)))
+                    if stops:
+                        tok_texts.extend(ttexts)
                 seg_texts.append(resp.text)
                 self._counts["tokens"] += len(triples)
 

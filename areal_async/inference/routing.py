@@ -57,21 +57,26 @@ class Router:
         `exclude` names servers that just failed this request; they are avoided while another healthy server
         exists (fail over), and used as a last resort otherwise (a 500 on the only server is worth retrying).
         """
-        excluded = set(exclude)
-        healthy = self.healthy()
+        healthy = [s for s in self.servers.values() if s.healthy]
         if not healthy:
             return None
-        candidates = [s for s in healthy if s.url not in excluded] or healthy
+        candidates = healthy
+        if exclude:
+            excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
+            candidates = [s for s in healthy if s.url not in excluded] or healthy
         if session_key is not None:
             url = self._sessions.get(session_key)
             if url is not None:
                 s = self.servers[url]
-                if s.healthy and s in candidates:
+                if s.healthy and (candidates is healthy or s in candidates):
                     self._sessions.move_to_end(session_key)
                     return s
-        least = min(s.outstanding for s in candidates)
-        ties = [s for s in candidates if s.outstanding == least]
-        chosen = ties[self._rr % len(ties)]
+        if len(candidates) == 1:
+            chosen = candidates[0]
+        else:
+            least = min(s.outstanding for s in candidates)
+            ties = [s for s in candidates if s.outstanding == least]
+            chosen = ties[self._rr % len(ties)]
         self._rr += 1
         if session_key is not None:
             self._sessions[session_key] = chosen.url

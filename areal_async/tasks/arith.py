@@ -9,8 +9,8 @@
     47+7=54
     #### 54                                 <- final-answer line in GSM8K's format, then EOS
 
-Each line is one addition or subtraction and one comparison with the threshold (continue or stop), so the worked
-solution's length is the number of steps, drawn from a long-tailed distribution (1 to 10 steps, easy ones most
+Each line is one addition or subtraction; the model compares the result with the threshold itself to decide
+whether to write another line or the answer, so the worked solution's length is the number of steps, drawn from a long-tailed distribution (1 to 10 steps, easy ones most
 common): solution lengths vary about ten-fold within a batch, as in real reasoning RL.
 
 Why this task and not free-form chains like `37+8-5+12`: each line depends only on the line before and on two
@@ -212,8 +212,11 @@ def reference_answer(answer: str) -> str | None:
     return got if got is not None else _normalise_number(answer)
 
 
-def reward(completion: str, answer: str) -> float:
-    """1.0 iff the completion's final answer parses and equals the reference answer, else 0.0. Never raises."""
+def reward(completion: str, answer: str, *, prompt: str = "", **meta: object) -> float:
+    """1.0 iff the completion's final answer parses and equals the reference answer, else 0.0. Never raises.
+
+    `prompt` and `meta` are accepted (and unused) so this function has the reward registry's full signature and
+    can be called the same way as any custom reward."""
     try:
         got = extract_answer(completion)
         if got is None:

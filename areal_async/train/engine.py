@@ -8,13 +8,25 @@ rank instead of leaving the others waiting in an all-gather.
 
 The train step (see `train_step`), for the shard of groups this rank owns:
 
-    prox logprobs with the weights before the step (no grad)     <- skipped when loss.prox_logp == "behav"
+    prox logprobs with the weights before the step (no grad)     <- skipped when loss.prox_logp == "behav", and
+                                                                    folded into the training forward when k == 1
     shaped rewards -> group advantages (groups are whole here) -> optional batch norm with all-reduced moments
     for each of k minibatches (one optimizer step each):
-        packed micro-batches under micro_batch_tokens, the same count on every rank (empty ones pad)
+        micro-batches under micro_batch_tokens (see Layouts), the same count on every rank (empty ones pad)
         loss = sum over tokens / the minibatch's global response-token count  -> backward (grads accumulate)
         clip the global grad norm; a non-finite norm skips the step
     scheduler.step(); version += 1
+
+Folding the prox pass (k == 1): the weights do not change until the optimizer step after the last micro-batch, the
+model has no dropout and the micro-batches are the same, so the recomputed prox logprobs would equal the training
+forward's logprobs; the step takes them from there (detached) and saves a whole forward over the batch. With k > 1
+the later minibatches run on updated weights, so the separate pass stays.
+
+Layouts: with sdpa/eager attention (how this engine loads models) a micro-batch is a right-padded batch of
+length-sorted sequences (`rows_forward_logprobs` + `pack_sorted_micro_batches`, padded slots counted against the
+budget): exact, with no attention mask, where packing end to end would need a dense [N, N] block mask (for 128
+sequences of ~60 tokens in 1024-token rows that mask made attention most of the step on CPU). Flash-attention
+models keep true packing (varlen kernels, no mask, no padding).
 
 Loss scaling: each rank's loss is already divided by the global token count, so the true gradient is the SUM of
 the ranks' gradients; FSDP's reduce-scatter averages, hence the backward of `loss * world_size`.
@@ -27,6 +39,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 import numpy as np
 import torch
@@ -37,7 +50,8 @@ from areal_async.config import OptimConfig, TrainConfig
 from areal_async.train.advantages import (batch_normalize_with, group_advantages, mean_std_from_moments,
                                           normalization_moments, shape_rewards)
 from areal_async.train.losses import kl_penalty, ppo_actor_loss
-from areal_async.train.packing import pack_micro_batches, split_minibatches
+from areal_async.train.logprobs import needs_dense_packing_mask, packed_forward_logprobs, rows_forward_logprobs
+from areal_async.train.packing import pack_micro_batches, pack_sorted_micro_batches, split_minibatches
 from areal_async.types import (Array, BroadcastRequest, BroadcastResult, InitBroadcastRequest, PublishResult,
                                TrainBatch, TrainerInfo, WeightSpec)
 
@@ -243,10 +257,16 @@ class TrainEngine:
     """
 
     def __init__(self, model_path: str, cfg: TrainConfig, *, seed: int = 1, temperature: float = 1.0,
-                 device: torch.device | None = None, broadcast_timeout_s: float = 600.0) -> None:
+                 device: torch.device | None = None, broadcast_timeout_s: float = 600.0,
+                 layout: Literal["auto", "packed", "rows"] = "auto", fold_prox: bool = True) -> None:
+        """`layout`: "auto" = padded rows for sdpa/eager attention, packing for varlen kernels (see the module
+        docstring); "packed"/"rows" force one (for tests and benchmarks, both exact). `fold_prox=False` keeps the
+        separate prox pass even with one minibatch (the reference the folded path is tested against)."""
         if not dist.is_initialized():
             raise RuntimeError("TrainEngine needs torch.distributed; call init_distributed() first")
         cfg.validate("train")
+        if layout not in ("auto", "packed", "rows"):
+            raise ValueError(f"layout must be 'auto', 'packed' or 'rows', got {layout!r}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 (the sampling temperature of the rollouts), got {temperature}")
         self.cfg = cfg
@@ -274,6 +294,13 @@ class TrainEngine:
         self.checkpoint_dtype = loaded.checkpoint_dtype
         self.tied_names = loaded.tied_names
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        if layout == "auto":
+            layout = "rows" if needs_dense_packing_mask(self.model) else "packed"
+        self.layout = layout
+        self.fold_prox = fold_prox
+        # host-side seconds of the last step's phases: prox, forward, backward, optimizer (for benchmarks; on CUDA
+        # they measure launches, not kernels, since the step never synchronises for them)
+        self.last_timings: dict[str, float] = {}
         self.ref_model = None  # the frozen initial policy, for the KL penalty only
         if cfg.loss.kl_coef != 0.0:
             self.ref_model = _load_sharded(model_path, self.device, self.compute_dtype, False, trainable=False).model
@@ -316,7 +343,8 @@ class TrainEngine:
         micro-batches where it has too few sequences; if a repack overshoots, the ranks agree again on the new
         maximum. The count only grows, so this ends."""
         budget = self.cfg.micro_batch_tokens
-        base = pack_micro_batches(lens, budget) if lens else []
+        pack = pack_sorted_micro_batches if self.layout == "rows" else pack_micro_batches
+        base = pack(lens, budget) if lens else []
         mbs = base
         while True:
             hi, neg_lo = self._all_reduce([len(mbs), -len(mbs)], op=dist.ReduceOp.MAX)
@@ -324,26 +352,27 @@ class TrainEngine:
             if target == int(-neg_lo):
                 return mbs
             if len(mbs) < target:
-                real = pack_micro_batches(lens, budget, min_micro_batches=target) if len(lens) >= target else base
+                real = pack(lens, budget, min_micro_batches=target) if len(lens) >= target else base
                 mbs = real + [[] for _ in range(target - len(real))]
 
-    def _forward(self, model: nn.Module, shard: _Shard, seqs: list[int], *, entropy: bool
-                 ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Packed forward of sequences `seqs` of the shard. Returns (logp [n], entropy [n] | None, token index [n]).
+    def _forward(self, model: nn.Module, shard: _Shard, seqs: list[int], *, entropy: bool,
+                 entropy_grad: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Forward of sequences `seqs` of the shard in this engine's layout. Returns (logp [n], entropy [n] | None,
+        token index [n]), flat in the order of `seqs`.
 
-        An empty `seqs` runs one dummy token so the FSDP collectives still happen; its index is empty."""
-        from areal_async.train.logprobs import packed_forward_logprobs
-
+        An empty `seqs` runs one dummy token so the FSDP collectives still happen; its index is empty.
+        `entropy_grad=False`: the entropy is for the stats only (no autograd graph for it)."""
+        fwd = rows_forward_logprobs if self.layout == "rows" else packed_forward_logprobs
         if not seqs:
             ids = torch.zeros(1, dtype=torch.long, device=self.device)
-            logp, ent = packed_forward_logprobs(model, ids, torch.tensor([1], device=self.device),
-                                                temperature=self.temperature, compute_entropy=entropy)
+            logp, ent = fwd(model, ids, [1], temperature=self.temperature, compute_entropy=entropy,
+                            entropy_grad=entropy_grad)
             return logp, ent, torch.zeros(0, dtype=torch.long, device=self.device)
-        index = torch.cat([torch.arange(shard.starts[i], shard.starts[i] + shard.seq_lens[i], device=self.device)
-                           for i in seqs])  # [n]
-        lens = torch.tensor([shard.seq_lens[i] for i in seqs], device=self.device)
-        logp, ent = packed_forward_logprobs(model, shard.input_ids[index], lens, temperature=self.temperature,
-                                            compute_entropy=entropy)
+        lens = [shard.seq_lens[i] for i in seqs]
+        index = torch.cat([torch.arange(shard.starts[i], shard.starts[i] + n, device=self.device)
+                           for i, n in zip(seqs, lens)])  # [n]
+        logp, ent = fwd(model, shard.input_ids[index], lens, temperature=self.temperature, compute_entropy=entropy,
+                        entropy_grad=entropy_grad)
         return logp, ent, index
 
     @torch.no_grad()
@@ -391,9 +420,11 @@ class TrainEngine:
         # 1. proximal logprobs with the weights before any update, and the entropy of that policy for the stats
         t0 = time.perf_counter()
         want_entropy_grad = lcfg.entropy_coef != 0.0
-        if lcfg.prox_logp == "recompute":
+        # one minibatch: the training forward runs on exactly these weights and micro-batches (module docstring)
+        fold = lcfg.prox_logp == "recompute" and cfg.ppo_minibatches == 1 and self.fold_prox
+        if lcfg.prox_logp == "recompute" and not fold:
             prox, ent = self._forward_all(self.model, shard, entropy=not want_entropy_grad)
-        else:
+        else:  # behav, or folded: `prox` is then never read (each micro-batch takes its own logp.detach())
             prox, ent = shard.behav_logp.clone(), None
         ref = self._forward_all(self.ref_model, shard, entropy=False)[0] if self.ref_model is not None else None
         prox_s = time.perf_counter() - t0
@@ -424,19 +455,23 @@ class TrainEngine:
         # registered as unsharded tensors, which never receive the (sharded) gradients
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         losses, grad_norms, skipped = [], [], 0
+        fwd_s = bwd_s = opt_s = 0.0
         for mb_seqs, normalizer in zip(minibatches, mb_tokens):
             if normalizer <= 0:  # no trainable token in this minibatch on any rank: nothing to step on
                 continue
             lens = [shard.seq_lens[i] for i in mb_seqs]
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for micro in self._equal_micro_batches(lens):
+                t_mb = time.perf_counter()
                 seqs = [mb_seqs[j] for j in micro]
-                logp, ent_mb, index = self._forward(self.model, shard, seqs, entropy=train_entropy)
+                logp, ent_mb, index = self._forward(self.model, shard, seqs, entropy=train_entropy,
+                                                    entropy_grad=want_entropy_grad)
                 if not seqs:
                     loss = logp.sum() * 0.0  # keeps this rank in the FSDP collectives, contributes nothing
                 else:
                     m = mask[index]
-                    loss, lstats = ppo_actor_loss(logp, prox[index], shard.behav_logp[index], adv_tok[index], m,
+                    prox_mb = logp.detach() if fold else prox[index]
+                    loss, lstats = ppo_actor_loss(logp, prox_mb, shard.behav_logp[index], adv_tok[index], m,
                                                   lcfg, normalizer=normalizer, seq_ids=seq_of_tok[index])
                     stats.add_all(lstats)
                     if ref is not None:
@@ -448,9 +483,13 @@ class TrainEngine:
                         if want_entropy_grad:
                             loss = loss - lcfg.entropy_coef * ent_sum / normalizer
                         stats.add("entropy_sum", ent_sum.detach())
+                t_bwd = time.perf_counter()
+                fwd_s += t_bwd - t_mb
                 (loss * self.world_size).backward()
                 loss_sum += loss.detach().double()
+                bwd_s += time.perf_counter() - t_bwd
             losses.append(loss_sum)
+            t_opt = time.perf_counter()
             norm = _clip_grad_norm(params, cfg.optim.grad_clip)
             grad_norms.append(norm)
             if torch.isfinite(norm):
@@ -458,6 +497,7 @@ class TrainEngine:
             else:  # every rank sees the same all-reduced norm, so all skip together
                 skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
+            opt_s += time.perf_counter() - t_opt
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.version += 1
@@ -477,6 +517,7 @@ class TrainEngine:
         stats.add("nonfinite_inputs", nonfinite)
         stats.add("step_seconds_max", time.perf_counter() - t_start)
         stats.add("prox_seconds_max", prox_s)
+        self.last_timings = {"prox": prox_s, "forward": fwd_s, "backward": bwd_s, "optimizer": opt_s}
         r = stats.reduce()
         n_steps = max(len(losses), 1)
         tok, used = r.get("token_count", 0.0), r.get("used_token_count", 0.0)

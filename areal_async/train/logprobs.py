@@ -7,6 +7,15 @@ eager/sdpa, and flash-attention turns the same position_ids into varlen cu_seqle
 a cache object present transformers skips the packed detection and sequences would see each other.
 `explicit_mask=True` (automatic on a transformers without the detection) builds the block-diagonal mask here.
 
+The catch of packing with sdpa/eager attention: the block-diagonal mask is dense, [N, N] for a row of N tokens, and
+a kernel given a mask computes every score it masks. For many short sequences that is most of the step (128
+sequences of ~60 tokens in rows of 1024: ~17x the attention work of each sequence alone, and the masked kernel is
+slower per score too). `rows_forward_logprobs` is the layout for those: one sequence per row, right-padded to the
+row's longest, no mask at all. Causal attention is then exact without one: a real token only attends to positions
+before it, and the padding comes after every real token of its row. Padding costs little when each micro-batch
+holds sequences of similar length (`train/packing.py`'s `pack_sorted_micro_batches`). Packing stays the layout for
+flash-attention models, whose varlen kernels never build the mask.
+
 Alignment (see areal_async/types.py): logp[t] = log p(input_ids[t] | the tokens before t in its own sequence),
 and 0 at each sequence's first token. entropy[t] is the entropy of that same next-token distribution (0 at first
 tokens). Logits are divided by the sampling temperature first, as the inference server did for the behaviour
@@ -27,8 +36,9 @@ from torch.utils.checkpoint import checkpoint
 
 from areal_async.train.losses import entropy_from_logits
 
-__all__ = ["packed_forward_logprobs", "pad_forward_logprobs", "seq_ids_from_lens", "position_ids_from_lens",
-           "broadcast_to_tokens", "block_causal_mask", "logprobs_from_logits"]
+__all__ = ["packed_forward_logprobs", "rows_forward_logprobs", "pad_forward_logprobs", "needs_dense_packing_mask",
+           "seq_ids_from_lens", "position_ids_from_lens", "broadcast_to_tokens", "block_causal_mask",
+           "logprobs_from_logits"]
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -84,8 +94,12 @@ def _chunk_logp_entropy(logits: Tensor, targets: Tensor, temperature: float) -> 
 
 
 def logprobs_from_logits(logits: Tensor, targets: Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,
-                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[Tensor, Tensor | None]:
-    """log softmax(logits / T)[targets] (and entropy) row by row, in fp32 chunks. [M, V], [M] -> [M], [M] | None."""
+                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, entropy_grad: bool = True
+                         ) -> tuple[Tensor, Tensor | None]:
+    """log softmax(logits / T)[targets] (and entropy) row by row, in fp32 chunks. [M, V], [M] -> [M], [M] | None.
+
+    `entropy_grad=False`: the entropy is only a statistic; it is computed without autograd (no graph, and no
+    recomputation of it inside the checkpointed chunks during backward)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_tokens < 1:
@@ -95,13 +109,16 @@ def logprobs_from_logits(logits: Tensor, targets: Tensor, *, temperature: float 
     ents: list[Tensor] = []
     for s in range(0, logits.shape[0], chunk_tokens):
         lg, tg = logits[s:s + chunk_tokens], targets[s:s + chunk_tokens]
-        if compute_entropy:
+        if compute_entropy and (entropy_grad or not grad):
             lp, ent = (checkpoint(_chunk_logp_entropy, lg, tg, temperature, use_reentrant=False) if grad
                        else _chunk_logp_entropy(lg, tg, temperature))
             ents.append(ent)
         else:
             lp = (checkpoint(_chunk_logp, lg, tg, temperature, use_reentrant=False) if grad
                   else _chunk_logp(lg, tg, temperature))
+            if compute_entropy:
+                with torch.no_grad():
+                    ents.append(entropy_from_logits(lg.detach().float() / temperature))
         lps.append(lp)
     # No rows (a micro-batch of one-token sequences): still return a tensor attached to the graph, so backward runs
     # through the model like on every other rank (FSDP collectives must match) and just yields zero gradients.
@@ -139,12 +156,13 @@ def _explicit_attention_mask(model: torch.nn.Module, seq_lens: Tensor, device: t
 
 def packed_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: Tensor | Sequence[int], *,
                             temperature: float = 1.0, compute_entropy: bool = False,
-                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                            explicit_mask: bool | None = None) -> tuple[Tensor, Tensor | None]:
+                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, explicit_mask: bool | None = None,
+                            entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
     """Forward one packed micro-batch and return per-token logp [N] (fp32) and entropy [N] (fp32) or None.
 
     `input_ids` [N] is the concatenation of sequences of lengths `seq_lens` [B] (sum == N), no padding. Gradient
-    flows to the model when grad mode is on. `explicit_mask`: None = rely on transformers' position_ids packing
+    flows to the model when grad mode is on (`entropy_grad=False`: through logp only, see `logprobs_from_logits`).
+    `explicit_mask`: None = rely on transformers' position_ids packing
     detection when available, True = pass a block-diagonal mask built here (sdpa/eager only; N x N memory).
     """
     if input_ids.dim() != 1:
@@ -167,12 +185,62 @@ def packed_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens:
     logits = model(**kwargs).logits[0]  # [N, V]
     # Row t predicts token t + 1; rows that would predict the next sequence's first token are zeroed below.
     lp, ent = logprobs_from_logits(logits[:-1], ids[1:], temperature=temperature, compute_entropy=compute_entropy,
-                                   chunk_tokens=chunk_tokens)  # [N - 1]
+                                   chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)  # [N - 1]
     is_first = pos == 0  # [N]
     zero = lp.new_zeros(1)
     logp = torch.where(is_first, 0.0, torch.cat([zero, lp]))
     entropy = torch.where(is_first, 0.0, torch.cat([zero, ent])) if ent is not None else None
     return logp, entropy
+
+
+def needs_dense_packing_mask(model: torch.nn.Module) -> bool:
+    """True when packed sequences would need a dense [N, N] block mask with this model's attention (sdpa, eager):
+    then `rows_forward_logprobs` is the cheaper exact layout. False for varlen kernels (flash attention)."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    return impl in ("sdpa", "eager")
+
+
+def rows_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: Tensor | Sequence[int], *,
+                          temperature: float = 1.0, compute_entropy: bool = False,
+                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, pad_id: int = 0,
+                          entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Same inputs and outputs as `packed_forward_logprobs` (flat [N] in concatenation order), computed as one
+    right-padded [B, L] batch with no attention mask: exact, because causal attention never lets a real token see
+    the padding after it (see the module docstring). L is the longest of `seq_lens`, so group sequences of similar
+    length to keep the padding small. Gradient flows to the model when grad mode is on (`entropy_grad=False`:
+    through logp only).
+    """
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be a flat [N] tensor, got shape {tuple(input_ids.shape)}")
+    device = _model_device(model)
+    ids = input_ids.to(device=device, dtype=torch.long)  # [N]
+    lens_list = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, Tensor) else seq_lens)]
+    lens = _lens_tensor(lens_list, device)  # [B]
+    n = ids.numel()
+    if sum(lens_list) != n:
+        raise ValueError(f"sum(seq_lens)={sum(lens_list)} != len(input_ids)={n}")
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return empty, (empty.clone() if compute_entropy else None)
+    b, width = len(lens_list), max(lens_list)
+    valid = torch.arange(width, device=device)[None, :] < lens[:, None]  # [B, L]
+    rows = torch.full((b, width), pad_id, dtype=torch.long, device=device)
+    rows[valid] = ids  # row-major order of the valid slots == concatenation order
+    # No attention_mask and default positions: transformers gives sdpa is_causal=True (flash kernel, no mask).
+    logits = model(input_ids=rows, use_cache=False).logits  # [B, L, V]
+    vocab = logits.shape[-1]
+    # Every slot predicts the slot after it in its row (the last column predicts padding); the flat view needs no
+    # copy of the logits, and the few padding rows cost their log-softmax only.
+    targets = torch.cat([rows[:, 1:], rows.new_full((b, 1), pad_id)], dim=1)  # [B, L]
+    lp, ent = logprobs_from_logits(logits.reshape(b * width, vocab), targets.reshape(-1), temperature=temperature,
+                                   compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
+                                   entropy_grad=entropy_grad)  # [B * L]
+
+    def to_flat(x: Tensor) -> Tensor:  # slot t's value belongs to token t + 1; 0 at each first token
+        shifted = torch.cat([x.new_zeros(b, 1), x.reshape(b, width)[:, :-1]], dim=1)  # [B, L]
+        return shifted[valid]  # [N]
+
+    return to_flat(lp), (to_flat(ent) if ent is not None else None)
 
 
 def pad_forward_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int] | Tensor], *,

@@ -5,6 +5,12 @@ micro-batch to its longest member wastes most of the compute, so sequences are p
 budget instead (no padding; `train/logprobs.py` keeps attention inside each sequence), and the budget is shared
 evenly across data-parallel ranks.
 
+Two layouts, two packers. `pack_micro_batches` fills rows end to end (flash-attention models: every token is real).
+`pack_sorted_micro_batches` is for one-sequence-per-row padded batches (`train/logprobs.py`'s
+`rows_forward_logprobs`, the exact and cheap layout where packing would need a dense attention mask): it cuts the
+length-sorted sequences into runs, so the members of a micro-batch have similar lengths and padding stays small,
+and it counts the padded slots (members x longest) against the budget.
+
 Torch-free on purpose (plain lists): the controller calls `balance_across_ranks` and must not import torch.
 """
 
@@ -13,7 +19,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-__all__ = ["pack_micro_batches", "balance_across_ranks", "split_minibatches"]
+__all__ = ["pack_micro_batches", "pack_sorted_micro_batches", "padded_slots", "balance_across_ranks",
+           "split_minibatches"]
 
 
 def _check_lengths(lengths: Sequence[int], what: str) -> None:
@@ -41,12 +48,7 @@ def pack_micro_batches(seq_lens: Sequence[int], max_tokens: int, min_micro_batch
     Returns a list of micro-batches, each a list of indices into `seq_lens` in ascending order; the micro-batches
     are in the order they were opened (the first holds the longest sequence). Every index appears exactly once.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if min_micro_batches < 1:
-        raise ValueError(f"min_micro_batches must be >= 1, got {min_micro_batches}")
-    _check_lengths(seq_lens, "seq_lens")
-    order = sorted(range(len(seq_lens)), key=lambda i: (-int(seq_lens[i]), i))
+    order = _longest_first(seq_lens, max_tokens, min_micro_batches)
     batches: list[list[int]] = []
     loads: list[int] = []
     for i in order:
@@ -65,6 +67,51 @@ def pack_micro_batches(seq_lens: Sequence[int], max_tokens: int, min_micro_batch
             batches[best].append(i)
             loads[best] += n
     return [sorted(b) for b in batches]
+
+
+def _longest_first(seq_lens: Sequence[int], max_tokens: int, min_micro_batches: int) -> list[int]:
+    """Validate the packers' arguments; sequence indices longest first (ties: lower index first)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if min_micro_batches < 1:
+        raise ValueError(f"min_micro_batches must be >= 1, got {min_micro_batches}")
+    _check_lengths(seq_lens, "seq_lens")
+    return sorted(range(len(seq_lens)), key=lambda i: (-int(seq_lens[i]), i))
+
+
+def padded_slots(seq_lens: Sequence[int], micro_batch: Sequence[int]) -> int:
+    """Token slots of `micro_batch` laid out one sequence per row: members x the longest member."""
+    return len(micro_batch) * max((int(seq_lens[i]) for i in micro_batch), default=0)
+
+
+def pack_sorted_micro_batches(seq_lens: Sequence[int], max_tokens: int,
+                              min_micro_batches: int = 1) -> list[list[int]]:
+    """Group sequence indices into padded micro-batches of similar lengths, each at most `max_tokens` slots.
+
+    Visit sequences longest first (ties: lower index first) and cut the run whenever one more member would take
+    the padded size (members x the run's first, longest length) over `max_tokens`. A sequence longer than the
+    budget runs alone. Then, while there are fewer than `min_micro_batches` runs and some run has two or more
+    members, the run with the most padded slots (ties: the earlier) is halved, the longer half first: data-parallel
+    ranks must agree on a count, as for `pack_micro_batches`.
+
+    Returns micro-batches in longest-first order, each a list of indices in ascending order; every index appears
+    exactly once.
+    """
+    order = _longest_first(seq_lens, max_tokens, min_micro_batches)
+    runs: list[list[int]] = []
+    for i in order:
+        if runs and (len(runs[-1]) + 1) * int(seq_lens[runs[-1][0]]) <= max_tokens:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    while len(runs) < min_micro_batches:
+        splittable = [k for k, r in enumerate(runs) if len(r) > 1]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda j: (padded_slots(seq_lens, runs[j]), -j))
+        half = (len(runs[k]) + 1) // 2
+        runs[k:k + 1] = [runs[k][:half], runs[k][half:]]
+    return [sorted(r) for r in runs]
 
 
 def balance_across_ranks(group_token_counts: Sequence[int], world_size: int) -> list[list[int]]:

@@ -34,10 +34,16 @@ class RLVRWorkflow:
     async def run(self, client: Generator, sample: Sample) -> list[Trajectory] | None:
         prompt_ids = self.prompt_ids(sample)
         key = f"s{sample.id}"
-        gens = await asyncio.gather(*(client.agenerate(prompt_ids, self.sampling, session_key=key)
-                                      for _ in range(self.group_size)))
+        if self.group_size == 1:  # no gather: it would wrap the one call in a task of its own
+            gens = [await client.agenerate(prompt_ids, self.sampling, session_key=key)]
+        else:
+            gens = await asyncio.gather(*(client.agenerate(prompt_ids, self.sampling, session_key=key)
+                                          for _ in range(self.group_size)))
         texts = [self.tokenizer.decode(g.output_ids) for g in gens]
-        scores = await asyncio.gather(*(self.score(t, sample.answer, sample.prompt) for t in texts))
+        if len(texts) == 1:
+            scores = [await self.score(texts[0], sample.answer, sample.prompt)]
+        else:
+            scores = await asyncio.gather(*(self.score(t, sample.answer, sample.prompt) for t in texts))
         return [
             trajectory_from_generation(prompt_ids, g, reward, group_id=0, finish=g.finish_reason,
                                        interruptions=g.num_interruptions, **({"reward_error": why} if why else {}))

@@ -1,0 +1,99 @@
+"""The rollout manager runs Python's garbage collector from the event loop while it is started (GCPacer): automatic
+collection off, young generations collected on a timer, pre-rollout objects frozen, and everything restored on stop.
+Speed is measured in benchmarks/controller_overhead.py; these tests check the bookkeeping and that cycles still die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+
+from areal_async.rollout.buffer import StalenessBuffer
+from areal_async.rollout.rollout import GCPacer, RolloutManager
+from areal_async.rollout.samples import SampleStream
+from areal_async.types import Sample
+
+
+class _Node:
+    """A reference cycle: only the cyclic collector can free it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+async def _wait_dead(ref: weakref.ref, timeout: float = 2.0) -> bool:
+    for _ in range(int(timeout / 0.01)):
+        if ref() is None:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_pacer_takes_over_collection_and_restores_it():
+    was_enabled = gc.isenabled()
+    pacer = GCPacer(young_every_s=0.01)
+    pacer.start()
+    try:
+        assert not gc.isenabled()
+        assert gc.get_freeze_count() > 0  # what existed before the start is out of every scan
+        ref = weakref.ref(_Node())  # garbage from the start: only a collection can free it
+        assert await _wait_dead(ref), "the pacer's young collections did not free a fresh cycle"
+    finally:
+        pacer.stop()
+    assert gc.isenabled() == was_enabled and gc.get_freeze_count() == 0
+    pacer.stop()  # a second stop is a no-op
+    assert gc.isenabled() == was_enabled
+
+
+async def test_pacer_runs_full_collections_for_old_cycles():
+    pacer = GCPacer(young_every_s=0.01, full_every_s=0.05)
+    pacer.start()
+    try:
+        node = _Node()
+        ref = weakref.ref(node)
+        await asyncio.sleep(0.05)  # survives young collections: now in the oldest generation
+        del node
+        assert await _wait_dead(ref), "a cycle that became garbage in the old generation was never freed"
+    finally:
+        pacer.stop()
+
+
+async def test_nested_pacers_restore_only_at_the_last_stop():
+    was_enabled = gc.isenabled()
+    a, b = GCPacer(), GCPacer()
+    a.start()
+    b.start()
+    a.stop()
+    assert not gc.isenabled()  # b still runs the rollout
+    b.stop()
+    assert gc.isenabled() == was_enabled and gc.get_freeze_count() == 0
+
+
+class _Reject:
+    """A workflow that returns nothing: the manager counts the group as rejected and starts the next."""
+
+    async def run(self, client, sample):
+        await asyncio.sleep(0.001)
+        return None
+
+
+async def test_rollout_manager_paces_gc_only_while_started():
+    was_enabled = gc.isenabled()
+    buffer = StalenessBuffer(batch_size=2, eta=None, max_running=4)
+    stream = SampleStream([Sample(id=i, prompt="p", answer="a") for i in range(3)])
+    manager = RolloutManager(client=None, workflow=_Reject(), stream=stream, buffer=buffer)  # type: ignore[arg-type]
+    assert manager.pace_gc and gc.isenabled() == was_enabled
+    manager.start()
+    await asyncio.sleep(0.05)
+    assert not gc.isenabled()
+    await manager.stop()
+    assert gc.isenabled() == was_enabled and gc.get_freeze_count() == 0
+    assert manager.stats.rejected > 0
+
+    off = RolloutManager(client=None, workflow=_Reject(), stream=stream,  # type: ignore[arg-type]
+                         buffer=StalenessBuffer(batch_size=2, eta=None, max_running=4), pace_gc=False)
+    off.start()
+    await asyncio.sleep(0.01)
+    assert gc.isenabled() == was_enabled and gc.get_freeze_count() == 0
+    await off.stop()

@@ -27,13 +27,19 @@ def run_one(name: str, run_dir: str, overrides: list[str], *, config: str | None
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"[{name}] run failed with code {proc.returncode}; see {run_dir}/stdout.log")
+    summary = load_run(name, run_dir)
+    summary["process_s"] = time.monotonic() - t0
+    return summary
+
+
+def load_run(name: str, run_dir: str) -> dict[str, Any]:
+    """What a finished run wrote: its summary plus the eval and train records (for re-reporting without a rerun)."""
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     records = []
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     summary["name"] = name
-    summary["process_s"] = time.monotonic() - t0
     summary["train_records"] = [r for r in records if r["kind"] == "train"]
     summary["eval_records"] = [r for r in records if r["kind"] == "eval"]
     return summary

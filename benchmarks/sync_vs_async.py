@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runs import markdown_table, run_one  # noqa: E402
+from runs import load_run, markdown_table, run_one  # noqa: E402
 
 MODES = [
     ("sync", ["mode=sync"]),
@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="2 modes, 2 steps, tiny batches: a smoke test")
     ap.add_argument("--modes", nargs="*", default=None, help="subset of mode names")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rebuild the JSON, table and plot from the runs already in the output folder")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
     modes = MODES if not args.modes else [m for m in MODES if m[0] in args.modes]
@@ -50,13 +52,18 @@ def main() -> None:
     runs = []
     for name, ov in modes:
         slug = name.replace(" ", "_").replace(",", "").replace("=", "")
-        s = run_one(name, os.path.join(out_dir, slug),
-                    [*ov, f"total_steps={args.steps}", f"eval.every_steps={args.eval_every}", *extra])
+        run_dir = os.path.join(out_dir, slug)
+        if args.report_only:
+            s = load_run(name, run_dir)
+        else:
+            s = run_one(name, run_dir,
+                        [*ov, f"total_steps={args.steps}", f"eval.every_steps={args.eval_every}", *extra])
         wall = s["wall_s"]
         t = s["timings"]
         runs.append({
             "name": name, "mode": s["mode"], "eta": s["eta"], "interruptible": s["interruptible"],
-            "wall_s": wall, "trained_samples": s["trained_samples"],
+            "wall_s": wall, "eval_s": t["eval_s"], "wall_excl_eval_s": wall - t["eval_s"],
+            "trained_samples": s["trained_samples"],
             "trained_samples_per_s": s["trained_samples"] / wall,
             "generated_tokens_per_s": s["rollout"]["generated_tokens"] / wall,
             "server_busy_frac": (s["server_busy_s"] / (wall * s.get("num_servers", 1))
@@ -67,14 +74,16 @@ def main() -> None:
             "eval_curve": [(e["wall_s"], e["accuracy"]) for e in s["evals"]],
         })
     sync = next((r for r in runs if r["mode"] == "sync"), None)
-    for r in runs:
+    for r in runs:  # held-out evals are the same work in every mode and overlap nothing: also compare without them
         r["speedup_vs_sync"] = sync["wall_s"] / r["wall_s"] if sync else None
+        r["speedup_excl_eval"] = sync["wall_excl_eval_s"] / r["wall_excl_eval_s"] if sync else None
     result = {"runs": runs, "steps": args.steps, "overrides": extra}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     table = markdown_table(runs, [
         ("name", "mode", ""), ("wall_s", "wall s", ".1f"), ("speedup_vs_sync", "speedup", ".2f"),
+        ("wall_excl_eval_s", "wall s w/o eval", ".1f"), ("speedup_excl_eval", "speedup w/o eval", ".2f"),
         ("trained_samples", "samples", "d"), ("trained_samples_per_s", "samples/s", ".2f"),
         ("generated_tokens_per_s", "gen tok/s", ".0f"), ("server_busy_frac", "server busy", ".2f"),
         ("trainer_busy_frac", "trainer busy", ".2f"), ("base_accuracy", "base acc", ".3f"),

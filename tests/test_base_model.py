@@ -10,9 +10,9 @@ import pytest
 
 from areal_async.tasks import base_model as bm
 
-# a few warm-up steps of a very small model: seconds, not the real minute
-QUICK = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, sft_steps=4, bare_phase_steps=2,
-             batch_size=4, bucket_batches=2)
+# a few warm-up steps of a very small model: seconds, not the real minutes
+QUICK = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, sft_steps=4,
+             bare_phase_steps=2, batch_size=4, bucket_batches=2)
 
 
 def _files_mtimes(path: str) -> dict[str, int]:

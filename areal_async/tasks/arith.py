@@ -10,8 +10,9 @@
     #### 54                                 <- final-answer line in GSM8K's format, then EOS
 
 Each line is one addition or subtraction; the model compares the result with the threshold itself to decide
-whether to write another line or the answer, so the worked solution's length is the number of steps, drawn from a long-tailed distribution (1 to 10 steps, easy ones most
-common): solution lengths vary about ten-fold within a batch, as in real reasoning RL.
+whether to write another line or the answer, so the worked solution's length is the number of steps, drawn from a
+long-tailed distribution (1 to 10 steps, easy ones most common): solution lengths vary about ten-fold within a
+batch, as in real reasoning RL.
 
 Why this task and not free-form chains like `37+8-5+12`: each line depends only on the line before and on two
 numbers stated once in the prompt. A chain needs the model to find "the i-th operand" in the prompt, which a model

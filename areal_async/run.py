@@ -78,7 +78,7 @@ async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
     from areal_async.launcher import Launcher, free_port
     from areal_async.metrics import MetricsLogger, plot_run
     from areal_async.rewards.runner import RewardRunner
-    from areal_async.rollout.controller import AsyncRLController, RunState, ScheduleConfig, load_state, save_state
+    from areal_async.rollout.controller import AsyncRLController, RunState, ScheduleConfig, load_state
     from areal_async.rollout.evaluate import evaluate
     from areal_async.rollout.samples import SampleStream
     from areal_async.rollout.workflows import build_workflow

@@ -18,7 +18,7 @@ Measured on the controller process after a warm-up (until every slot has turned 
 lag (a 10 ms ticker's lateness by `time.perf_counter`; p50/p99/max, and the time-weighted seconds of lag beyond
 50 ms, since a long stall is one late tick), controller CPU time per sample (its inverse is the most one core can
 drive), the fraction of one core the controller used, and the garbage collector's pauses in the window. The
-RolloutManager paces the collector from the loop by default (see rollout.py, `GCPacer`); `--no-gc-pacing` shows
+RolloutManager paces the collector from the loop by default (see rollout/gc_pacer.py, `GCPacer`); `--no-gc-pacing` shows
 CPython's own schedule. After the window one full collection is forced and timed: that is the pause the pacer's
 rare full collections cost at this in-flight count. The machine's load average is recorded, since other processes
 share the cores. `--latency-ms 2000 --inflight 10000` offers more than the loop can take: requests/s is then its

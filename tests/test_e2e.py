@@ -77,7 +77,11 @@ def test_async_run_outputs_and_staleness_bound(async_run):
     # interruption is real: some trajectories were interrupted and carry tokens of two versions
     assert any(r["interrupted_frac"] > 0 for r in train), train
     assert any(r["multi_version_frac"] > 0 for r in train), train
-    assert len(records(async_run, "eval")) >= 2
+    evals = records(async_run, "eval")
+    assert [r["version"] for r in evals] == [0, 2, 4]
+    # the eval at version 2 runs beside the train step that makes version 3, and that step's weight sync waits for
+    # it: every eval token comes from the version the eval reports
+    assert all(r["min_version"] == r["max_version"] == r["version"] for r in evals), evals
     for path in ("progress.png", "final/config.json", "final/model.safetensors", "final/tokenizer.json",
                  "checkpoints/latest.json", "logs/server0.log", "logs/trainer.log"):
         assert os.path.exists(os.path.join(async_run, path)), path

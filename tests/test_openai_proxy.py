@@ -12,7 +12,6 @@ import json
 import shutil
 
 import aiohttp
-import msgspec
 import pytest
 
 from areal_async.agent import AgentWorkflow, Episode, OpenAIProxy, parse_tool_calls

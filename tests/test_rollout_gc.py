@@ -10,7 +10,8 @@ import gc
 import weakref
 
 from areal_async.rollout.buffer import StalenessBuffer
-from areal_async.rollout.rollout import GCPacer, RolloutManager
+from areal_async.rollout.gc_pacer import GCPacer
+from areal_async.rollout.rollout import RolloutManager
 from areal_async.rollout.samples import SampleStream
 from areal_async.types import Sample
 

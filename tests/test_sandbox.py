@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -123,7 +122,7 @@ def test_writes_outside_the_sandbox_do_not_land(tmp_path):
                 print("refused", path, type(e).__name__)
     """)
     res, uid, scratch = _run_contained(src)
-    assert f"wrote inside.txt" in res.stdout  # the scratch directory itself is writable
+    assert "wrote inside.txt" in res.stdout  # the scratch directory itself is writable
     assert not private.exists()
     if "private_tmp" in res.isolation:
         assert not os.path.exists(shared_tmp)

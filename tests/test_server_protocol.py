@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from areal_async.inference import openai_protocol as O
 from areal_async.inference import protocol as P
 from areal_async.inference.engine_api import EngineChunk, EngineRequest, EngineSampling
 from areal_async.tasks.char_tokenizer import save_char_tokenizer
@@ -216,12 +217,12 @@ def test_abort_reason_shape(tok):
 
 
 def test_completion_prompt_forms(tok):
-    assert P.parse_completion(body({"prompt": "ab"}), tok, LIMITS).prompts == [tok.encode("ab")]
-    plan = P.parse_completion(body({"prompt": ["a", "b"], "n": 2, "max_tokens": 3}), tok, LIMITS)
+    assert O.parse_completion(body({"prompt": "ab"}), tok, LIMITS).prompts == [tok.encode("ab")]
+    plan = O.parse_completion(body({"prompt": ["a", "b"], "n": 2, "max_tokens": 3}), tok, LIMITS)
     assert len(plan.requests) == 4 and plan.requests[0].sampling.max_new_tokens == 3
-    assert P.parse_completion(body({"prompt": [5, 6]}), tok, LIMITS).prompts == [[5, 6]]
-    assert P.parse_completion(body({"prompt": [[5], [6, 7]]}), tok, LIMITS).prompts == [[5], [6, 7]]
-    plan = P.parse_completion(body({"prompt": "ab", "logprobs": 2, "echo": True}), tok, LIMITS)
+    assert O.parse_completion(body({"prompt": [5, 6]}), tok, LIMITS).prompts == [[5, 6]]
+    assert O.parse_completion(body({"prompt": [[5], [6, 7]]}), tok, LIMITS).prompts == [[5], [6, 7]]
+    plan = O.parse_completion(body({"prompt": "ab", "logprobs": 2, "echo": True}), tok, LIMITS)
     r = plan.requests[0]
     assert r.return_logprob and r.top_logprobs_num == 2 and r.logprob_start_len == 0 and plan.echo_texts == ["ab"]
     assert plan.requests[0].sampling.max_new_tokens == 16  # OpenAI's default
@@ -240,7 +241,7 @@ def test_completion_prompt_forms(tok):
 ])
 def test_bad_completion_requests(tok, obj, needle):
     with pytest.raises(P.ProtocolError) as ei:
-        P.parse_completion(body(obj), tok, LIMITS)
+        O.parse_completion(body(obj), tok, LIMITS)
     assert needle in str(ei.value)
 
 
@@ -257,14 +258,14 @@ def test_chat_parsing(tok):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "h"},
                                                                             {"type": "text", "text": "i"}]}]
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    plan = P.parse_chat(body({"messages": msgs, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2,
+    plan = O.parse_chat(body({"messages": msgs, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2,
                               "tools": tools, "n": 2}), tok, LIMITS, _template(tok))
     assert plan.prompts == [tok.encode("T<system>s<user>hi")] and plan.tools == tools
     assert [r.sampling.max_new_tokens for r in plan.requests] == [5, 5] and plan.logprobs == 2
-    none = P.parse_chat(body({"messages": msgs, "tools": tools, "tool_choice": "none", "max_tokens": 3}), tok,
+    none = O.parse_chat(body({"messages": msgs, "tools": tools, "tool_choice": "none", "max_tokens": 3}), tok,
                         LIMITS, _template(tok))
     assert none.tools == [] and none.prompts == [tok.encode("<system>s<user>hi")]
-    dflt = P.parse_chat(body({"messages": msgs}), tok, LIMITS, _template(tok))
+    dflt = O.parse_chat(body({"messages": msgs}), tok, LIMITS, _template(tok))
     assert dflt.requests[0].sampling.max_new_tokens == LIMITS.context_len - len(dflt.prompts[0])
 
 
@@ -281,22 +282,22 @@ def test_chat_parsing(tok):
 ])
 def test_bad_chat_requests(tok, obj, needle):
     with pytest.raises(P.ProtocolError) as ei:
-        P.parse_chat(body(obj), tok, LIMITS, _template(tok))
+        O.parse_chat(body(obj), tok, LIMITS, _template(tok))
     assert needle in str(ei.value)
 
 
 def test_parse_tool_calls():
     text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    content, calls = P.parse_tool_calls(text, {"add"})
+    content, calls = O.parse_tool_calls(text, {"add"})
     assert content == "Let me add."
     assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert calls[0]["function"]["name"] == "add" and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
     two = '<tool_call>{"name": "add", "arguments": "{}"}</tool_call><tool_call>{"name": "mul", "arguments": {}}'
-    content, calls = P.parse_tool_calls(two, {"add", "mul"})
+    content, calls = O.parse_tool_calls(two, {"add", "mul"})
     assert content is None and [c["function"]["name"] for c in calls] == ["add", "mul"]
     assert calls[0]["function"]["arguments"] == "{}"
     for bad in ("no call here", "<tool_call>not json</tool_call>", '<tool_call>{"name": "rm"}</tool_call>'):
-        assert P.parse_tool_calls(bad, {"add"}) == (bad, [])
+        assert O.parse_tool_calls(bad, {"add"}) == (bad, [])
 
 
 def _finished_acc(tok, req, text, fr=None, lps=None):
@@ -309,11 +310,11 @@ def _finished_acc(tok, req, text, fr=None, lps=None):
 
 def test_chat_response_with_tool_call(tok):
     tools = [{"type": "function", "function": {"name": "add"}}]
-    plan = P.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 40,
+    plan = O.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 40,
                               "logprobs": True, "return_token_ids": True}), tok, LIMITS, _template(tok))
     out_text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     acc = _finished_acc(tok, plan.requests[0], out_text, fr={"type": "stop", "matched": 1})
-    resp = P.chat_response(plan, [acc], "m", "id1", 0)
+    resp = O.chat_response(plan, [acc], "m", "id1", 0)
     ch = resp["choices"][0]
     assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None
     assert ch["message"]["tool_calls"][0]["function"]["name"] == "add"
@@ -326,7 +327,7 @@ def test_chat_response_with_tool_call(tok):
 
 
 def test_completion_response_logprobs_and_echo(tok):
-    plan = P.parse_completion(body({"prompt": "ab", "logprobs": 1, "echo": True, "max_tokens": 3,
+    plan = O.parse_completion(body({"prompt": "ab", "logprobs": 1, "echo": True, "max_tokens": 3,
                                     "return_token_ids": True}), tok, LIMITS)
     req = plan.requests[0]
     acc = P.Accumulator(req, tok)
@@ -334,7 +335,7 @@ def test_completion_response_logprobs_and_echo(tok):
     acc.add(EngineChunk(rid=req.rid, new_ids=ids, new_logprobs=[-1.0, -2.0], input_logprobs=[None, -0.5],
                         new_top_logprobs=[[(-1.0, ids[0])], [(-2.0, ids[1])]],
                         finish_reason={"type": "length", "length": 2}))
-    ch = P.completion_response(plan, [acc], "m", "c1", 0)["choices"][0]
+    ch = O.completion_response(plan, [acc], "m", "c1", 0)["choices"][0]
     assert ch["text"] == "abcd" and ch["finish_reason"] == "length"
     lp = ch["logprobs"]
     assert lp["tokens"] == ["a", "b", "c", "d"] and lp["token_logprobs"] == [None, -0.5, -1.0, -2.0]
@@ -344,18 +345,18 @@ def test_completion_response_logprobs_and_echo(tok):
 
 def test_stream_deltas_concatenate_to_final_text(tok):
     tools = [{"type": "function", "function": {"name": "add"}}]
-    plan = P.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 50}),
+    plan = O.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 50}),
                         tok, LIMITS, _template(tok))
     req = plan.requests[0]
     acc = P.Accumulator(req, tok)
-    st = P.StreamDelta(hold_tool_calls=True)
+    st = O.StreamDelta(hold_tool_calls=True)
     pieces, calls, finish = [], [], None
     text = 'hi <tool_call>{"name": "add", "arguments": {}}</tool_call>'
     for k, tid in enumerate(tok.encode(text)):
         last = k == len(text) - 1
         acc.add(EngineChunk(rid=req.rid, new_ids=[tid], new_logprobs=[-0.1],
                             finish_reason={"type": "stop", "matched": 1} if last else None))
-        ev = P.chat_chunk(plan, 0, acc, st, "m", "id", 0)
+        ev = O.chat_chunk(plan, 0, acc, st, "m", "id", 0)
         if ev is None:
             continue
         d = ev["choices"][0]["delta"]
@@ -366,15 +367,15 @@ def test_stream_deltas_concatenate_to_final_text(tok):
     assert "".join(pieces) == "hi " and finish == "tool_calls"
     assert [c["function"]["name"] for c in calls] == ["add"] and calls[0]["index"] == 0
 
-    cplan = P.parse_completion(body({"prompt": "a", "max_tokens": 5, "stop": "zz"}), tok, LIMITS)
+    cplan = O.parse_completion(body({"prompt": "a", "max_tokens": 5, "stop": "zz"}), tok, LIMITS)
     creq = cplan.requests[0]
     cacc = P.Accumulator(creq, tok)
-    cst = P.StreamDelta()
+    cst = O.StreamDelta()
     out = []
     for k, tid in enumerate(tok.encode("xyzz")):
         cacc.add(EngineChunk(rid=creq.rid, new_ids=[tid], new_logprobs=[],
                              finish_reason={"type": "stop", "matched": "zz"} if k == 3 else None))
-        ev = P.completion_chunk(cplan, 0, cacc, cst, "m", "id", 0)
+        ev = O.completion_chunk(cplan, 0, cacc, cst, "m", "id", 0)
         if ev is not None:
             out.append(ev["choices"][0]["text"])
     assert "".join(out) == "xy"
@@ -421,16 +422,16 @@ def test_incremental_text_never_splits_a_character_and_matches_full_decode():
 
 
 def test_streamed_completion_logprobs_have_running_text_offsets(tok):
-    plan = P.parse_completion(body({"prompt": "ab", "max_tokens": 4, "logprobs": 0, "echo": True}), tok, LIMITS)
+    plan = O.parse_completion(body({"prompt": "ab", "max_tokens": 4, "logprobs": 0, "echo": True}), tok, LIMITS)
     req = plan.requests[0]
     acc = P.Accumulator(req, tok)
-    st = P.StreamDelta()
+    st = O.StreamDelta()
     offsets, texts = [], []
     for k, tid in enumerate(tok.encode("wxyz")):
         acc.add(EngineChunk(rid=req.rid, new_ids=[tid], new_logprobs=[-1.0],
                             input_logprobs=[None, -0.5] if k == 0 else None,
                             finish_reason={"type": "length", "length": 4} if k == 3 else None))
-        ev = P.completion_chunk(plan, 0, acc, st, "m", "id", 0)
+        ev = O.completion_chunk(plan, 0, acc, st, "m", "id", 0)
         offsets += ev["choices"][0]["logprobs"]["text_offset"]
         texts.append(ev["choices"][0]["text"])
     assert "".join(texts) == "abwxyz" and offsets == [0, 1, 2, 3, 4, 5]

@@ -4,9 +4,9 @@ Why embedded: on a laptop or a CPU box there is no SGLang, yet the controller, t
 the very protocol they will meet on GPUs. This server answers the same requests with the same shapes (see
 /work/shared/reference/sglang_http.md), so a real SGLang server can replace it without the client noticing.
 
-Parsing, validation and response shapes are in protocol.py (pure functions); this module only moves bytes between
-HTTP and the engine, and owns three pieces of server state: readiness (503 while starting or stopping), the set of
-request ids in flight (a duplicate rid is a 400), and the API key.
+Parsing, validation and response shapes are in protocol.py and openai_protocol.py (pure functions); this module
+only moves bytes between HTTP and the engine, and owns three pieces of server state: readiness (503 while starting
+or stopping), the set of request ids in flight (a duplicate rid is a 400), and the API key.
 
 In-process use (tests, launchers, notebooks):
 
@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from areal_async.inference import openai_protocol as O
 from areal_async.inference import protocol as P
 from areal_async.inference.engine_api import Engine, EngineRequest, EngineSampling
 
@@ -371,16 +372,16 @@ class SGLangServer:
     # ---- OpenAI-compatible endpoints ----------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        plan = P.parse_completion(await request.read(), self.engine, self.limits)
-        return await self._openai(request, plan, "cmpl-", P.completion_response, P.completion_chunk)
+        plan = O.parse_completion(await request.read(), self.engine, self.limits)
+        return await self._openai(request, plan, "cmpl-", O.completion_response, O.completion_chunk)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         engine = self.engine
-        plan = P.parse_chat(await request.read(), engine, self.limits,
+        plan = O.parse_chat(await request.read(), engine, self.limits,
                             lambda msgs, tools: engine.apply_chat_template(msgs, tools, add_generation_prompt=True))
-        return await self._openai(request, plan, "chatcmpl-", P.chat_response, P.chat_chunk)
+        return await self._openai(request, plan, "chatcmpl-", O.chat_response, O.chat_chunk)
 
-    async def _openai(self, request: web.Request, plan: P.OpenAIPlan, id_prefix: str, respond, chunk
+    async def _openai(self, request: web.Request, plan: O.OpenAIPlan, id_prefix: str, respond, chunk
                       ) -> web.StreamResponse:
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         created = int(time.time())
@@ -390,7 +391,7 @@ class SGLangServer:
             await self.run_to_end(run)
             return json_response(respond(plan, run.accs, model, rid, created))
 
-        deltas = [P.StreamDelta(hold_tool_calls=bool(plan.tools)) for _ in run.accs]
+        deltas = [O.StreamDelta(hold_tool_calls=bool(plan.tools)) for _ in run.accs]
         done = [False] * len(run.accs)
 
         def render(i: int) -> list[dict]:
@@ -402,7 +403,7 @@ class SGLangServer:
             return [] if ev is None else [ev]
 
         def tail() -> list[dict]:
-            return [P.usage_chunk(plan, run.accs, model, rid, created)] if plan.include_usage else []
+            return [O.usage_chunk(plan, run.accs, model, rid, created)] if plan.include_usage else []
 
         return await self.stream(request, run, render, tail)
 

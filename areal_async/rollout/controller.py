@@ -4,18 +4,21 @@ Two loops share a StalenessBuffer (buffer.py):
 
     rollout loop (RolloutManager, rollout.py)       train loop (AsyncRLController.run, below)
     ------------------------------------------      -------------------------------------------------------
-    wait: admission rule allows a group             wait: buffer holds B groups -> take the oldest B
+    wait: admission rule allows a group             wait: B groups done, no straggler -> oldest starts
     start workflow.run(client, sample) as a task    trainer.train_step(trajectories, v)      (RPC to all ranks)
     group done -> buffer.finish(group)              trainer.publish(v + 1)                   (HF checkpoint)
                                                     servers: pause(abort) -> load v + 1 -> continue
                                                       (interrupted requests resume in the client, tokens after
                                                        the switch carry version v + 1)
                                                     v += 1 -> buffer.set_version(v): capacity grows by B
-                                                    every k steps: held-out eval, checkpoint
+                                                    every k steps: checkpoint, and a held-out eval that runs
+                                                      beside the next train step (started once that step has its
+                                                      batch; its weight sync waits for the eval)
 
 Modes come from the same code: async (eta >= 1 or unbounded, interruptible), sync (eta = 0: after B groups start,
-nothing else starts until the weights of v + 1 are live, so generation never overlaps training), and async without
-interruption (the weight load waits for in-flight requests to finish instead of aborting them).
+nothing else starts until the weights of v + 1 are live, so rollout generation never overlaps training; held-out
+evals do, as in every mode), and async without interruption (the weight load waits for in-flight requests to
+finish instead of aborting them).
 
 Embedding: build an `InferenceClient` over your servers, a trainer (anything with the `Trainer` protocol; the
 torchrun workers are reached through `areal_async.train.client.TrainerGroup`), a workflow and samples, then
@@ -25,6 +28,7 @@ torchrun workers are reached through `areal_async.train.client.TrainerGroup`), a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -116,9 +120,13 @@ class AsyncRLController:
         self.stream.seek(self.state.data_position)
         self.rollout = RolloutManager(client, workflow, stream, self.buffer,
                                       filter_uniform_reward=cfg.filter_uniform_reward)
-        self.timings = {"wait_batch_s": 0.0, "train_s": 0.0, "publish_s": 0.0, "weight_load_s": 0.0, "eval_s": 0.0}
+        # eval_s: every eval's own duration; eval_wait_s: how long the train loop waited for a periodic eval
+        self.timings = {"wait_batch_s": 0.0, "train_s": 0.0, "publish_s": 0.0, "weight_load_s": 0.0, "eval_s": 0.0,
+                        "eval_wait_s": 0.0}
         self.evals: list[dict[str, float]] = []
         self.latest_weights: str | None = None
+        self._eval_due = False  # a periodic eval waits for the next batch, then runs beside that train step
+        self._eval_task: asyncio.Task | None = None
 
     # ---- the schedule -------------------------------------------------------------------------------------------
 
@@ -139,10 +147,16 @@ class AsyncRLController:
                 st.wall_s = time.monotonic() - t_start
                 if self.cfg.eval_every and st.version % self.cfg.eval_every == 0 \
                         and st.version < self.cfg.total_steps:
-                    await self._evaluate()
+                    self._eval_due = True  # started by the next step once it has its batch (see _train_one_step)
                 if self.cfg.checkpoint_every and st.version % self.cfg.checkpoint_every == 0:
                     await self.save_checkpoint()
+            await self._join_eval()
+            self._eval_due = False  # a max_wall_s stop: the final eval below covers this version
         finally:
+            if self._eval_task is not None and not self._eval_task.done():
+                self._eval_task.cancel()
+            await asyncio.gather(*(t for t in [self._eval_task] if t is not None), return_exceptions=True)
+            self._eval_task = None
             await self.rollout.stop()
             await self.buffer.close()
         st.wall_s = time.monotonic() - t_start
@@ -159,12 +173,18 @@ class AsyncRLController:
         t0 = time.monotonic()
         groups = await self.buffer.get_batch()
         t1 = time.monotonic()
+        if self._eval_due:
+            # now, not right after the last step: in sync mode the servers are idle from here until the weight sync,
+            # so the eval costs no time; started earlier it would compete with the rollouts the trainer waits for
+            self._eval_due = False
+            self._eval_task = asyncio.create_task(self._evaluate(), name=f"eval-v{v}")
         trajs = [t for g in groups for t in g.trajectories]
         staleness = self._record_staleness(trajs, v)
         if self.on_batch is not None:
             self.on_batch(v, trajs)
         result = await self.trainer.train_step(trajs, v)
         t2 = time.monotonic()
+        eval_wait = await self._join_eval()
         await self._sync_weights(v + 1)
         t3 = time.monotonic()
         st.version = v + 1
@@ -186,7 +206,8 @@ class AsyncRLController:
             "multi_version_frac": sum(1 for t in trajs if _spans_versions(t)) / len(trajs),
             "wait_batch_s": t1 - t0,
             "train_step_s": t2 - t1,
-            "weight_sync_s": t3 - t2,
+            "weight_sync_s": t3 - t2 - eval_wait,
+            "eval_wait_s": eval_wait,
             "trained_samples": st.trained_samples,
             "samples_per_s": st.trained_samples / max(time.monotonic() - t_start, 1e-9),
             "buffer_groups": len(self.buffer),
@@ -235,14 +256,30 @@ class AsyncRLController:
             self.latest_weights = pub.path
         return self.latest_weights
 
+    async def _join_eval(self) -> float:
+        """Wait for a periodic eval still running (it must finish on the weights it started with, so the next weight
+        sync waits for it); returns the seconds waited. Its failure fails the run, as an inline eval would."""
+        task, self._eval_task = self._eval_task, None
+        if task is None:
+            return 0.0
+        t0 = time.monotonic()
+        await task
+        waited = time.monotonic() - t0
+        self.timings["eval_wait_s"] += waited
+        return waited
+
     async def _evaluate(self) -> dict[str, float]:
+        """Held-out eval of the weights the servers hold now. Periodic evals run as a task beside the next train
+        step: in sync mode the servers are idle while the trainer works, in async mode the eval shares them with the
+        rollouts; either way the trainer no longer stops for it."""
         assert self.evaluator is not None
+        version, wall_s = self.state.version, self.state.wall_s
         t0 = time.monotonic()
         ev = await self.evaluator()
         self.timings["eval_s"] += time.monotonic() - t0
-        ev = {**ev, "version": self.state.version, "wall_s": self.state.wall_s}
+        ev = {**ev, "version": version, "wall_s": wall_s}
         self.evals.append(ev)
-        self._log("eval", self.state.version, ev)
+        self._log("eval", version, ev)
         return ev
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------

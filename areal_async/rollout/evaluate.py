@@ -13,12 +13,14 @@ from areal_async.types import SamplingParams, Sample
 
 async def evaluate(client: Generator, tokenizer: Tokenizer, samples: list[Sample], score: ScoreFn, *,
                    max_new_tokens: int, use_chat_template: bool = False, concurrency: int = 256) -> dict[str, float]:
-    """Greedy accuracy on `samples` (a reward >= 0.5 counts as correct), mean completion length, and seconds."""
+    """Greedy accuracy on `samples` (a reward >= 0.5 counts as correct), mean completion length, seconds, and the
+    lowest and highest weight version among the generated tokens (equal when the weights held still throughout;
+    -1 when nothing was generated)."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     sem = asyncio.Semaphore(concurrency)
     t0 = time.monotonic()
 
-    async def one(s: Sample) -> tuple[float, int]:
+    async def one(s: Sample) -> tuple[float, int, int, int]:
         if s.messages is not None or use_chat_template:
             ids = tokenizer.apply_chat_template(s.messages or [{"role": "user", "content": s.prompt}])
         else:
@@ -26,14 +28,18 @@ async def evaluate(client: Generator, tokenizer: Tokenizer, samples: list[Sample
         async with sem:
             g = await client.agenerate(ids, sampling, rid=None)  # type: ignore[arg-type]
         reward, _ = await score(tokenizer.decode(g.output_ids), s.answer, s.prompt)
-        return reward, len(g.output_ids)
+        vers = g.output_versions
+        return reward, len(g.output_ids), min(vers, default=-1), max(vers, default=-1)
 
     results = await asyncio.gather(*(one(s) for s in samples))
     n = max(len(results), 1)
+    generated = [r for r in results if r[1]]
     return {
-        "accuracy": sum(1.0 for r, _ in results if r >= 0.5) / n,
-        "mean_reward": sum(r for r, _ in results) / n,
-        "mean_len": sum(length for _, length in results) / n,
+        "accuracy": sum(1.0 for r in results if r[0] >= 0.5) / n,
+        "mean_reward": sum(r[0] for r in results) / n,
+        "mean_len": sum(r[1] for r in results) / n,
         "seconds": time.monotonic() - t0,
         "num": float(len(results)),
+        "min_version": float(min((r[2] for r in generated), default=-1)),
+        "max_version": float(max((r[3] for r in generated), default=-1)),
     }

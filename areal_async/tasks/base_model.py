@@ -70,7 +70,7 @@ class BaseModelSpec:
     bare_phase_steps: int = 250  # the last steps mix in bare answers (see the module docstring)
     bare_answer_fraction: float = 0.65  # share of bare answers during that phase
     bucket_batches: int = 16  # batches drawn at once and sorted by length, so a batch has little padding
-    torch_threads: int = 1  # CPU threads of the build: fixed, so every machine builds the same model from a seed
+    torch_threads: int = 1  # CPU threads of the build: fixed, so a seed rebuilds the same model (same CPU kind)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -190,7 +190,7 @@ def build_base_model(out_dir: str, spec: BaseModelSpec = BaseModelSpec(), seed: 
     """Train the base model from scratch and save it (with tokenizer and `MARKER`) into `out_dir`; returns stats.
 
     Runs with `spec.torch_threads` CPU threads (restored afterwards): float sums depend on the thread count, so a
-    fixed count is what makes every CPU machine build the same weights from a seed."""
+    fixed count is what lets a seed rebuild the same weights on the same kind of CPU and torch version."""
     import torch
 
     threads_before = torch.get_num_threads()

@@ -63,8 +63,8 @@ def main() -> None:
         runs.append({
             "name": name, "mode": s["mode"], "eta": s["eta"], "interruptible": s["interruptible"],
             # the base and final evals lie outside wall_s; periodic ones count only where the trainer waited for them
-            "wall_s": wall, "eval_s": t["eval_s"], "eval_wait_s": t.get("eval_wait_s"),
-            "wall_excl_eval_s": wall - t.get("eval_wait_s", t["eval_s"]),
+            "wall_s": wall, "eval_s": t["eval_s"], "eval_wait_s": t["eval_wait_s"],
+            "wall_excl_eval_s": wall - t["eval_wait_s"],
             "trained_samples": s["trained_samples"],
             "trained_samples_per_s": s["trained_samples"] / wall,
             "generated_tokens_per_s": s["rollout"]["generated_tokens"] / wall,

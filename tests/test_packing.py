@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from areal_async.testing.reference import load_model, random_sequences, reference_logprobs
 from areal_async.train.logprobs import (block_causal_mask, broadcast_to_tokens, packed_forward_logprobs,
                                         pad_forward_logprobs, position_ids_from_lens, seq_ids_from_lens)
 from areal_async.train.packing import balance_across_ranks, pack_micro_batches, split_minibatches
@@ -121,41 +122,25 @@ def test_layout_helpers():
 # ---- packed forward on real tiny models ----------------------------------------------------------------------------
 
 
-def _load(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).eval()
-
-
-def _sequences(vocab: int, lens: list[int], seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=g) for n in lens]
-
-
 LENS = [6, 1, 19, 9, 2]  # includes a one-token sequence and two neighbours of very different length
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_packed_equals_each_sequence_alone(tiny_ckpts_all_archs, arch):
     torch.set_num_threads(1)
-    model = _load(tiny_ckpts_all_archs[arch])
-    seqs = _sequences(model.config.vocab_size, LENS)
+    model = load_model(tiny_ckpts_all_archs[arch])
+    seqs = random_sequences(model.config.vocab_size, LENS)
     temp = 0.7
     with torch.no_grad():
         logp, ent = packed_forward_logprobs(model, torch.cat(seqs), LENS, temperature=temp, compute_entropy=True,
                                             chunk_tokens=5)
         explicit, _ = packed_forward_logprobs(model, torch.cat(seqs), LENS, temperature=temp, explicit_mask=True)
         # Reference straight from the model, one sequence at a time, with plain log_softmax
-        ref_lp, ref_ent = [], []
-        for s in seqs:
-            z = model(input_ids=s[None]).logits[0].float() / temp  # [T, V]
-            lsm = torch.log_softmax(z, -1)
-            ref_lp.append(torch.cat([torch.zeros(1), lsm[:-1].gather(-1, s[1:, None]).squeeze(-1)]))
-            ref_ent.append(torch.cat([torch.zeros(1), -(lsm.exp() * lsm).sum(-1)[:-1]]))
+        ref_lp, ref_ent = reference_logprobs(model, seqs, temp)
     assert logp.dtype == torch.float32 and logp.shape == (sum(LENS),)
-    torch.testing.assert_close(logp, torch.cat(ref_lp), atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent, torch.cat(ref_ent), atol=1e-5, rtol=0)
-    torch.testing.assert_close(explicit, torch.cat(ref_lp), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    torch.testing.assert_close(explicit, ref_lp, atol=1e-5, rtol=0)
     assert logp[position_ids_from_lens(LENS) == 0].abs().max() == 0  # first tokens are 0 by convention
     # Sanity: packing without the restarts would let sequences see each other, and that must be visible
     with torch.no_grad():
@@ -165,8 +150,8 @@ def test_packed_equals_each_sequence_alone(tiny_ckpts_all_archs, arch):
 
 def test_padded_equals_packed(tiny_ckpt):
     torch.set_num_threads(1)
-    model = _load(tiny_ckpt)
-    seqs = _sequences(model.config.vocab_size, LENS, seed=1)
+    model = load_model(tiny_ckpt)
+    seqs = random_sequences(model.config.vocab_size, LENS, seed=1)
     with torch.no_grad():
         lp, ent = packed_forward_logprobs(model, torch.cat(seqs), LENS, compute_entropy=True)
         lp_pad, ent_pad = pad_forward_logprobs(model, seqs, compute_entropy=True, chunk_tokens=7)
@@ -176,8 +161,8 @@ def test_padded_equals_packed(tiny_ckpt):
 
 def test_packed_gradients_equal_sum_of_single_sequence_gradients(tiny_ckpt):
     torch.set_num_threads(1)
-    model = _load(tiny_ckpt)
-    seqs = _sequences(model.config.vocab_size, LENS, seed=2)
+    model = load_model(tiny_ckpt)
+    seqs = random_sequences(model.config.vocab_size, LENS, seed=2)
     weights = torch.randn(sum(LENS), generator=torch.Generator().manual_seed(3))
 
     model.zero_grad()
@@ -196,7 +181,7 @@ def test_packed_gradients_equal_sum_of_single_sequence_gradients(tiny_ckpt):
 
 
 def test_packed_forward_rejects_bad_input(tiny_ckpt):
-    model = _load(tiny_ckpt)
+    model = load_model(tiny_ckpt)
     with pytest.raises(ValueError, match="sum"):
         packed_forward_logprobs(model, torch.tensor([3, 4, 5]), [2, 2])
     with pytest.raises(ValueError, match="flat"):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from areal_async.testing.reference import load_model, random_sequences, reference_logprobs
 from areal_async.train.logprobs import needs_dense_packing_mask, packed_forward_logprobs, rows_forward_logprobs
 from areal_async.train.packing import pack_sorted_micro_batches, padded_slots
 
@@ -68,41 +69,25 @@ def test_sorted_packer_rejects_bad_input():
 # ---- rows forward on real tiny models ----------------------------------------------------------------------------
 
 
-def _load(path: str, attn: str = "sdpa"):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32).eval()
-
-
-def _sequences(vocab: int, lens: list[int], seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=g) for n in lens]
-
-
 LENS = [6, 1, 19, 9, 2, 19]  # a one-token sequence, very different neighbours, a tie for the longest
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_rows_equal_each_sequence_alone(tiny_ckpts_all_archs, arch):
     torch.set_num_threads(1)
-    model = _load(tiny_ckpts_all_archs[arch])
+    model = load_model(tiny_ckpts_all_archs[arch])
     assert needs_dense_packing_mask(model)
-    seqs = _sequences(model.config.vocab_size, LENS)
+    seqs = random_sequences(model.config.vocab_size, LENS)
     temp = 0.7
     with torch.no_grad():
         logp, ent = rows_forward_logprobs(model, torch.cat(seqs), LENS, temperature=temp, compute_entropy=True,
                                           chunk_tokens=5)
         packed, packed_ent = packed_forward_logprobs(model, torch.cat(seqs), LENS, temperature=temp,
                                                      compute_entropy=True)
-        ref_lp, ref_ent = [], []
-        for s in seqs:
-            z = model(input_ids=s[None]).logits[0].float() / temp  # [T, V]
-            lsm = torch.log_softmax(z, -1)
-            ref_lp.append(torch.cat([torch.zeros(1), lsm[:-1].gather(-1, s[1:, None]).squeeze(-1)]))
-            ref_ent.append(torch.cat([torch.zeros(1), -(lsm.exp() * lsm).sum(-1)[:-1]]))
+        ref_lp, ref_ent = reference_logprobs(model, seqs, temp)
     assert logp.dtype == torch.float32 and logp.shape == (sum(LENS),)
-    torch.testing.assert_close(logp, torch.cat(ref_lp), atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent, torch.cat(ref_ent), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
     torch.testing.assert_close(logp, packed, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, packed_ent, atol=1e-5, rtol=0)
     starts = np.cumsum([0] + LENS[:-1])
@@ -111,8 +96,8 @@ def test_rows_equal_each_sequence_alone(tiny_ckpts_all_archs, arch):
 
 def test_rows_gradients_equal_packed_gradients(tiny_ckpt):
     torch.set_num_threads(1)
-    model = _load(tiny_ckpt)
-    seqs = _sequences(model.config.vocab_size, LENS, seed=2)
+    model = load_model(tiny_ckpt)
+    seqs = random_sequences(model.config.vocab_size, LENS, seed=2)
     weights = torch.randn(sum(LENS), generator=torch.Generator().manual_seed(3))
     grads = []
     for fwd in (packed_forward_logprobs, rows_forward_logprobs):
@@ -137,7 +122,7 @@ def test_rows_gradients_equal_packed_gradients(tiny_ckpt):
 
 
 def test_rows_forward_edge_cases(tiny_ckpt):
-    model = _load(tiny_ckpt)
+    model = load_model(tiny_ckpt)
     lp, ent = rows_forward_logprobs(model, torch.zeros(0, dtype=torch.long), [], compute_entropy=True)
     assert lp.shape == (0,) and ent.shape == (0,)
     lp, _ = rows_forward_logprobs(model, torch.tensor([5]), [1])  # one token: nothing to predict

@@ -1,7 +1,8 @@
 """The trainer's fast paths compute what the plain ones do: padded length-sorted rows == packed == each sequence
 alone (logprobs, entropy, gradients), the sorted packer's contract, and, under real torchrun with 2 ranks, whole
-train steps of the engine with the prox pass folded into the training forward and/or the rows layout against the
-previous path (separate prox pass, packed rows): same loss, stats and updated weights."""
+train steps of the engine with the prox pass folded into the training forward and/or the rows or shared-prefix
+layout against the previous path (separate prox pass, packed rows): same loss, stats and updated weights. The
+shared-prefix layout's own forward and packer are tested in tests/test_shared_prefix.py."""
 
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ TIMING_KEYS = {"step_seconds", "prox_seconds", "tokens_per_s"}
 def _assert_same_step(results, weights, a: str, b: str) -> None:
     sa, sb = results[a]["stats"], results[b]["stats"]
     assert set(sa) == set(sb)
-    for key in sorted(set(sa) - TIMING_KEYS):
+    for key in sorted(set(sa) - TIMING_KEYS - {"shared_prefix_tokens"}):
         assert sb[key] == pytest.approx(sa[key], rel=1e-5, abs=1e-6), (a, b, key)
     for name in weights[a]:
         diff = float(np.abs(weights[a][name] - weights[b][name]).max())
@@ -176,12 +177,16 @@ def test_engine_fast_paths_take_the_same_step(engine_steps, tiny_ckpt):
     from safetensors.numpy import load_file
 
     results, weights = engine_steps
-    assert results["k1_auto"]["layout"] == "rows"  # sdpa: a run gets the rows layout
+    assert results["k1_auto"]["layout"] == "prefix"  # sdpa, shared prompts: a run gets the shared-prefix layout
+    assert results["k1_auto"]["step_layout"] == "prefix"
+    assert results["k1_auto"]["stats"]["shared_prefix_tokens"] > 0
     assert results["k1_packed_separate"]["layout"] == "packed"
+    assert results["k1_rows_folded"]["stats"]["shared_prefix_tokens"] == 0
     ref = "k1_packed_separate"
-    for other in ("k1_packed_folded", "k1_rows_separate", "k1_auto"):
+    for other in ("k1_packed_folded", "k1_rows_separate", "k1_rows_folded", "k1_prefix_separate", "k1_auto"):
         _assert_same_step(results, weights, ref, other)
     _assert_same_step(results, weights, "k2_packed", "k2_auto")
+    _assert_same_step(results, weights, "k2_packed", "k2_rows")
     _assert_same_step(results, weights, "k1_packed_separate_entkl", "k1_auto_entkl")
     # (the reference model's pass ran: at the first step it equals the policy, so the KL itself is 0)
     assert results["k1_auto_entkl"]["stats"]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
@@ -206,5 +211,5 @@ def test_benchmark_quick(tmp_path):
                            "--out", str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert result["s_per_step"] > 0 and result["layout"] == "rows" and result["fold_prox"] is True
+    assert result["s_per_step"] > 0 and result["layout"] == "prefix" and result["fold_prox"] is True
     assert set(result["breakdown_s"]) == {"prox", "forward", "backward", "optimizer", "other"}

@@ -3,8 +3,8 @@ batch, written out for comparison.
 
     torchrun --nproc_per_node 2 tests/train_speedpaths_job.py MODEL_DIR OUT_DIR
 
-Variants: the layout (packed rows with a block mask, or padded length-sorted rows) x the prox pass (separate or
-folded into the training forward), with one and with two PPO minibatches. Each variant is a fresh engine from the
+Variants: the layout (packed rows with a block mask, padded length-sorted rows, or shared prompts run once) x the
+prox pass (separate or folded into the training forward), with one and with two PPO minibatches. Each variant is a fresh engine from the
 same checkpoint, so every one takes the same first step. Rank 0 writes OUT_DIR/results.json (stats, layout) and
 OUT_DIR/<variant>.npz (the full weights after the step).
 """
@@ -26,9 +26,12 @@ VARIANTS = {  # name -> (ppo_minibatches, layout, fold_prox, extra loss settings
     "k1_packed_separate": (1, "packed", False, {}),  # the path before the speed-ups: the reference
     "k1_packed_folded": (1, "packed", True, {}),
     "k1_rows_separate": (1, "rows", False, {}),
-    "k1_auto": (1, "auto", True, {}),  # what a run gets
+    "k1_rows_folded": (1, "rows", True, {}),
+    "k1_prefix_separate": (1, "prefix", False, {}),
+    "k1_auto": (1, "auto", True, {}),  # what a run gets (shared prefixes)
     "k2_packed": (2, "packed", True, {}),  # two minibatches: the prox pass always runs
     "k2_auto": (2, "auto", True, {}),
+    "k2_rows": (2, "rows", True, {}),
     "k1_packed_separate_entkl": (1, "packed", False, ENT_KL),
     "k1_auto_entkl": (1, "auto", True, ENT_KL),
 }
@@ -81,7 +84,8 @@ def main(model: str, out_dir: str) -> None:
         if rank == 0:
             np.savez(os.path.join(out_dir, f"{name}.npz"),
                      **{n: t.detach().float().numpy() for n, t in weights.items()})
-            results[name] = {"stats": stats, "layout": engine.layout, "shard_seqs": len(shard)}
+            results[name] = {"stats": stats, "layout": engine.layout, "step_layout": engine._step_layout,
+                             "shard_seqs": len(shard)}
         del engine, weights
     if rank == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as f:

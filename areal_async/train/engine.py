@@ -22,7 +22,11 @@ model has no dropout and the micro-batches are the same, so the recomputed prox 
 forward's logprobs; the step takes them from there (detached) and saves a whole forward over the batch. With k > 1
 the later minibatches run on updated weights, so the separate pass stays.
 
-Layouts: with sdpa/eager attention (how this engine loads models) a micro-batch is a right-padded batch of
+Layouts: where the model allows it (sdpa/eager attention, no sliding windows, no activation checkpointing), the
+samples of a prompt group share one pass over their common prompt (`train/shared_prefix.py`: the prompt runs once,
+the answers attend to its keys and values; exact, and ~35% fewer tokens through the model in the default run). A
+batch with no shared prompt falls back, step by step, to the plain layout. Plain layout: with sdpa/eager attention
+(how this engine loads models) a micro-batch is a right-padded batch of
 length-sorted sequences (`rows_forward_logprobs` + `pack_sorted_micro_batches`, padded slots counted against the
 budget): exact, with no attention mask, where packing end to end would need a dense [N, N] block mask (for 128
 sequences of ~60 tokens in 1024-token rows that mask made attention most of the step on CPU). Flash-attention
@@ -51,7 +55,10 @@ from areal_async.train.advantages import (batch_normalize_with, group_advantages
                                           normalization_moments, shape_rewards)
 from areal_async.train.losses import kl_penalty, ppo_actor_loss
 from areal_async.train.logprobs import needs_dense_packing_mask, packed_forward_logprobs, rows_forward_logprobs
-from areal_async.train.packing import pack_micro_batches, pack_sorted_micro_batches, split_minibatches
+from areal_async.train.packing import (pack_family_micro_batches, pack_micro_batches, pack_sorted_micro_batches,
+                                       split_minibatches)
+from areal_async.train.shared_prefix import (plan_families, shared_prefix_forward_logprobs, shared_prefix_savings,
+                                             supports_shared_prefix)
 from areal_async.types import (Array, BroadcastRequest, BroadcastResult, InitBroadcastRequest, PublishResult,
                                TrainBatch, TrainerInfo, WeightSpec)
 
@@ -141,6 +148,9 @@ class _Shard:
     rewards: Tensor  # [B] float32
     group_ids: Tensor  # [B] int64
     response_lens: Tensor  # [B] float32
+    host_ids: np.ndarray  # [N] int64, the input ids on the host (planning the shared-prefix layout)
+    family: list[int] | None = None  # [B] shared-prefix family of each sequence (train/shared_prefix.py)
+    prefix_lens: list[int] | None = None  # [B] its family's shared prefix length
 
     @property
     def num_seqs(self) -> int:
@@ -196,6 +206,7 @@ def _decode_shard(batch: TrainBatch, vocab_size: int, device: torch.device) -> _
         rewards=torch.from_numpy(arrays["rewards"].copy()).to(device),
         group_ids=torch.from_numpy(arrays["group_ids"].copy()).to(device),
         response_lens=torch.from_numpy(response_lens.astype(np.float32)).to(device),
+        host_ids=ids.astype(np.int64),
     )
 
 
@@ -258,15 +269,16 @@ class TrainEngine:
 
     def __init__(self, model_path: str, cfg: TrainConfig, *, seed: int = 1, temperature: float = 1.0,
                  device: torch.device | None = None, broadcast_timeout_s: float = 600.0,
-                 layout: Literal["auto", "packed", "rows"] = "auto", fold_prox: bool = True) -> None:
-        """`layout`: "auto" = padded rows for sdpa/eager attention, packing for varlen kernels (see the module
-        docstring); "packed"/"rows" force one (for tests and benchmarks, both exact). `fold_prox=False` keeps the
-        separate prox pass even with one minibatch (the reference the folded path is tested against)."""
+                 layout: Literal["auto", "packed", "rows", "prefix"] = "auto", fold_prox: bool = True) -> None:
+        """`layout`: "auto" = shared prompts run once where the model allows it, else padded rows for sdpa/eager
+        attention and packing for varlen kernels (see the module docstring); "packed"/"rows"/"prefix" force one
+        (for tests and benchmarks, all exact). `fold_prox=False` keeps the separate prox pass even with one
+        minibatch (the reference the folded path is tested against)."""
         if not dist.is_initialized():
             raise RuntimeError("TrainEngine needs torch.distributed; call init_distributed() first")
         cfg.validate("train")
-        if layout not in ("auto", "packed", "rows"):
-            raise ValueError(f"layout must be 'auto', 'packed' or 'rows', got {layout!r}")
+        if layout not in ("auto", "packed", "rows", "prefix"):
+            raise ValueError(f"layout must be 'auto', 'packed', 'rows' or 'prefix', got {layout!r}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 (the sampling temperature of the rollouts), got {temperature}")
         self.cfg = cfg
@@ -294,9 +306,17 @@ class TrainEngine:
         self.checkpoint_dtype = loaded.checkpoint_dtype
         self.tied_names = loaded.tied_names
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        # the layout for batches without shared prompts, and the one "prefix" falls back to for them
+        self.plain_layout = "rows" if needs_dense_packing_mask(self.model) else "packed"
         if layout == "auto":
-            layout = "rows" if needs_dense_packing_mask(self.model) else "packed"
+            layout = "prefix" if supports_shared_prefix(self.model) else self.plain_layout
+        elif layout == "prefix" and not supports_shared_prefix(self.model):
+            raise ValueError("layout='prefix' needs sdpa/eager attention without sliding windows or activation "
+                             "checkpointing (train/shared_prefix.py)")
+        if layout != "prefix":
+            self.plain_layout = layout
         self.layout = layout
+        self._step_layout = layout  # this step's: "prefix" only when some family in the batch shares a prompt
         self.fold_prox = fold_prox
         # host-side seconds of the last step's phases: prox, forward, backward, optimizer (for benchmarks; on CUDA
         # they measure launches, not kernels, since the step never synchronises for them)
@@ -336,21 +356,31 @@ class TrainEngine:
         if bad:
             raise BatchError("another trainer rank rejected its shard of the batch (see that rank's error)")
 
-    def _equal_micro_batches(self, lens: list[int]) -> list[list[int]]:
-        """Pack `lens` into micro-batches, the same count on every rank (FSDP collectives run per forward).
+    def _equal_micro_batches(self, shard: _Shard, seqs: list[int]) -> list[list[int]]:
+        """Pack the shard's sequences `seqs` into micro-batches (lists of shard sequence indices) in this step's
+        layout, the same count on every rank (FSDP collectives run per forward).
 
         A rank below the largest count repacks with that floor (spreading its tokens) and pads with empty
         micro-batches where it has too few sequences; if a repack overshoots, the ranks agree again on the new
         maximum. The count only grows, so this ends."""
         budget = self.cfg.micro_batch_tokens
-        pack = pack_sorted_micro_batches if self.layout == "rows" else pack_micro_batches
+        lens = [shard.seq_lens[i] for i in seqs]
+        if self._step_layout == "prefix":
+            assert shard.family is not None and shard.prefix_lens is not None
+            fam = [shard.family[i] for i in seqs]
+            pre = [shard.prefix_lens[i] for i in seqs]
+
+            def pack(lens: list[int], budget: int, min_micro_batches: int = 1) -> list[list[int]]:
+                return pack_family_micro_batches(lens, fam, pre, budget, min_micro_batches)
+        else:
+            pack = pack_sorted_micro_batches if self._step_layout == "rows" else pack_micro_batches
         base = pack(lens, budget) if lens else []
         mbs = base
         while True:
             hi, neg_lo = self._all_reduce([len(mbs), -len(mbs)], op=dist.ReduceOp.MAX)
             target = int(hi)
             if target == int(-neg_lo):
-                return mbs
+                return [[seqs[j] for j in mb] for mb in mbs]
             if len(mbs) < target:
                 real = pack(lens, budget, min_micro_batches=target) if len(lens) >= target else base
                 mbs = real + [[] for _ in range(target - len(real))]
@@ -362,17 +392,28 @@ class TrainEngine:
 
         An empty `seqs` runs one dummy token so the FSDP collectives still happen; its index is empty.
         `entropy_grad=False`: the entropy is for the stats only (no autograd graph for it)."""
-        fwd = rows_forward_logprobs if self.layout == "rows" else packed_forward_logprobs
-        if not seqs:
-            ids = torch.zeros(1, dtype=torch.long, device=self.device)
-            logp, ent = fwd(model, ids, [1], temperature=self.temperature, compute_entropy=entropy,
-                            entropy_grad=entropy_grad)
-            return logp, ent, torch.zeros(0, dtype=torch.long, device=self.device)
+        kw = dict(temperature=self.temperature, compute_entropy=entropy, entropy_grad=entropy_grad)
+        if self._step_layout == "prefix":  # two model calls per micro-batch, the dummy included
+            if not seqs:
+                ids = torch.zeros(2, dtype=torch.long, device=self.device)
+                logp, ent = shared_prefix_forward_logprobs(model, ids, [2], [0], [1], **kw)
+                return logp, ent, torch.zeros(0, dtype=torch.long, device=self.device)
+            assert shard.family is not None and shard.prefix_lens is not None
+            fam = [shard.family[i] for i in seqs]
+            pre = [shard.prefix_lens[i] for i in seqs]
+
+            def fwd(model, ids, lens, **kw):
+                return shared_prefix_forward_logprobs(model, ids, lens, fam, pre, **kw)
+        else:
+            fwd = rows_forward_logprobs if self._step_layout == "rows" else packed_forward_logprobs
+            if not seqs:
+                ids = torch.zeros(1, dtype=torch.long, device=self.device)
+                logp, ent = fwd(model, ids, [1], **kw)
+                return logp, ent, torch.zeros(0, dtype=torch.long, device=self.device)
         lens = [shard.seq_lens[i] for i in seqs]
         index = torch.cat([torch.arange(shard.starts[i], shard.starts[i] + n, device=self.device)
                            for i, n in zip(seqs, lens)])  # [n]
-        logp, ent = fwd(model, shard.input_ids[index], lens, temperature=self.temperature, compute_entropy=entropy,
-                        entropy_grad=entropy_grad)
+        logp, ent = fwd(model, shard.input_ids[index], lens, **kw)
         return logp, ent, index
 
     @torch.no_grad()
@@ -381,7 +422,7 @@ class TrainEngine:
         model.eval()
         logp_all = torch.zeros(len(shard.input_ids), dtype=torch.float32, device=self.device)
         ent_all = torch.zeros_like(logp_all) if entropy else None
-        for mb in self._equal_micro_batches(shard.seq_lens):
+        for mb in self._equal_micro_batches(shard, list(range(shard.num_seqs))):
             logp, ent, index = self._forward(model, shard, mb, entropy=entropy)
             if index.numel():
                 logp_all[index] = logp.float()
@@ -408,7 +449,15 @@ class TrainEngine:
             error = str(e)
         self._agree(error)
         assert shard is not None
-        resp_tokens, num_seqs = self._all_reduce([float(shard.loss_mask.sum()), float(shard.num_seqs)])
+        saved = 0
+        if self.layout == "prefix" and shard.num_seqs:
+            shard.family, shard.prefix_lens = plan_families(shard.host_ids, shard.seq_lens,
+                                                            shard.group_ids.tolist())
+            saved = shared_prefix_savings(shard.seq_lens, shard.family, shard.prefix_lens)
+        resp_tokens, num_seqs, saved = self._all_reduce([float(shard.loss_mask.sum()), float(shard.num_seqs),
+                                                         float(saved)])
+        # a batch where no prompt is shared runs the plain layout: one model call per micro-batch instead of two
+        self._step_layout = "prefix" if self.layout == "prefix" and saved > 0 else self.plain_layout
         if resp_tokens <= 0:
             raise BatchError("the batch has no trainable tokens (loss_mask is 0 everywhere on every rank)")
         if int(resp_tokens) != batch.global_response_tokens or int(num_seqs) != batch.global_num_seqs:
@@ -459,11 +508,9 @@ class TrainEngine:
         for mb_seqs, normalizer in zip(minibatches, mb_tokens):
             if normalizer <= 0:  # no trainable token in this minibatch on any rank: nothing to step on
                 continue
-            lens = [shard.seq_lens[i] for i in mb_seqs]
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for micro in self._equal_micro_batches(lens):
+            for seqs in self._equal_micro_batches(shard, mb_seqs):
                 t_mb = time.perf_counter()
-                seqs = [mb_seqs[j] for j in micro]
                 logp, ent_mb, index = self._forward(self.model, shard, seqs, entropy=train_entropy,
                                                     entropy_grad=want_entropy_grad)
                 if not seqs:
@@ -545,6 +592,7 @@ class TrainEngine:
             "response_len_mean": _ratio(resp_tokens, num_seqs),
             "num_seqs": num_seqs,
             "tokens": r["tokens"],
+            "shared_prefix_tokens": saved,  # tokens of repeated prompts the model did not run again
             "response_tokens": resp_tokens,
             "nonfinite_inputs": r["nonfinite_inputs"],
             "lr": float(lr),

@@ -5,11 +5,13 @@ micro-batch to its longest member wastes most of the compute, so sequences are p
 budget instead (no padding; `train/logprobs.py` keeps attention inside each sequence), and the budget is shared
 evenly across data-parallel ranks.
 
-Two layouts, two packers. `pack_micro_batches` fills rows end to end (flash-attention models: every token is real).
+Three layouts, three packers. `pack_micro_batches` fills rows end to end (flash-attention models: every token is real).
 `pack_sorted_micro_batches` is for one-sequence-per-row padded batches (`train/logprobs.py`'s
 `rows_forward_logprobs`, the exact and cheap layout where packing would need a dense attention mask): it cuts the
 length-sorted sequences into runs, so the members of a micro-batch have similar lengths and padding stays small,
-and it counts the padded slots (members x longest) against the budget.
+and it counts the padded slots (members x longest) against the budget. `pack_family_micro_batches` is for the
+shared-prefix layout (`train/shared_prefix.py`): families (a prompt and its sampled answers) stay together where they
+fit, and a micro-batch costs its padded prefix rows plus its padded suffix rows.
 
 Torch-free on purpose (plain lists): the controller calls `balance_across_ranks` and must not import torch.
 """
@@ -19,8 +21,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-__all__ = ["pack_micro_batches", "pack_sorted_micro_batches", "padded_slots", "balance_across_ranks",
-           "split_minibatches"]
+__all__ = ["pack_micro_batches", "pack_sorted_micro_batches", "pack_family_micro_batches", "padded_slots",
+           "family_slots", "balance_across_ranks", "split_minibatches"]
 
 
 def _check_lengths(lengths: Sequence[int], what: str) -> None:
@@ -109,6 +111,93 @@ def pack_sorted_micro_batches(seq_lens: Sequence[int], max_tokens: int,
         if not splittable:
             break
         k = max(splittable, key=lambda j: (padded_slots(seq_lens, runs[j]), -j))
+        half = (len(runs[k]) + 1) // 2
+        runs[k:k + 1] = [runs[k][:half], runs[k][half:]]
+    return [sorted(r) for r in runs]
+
+
+def family_slots(seq_lens: Sequence[int], family: Sequence[int], prefix_lens: Sequence[int],
+                 micro_batch: Sequence[int]) -> int:
+    """Token slots of `micro_batch` in the shared-prefix layout: one row per family present, padded to the longest
+    prefix, plus one row per member, padded to the longest suffix."""
+    if not micro_batch:
+        return 0
+    fams = {int(family[i]) for i in micro_batch}
+    p_max = max(int(prefix_lens[i]) for i in micro_batch)
+    r_max = max(int(seq_lens[i]) - int(prefix_lens[i]) for i in micro_batch)
+    return len(fams) * p_max + len(micro_batch) * r_max
+
+
+def _split_family(members: list[int], suffix: list[int], prefix: int) -> list[list[int]]:
+    """Cut one family (members sorted longest suffix first, `suffix` their suffix lengths) into runs minimising
+    sum(prefix + len(run) x longest suffix in run): a run pays its own prefix row, so a cut is worth it only where
+    it saves more padding than one more prefix costs. Exact, by dynamic programming over the cut points."""
+    k = len(members)
+    best = [0] + [0] * k  # best[j]: cheapest cost of the first j members
+    cut = [0] * (k + 1)
+    for j in range(1, k + 1):
+        best[j], cut[j] = min((best[i] + prefix + (j - i) * suffix[i], i) for i in range(j))
+    runs: list[list[int]] = []
+    j = k
+    while j > 0:
+        runs.append(members[cut[j]:j])
+        j = cut[j]
+    return runs[::-1]
+
+
+def pack_family_micro_batches(seq_lens: Sequence[int], family: Sequence[int], prefix_lens: Sequence[int],
+                              max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
+    """Group sequence indices into shared-prefix micro-batches of at most `max_tokens` slots (`family_slots`).
+
+    Each family (members longest suffix first) is first cut into runs where one more prefix row costs less than
+    the padding it saves (`_split_family`: a family whose answers differ a lot in length would otherwise pad every
+    row to its longest). Runs are then visited longest suffix first (ties: first appearance), so a micro-batch holds
+    suffixes of similar length; a run joins the open micro-batch whole if it fits, otherwise it opens the next, and
+    a run too big for any micro-batch is cut member by member (each piece runs the prefix again; a single member
+    over the budget runs alone). Finally, while there are fewer than `min_micro_batches` micro-batches and one has
+    two or more members, the one with the most slots (ties: the earlier) is halved in visiting order, as in
+    `pack_sorted_micro_batches`.
+
+    Returns micro-batches in visiting order, each a list of indices in ascending order; every index appears
+    exactly once.
+    """
+    _longest_first(seq_lens, max_tokens, min_micro_batches)  # validation only
+    if not len(family) == len(prefix_lens) == len(seq_lens):
+        raise ValueError(f"family ({len(family)}) and prefix_lens ({len(prefix_lens)}) need one entry per sequence "
+                         f"({len(seq_lens)})")
+    members: dict[int, list[int]] = {}
+    for i, f in enumerate(family):
+        members.setdefault(int(f), []).append(i)
+
+    def suffix(i: int) -> int:
+        return int(seq_lens[i]) - int(prefix_lens[i])
+
+    pieces: list[list[int]] = []
+    for m in members.values():
+        m = sorted(m, key=lambda i: (-suffix(i), i))
+        pieces.extend(_split_family(m, [suffix(i) for i in m], int(prefix_lens[m[0]])))
+    pieces.sort(key=lambda r: (-suffix(r[0]), min(r)))
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for piece in pieces:
+        if current and family_slots(seq_lens, family, prefix_lens, current + piece) <= max_tokens:
+            current.extend(piece)
+            continue
+        if current:
+            runs.append(current)
+            current = []
+        for i in piece:  # whole, or member by member when the run does not fit
+            if current and family_slots(seq_lens, family, prefix_lens, current + [i]) > max_tokens:
+                runs.append(current)
+                current = []
+            current.append(i)
+    if current:
+        runs.append(current)
+    while len(runs) < min_micro_batches:
+        splittable = [k for k, r in enumerate(runs) if len(r) > 1]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda j: (family_slots(seq_lens, family, prefix_lens, runs[j]), -j))
         half = (len(runs[k]) + 1) // 2
         runs[k:k + 1] = [runs[k][:half], runs[k][half:]]
     return [sorted(r) for r in runs]

@@ -485,3 +485,66 @@ def test_truncation_keeps_only_allowed_tokens():
         assert set(tokens.tolist()) == allowed
         # reported logprobs are the untruncated tempered distribution's
         assert torch.allclose(lps, torch.log(probs)[tokens], atol=1e-6)
+
+
+# ---- shared prompt pages -------------------------------------------------------------------------------------------
+
+
+async def test_shared_prompt_pages_give_the_same_outputs(make_engine, lively_ckpt):
+    """Samples of one prompt sent together: the first computes the prompt, the others map its full pages (and say
+    so in cached_tokens) and produce exactly what they produce alone; the pages outlive their first holder."""
+    engine = await make_engine(lively_ckpt)
+    prompt = engine.encode("shared prompt: " + "0123456789" * 4)[:45]  # 2 full pages of 16 and 13 more tokens
+    other = engine.encode("x" * 45)
+    alone, alone_lps, _, chunks = await run(engine, req("solo", prompt, max_new_tokens=20, temperature=0.0,
+                                                        ignore_eos=True, return_logprob=True))
+    assert chunks[-1].cached_tokens == 0
+    await engine.flush_cache()  # forget the solo run's pages: the group below starts from nothing
+    together = await asyncio.gather(*[
+        run(engine, req(f"g{i}", prompt if i < 4 else other, max_new_tokens=20, temperature=0.0, ignore_eos=True,
+                        return_logprob=True)) for i in range(6)])
+    cached = [t[3][-1].cached_tokens for t in together]
+    assert sorted(cached[:4]) == [0, 32, 32, 32]  # one computed the prompt, three mapped both full pages
+    assert sorted(cached[4:]) == [0, 32]  # the other prompt shares only with its own copy
+    for out, lps, finish, _ in together[:4]:
+        assert out == alone and finish == {"type": "length", "length": 20}
+        assert max(abs(a - b) for a, b in zip(lps, alone_lps)) < 1e-5
+    # nobody holds the pages now, yet they are still registered: a later request maps them
+    out, _, _, chunks = await run(engine, req("later", prompt, max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    assert out == alone and chunks[-1].cached_tokens == 32
+    # prompt logprobs need every prompt position computed: no mapping
+    _, _, _, chunks = await run(engine, req("lp", prompt, max_new_tokens=2, logprob_start_len=0))
+    assert chunks[-1].cached_tokens == 0 and len(chunks[0].input_logprobs) == len(prompt)
+    # a prompt of one page or less never maps (one token must be computed to sample from)
+    short = prompt[:16]
+    await run(engine, req("s1", short, max_new_tokens=2))
+    assert (await run(engine, req("s2", short, max_new_tokens=2)))[3][-1].cached_tokens == 0
+
+
+async def test_shared_prompt_pages_are_forgotten_at_a_weight_swap(make_engine, tiny_ckpt, tiny_ckpt_b):
+    engine = await make_engine(tiny_ckpt)
+    prompt = engine.encode("a prompt long enough for two pages: " + "xy" * 10)[:40]
+    await run(engine, req("a", prompt, max_new_tokens=4, ignore_eos=True))
+    assert (await run(engine, req("b", prompt, max_new_tokens=4, ignore_eos=True)))[3][-1].cached_tokens == 32
+    ok, _, _ = await engine.update_weights_from_disk(tiny_ckpt_b, "1")
+    assert ok
+    out, lps, _, chunks = await run(engine, req("c", prompt, max_new_tokens=8, temperature=0.0, ignore_eos=True,
+                                                return_logprob=True))
+    assert chunks[-1].cached_tokens == 0  # the old weights' pages are gone
+    full = hf_logprobs(tiny_ckpt_b, prompt + out)
+    assert max(abs(lp - full[len(prompt) - 1 + i, t].item()) for i, (t, lp) in enumerate(zip(out, lps))) < 1e-4
+
+
+async def test_cached_prompt_pages_are_evicted_when_pages_run_short(make_engine, lively_ckpt):
+    # 192 tokens of KV = 12 pages; each request reserves 5 (40-token prompt + 40 new). Every finished prompt leaves
+    # 2 registered pages, so from the sixth prompt on admissions must evict cached pages; every output stays right.
+    engine = await make_engine(lively_ckpt, max_total_tokens=192)
+    prompts = [engine.encode(f"{i}: " + "pq" * 30)[:40] for i in range(6)]
+    alone = [(await run(engine, req(f"a{i}", p, max_new_tokens=40, temperature=0.0, ignore_eos=True)))[0]
+             for i, p in enumerate(prompts)]
+    assert len(engine._prefix_pages) < 2 * len(prompts)  # the first prompts' pages were evicted
+    pairs = [p for p in prompts for _ in range(2)]
+    results = await asyncio.gather(*[run(engine, req(f"b{i}", p, max_new_tokens=40, temperature=0.0,
+                                                     ignore_eos=True)) for i, p in enumerate(pairs)])
+    assert [r[0] for r in results] == [a for a in alone for _ in range(2)]
+    assert sum(r[3][-1].cached_tokens == 32 for r in results) >= len(prompts)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal_async.testing.reference import load_model, random_sequences, reference_logprobs
+from areal_async.testing.reference import load_model, reference_logprobs
 from areal_async.train.logprobs import rows_forward_logprobs
 from areal_async.train.packing import family_slots, pack_family_micro_batches
 from areal_async.train.shared_prefix import (plan_families, shared_prefix_forward_logprobs, shared_prefix_savings,

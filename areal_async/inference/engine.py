@@ -23,6 +23,14 @@ Scheduling: FIFO admission while a running slot (`max_running_requests`) and KV 
 each step decodes every running request and prefills waiting ones in chunks of at most `chunked_prefill_size`
 tokens, batched together. Requests that do not fit wait; a request that could never fit is a ValueError.
 
+Shared prompts (SGLang's prefix cache, for the requests alive at the same time): once a full page of prompt tokens
+has its KV written, it is registered under (previous page, its tokens). A request about to prefill maps every
+registered page its prompt begins with instead of computing it (reported as `cached_tokens`), keeping at least one
+prompt token to compute. A request whose first prompt page another request is computing right now waits one step
+for it: the G samples of a prompt arrive together, and without that each would compute the prompt. Pages are
+refcounted and freed by their last holder; a weight swap forgets every registration (their KV is the old weights').
+Requests that ask for prompt logprobs always compute their whole prompt.
+
 Stop rules, checked after each token in SGLang's order: `max_new_tokens` first (finish "length"), then, once
 `min_new_tokens` are out, stop token ids (`stop_token_ids` always; the model's EOS ids unless `ignore_eos`), then
 stop strings, matched on the decoded tail of the output. Output ids keep the stop token; trimming a matched stop
@@ -121,7 +129,13 @@ class _Request:
         self.tokens: list[int] = list(req.input_ids)  # prompt + output; the cache holds tokens[:num_cached]
         self.output_ids: list[int] = []
         self.num_cached = 0
+        self.cached_tokens = 0  # prompt tokens whose KV came from another request's pages (SGLang's cached_tokens)
         self.pages: list[int] = []
+        self.shared_pages = 0  # leading pages of `pages` that are registered for sharing (ours or matched)
+        self.serials: list[int] = []  # the registrations of those pages (see AsyncEngine._register_prefix)
+        self.may_register = True  # False once the weights changed under it: its KV is not the new weights' KV
+        # the key of the first prompt page (see AsyncEngine._page_key); None when the prompt fills no whole page
+        self.key0 = (-1, tuple(req.input_ids[:PAGE_SIZE])) if len(req.input_ids) > PAGE_SIZE else None
         self.table_row = -1  # row of the engine's page table while admitted
         self.max_new = s.max_new_tokens
         self.stop_ids = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_ids))
@@ -193,6 +207,14 @@ class AsyncEngine:
 
         # engine-thread state
         self._free_pages = list(range(self.cache.num_pages - 1, 0, -1))  # pop() hands out low pages first
+        # shared prompt pages (module docstring): registry key (parent registration serial, page tokens) ->
+        # (page, serial). Serials are never reused, so a key whose parent was evicted can never match again. Pages
+        # nobody holds stay registered, least recently released first in `_evictable`, until pages run short.
+        self._page_refs = [0] * self.cache.num_pages
+        self._prefix_pages: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
+        self._page_keys: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._next_serial = 0
         max_pages = -(-min(self.context_len, max_total_tokens) // PAGE_SIZE)
         self._page_table = torch.zeros(max_running_requests, max_pages, dtype=torch.long)  # host; row per request
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
@@ -356,15 +378,21 @@ class AsyncEngine:
         return self._n_waiting
 
     async def flush_cache(self) -> bool:
-        """There is no prefix cache to flush; refuse while requests hold KV (as SGLang does)."""
-        return await self._call(lambda: not self._running)
+        """Forget the shared prompt pages; refused (False) while requests hold KV, as SGLang does."""
+        def cmd() -> bool:
+            if self._running:
+                return False
+            self._forget_prefixes()
+            return True
+
+        return await self._call(cmd)
 
     # ---- weights --------------------------------------------------------------------------------------------
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None,
                                        abort_all_requests: bool = False, flush_cache: bool = True
                                        ) -> tuple[bool, str, int]:
-        del flush_cache  # no prefix cache; in-place-paused requests keep their KV (computed by the old weights)
+        del flush_cache  # shared prompt pages are always forgotten at a swap; in-place-paused requests keep their KV
         assert self._weights_lock is not None, "engine not started"
         async with self._weights_lock:
             try:
@@ -377,6 +405,7 @@ class AsyncEngine:
                 held = len(self._running) + len(self._waiting) if self._paused else 0
                 self._seal()  # chunks made by the old weights keep the old version
                 self.model.load_tensors(tensors)
+                self._forget_prefixes()
                 self.model_path = model_path
                 self.weight_version = _next_version(self.weight_version, weight_version)
                 return held
@@ -437,6 +466,7 @@ class AsyncEngine:
             def swap() -> None:
                 self._seal()
                 self.model.load_tensors(tensors)
+                self._forget_prefixes()
                 self.weight_version = _next_version(self.weight_version, weight_version)
 
             await self._call(swap, urgent=True)
@@ -516,7 +546,8 @@ class AsyncEngine:
         for r in self._dirty:
             chunk = EngineChunk(rid=r.rid, new_ids=r.pend_ids, new_logprobs=r.pend_lps if r.req.return_logprob else [],
                                 new_top_logprobs=r.pend_top, finish_reason=r.pend_reason, prompt_tokens=r.prompt_len,
-                                completion_tokens=len(r.output_ids), weight_version=self.weight_version)
+                                completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
+                                weight_version=self.weight_version)
             if not r.sent_first:
                 r.sent_first = True
                 if r.want_input_lp:
@@ -599,17 +630,31 @@ class AsyncEngine:
         while self._waiting and len(self._running) < self.max_running_requests:
             r = self._waiting[0]
             need = r.pages_needed
-            if need > len(self._free_pages):
+            if need > len(self._free_pages) + len(self._evictable):
                 break
+            while need > len(self._free_pages):  # reuse the cached prompt pages released longest ago
+                page, _ = self._evictable.popitem(last=False)
+                del self._prefix_pages[self._page_keys.pop(page)]
+                self._free_pages.append(page)
             self._waiting.popleft()
             r.pages = [self._free_pages.pop() for _ in range(need)]
+            for page in r.pages:
+                self._page_refs[page] = 1
             r.table_row = self._free_rows.pop()
             self._page_table[r.table_row, :need] = torch.tensor(r.pages)
             self._running.append(r)
 
     def _release_pages(self, r: _Request) -> None:
-        self._free_pages.extend(reversed(r.pages))
+        for page in reversed(r.pages):
+            self._page_refs[page] -= 1
+            if self._page_refs[page] == 0:
+                if page in self._page_keys:  # still a registered prompt page: keep it for later requests
+                    self._evictable[page] = None
+                else:
+                    self._free_pages.append(page)
         r.pages = []
+        r.shared_pages = 0
+        r.serials = []
         if r.table_row >= 0:
             self._free_rows.append(r.table_row)
             r.table_row = -1
@@ -636,19 +681,93 @@ class AsyncEngine:
             r.dirty = True
             self._dirty.append(r)
 
+    # ---- shared prompt pages ----
+
+    def _forget_prefixes(self) -> None:
+        """Weights changed: registered pages hold the old weights' KV. Their holders keep them (an in-place pause
+        resumes on them, as SGLang does); nobody new may map them."""
+        self._prefix_pages.clear()
+        self._page_keys.clear()
+        self._free_pages.extend(self._evictable)
+        self._evictable.clear()
+        for r in self._running:
+            r.may_register = False
+
+    def _map_prefix(self, r: _Request) -> None:
+        """Before r's first prefill step: replace its leading pages with registered ones holding the same prompt
+        tokens, as far as they match, always leaving at least one prompt token to compute (its logits sample the
+        first output token). Requests that want prompt logprobs compute everything."""
+        if r.want_input_lp or r.key0 is None:
+            return
+        limit = (r.prompt_len - 1) // PAGE_SIZE
+        prev, i = -1, 0
+        while i < limit:
+            hit = self._prefix_pages.get((prev, tuple(r.tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE])))
+            if hit is None:
+                break
+            page, serial = hit
+            own = r.pages[i]
+            self._page_refs[own] -= 1
+            if self._page_refs[own] == 0:
+                self._free_pages.append(own)
+            if self._page_refs[page] == 0:
+                del self._evictable[page]
+            self._page_refs[page] += 1
+            r.pages[i] = page
+            r.serials.append(serial)
+            prev, i = serial, i + 1
+        if i:
+            self._page_table[r.table_row, :i] = torch.tensor(r.pages[:i])
+            r.num_cached = r.cached_tokens = i * PAGE_SIZE
+            r.shared_pages = i
+
+    def _register_prefix(self, r: _Request) -> None:
+        """After a step: register r's prompt pages that are now completely written. A key chains through the
+        previous page's registration, so equal keys mean equal prompts up to and including the page."""
+        full = min(r.num_cached, r.prompt_len) // PAGE_SIZE
+        while r.may_register and r.shared_pages < full:
+            i = r.shared_pages
+            key = (r.serials[i - 1] if i else -1, tuple(r.tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]))
+            if key in self._prefix_pages:  # another request registered the same tokens first: keep theirs
+                r.may_register = False
+                break
+            self._prefix_pages[key] = (r.pages[i], self._next_serial)
+            self._page_keys[r.pages[i]] = key
+            r.serials.append(self._next_serial)
+            self._next_serial += 1
+            r.shared_pages += 1
+
     def _step(self) -> None:
         """One forward over every running request: decode rows plus prefill chunks within the token budget."""
         self._admit()
         sched: list[tuple[_Request, int]] = []
         budget = self.chunked_prefill_size
+        # first prompt pages being computed right now: a request with the same one waits a step and then maps it
+        # (the samples of one prompt arrive together; without this every one of them would compute the prompt)
+        computing: set[tuple[int, tuple[int, ...]]] = set()
+        for r in self._running:
+            if 0 < r.num_cached < r.prompt_len and r.key0 is not None and r.shared_pages == 0 and r.may_register:
+                computing.add(r.key0)
         for r in self._running:
             pending = len(r.tokens) - r.num_cached
             if pending == 1:
                 sched.append((r, 1))
-            elif budget > 0:
-                n = min(pending, budget)
-                budget -= n
-                sched.append((r, n))
+                continue
+            if budget <= 0:
+                continue
+            if r.num_cached == 0:
+                self._map_prefix(r)
+                if r.num_cached == 0 and r.key0 is not None and not r.want_input_lp:
+                    if r.key0 in computing:
+                        continue
+                    computing.add(r.key0)
+                pending = len(r.tokens) - r.num_cached
+                if pending == 1:
+                    sched.append((r, 1))
+                    continue
+            n = min(pending, budget)
+            budget -= n
+            sched.append((r, n))
         if not sched:
             return
         seqs, logit_rows, sample_reqs, input_lp = [], [], [], []
@@ -683,6 +802,9 @@ class AsyncEngine:
             lp = torch.log_softmax(logits[row0:row0 + len(positions)] / temp, dim=-1)  # [n, V]
             ids = torch.tensor([r.tokens[p] for p in positions], device=lp.device)
             r.input_logprobs.extend(lp.gather(1, ids[:, None])[:, 0].tolist())
+        for (r, _), (_, start, _, _) in zip(sched, seqs):
+            if start < r.prompt_len:  # this step wrote prompt KV
+                self._register_prefix(r)
         if sample_reqs:
             self._sample(logits, sample_reqs)
         for r, n in sched:  # prompts of max_new_tokens == 0 end after their prefill

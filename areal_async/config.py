@@ -67,6 +67,9 @@ class ServerConfig(_Section):
     gpus_per_server: int = 1
     startup_timeout_s: float = 300.0
     torch_threads: int = 1  # intra-op threads per embedded server process
+    # embedded: requests share the KV of identical full prompt pages (SGLang's radix cache; sglang servers take
+    # --disable-radix-cache in extra_args instead)
+    prefix_cache: bool = True
 
     def validate(self, prefix: str) -> None:
         _check(self.num_servers >= 1, f"{prefix}.num_servers", "must be >= 1")
@@ -164,7 +167,10 @@ class TrainConfig(_Section):
     nproc: int = 1
     device: str = "auto"  # auto: cuda when available, else cpu
     ppo_minibatches: int = 1
-    micro_batch_tokens: int = 8192  # token budget of one packed micro-batch
+    micro_batch_tokens: int = 8192  # token budget of one micro-batch (padded slots in the rows/prefix layouts)
+    # auto: each prompt group's shared prompt runs once (prefix) where the model allows, else padded rows (sdpa,
+    # eager) or packing (flash attention); see train/engine.py. The others force one (all exact).
+    layout: Literal["auto", "packed", "rows", "prefix"] = "auto"
     activation_checkpointing: bool = False
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     weight_sync: Literal["disk", "broadcast"] = "disk"

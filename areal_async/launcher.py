@@ -84,13 +84,16 @@ class Launcher:
 
     def start_embedded_server(self, index: int, model: str, *, host: str, port: int, device: str,
                               max_total_tokens: int, max_running_requests: int, api_key: str | None,
-                              torch_threads: int, weight_version: int = 0) -> tuple[Child, str]:
+                              torch_threads: int, weight_version: int = 0, prefix_cache: bool = True
+                              ) -> tuple[Child, str]:
         port = port or free_port(host)
         cmd = [sys.executable, "-m", "areal_async.serve", "--model", model, "--host", host, "--port", str(port),
                "--device", device, "--max-total-tokens", str(max_total_tokens),
                "--max-running-requests", str(max_running_requests), "--weight-version", str(weight_version)]
         if api_key:
             cmd += ["--api-key", api_key]
+        if not prefix_cache:
+            cmd.append("--disable-radix-cache")
         env = _thread_env(torch_threads)
         return self.spawn(f"server{index}", cmd, env), f"http://{host}:{port}"
 

@@ -122,7 +122,7 @@ async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
                     started.append(launcher.start_embedded_server(
                         i, model_path, host=srv.host, port=port, device=srv.device,
                         max_total_tokens=srv.max_total_tokens, max_running_requests=srv.max_running_requests,
-                        api_key=srv.api_key, torch_threads=srv.torch_threads))
+                        api_key=srv.api_key, torch_threads=srv.torch_threads, prefix_cache=srv.prefix_cache))
                 else:
                     started.append(launcher.start_sglang_server(
                         i, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=srv.extra_args,

@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="0", help="reported as meta_info.weight_version until an update")
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: the model path)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="compute every prompt in full (no sharing of prompt pages between requests), as in SGLang")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -49,7 +51,8 @@ async def serve(args: argparse.Namespace) -> None:
     server = await start_server(
         args.model, args.host, args.port, args.api_key, served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-        max_running_requests=args.max_running_requests, weight_version=str(args.weight_version), seed=args.seed)
+        max_running_requests=args.max_running_requests, weight_version=str(args.weight_version), seed=args.seed,
+        prefix_cache=not args.disable_radix_cache)
     try:
         print(f"{READY_PREFIX}{server.url}", flush=True)
         await stop.wait()

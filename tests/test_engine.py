@@ -548,3 +548,13 @@ async def test_cached_prompt_pages_are_evicted_when_pages_run_short(make_engine,
                                                      ignore_eos=True)) for i, p in enumerate(pairs)])
     assert [r[0] for r in results] == [a for a in alone for _ in range(2)]
     assert sum(r[3][-1].cached_tokens == 32 for r in results) >= len(prompts)
+
+
+async def test_prefix_cache_can_be_disabled(make_engine, lively_ckpt):
+    engine = await make_engine(lively_ckpt, prefix_cache=False)
+    prompt = engine.encode("shared prompt: " + "0123456789" * 4)[:45]
+    results = await asyncio.gather(*[run(engine, req(f"g{i}", prompt, max_new_tokens=5, temperature=0.0))
+                                     for i in range(3)])
+    assert [r[3][-1].cached_tokens for r in results] == [0, 0, 0]
+    assert len({tuple(r[0]) for r in results}) == 1
+    assert engine.server_args()["disable_radix_cache"] is True

@@ -171,7 +171,7 @@ class AsyncEngine:
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_total_tokens: int = 65536,
                  max_running_requests: int = 256, weight_version: str = "0", seed: int = 0,
-                 chunked_prefill_size: int | None = None):
+                 chunked_prefill_size: int | None = None, prefix_cache: bool = True):
         from transformers import AutoTokenizer
 
         self.device = resolve_device(device)
@@ -189,6 +189,7 @@ class AsyncEngine:
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
+        self.prefix_cache = prefix_cache  # share full prompt pages between requests (module docstring)
         self.seed = seed
         spec, tensors = load_checkpoint(model_path)
         self.spec: ModelSpec = spec
@@ -486,6 +487,7 @@ class AsyncEngine:
                 "dtype": str(self.dtype).removeprefix("torch."), "max_total_tokens": self.max_total_tokens,
                 "max_running_requests": self.max_running_requests, "chunked_prefill_size": self.chunked_prefill_size,
                 "page_size": PAGE_SIZE, "context_length": self.context_len, "random_seed": self.seed,
+                "disable_radix_cache": not self.prefix_cache,
                 "architecture": self.spec.architecture, "weight_version": self.weight_version,
                 "busy_s": self.busy_s}
 
@@ -697,7 +699,7 @@ class AsyncEngine:
         """Before r's first prefill step: replace its leading pages with registered ones holding the same prompt
         tokens, as far as they match, always leaving at least one prompt token to compute (its logits sample the
         first output token). Requests that want prompt logprobs compute everything."""
-        if r.want_input_lp or r.key0 is None:
+        if r.want_input_lp or r.key0 is None or not self.prefix_cache:
             return
         limit = (r.prompt_len - 1) // PAGE_SIZE
         prev, i = -1, 0
@@ -724,7 +726,7 @@ class AsyncEngine:
     def _register_prefix(self, r: _Request) -> None:
         """After a step: register r's prompt pages that are now completely written. A key chains through the
         previous page's registration, so equal keys mean equal prompts up to and including the page."""
-        full = min(r.num_cached, r.prompt_len) // PAGE_SIZE
+        full = min(r.num_cached, r.prompt_len) // PAGE_SIZE if self.prefix_cache else 0
         while r.may_register and r.shared_pages < full:
             i = r.shared_pages
             key = (r.serials[i - 1] if i else -1, tuple(r.tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]))
@@ -757,7 +759,7 @@ class AsyncEngine:
                 continue
             if r.num_cached == 0:
                 self._map_prefix(r)
-                if r.num_cached == 0 and r.key0 is not None and not r.want_input_lp:
+                if r.num_cached == 0 and r.key0 is not None and not r.want_input_lp and self.prefix_cache:
                     if r.key0 in computing:
                         continue
                     computing.add(r.key0)

@@ -269,11 +269,12 @@ class TrainEngine:
 
     def __init__(self, model_path: str, cfg: TrainConfig, *, seed: int = 1, temperature: float = 1.0,
                  device: torch.device | None = None, broadcast_timeout_s: float = 600.0,
-                 layout: Literal["auto", "packed", "rows", "prefix"] = "auto", fold_prox: bool = True) -> None:
-        """`layout`: "auto" = shared prompts run once where the model allows it, else padded rows for sdpa/eager
-        attention and packing for varlen kernels (see the module docstring); "packed"/"rows"/"prefix" force one
-        (for tests and benchmarks, all exact). `fold_prox=False` keeps the separate prox pass even with one
-        minibatch (the reference the folded path is tested against)."""
+                 layout: Literal["auto", "packed", "rows", "prefix"] | None = None, fold_prox: bool = True) -> None:
+        """`layout` (default: `cfg.layout`): "auto" = shared prompts run once where the model allows it, else
+        padded rows for sdpa/eager attention and packing for varlen kernels (see the module docstring);
+        "packed"/"rows"/"prefix" force one (all exact). `fold_prox=False` keeps the separate prox pass even with
+        one minibatch (the reference the folded path is tested against)."""
+        layout = cfg.layout if layout is None else layout
         if not dist.is_initialized():
             raise RuntimeError("TrainEngine needs torch.distributed; call init_distributed() first")
         cfg.validate("train")

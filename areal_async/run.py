@@ -97,6 +97,11 @@ async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
     resumed = load_state(run_dir) if cfg.resume else None
     if not cfg.resume and os.path.isdir(os.path.join(run_dir, "checkpoints")):
         shutil.rmtree(os.path.join(run_dir, "checkpoints"))
+    old_metrics = os.path.join(run_dir, "metrics.jsonl")
+    if not resumed and os.path.exists(old_metrics):  # a fresh run: its records must not follow an older run's
+        kept = os.path.join(run_dir, time.strftime("metrics.before-%Y%m%d-%H%M%S.jsonl"))
+        os.replace(old_metrics, kept)
+        log.info("a new run in %s: the previous metrics.jsonl is kept as %s", run_dir, os.path.basename(kept))
     state = resumed[0] if resumed else RunState()
     if resumed:
         log.info("resuming from %s at version %d (data position %d)", resumed[1], state.version,

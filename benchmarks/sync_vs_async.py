@@ -1,13 +1,17 @@
 """Sync against async on equal terms: the same task, model, config and number of trained samples, one run after
 the other on the same machine.
 
-    python benchmarks/sync_vs_async.py --out benchmarks/out/sync_vs_async.json [--steps 40] [--quick]
+    python benchmarks/sync_vs_async.py --out benchmarks/out/sync_vs_async.json [--steps 40] [--repeats 3] [--quick]
 
 Modes: sync (eta = 0: generation never overlaps training), async with eta in {1, 2, 4, 8} (interruptible), and async
 eta = 4 without interruptible generation (weight loads wait for in-flight requests). For each: wall time to the same
 number of trained samples, trained samples/s, generated tokens/s, the busy fraction of the inference server and of the
 trainer, final held-out accuracy and the staleness histogram. Writes JSON, a markdown table (next to --out, .md) and a
 PNG of held-out accuracy against wall time for every mode (.png).
+
+`--repeats N` runs the whole list of modes N times, round after round: this machine's speed drifts by 20% or more
+over minutes (a shared VM), so a mode is compared with the sync run of its own round (paired speedup), and the table
+shows each mode's median round (by wall time) with the median of its paired speedups. Every round is in the JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="2 modes, 2 steps, tiny batches: a smoke test")
     ap.add_argument("--modes", nargs="*", default=None, help="subset of mode names")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode (paired speedups, medians)")
     ap.add_argument("--report-only", action="store_true",
                     help="rebuild the JSON, table and plot from the runs already in the output folder")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
@@ -49,42 +54,31 @@ def main() -> None:
                  "eval.max_new_tokens=24", *extra]
         args.steps = 2
     out_dir = os.path.splitext(os.path.abspath(args.out))[0] + "_runs"
-    runs = []
-    for name, ov in modes:
-        slug = name.replace(" ", "_").replace(",", "").replace("=", "")
-        run_dir = os.path.join(out_dir, slug)
-        if args.report_only:
-            s = load_run(name, run_dir)
-        else:
-            s = run_one(name, run_dir,
-                        [*ov, f"total_steps={args.steps}", f"eval.every_steps={args.eval_every}", *extra])
-        wall = s["wall_s"]
-        t = s["timings"]
-        runs.append({
-            "name": name, "mode": s["mode"], "eta": s["eta"], "interruptible": s["interruptible"],
-            # the base and final evals lie outside wall_s; periodic ones count only where the trainer waited for them
-            "wall_s": wall, "eval_s": t["eval_s"], "eval_wait_s": t["eval_wait_s"],
-            "wall_excl_eval_s": wall - t["eval_wait_s"],
-            "trained_samples": s["trained_samples"],
-            "trained_samples_per_s": s["trained_samples"] / wall,
-            "generated_tokens_per_s": s["rollout"]["generated_tokens"] / wall,
-            "server_busy_frac": (s["server_busy_s"] / (wall * s.get("num_servers", 1))
-                                 if s.get("server_busy_s") is not None else None),
-            "trainer_busy_frac": (t["train_s"] + t["publish_s"]) / wall,
-            "base_accuracy": s["base_accuracy"], "final_accuracy": s["final_accuracy"],
-            "max_staleness_seen": s["max_staleness_seen"], "staleness_hist": s["staleness_hist"],
-            "eval_curve": [(e["wall_s"], e["accuracy"]) for e in s["evals"]],
-        })
-    sync = next((r for r in runs if r["mode"] == "sync"), None)
-    for r in runs:  # held-out evals are the same work in every mode: also compare without the time they cost
-        r["speedup_vs_sync"] = sync["wall_s"] / r["wall_s"] if sync else None
-        r["speedup_excl_eval"] = sync["wall_excl_eval_s"] / r["wall_excl_eval_s"] if sync else None
-    result = {"runs": runs, "steps": args.steps, "overrides": extra}
+    rounds: list[list[dict]] = []
+    for rnd in range(args.repeats):
+        runs = []
+        for name, ov in modes:
+            slug = name.replace(" ", "_").replace(",", "").replace("=", "")
+            run_dir = os.path.join(out_dir, slug if args.repeats == 1 else f"{slug}_r{rnd}")
+            if args.report_only:
+                s = load_run(name, run_dir)
+            else:
+                s = run_one(name, run_dir,
+                            [*ov, f"total_steps={args.steps}", f"eval.every_steps={args.eval_every}", *extra])
+            runs.append(_row(name, s, rnd))
+        sync = next((r for r in runs if r["mode"] == "sync"), None)
+        for r in runs:  # held-out evals are the same work in every mode: also compare without the time they cost
+            r["speedup_vs_sync"] = sync["wall_s"] / r["wall_s"] if sync else None
+            r["speedup_excl_eval"] = sync["wall_excl_eval_s"] / r["wall_excl_eval_s"] if sync else None
+        rounds.append(runs)
+    runs = [_median_round([rnd[i] for rnd in rounds]) for i in range(len(modes))]
+    result = {"runs": runs, "rounds": rounds, "repeats": args.repeats, "steps": args.steps, "overrides": extra}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     table = markdown_table(runs, [
         ("name", "mode", ""), ("wall_s", "wall s", ".1f"), ("speedup_vs_sync", "speedup", ".2f"),
+        ("wall_rounds", "wall s, each round", ""), ("speedup_rounds", "speedup, each round", ""),
         ("wall_excl_eval_s", "wall s w/o eval", ".1f"), ("speedup_excl_eval", "speedup w/o eval", ".2f"),
         ("trained_samples", "samples", "d"), ("trained_samples_per_s", "samples/s", ".2f"),
         ("generated_tokens_per_s", "gen tok/s", ".0f"), ("server_busy_frac", "server busy", ".2f"),
@@ -96,6 +90,44 @@ def main() -> None:
         f.write(table + "\n")
     print(table)
     plot(runs, base + ".png")
+
+
+def _row(name: str, s: dict, rnd: int) -> dict:
+    wall = s["wall_s"]
+    t = s["timings"]
+    return {
+        "name": name, "round": rnd, "mode": s["mode"], "eta": s["eta"], "interruptible": s["interruptible"],
+        # the base and final evals lie outside wall_s; periodic ones count only where the trainer waited for them
+        "wall_s": wall, "eval_s": t["eval_s"], "eval_wait_s": t["eval_wait_s"],
+        "wall_excl_eval_s": wall - t["eval_wait_s"],
+        "train_s": t["train_s"], "wait_batch_s": t["wait_batch_s"],
+        "trained_samples": s["trained_samples"],
+        "trained_samples_per_s": s["trained_samples"] / wall,
+        "generated_tokens_per_s": s["rollout"]["generated_tokens"] / wall,
+        "server_busy_frac": (s["server_busy_s"] / (wall * s.get("num_servers", 1))
+                             if s.get("server_busy_s") is not None else None),
+        "trainer_busy_frac": (t["train_s"] + t["publish_s"]) / wall,
+        "base_accuracy": s["base_accuracy"], "final_accuracy": s["final_accuracy"],
+        "max_staleness_seen": s["max_staleness_seen"], "staleness_hist": s["staleness_hist"],
+        "eval_curve": [(e["wall_s"], e["accuracy"]) for e in s["evals"]],
+    }
+
+
+def _median_round(rows: list[dict]) -> dict:
+    """The mode's round with the median wall time (the lower middle for an even count), carrying the medians of
+    the paired speedups and every round's wall time."""
+    import statistics
+
+    ordered = sorted(rows, key=lambda r: r["wall_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["wall_s_rounds"] = [r["wall_s"] for r in rows]
+    row["wall_rounds"] = " / ".join(f"{r['wall_s']:.1f}" for r in rows)
+    for key in ("speedup_vs_sync", "speedup_excl_eval"):
+        vals = [r[key] for r in rows if r[key] is not None]
+        row[key] = statistics.median(vals) if vals else None
+        row[key + "_rounds"] = [r[key] for r in rows]
+    row["speedup_rounds"] = " / ".join(f"{r['speedup_vs_sync']:.2f}" for r in rows if r["speedup_vs_sync"])
+    return row
 
 
 def plot(runs: list[dict], path: str) -> None:

@@ -109,11 +109,18 @@ def test_resume_continues_version_and_data_position(async_run, tiny_ckpt):
 def test_sync_mode_never_trains_stale_tokens(tiny_ckpt, tmp_path):
     """Also the broadcast weight path: trainer rank 0 -> the server over torch.distributed (gloo here)."""
     run_dir = str(tmp_path / "sync")
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:  # an older run's records in the same folder
+        f.write(json.dumps({"kind": "train", "step": 7, "time": 0.0, "version": 7}) + "\n")
     p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=sync", "total_steps=3",
                  "eval.every_steps=0", "train.weight_sync=broadcast", *COMMON])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     train = records(run_dir, "train")
-    assert len(train) == 3
+    assert len(train) == 3 and [r["version"] for r in train] == [1, 2, 3]  # only this run's
+    kept = [n for n in os.listdir(run_dir) if n.startswith("metrics.before-")]
+    assert len(kept) == 1
+    with open(os.path.join(run_dir, kept[0])) as f:
+        assert json.loads(f.readline())["version"] == 7
     assert all(r["staleness_max"] == 0 and r["multi_version_frac"] == 0 for r in train)
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["eta"] == 0

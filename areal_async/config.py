@@ -195,6 +195,9 @@ class EvalConfig(_Section):
     every_steps: int = 10  # 0 = only before and after
     num_prompts: int = 200
     max_new_tokens: int = 96
+    # queue priority of eval requests (larger goes first). None: 1 on embedded servers, so an eval beside running
+    # rollouts is not stuck behind them; unset for sglang/external (SGLang needs --enable-priority-scheduling)
+    priority: int | None = None
 
 
 class RunConfig(_Section):

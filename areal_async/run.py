@@ -166,9 +166,13 @@ async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
         elif not hasattr(workflow, "run"):
             workflow = workflow(cfg, tokenizer, score)
 
+        eval_priority = cfg.eval.priority
+        if eval_priority is None and cfg.server.backend == "embedded":
+            eval_priority = 1
+
         async def evaluator() -> dict[str, float]:
             return await evaluate(client, tokenizer, eval_samples, score, max_new_tokens=cfg.eval.max_new_tokens,
-                                  use_chat_template=cfg.data.apply_chat_template)
+                                  use_chat_template=cfg.data.apply_chat_template, priority=eval_priority)
 
         sched = ScheduleConfig(
             batch_size=cfg.rollout.batch_size, total_steps=cfg.total_steps, eta=cfg.rollout.effective_eta,

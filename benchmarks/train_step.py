@@ -3,7 +3,10 @@
 The same `TrainEngine.train_step` a torchrun rank runs (FSDP2 over a world of one, in this process; the RPC hop of
 the worker adds milliseconds on a step of seconds), on the project's default model shape (Qwen2, hidden 128,
 4 layers, char vocab, random weights: speed does not depend on what the weights learned) and a synthetic batch
-shaped like the default run's: 16 prompt groups x 8 samples, prompts of ~28 tokens, responses of 10-50 tokens.
+shaped like the default run's: 16 prompt groups x 8 samples, prompts of 26-36 tokens, answers of 15-60 tokens that
+differ by up to 6 tokens within a group (`--resp-spread -1` draws every length independently). Answers are random
+tokens, so they share nothing beyond the prompt; in the real run the samples of a solved problem also share the
+start of their worked solutions, which the shared-prefix layout runs once too.
 
 Breakdown (from `TrainEngine.last_timings` when the engine provides it): prox = the no-grad proximal-logprob pass
 (0 when it is folded into the training forward), forward / backward = the training micro-batches, optimizer =
@@ -30,10 +33,12 @@ import numpy as np
 
 
 def make_batch(num_groups: int, group_size: int, prompt_len: tuple[int, int], resp_len: tuple[int, int],
-               vocab: int, policy_version: int, seed: int):
+               vocab: int, policy_version: int, seed: int, resp_spread: int | None = None):
     """A TrainBatch of `num_groups` x `group_size` trajectories: a shared prompt per group, uniform lengths,
     behaviour logprobs around log(1 / vocab) with a few far below (so the importance-weight cap bites), 0/1
-    rewards varying within groups."""
+    rewards varying within groups. `resp_spread`: answers to one prompt are its group's length (uniform in
+    `resp_len`) +- up to this many tokens, as in a real run where the samples of one problem have similar
+    lengths; None draws every answer's length independently."""
     from areal_async.types import Trajectory, pack_trajectories
 
     rng = np.random.default_rng(seed)
@@ -41,8 +46,12 @@ def make_batch(num_groups: int, group_size: int, prompt_len: tuple[int, int], re
     for g in range(num_groups):
         p_len = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
         prompt = rng.integers(2, vocab, p_len).tolist()
+        base = int(rng.integers(resp_len[0], resp_len[1] + 1))
         for _ in range(group_size):
-            r_len = int(rng.integers(resp_len[0], resp_len[1] + 1))
+            if resp_spread is None:
+                r_len = int(rng.integers(resp_len[0], resp_len[1] + 1))
+            else:
+                r_len = max(1, base + int(rng.integers(-resp_spread, resp_spread + 1)))
             resp = rng.integers(2, vocab, r_len).tolist()
             behav = (np.log(1.0 / vocab) + rng.normal(0.0, 0.3, r_len)
                      - 2.5 * (rng.random(r_len) < 0.05)).tolist()
@@ -76,8 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=(24, 32))
-    ap.add_argument("--resp-len", type=int, nargs=2, default=(10, 50))
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(26, 36),
+                    help="shared prompt length range (the default task's prompts are 27-36 tokens)")
+    ap.add_argument("--resp-len", type=int, nargs=2, default=(15, 60))
+    ap.add_argument("--resp-spread", type=int, default=6,
+                    help="answers to one prompt differ by up to this many tokens; -1: every length independent")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the default trainer uses 1)")
@@ -117,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
         profiler = None
         for i in range(args.warmup + args.steps):
             batch, trajs = make_batch(args.groups, args.group_size, tuple(args.prompt_len), tuple(args.resp_len),
-                                      engine.vocab_size, engine.version, args.seed + i)
+                                      engine.vocab_size, engine.version, args.seed + i,
+                                      None if args.resp_spread < 0 else args.resp_spread)
             timed = i >= args.warmup
             if timed and args.profile and profiler is None:
                 import cProfile

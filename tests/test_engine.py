@@ -558,3 +558,24 @@ async def test_prefix_cache_can_be_disabled(make_engine, lively_ckpt):
     assert [r[3][-1].cached_tokens for r in results] == [0, 0, 0]
     assert len({tuple(r[0]) for r in results}) == 1
     assert engine.server_args()["disable_radix_cache"] is True
+
+
+async def test_priority_requests_are_admitted_first(make_engine, lively_ckpt):
+    """One running slot: queued requests run one at a time, a higher priority ahead of earlier lower ones, equal
+    priorities in arrival order."""
+    engine = await make_engine(lively_ckpt, max_running_requests=1)
+    ids = engine.encode("abc")
+    order: list[str] = []
+
+    async def go(rid: str, priority: int = 0, n: int = 30) -> None:
+        await run(engine, EngineRequest(rid=rid, input_ids=ids, priority=priority,
+                                        sampling=EngineSampling(max_new_tokens=n, ignore_eos=True)))
+        order.append(rid)
+
+    first = asyncio.create_task(go("running", n=300))  # long enough for every other request to be queued
+    while engine.num_running() == 0:
+        await asyncio.sleep(0.001)
+    tasks = [asyncio.create_task(go(rid, p)) for rid, p in [("low1", 0), ("low2", 0), ("eval1", 1), ("eval2", 1),
+                                                              ("top", 5), ("low3", 0)]]
+    await asyncio.gather(first, *tasks)
+    assert order == ["running", "top", "eval1", "eval2", "low1", "low2", "low3"]

@@ -435,3 +435,14 @@ def test_streamed_completion_logprobs_have_running_text_offsets(tok):
         offsets += ev["choices"][0]["logprobs"]["text_offset"]
         texts.append(ev["choices"][0]["text"])
     assert "".join(texts) == "abwxyz" and offsets == [0, 1, 2, 3, 4, 5]
+
+
+def test_priority_per_request_or_per_item(tok):
+    assert [r.priority for r in gen(tok, {"text": "1+1="}).requests] == [0]
+    assert [r.priority for r in gen(tok, {"text": "1+1=", "priority": 3}).requests] == [3]
+    plan = gen(tok, {"text": ["a", "b"], "priority": [1, 0], "sampling_params": {"n": 2}})
+    assert [r.priority for r in plan.requests] == [1, 1, 0, 0]
+    with pytest.raises(P.ProtocolError, match="priority"):
+        gen(tok, {"text": ["a", "b"], "priority": [1]})
+    with pytest.raises(P.ProtocolError):
+        gen(tok, {"text": "a", "priority": "high"})

@@ -407,8 +407,12 @@ class InferenceClient:
     # ---- generation ---------------------------------------------------------------------------------------------
 
     async def agenerate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
-                        session_key: str | None = None, return_text: bool = False) -> GenerationResult:
+                        session_key: str | None = None, return_text: bool = False,
+                        priority: int | None = None) -> GenerationResult:
         """Generate one completion of `input_ids`, resuming across interruptions until stop or length.
+
+        `priority` (sent only when given): a larger one is queued ahead on the server; the embedded server always
+        honours it, SGLang only with --enable-priority-scheduling.
 
         The result concatenates every segment; `output_versions[i]` is the weight version that produced token i.
         A client `abort(rid)` ends it early with finish_reason "abort" and the tokens so far.
@@ -453,6 +457,8 @@ class InferenceClient:
                                            "return_logprob": True, "stream": False}
                 if stops:  # per-token text lets us honour a stop string that spans a resubmission boundary
                     payload["return_text_in_logprobs"] = True
+                if priority is not None:
+                    payload["priority"] = priority
 
                 def make_body(_attempt: int, payload=payload) -> bytes:
                     nonlocal sent

@@ -18,18 +18,21 @@ batch is still undelivered (the loop is busy), new tokens accumulate per request
 chunk, so a loaded loop costs the engine nothing per token. A command's result is posted after every chunk made
 before it, so `pause("abort")` returns after the aborted requests' final chunks are in their streams.
 
-Scheduling: FIFO admission while a running slot (`max_running_requests`) and KV pages for prompt +
+Scheduling: FIFO admission (a request with a larger `priority` goes ahead of lower ones in the queue, as held-out
+evals do so they need not wait behind thousands of queued rollouts) while a running slot (`max_running_requests`) and
+KV pages for prompt +
 `max_new_tokens` are free (reserving the whole budget up front means a running request never has to be evicted);
 each step decodes every running request and prefills waiting ones in chunks of at most `chunked_prefill_size`
 tokens, batched together. Requests that do not fit wait; a request that could never fit is a ValueError.
 
-Shared prompts (SGLang's prefix cache, for the requests alive at the same time): once a full page of prompt tokens
-has its KV written, it is registered under (previous page, its tokens). A request about to prefill maps every
-registered page its prompt begins with instead of computing it (reported as `cached_tokens`), keeping at least one
-prompt token to compute. A request whose first prompt page another request is computing right now waits one step
-for it: the G samples of a prompt arrive together, and without that each would compute the prompt. Pages are
-refcounted and freed by their last holder; a weight swap forgets every registration (their KV is the old weights').
-Requests that ask for prompt logprobs always compute their whole prompt.
+Shared prompts (what SGLang's radix cache does for us, at page granularity): once a full page of prompt tokens has
+its KV written, it is registered under (the previous page's registration, its tokens). A request about to prefill
+maps every registered page its prompt begins with instead of computing it (reported as `cached_tokens`), keeping
+at least one prompt token to compute. A request whose first prompt page another request is computing right now
+waits one step for it: the G samples of a prompt arrive together, and without that each would compute the prompt.
+Pages are refcounted; a registered page its last holder releases stays cached until admissions need the space
+(least recently released first). A weight swap forgets every registration (their KV is the old weights').
+Requests that ask for prompt logprobs always compute their whole prompt; `prefix_cache=False` turns all this off.
 
 Stop rules, checked after each token in SGLang's order: `max_new_tokens` first (finish "length"), then, once
 `min_new_tokens` are out, stop token ids (`stop_token_ids` always; the model's EOS ids unless `ignore_eos`), then
@@ -134,7 +137,8 @@ class _Request:
         self.shared_pages = 0  # leading pages of `pages` that are registered for sharing (ours or matched)
         self.serials: list[int] = []  # the registrations of those pages (see AsyncEngine._register_prefix)
         self.may_register = True  # False once the weights changed under it: its KV is not the new weights' KV
-        # the key of the first prompt page (see AsyncEngine._page_key); None when the prompt fills no whole page
+        # the registry key of the first prompt page (see AsyncEngine._map_prefix); None when the prompt has no full
+        # page to share beyond the one token that must be computed
         self.key0 = (-1, tuple(req.input_ids[:PAGE_SIZE])) if len(req.input_ids) > PAGE_SIZE else None
         self.table_row = -1  # row of the engine's page table while admitted
         self.max_new = s.max_new_tokens
@@ -623,7 +627,15 @@ class AsyncEngine:
         return bool(self._waiting) and self._pending_swap is None
 
     def _add(self, r: _Request) -> None:
-        self._waiting.append(r)
+        """Queue in arrival order behind every request of the same or a higher priority."""
+        p = r.req.priority
+        if not self._waiting or self._waiting[-1].req.priority >= p:
+            self._waiting.append(r)
+            return
+        for i, w in enumerate(self._waiting):
+            if w.req.priority < p:
+                self._waiting.insert(i, r)
+                return
 
     def _admit(self) -> None:
         """FIFO: move waiting requests to running while a slot and their whole KV reservation are free."""
@@ -699,6 +711,7 @@ class AsyncEngine:
         """Before r's first prefill step: replace its leading pages with registered ones holding the same prompt
         tokens, as far as they match, always leaving at least one prompt token to compute (its logits sample the
         first output token). Requests that want prompt logprobs compute everything."""
+        r.cached_tokens = 0
         if r.want_input_lp or r.key0 is None or not self.prefix_cache:
             return
         limit = (r.prompt_len - 1) // PAGE_SIZE

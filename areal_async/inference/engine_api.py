@@ -41,6 +41,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: also input logprobs from position k
     top_logprobs_num: int = 0
+    priority: int = 0  # larger is admitted first; equal priorities keep arrival order
 
 
 class EngineChunk(msgspec.Struct, kw_only=True):

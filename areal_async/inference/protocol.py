@@ -103,6 +103,7 @@ class GenerateIn(msgspec.Struct, kw_only=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
+    priority: int | list[int] | None = None  # larger first in the queue (SGLang's priority scheduling)
 
 
 @dataclass
@@ -224,6 +225,7 @@ def parse_generate(body: bytes, tok: Tokenizer, limits: Limits) -> GeneratePlan:
     ret_lp = _per_item(g.return_logprob, size, "return_logprob")
     starts = _per_item(g.logprob_start_len, size, "logprob_start_len")
     tops = _per_item(g.top_logprobs_num, size, "top_logprobs_num")
+    prios = _per_item(g.priority if g.priority is not None else 0, size, "priority")
 
     if isinstance(g.rid, list):
         if not batched:
@@ -250,7 +252,7 @@ def parse_generate(body: bytes, tok: Tokenizer, limits: Limits) -> GeneratePlan:
         for rid in sample_rids(bases[i], sp.n):
             requests.append(EngineRequest(rid=rid, input_ids=p, sampling=s, return_logprob=ret_lp[i],
                                           logprob_start_len=start if ret_lp[i] else -1,
-                                          top_logprobs_num=top if ret_lp[i] else 0))
+                                          top_logprobs_num=top if ret_lp[i] else 0, priority=prios[i]))
     check_unique_rids([r.rid for r in requests])
     return GeneratePlan(requests=requests, batched=batched or any_n, stream=g.stream,
                         return_text_in_logprobs=g.return_text_in_logprobs)

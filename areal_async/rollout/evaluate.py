@@ -12,10 +12,12 @@ from areal_async.types import SamplingParams, Sample
 
 
 async def evaluate(client: Generator, tokenizer: Tokenizer, samples: list[Sample], score: ScoreFn, *,
-                   max_new_tokens: int, use_chat_template: bool = False, concurrency: int = 256) -> dict[str, float]:
+                   max_new_tokens: int, use_chat_template: bool = False, concurrency: int = 256,
+                   priority: int | None = None) -> dict[str, float]:
     """Greedy accuracy on `samples` (a reward >= 0.5 counts as correct), mean completion length, seconds, and the
     lowest and highest weight version among the generated tokens (equal when the weights held still throughout;
-    -1 when nothing was generated)."""
+    -1 when nothing was generated). `priority` is passed to every request: an eval beside running rollouts (the
+    train step's weight sync waits for it) should not queue behind them."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     sem = asyncio.Semaphore(concurrency)
     t0 = time.monotonic()
@@ -26,7 +28,8 @@ async def evaluate(client: Generator, tokenizer: Tokenizer, samples: list[Sample
         else:
             ids = tokenizer.encode(s.prompt)
         async with sem:
-            g = await client.agenerate(ids, sampling, rid=None)  # type: ignore[arg-type]
+            g = await (client.agenerate(ids, sampling, rid=None) if priority is None else
+                       client.agenerate(ids, sampling, rid=None, priority=priority))
         reward, _ = await score(tokenizer.decode(g.output_ids), s.answer, s.prompt)
         vers = g.output_versions
         return reward, len(g.output_ids), min(vers, default=-1), max(vers, default=-1)

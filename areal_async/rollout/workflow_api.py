@@ -17,7 +17,8 @@ class Generator(Protocol):
     """What a workflow needs from the inference side (InferenceClient implements it)."""
 
     async def agenerate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
-                        session_key: str | None = None, return_text: bool = False) -> GenerationResult: ...
+                        session_key: str | None = None, return_text: bool = False,
+                        priority: int | None = None) -> GenerationResult: ...
 
 
 @runtime_checkable

@@ -25,3 +25,17 @@ def test_inference_throughput_quick(tmp_path):
     assert data["tokens"] == data["settings"]["sum_new_tokens"]
     assert data["pause_aborted_requests"] == data["pause_in_flight"] == data["settings"]["requests"]
     assert "ratio" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_prefix_cache_quick(tmp_path):
+    out = tmp_path / "prefix_cache.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "prefix_cache.py"), "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    on, off = data["prefix_cache_on"], data["prefix_cache_off"]
+    assert on["tokens_per_s"] > 0 and off["tokens_per_s"] > 0
+    assert off["cached_prompt_frac"] == 0
+    assert len(on["rounds"]) == len(off["rounds"]) == 2

@@ -42,7 +42,7 @@ def test_plan_families_shares_within_groups_only():
     fam, pre = plan_families(np.array([t for s in ids for t in s]), lens, groups)
     assert fam == [0, 0, 0, 1, 1, 2, 3, 4]
     assert pre == [2, 2, 2, 1, 1, 3, 1, 1]
-    assert shared_prefix_savings(lens, fam, pre) == 2 + 2 + 1
+    assert shared_prefix_savings(fam, pre) == 2 + 2 + 1
     with pytest.raises(ValueError, match="at least 2 tokens"):
         plan_families(np.array([1, 2, 3]), [2, 1], [0, 0])
     with pytest.raises(ValueError, match="group_ids"):
@@ -58,7 +58,7 @@ def test_shared_prefix_equals_each_sequence_alone(tiny_ckpts_all_archs, arch):
     lens = [len(s) for s in seqs]
     ids = torch.cat(seqs)
     fam, pre = plan_families(ids.numpy(), lens, groups)
-    assert shared_prefix_savings(lens, fam, pre) > 0 and len(set(fam)) < len(lens)
+    assert shared_prefix_savings(fam, pre) > 0 and len(set(fam)) < len(lens)
     temp = 0.7
     with torch.no_grad():
         logp, ent = shared_prefix_forward_logprobs(model, ids, lens, fam, pre, temperature=temp,

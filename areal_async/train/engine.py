@@ -455,7 +455,7 @@ class TrainEngine:
         if self.layout == "prefix" and shard.num_seqs:
             shard.family, shard.prefix_lens = plan_families(shard.host_ids, shard.seq_lens,
                                                             shard.group_ids.tolist())
-            saved = shared_prefix_savings(shard.seq_lens, shard.family, shard.prefix_lens)
+            saved = shared_prefix_savings(shard.family, shard.prefix_lens)
         resp_tokens, num_seqs, saved = self._all_reduce([float(shard.loss_mask.sum()), float(shard.num_seqs),
                                                          float(saved)])
         # a batch where no prompt is shared runs the plain layout: one model call per micro-batch instead of two

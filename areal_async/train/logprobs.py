@@ -38,7 +38,7 @@ from areal_async.train.losses import entropy_from_logits
 
 __all__ = ["packed_forward_logprobs", "rows_forward_logprobs", "pad_forward_logprobs", "needs_dense_packing_mask",
            "seq_ids_from_lens", "position_ids_from_lens", "broadcast_to_tokens", "block_causal_mask",
-           "logprobs_from_logits"]
+           "logprobs_from_logits", "model_device"]
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -128,7 +128,8 @@ def logprobs_from_logits(logits: Tensor, targets: Tensor, *, temperature: float 
     return logp, entropy
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's parameters live (CPU for a model without any)."""
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
@@ -167,7 +168,7 @@ def packed_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens:
     """
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be a flat [N] tensor, got shape {tuple(input_ids.shape)}")
-    device = _model_device(model)
+    device = model_device(model)
     ids = input_ids.to(device=device, dtype=torch.long)  # [N]
     lens = _lens_tensor(seq_lens, device)
     n = ids.numel()
@@ -212,7 +213,7 @@ def rows_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: T
     """
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be a flat [N] tensor, got shape {tuple(input_ids.shape)}")
-    device = _model_device(model)
+    device = model_device(model)
     ids = input_ids.to(device=device, dtype=torch.long)  # [N]
     lens_list = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, Tensor) else seq_lens)]
     lens = _lens_tensor(lens_list, device)  # [B]
@@ -251,7 +252,7 @@ def pad_forward_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[in
     Same outputs as `packed_forward_logprobs` on the concatenation: flat logp [N] and entropy [N] | None. Like a
     padded trainer, it pays for the log-softmax of the padding positions too.
     """
-    device = _model_device(model)
+    device = model_device(model)
     rows = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
     if not rows:
         empty = torch.zeros(0, dtype=torch.float32, device=device)

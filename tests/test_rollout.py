@@ -321,3 +321,20 @@ async def test_resume_after_a_kill_draws_every_untrained_sample_again_exactly_on
     assert min(trained_ids(trainer_b)) in pending
     with open(os.path.join(tmp_path, "checkpoints", "latest.json")) as f:
         assert json.load(f)["version"] == 7
+
+
+async def test_the_run_reward_gets_each_samples_meta(tmp_path, monkeypatch):
+    """Per-sample reward settings (`Sample.meta`, e.g. the code reward's wall_s) reach the reward function through
+    the run's ScoreFn and the reward worker process."""
+    from areal_async.rewards.runner import RewardRunner
+    from areal_async.run import make_score
+
+    (tmp_path / "meta_reward.py").write_text(
+        "def reward(completion, answer, *, prompt='', **meta):\n    return float(meta['wall_s']) + len(prompt)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    servers = FakeServers()
+    async with RewardRunner(max_workers=1) as rr:
+        wf = RLVRWorkflow(CharTokenizer(), make_score(rr, "meta_reward:reward", 30.0),
+                          SamplingParams(max_new_tokens=4), group_size=2)
+        trajs = await wf.run(servers, Sample(id=1, prompt="abc", answer="2", meta={"wall_s": 2.5}))
+    assert [t.reward for t in trajs] == [5.5, 5.5] and all("reward_error" not in t.info for t in trajs)

@@ -28,7 +28,8 @@ class Generator(Protocol):
 
 class ScoreFn(Protocol):
     """The run's reward: (reward, failure reason or None); never raises. `meta` is the sample's `Sample.meta`
-    (per-sample settings of the reward, such as the code reward's wall_s, cpu_s and memory_mb)."""
+    (per-sample settings of the reward, such as the code reward's wall_s, cpu_s and memory_mb); it is passed only
+    when the sample has some, so a three-argument function still serves datasets without meta."""
 
     async def __call__(self, completion: str, answer: str, prompt: str = "",
                        meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]: ...
@@ -36,7 +37,9 @@ class ScoreFn(Protocol):
 
 async def score_sample(score: ScoreFn, completion: str, sample: Sample) -> tuple[float, str | None]:
     """Score a completion of `sample` (its answer, prompt and meta)."""
-    return await score(completion, sample.answer, sample.prompt, sample.meta or None)
+    if sample.meta:
+        return await score(completion, sample.answer, sample.prompt, sample.meta)
+    return await score(completion, sample.answer, sample.prompt)
 
 
 @runtime_checkable

@@ -18,18 +18,15 @@ Two fields are derived, in one place (`RunConfig.__post_init__`), because anothe
 temperature the trainer computes logprobs at) is `rollout.temperature` (1.0 for greedy rollouts). Setting either to
 something else in a run config is an error.
 
-Every field is documented by the string literal under it; `describe()` reads those for `--help`.
+Every field is documented by the string literal under it (config_help.py reads those for `--help`).
 Leaf module: imports nothing of the package and never torch.
 """
 
 from __future__ import annotations
 
-import ast
 import copy
-import functools
-import inspect
 import os
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import msgspec
 import yaml
@@ -610,58 +607,3 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
 
 def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
     return msgspec.to_builtins(cfg)
-
-
-# ---- field documentation ----------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1)
-def _field_docs() -> dict[tuple[str, str], str]:
-    """(class name, field) -> the string literal under the field in this module's source."""
-    tree = ast.parse(inspect.getsource(inspect.getmodule(_field_docs)))
-    docs: dict[tuple[str, str], str] = {}
-    for node in tree.body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        body = node.body
-        for stmt, nxt in zip(body, body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
-                docs[(node.name, stmt.target.id)] = inspect.cleandoc(nxt.value.value)
-    return docs
-
-
-def field_doc(cls: type[msgspec.Struct], name: str) -> str | None:
-    return _field_docs().get((cls.__name__, name))
-
-
-def iter_fields(cls: type[msgspec.Struct] = RunConfig, prefix: str = "") -> Iterator[tuple[str, Any, str | None]]:
-    """(dotted key, default, doc) for every leaf field, depth first in declaration order."""
-    default = cls()
-    for name in cls.__struct_fields__:
-        value = getattr(default, name)
-        key = _key(prefix, name)
-        if isinstance(value, msgspec.Struct):
-            yield from iter_fields(type(value), key)
-        else:
-            yield key, value, field_doc(cls, name)
-
-
-def describe(cls: type[msgspec.Struct] = RunConfig) -> str:
-    """Every key with its default and documentation, one section after another (for --help)."""
-    lines: list[str] = []
-    section = None
-    for key, default, doc in iter_fields(cls):
-        head = key.split(".")[0] if "." in key else ""
-        if head != section:
-            section = head
-            sub = getattr(cls(), head) if head else None
-            title = (type(sub).__doc__ or "").strip().split("\n")[0] if sub is not None else "Top level."
-            lines.append(f"\n{head or 'top level'}: {title}")
-        shown = yaml.safe_dump(msgspec.to_builtins(default), default_flow_style=True).strip()
-        shown = shown.removesuffix("...").strip()
-        lines.append(f"  {key} = {shown}")
-        for chunk in (doc or "").split("\n"):
-            lines.append(f"      {chunk}")
-    return "\n".join(lines)

@@ -28,7 +28,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from areal_async.config import ConfigError, RunConfig, describe, load_config, to_dict
+from areal_async.config import ConfigError, RunConfig, load_config, to_dict
+from areal_async.config_help import describe
 from areal_async.launch import Cluster, Launcher, failure_policy, free_port, launcher_for, supervise
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
 from areal_async.rollout.weight_sync import BroadcastSync, DiskSync, WeightSync

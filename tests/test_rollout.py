@@ -15,7 +15,7 @@ import pytest
 from areal_async.config import ScheduleConfig
 from areal_async.rollout import ledger as ledger_mod
 from areal_async.rollout.buffer import BufferClosed
-from areal_async.rollout.controller import AsyncRLController, RunState, load_state
+from areal_async.rollout.controller import AsyncRLController, load_state
 from areal_async.rollout.ledger import SampleLedger, check_invariant, truncate
 from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.weight_sync import BroadcastSync

@@ -114,7 +114,7 @@ class ServerConfig(_Section):
     base_gpu_id: int = 0
     """sglang: server i uses --base-gpu-id base_gpu_id + i * gpus_per_server."""
     gpus_per_server: int = 1
-    """sglang: GPUs each server takes (its tensor-parallel size)."""
+    """sglang and external: GPUs each server takes (its tensor-parallel size; every one joins a weight broadcast)."""
     startup_timeout_s: float = 300.0
     """How long servers (launched or external) get to answer /health before the launch fails."""
     torch_threads: int = 1

@@ -121,7 +121,7 @@ def _check_chat_template(cfg: RunConfig, tokenizer: Tokenizer, samples: list[Sam
 
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True)
-        if key == "rollout.multi_turn.chat":
+        if cfg.rollout.workflow == "multi_turn":  # feedback turns are appended as rendered deltas
             ChatTokens(tokenizer).delta_ids([{"role": "user", "content": "again"}])
     except Exception as e:  # a missing template, or one that fails to render (raise_exception, syntax)
         raise ConfigError(f"{key}: the chat template of {tokenizer.path} does not render: "
@@ -144,12 +144,17 @@ def _check_reward(spec: str) -> None:
         raise ConfigError(f"data.reward: module {module!r} of {target!r} is not importable")
 
 
+_RESERVED_META = frozenset({"fn_spec", "completion", "answer", "prompt", "timeout_s"})  # RewardRunner.score's own
+
+
 def make_score(rewards: Any, reward: str, timeout_s: float) -> ScoreFn:
-    """The configured reward as a ScoreFn, run off the loop by the reward runner; the sample's meta is passed on."""
+    """The configured reward as a ScoreFn, run off the loop by the reward runner; the sample's meta is passed on as
+    keywords (except keys that would collide with the runner's own arguments, such as a record's extra "prompt")."""
 
     async def score(completion: str, answer: str, prompt: str = "",
                     meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]:
-        return await rewards.score(reward, completion, answer, prompt=prompt, timeout_s=timeout_s, **(meta or {}))
+        extra = {k: v for k, v in (meta or {}).items() if k not in _RESERVED_META}
+        return await rewards.score(reward, completion, answer, prompt=prompt, timeout_s=timeout_s, **extra)
 
     return score
 
@@ -284,8 +289,10 @@ async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cl
     if cfg.train.weight_sync == "disk":
         return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
     device = (await trainers.info())[0].device
+    per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
     await trainers.init_broadcast_group(client, cluster.trainers.master_address, free_port(),
-                                        num_server_ranks=len(cluster.servers),
+                                        num_server_ranks=per_server * len(cluster.servers),
+                                        ranks_per_server=per_server,
                                         backend="nccl" if device.startswith("cuda") else "gloo")
     return BroadcastSync(trainers, client)
 

@@ -122,8 +122,9 @@ def test_resume_continues_version_and_data_position(async_run, tiny_ckpt):
     with open(os.path.join(async_run, "checkpoints", "latest.json")) as f:
         before = json.load(f)
     assert before["version"] == 4
-    # what the final checkpoint had not seen resolved: the end line's unfinished draws
-    assert set(before["pending"]) == set(index_lines(async_run)[-1]["unfinished"]) and before["pending"]
+    # what the final checkpoint had not seen resolved: what the end line names (written after the checkpoint)
+    end = index_lines(async_run)[-1]
+    assert set(before["pending"]) == resolved([end]) and before["pending"]
     p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={async_run}", "mode=async", "eta=3", "total_steps=6",
                  "schedule.eval_every=0", *COMMON])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -45,7 +45,7 @@ from aiohttp import web
 from areal_async.agent.episode import CallRecord, Episode, ExportMode
 from areal_async.inference.client import InferenceError
 from areal_async.rollout.workflow_api import Generator
-from areal_async.rollout.workflows.multi_turn import ChatTokens
+from areal_async.rollout.chat import ChatTokens
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import GenerationResult, SamplingParams, Sample, Trajectory
 

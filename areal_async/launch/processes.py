@@ -1,9 +1,10 @@
-"""Start inference servers and torchrun trainers as child processes, wait for health, tear everything down.
+"""Child processes on this host: inference servers and torchrun trainers, their logs, health and teardown.
 
-Each child runs in its own session (process group) with its log in `<run_dir>/logs/`, and on Linux asks the kernel
-to SIGTERM it if the launcher dies (PR_SET_PDEATHSIG), so neither Ctrl-C, an exception nor a killed controller
-leaves orphans. `watch()` raises as soon as a child exits unexpectedly, with the tail of its log, so the run ends
-cleanly instead of waiting on a dead peer. No torch here.
+Each child runs in its own session (process group) with its log in `<run_dir>/logs/`, and on Linux asks the kernel to
+SIGTERM it if its parent dies (PR_SET_PDEATHSIG), so neither Ctrl-C, an exception nor a killed controller leaves
+orphans. `exited()` names every child that ended without being asked to (once each), which is what a cluster's
+watch turns into events; `watch()` is the short form for scripts and tests: it raises `ChildFailed` with the child's
+log tail. No torch here.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import aiohttp
 
 log = logging.getLogger(__name__)
+
+Role = Literal["server", "trainer", "other"]
 
 
 class ChildFailed(RuntimeError):
@@ -34,7 +38,14 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: str
-    expected_exit: bool = False
+    role: Role = "other"
+    url: str | None = None  # servers: the base URL they serve
+    expected_exit: bool = False  # set by shutdown(): an exit from now on is no failure
+    reported: bool = False  # its unexpected exit was handed out by exited()
+
+    def describe_exit(self) -> str:
+        return (f"{self.name} exited with code {self.proc.poll()}; log tail ({self.log_path}):\n"
+                f"{tail(self.log_path)}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,23 +70,35 @@ def _child_setup() -> None:  # runs in the child between fork and exec
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class Launcher:
+def thread_env(n: int) -> dict[str, str]:
+    """Environment that pins a child's intra-op thread pools to n threads (children share the host's cores)."""
+    n = max(1, n)
+    return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "AREAL_TORCH_THREADS": str(n),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Processes:
+    """The children of one run on this host."""
+
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
         self.log_dir = os.path.join(run_dir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
         self.children: list[Child] = []
 
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None, *, role: Role = "other",
+              url: str | None = None) -> Child:
         log_path = os.path.join(self.log_dir, f"{name}.log")
         out = open(log_path, "ab")
         out.write(f"$ {' '.join(cmd)}\n".encode())
         out.flush()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                                start_new_session=True, preexec_fn=_child_setup)
-        out.close()
-        child = Child(name, proc, log_path)
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=full_env, start_new_session=True, preexec_fn=_child_setup)
+        finally:
+            out.close()
+        child = Child(name, proc, log_path, role=role, url=url)
         self.children.append(child)
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return child
@@ -84,8 +107,7 @@ class Launcher:
 
     def start_embedded_server(self, index: int, model: str, *, host: str, port: int, device: str,
                               max_total_tokens: int, max_running_requests: int, api_key: str | None,
-                              torch_threads: int, weight_version: int = 0, prefix_cache: bool = True
-                              ) -> tuple[Child, str]:
+                              torch_threads: int, weight_version: int = 0, prefix_cache: bool = True) -> Child:
         port = port or free_port(host)
         cmd = [sys.executable, "-m", "areal_async.serve", "--model", model, "--host", host, "--port", str(port),
                "--device", device, "--max-total-tokens", str(max_total_tokens),
@@ -94,12 +116,11 @@ class Launcher:
             cmd += ["--api-key", api_key]
         if not prefix_cache:
             cmd.append("--disable-radix-cache")
-        env = _thread_env(torch_threads)
-        return self.spawn(f"server{index}", cmd, env), f"http://{host}:{port}"
+        return self.spawn(f"server{index}", cmd, thread_env(torch_threads), role="server",
+                          url=f"http://{host}:{port}")
 
     def start_sglang_server(self, index: int, model: str, *, host: str, port: int, api_key: str | None,
-                            extra_args: list[str], base_gpu_id: int = 0, gpus_per_server: int = 1
-                            ) -> tuple[Child, str]:
+                            extra_args: list[str], base_gpu_id: int = 0, gpus_per_server: int = 1) -> Child:
         port = port or free_port(host)
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port",
                str(port), *extra_args]
@@ -107,61 +128,70 @@ class Launcher:
             cmd += ["--base-gpu-id", str(base_gpu_id + index * gpus_per_server)]
         if api_key:
             cmd += ["--api-key", api_key]
-        return self.spawn(f"server{index}", cmd), f"http://{host}:{port}"
+        return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 
-    async def wait_healthy(self, children_urls: list[tuple[Child, str]], timeout_s: float,
-                           api_key: str | None = None) -> None:
-        """Poll GET /health on every server until 200; fail fast if a server process exits."""
+    async def wait_healthy(self, servers: list[Child] | list[str], timeout_s: float, api_key: str | None = None,
+                           ) -> None:
+        """Poll GET /health of every server (children, or plain URLs of servers started elsewhere) until each
+        answers 200. Fails fast, with the log tail, as soon as ANY child of this set exits: a trainer that dies
+        while the servers load must not leave the launch waiting for them."""
         deadline = time.monotonic() + timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        pending = list(children_urls)
+        pending: list[tuple[str, str]] = [(s.name, s.url or "") if isinstance(s, Child) else (s, s)
+                                          for s in servers]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while pending:
-                for child, url in list(pending):
-                    self._check_alive(child)
+                for child in self.exited():
+                    raise ChildFailed(child.describe_exit())
+                for name, url in list(pending):
                     with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
                         async with session.get(url + "/health", headers=headers) as r:
                             if r.status == 200:
-                                pending.remove((child, url))
-                                log.info("%s healthy at %s", child.name, url)
+                                pending.remove((name, url))
+                                log.info("%s healthy at %s", name, url)
                 if pending:
                     if time.monotonic() > deadline:
-                        child = pending[0][0]
-                        raise ChildFailed(f"{child.name} not healthy after {timeout_s:.0f}s; log tail "
-                                          f"({child.log_path}):\n{tail(child.log_path)}")
+                        name, url = pending[0]
+                        child = next((c for c in self.children if c.name == name), None)
+                        where = (f"; log tail ({child.log_path}):\n{tail(child.log_path)}" if child is not None
+                                 else f" (no answer from {url}/health)")
+                        raise ChildFailed(f"{name} not healthy after {timeout_s:.0f}s{where}")
                     await asyncio.sleep(0.2)
 
     # ---- trainers -----------------------------------------------------------------------------------------------
 
     def start_trainers(self, *, model: str, nproc: int, config_json: str, seed: int, secret_hex: str,
                        torch_threads: int, resume: str | None = None, torchrun_args: list[str] | None = None,
-                       cuda_visible_devices: str | None = None, temperature: float = 1.0) -> Child:
+                       cuda_visible_devices: str | None = None) -> Child:
+        """One torchrun job of `nproc` ranks; each rank reads its TrainConfig (temperature included) from
+        `config_json` and writes `<run_dir>/trainer/rank<r>.json` for the controller to connect to."""
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
         cmd += torchrun_args if torchrun_args else ["--standalone"]
         cmd += ["-m", "areal_async.train.worker", "--model", model, "--run-dir", self.run_dir,
-                "--config-json", config_json, "--seed", str(seed),
-                # logprobs are trained at the rollouts' temperature; greedy rollouts are scored at 1.0
-                "--temperature", str(temperature if temperature > 1e-6 else 1.0)]
+                "--config-json", config_json, "--seed", str(seed)]
         if resume:
             cmd += ["--resume", resume]
-        env = {**_thread_env(torch_threads), "AREAL_RPC_SECRET": secret_hex}
+        env = {**thread_env(torch_threads), "AREAL_RPC_SECRET": secret_hex}
         if cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-        return self.spawn("trainer", cmd, env)
+        return self.spawn("trainer", cmd, env, role="trainer")
 
     # ---- health and teardown ------------------------------------------------------------------------------------
 
-    def _check_alive(self, child: Child) -> None:
-        code = child.proc.poll()
-        if code is not None and not child.expected_exit:
-            raise ChildFailed(f"{child.name} exited with code {code}; log tail ({child.log_path}):\n"
-                              f"{tail(child.log_path)}")
+    def exited(self) -> list[Child]:
+        """Children that ended without being asked to and were not named before (each is named once)."""
+        out = []
+        for child in self.children:
+            if not child.reported and not child.expected_exit and child.proc.poll() is not None:
+                child.reported = True
+                out.append(child)
+        return out
 
     async def watch(self, interval_s: float = 0.5) -> None:
         """Return never; raise ChildFailed when any child exits unexpectedly."""
         while True:
-            for child in self.children:
-                self._check_alive(child)
+            for child in self.exited():
+                raise ChildFailed(child.describe_exit())
             await asyncio.sleep(interval_s)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
@@ -180,9 +210,3 @@ class Launcher:
                 os.killpg(child.proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=5)
-
-
-def _thread_env(n: int) -> dict[str, str]:
-    n = max(1, n)
-    return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "AREAL_TORCH_THREADS": str(n),
-            "TOKENIZERS_PARALLELISM": "false"}

@@ -63,11 +63,14 @@ class RunPlan:
 
 
 def resolve_model(cfg: RunConfig) -> str:
-    if cfg.model.path == "tiny":
-        from areal_async.tasks.base_model import ensure_base_model
+    """`model.path` as an HF directory: built-in names and GGUF files are built or converted (in a subprocess, so
+    this process never imports torch) and cached; see areal_async.model_store."""
+    from areal_async.model_store import ModelPathError, resolve_model_path
 
-        return ensure_base_model()
-    return cfg.model.path
+    try:
+        return resolve_model_path(cfg.model.path)
+    except ModelPathError as e:
+        raise ConfigError(f"model.path: {e}") from None
 
 
 def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:

@@ -28,33 +28,38 @@ Why this bounds every trained token by eta (and where the old rule, "wait only f
 
 (A) accepted_total + running <= (eta + v + 1) * B holds at every moment: acquire_slot checks it, a finish keeps the
     sum (accepted) or lowers it (rejected), versions only grow. At the moment the version leaves u every group
-    started under <= u is accepted, running or rejected, so at most (eta + u + 1) * B of them are ever accepted.
+    started under <= u is accepted, running or rejected, so at most (eta + u + 1) * B of them are ever accepted
+    (counting the v0 * B that restore(v0) books as accepted and trained before v0).
 (B) Every step takes exactly B groups and the version moves one step at a time (both enforced below), so when step
-    v takes its batch, v * B groups were trained before it, all started under <= v - 1 (restore(v) books v * B).
-Invariant I(v), throughout step v before its batch: nothing untrained started under < v - eta, and for every u in
-[v - eta, v - 1] at most (u + eta - v + 1) * B untrained groups (running or buffered) started under <= u.
-  * Safety: by I(v) every buffered group started under >= v - eta, so the batch is within the bound.
+    v takes its batch, v * B groups were trained before it, all started under <= v - 1.
+Invariant I(v), throughout step v until its batch is taken: nothing untrained started under < v - eta, and for every
+u in [v - eta, v - 1] the untrained groups (running or buffered) started under <= u number U(u) <= (u + eta - v + 1)
+* B.
+  * Safety: by I(v) every buffered group started under >= v - eta, so the batch of step v is within the bound.
   * I(v) -> I(v + 1): the check at u = v - eta leaves nothing started under <= v - eta; at u in [v + 1 - eta, v - 1]
     it leaves at most (u + eta - v) * B, which is I(v + 1)'s limit. The rest of step v only starts groups under v,
-    finishes or rejects them, none of which raises these counts. For u = v: after the batch (v + 1) * B groups were
-    trained, all started under <= v, so by (A) at most (eta + v + 1) * B - (v + 1) * B = eta * B untrained remain.
-    I(v0) holds trivially: nothing is untrained when a run starts or resumes.
-  * Liveness: under I(v), once every group started under <= v - 1 has landed and B are buffered, the check passes:
-    with none of them running, the candidate takes min(B, U(u)) of the U(u) groups started under <= u, so
-    L(u) = max(0, U(u) - B) <= (u + eta - v) * B. Groups started under v never enter the check, and B groups do
-    arrive: accepted_total = v * B + buffered, so admission allows (eta + 1) * B - buffered - running > 0 more while
-    fewer than B are buffered and none run (and max_running >= 1). The trainer waits only on groups already running.
+    finishes or rejects groups, none of which raises these counts. For u = v: after the batch (v + 1) * B groups
+    were trained, all started under <= v, so by (A) at most (eta + v + 1) * B - (v + 1) * B = eta * B untrained
+    remain. I(v0) holds trivially: nothing is untrained when a run starts or resumes.
+  * Liveness (given that every started group finishes or is rejected in finite time): under I(v), once every group
+    started under <= v - 1 has landed and B are buffered, the check passes: with none of them running, the
+    candidate takes min(B, U(u)) of the U(u) groups started under <= u, so L(u) = max(0, U(u) - B) <= (u + eta - v)
+    * B. Groups started under v never enter the check, and B groups do arrive: accepted_total = v * B + buffered,
+    so admission allows (eta + 1) * B - buffered - running > 0 more while fewer than B are buffered and none run
+    (and max_running >= 1). So the trainer waits at most for groups already running and for B finished ones; the
+    buffer never deadlocks.
   * No needless wait: the candidate holds, for every u at once, the most groups started under <= u that any B
     buffered groups could, so when it fails every batch fails; and a failing L(u) means that, should the running
-    groups be accepted, more groups are due by step u + eta than steps v + 1 .. u + eta can train. In particular a
-    batch is taken whenever strict start order (no running group older than a taken one) would take one.
+    groups be accepted, more groups are due by step u + eta than steps v + 1 .. u + eta can train. In particular,
+    under I(v) a batch is taken whenever strict start order (no running group older than a taken one) would take
+    one: what it takes leaves nothing older than its youngest group, and B fewer of everything else.
   * Rejections (failed, empty or filtered groups) only lower running and never raise accepted_total: (A) gets
     slacker, and the capacity a rejection frees is counted by (A) under the version that reuses it.
 The old rule waited only for running groups started under <= v - eta, so at earlier steps newer groups were trained
 ahead of old groups still running, and more than B old groups could be left for one step: at eta = 2, B = 1, two
 slow groups start under 0, a fast group started under 1 is trained at step 1, and at step 3 the trainer took a group
-started under 0 (3 versions old; the worst case grows like 2 * eta - 1). Under the new rule step 1 waits for the
-slow groups.
+started under 0, 3 versions old (eta = 4, B = 2: 7; the worst case grows like 2 * eta - 1). Under the new rule
+step 1 waits for the slow groups. For eta <= 1 the two rules coincide.
 
 Everything is driven from one asyncio event loop; an `asyncio.Condition` wakes whoever waits (the submitter for
 capacity, the trainer for a batch). `close()` wakes every waiter, which then raises `BufferClosed`.

@@ -144,8 +144,13 @@ def test_harness_catches_the_old_rule(eta):
 
 
 @pytest.mark.parametrize("eta", [0, 1])
-def test_old_rule_held_for_eta_up_to_one(eta):
+def test_old_rule_held_for_eta_up_to_one_and_nothing_changes_there(eta):
+    """For eta <= 1 the two rules are the same rule (buffer.py): same batches at the same simulated times."""
     for k in range(PER_ETA // 2):
         cfg, _ = random_schedule(10_000 * (ETAS.index(eta) + 1) + k, eta)
         cfg.audit_starvation = False
-        assert simulate(cfg, OldStragglerRule).max_staleness <= eta
+        old, new = simulate(cfg, OldStragglerRule), simulate(cfg)
+        assert old.max_staleness <= eta
+        assert [(b.version, b.start_versions) for b in old.batches] == [(b.version, b.start_versions)
+                                                                        for b in new.batches]
+        assert old.sim_s == new.sim_s and old.trainer_wait_s == new.trainer_wait_s

@@ -24,7 +24,7 @@ import time
 import pytest
 import pytest_asyncio
 
-from areal_async.launcher import Launcher
+from areal_async.launch import Processes as Launcher
 from areal_async.rollout.controller import AsyncRLController, RunState, ScheduleConfig
 from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.workflow_api import trajectory_from_generation

@@ -5,7 +5,8 @@ answer 500 twice, die mid-request and come back on the same port, abort a reques
 token, or fail a weight update on one replica. It answers with SGLang 0.5.x's shapes and records what it received.
 Its "model" is arithmetic: token ids 4..29 stand for the letters a..z and the next token is the letter after the last
 input token (wrapping), so outputs are predictable and a resubmitted request continues seamlessly.
-The client against the real embedded server is tested in tests/test_client_server.py and tests/test_interruption.py.
+The client against the real embedded server is tested at the end of this file, in tests/test_interruption.py, and
+with real process signals in tests/test_client_faults.py.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from areal_async.inference.client import AdminError, InferenceClient, InferenceError, _find_stop, parse_weight_version
+from areal_async.inference.client import AdminError, InferenceClient, InferenceError, find_stop, parse_weight_version
 from areal_async.inference.routing import Router
 from areal_async.types import SamplingParams
 
-FIRST, NUM = 4, 26  # token ids 4..29 are the letters a..z  # token ids 4..29 are the letters a..z
+FIRST, NUM = 4, 26  # token ids 4..29 are the letters a..z
 
 
 def tok_text(t: int) -> str:
@@ -251,11 +252,11 @@ def test_parse_weight_version():
 
 def test_find_stop_places_match_on_completing_token():
     texts = ["ab", "c", "de", "f"]
-    assert _find_stop(texts, ["cd"], 0) == (2, "cd", 2)  # 'd' arrives with token 2
-    assert _find_stop(texts, ["zz"], 0) is None
-    assert _find_stop(texts, ["f", "bc"], 0) == (1, "bc", 1)  # earliest completing token wins
-    assert _find_stop(texts, ["bc"], 3) is None  # min_new_tokens: too early to stop
-    assert _find_stop(["a", "b", "a", "b"], ["ab"], 3) == (3, "ab", 2)  # a later occurrence still counts
+    assert find_stop(texts, ["cd"], 0) == (2, "cd", 2)  # 'd' arrives with token 2
+    assert find_stop(texts, ["zz"], 0) is None
+    assert find_stop(texts, ["f", "bc"], 0) == (1, "bc", 1)  # earliest completing token wins
+    assert find_stop(texts, ["bc"], 3) is None  # min_new_tokens: too early to stop
+    assert find_stop(["a", "b", "a", "b"], ["ab"], 3) == (3, "ab", 2)  # a later occurrence still counts
 
 
 def test_router_least_outstanding_and_sticky():
@@ -555,18 +556,39 @@ async def test_connection_cap_holds_generations_back_but_not_admin_calls(fakes):
 # ---- admin fan-out ---------------------------------------------------------------------------------------------
 
 
-async def test_update_failure_is_aggregated(fakes):
+async def test_failed_weight_load_leaves_rotation_until_it_holds_the_weights(fakes):
+    """A server whose load fails keeps its old weights: it must not serve (nor be relabelled) until it has loaded
+    the current ones, which it retries by itself; a load that fails everywhere changes nothing and raises."""
     a, b = await fakes(2)
     b.update_ok = False
     async with fast_client([a.url, b.url]) as c:
-        with pytest.raises(AdminError) as ei:
-            await c.update_weights_from_disk("/ckpt/v3", 3)
-        assert ei.value.results[a.url]["success"] is True
-        assert isinstance(ei.value.results[b.url], InferenceError) and "cannot load" in str(ei.value.results[b.url])
+        res = await c.update_weights_from_disk("/ckpt/v3", 3)  # one server took it: the run goes on
+        assert res[a.url]["success"] is True
+        assert isinstance(res[b.url], InferenceError) and "cannot load" in str(res[b.url])
+        st = c.stats()
+        assert st["servers"][b.url]["state"] == "syncing" and not st["servers"][b.url]["healthy"]
+        assert st["weight_load_failures"] >= 1
+        n_b = len(b.received)
+        await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=2)) for _ in range(6)))
+        assert len(b.received) == n_b  # old weights never serve
+        await c.update_weight_version(4)  # relabels a only: b's old weights must not become "4"
+        assert ("version", {"new_version": "4", "abort_all_requests": False}) in a.admin
+        assert not any(kind == "version" for kind, _ in b.admin)
         info = await c.model_info()
-        assert info[a.url]["weight_version"] == "3" and info[b.url]["weight_version"] == "default"
-        await c.update_weight_version(4)
-        assert {u: r["weight_version"] for u, r in (await c.model_info()).items()} == {a.url: "4", b.url: "4"}
+        assert info[a.url]["weight_version"] == "4" and info[b.url]["weight_version"] == "default"
+        b.update_ok = True  # the retry in the background now succeeds, under the current label
+        await _wait_healthy(c, b.url)
+        assert b.version == "4"
+        assert ("update", {"model_path": "/ckpt/v3", "weight_version": "4", "abort_all_requests": False,
+                           "flush_cache": True}) in b.admin
+        n_b = len(b.received)
+        out = await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=2)) for _ in range(6)))
+        assert all(r.output_versions == [4, 4] for r in out) and len(b.received) > n_b
+        a.update_ok = b.update_ok = False
+        with pytest.raises(AdminError) as ei:  # nobody took it: the target stays, both keep serving
+            await c.update_weights_from_disk("/ckpt/bad", 5)
+        assert set(ei.value.results) == {a.url, b.url}
+        assert c.weight_target.version == 4 and all(s["healthy"] for s in c.stats()["servers"].values())
         res = await c.pause(mode="in_place")
         assert set(res) == {a.url, b.url} and all(r["status"] == "ok" for r in res.values())
         await c.resume()

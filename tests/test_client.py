@@ -1,12 +1,8 @@
 """InferenceClient against a stand-in SGLang app: wire format, retries, routing, failover, interruption logic.
 
-The stand-in (`FakeSGLang`) is not a model and not our server: it exists because a real server will not, on demand,
-answer 500 twice, die mid-request and come back on the same port, abort a request "from elsewhere" at a chosen
-token, or fail a weight update on one replica. It answers with SGLang 0.5.x's shapes and records what it received.
-Its "model" is arithmetic: token ids 4..29 stand for the letters a..z and the next token is the letter after the last
-input token (wrapping), so outputs are predictable and a resubmitted request continues seamlessly.
-The client against the real embedded server is tested at the end of this file, in tests/test_interruption.py, and
-with real process signals in tests/test_client_faults.py.
+The stand-in (`areal_async.testing.fake_sglang.FakeSGLang`) answers with SGLang 0.5.x's shapes and injects faults
+on demand (see its docstring). The client against the real embedded server is tested at the end of this file, in
+tests/test_interruption.py, and with real process signals in tests/test_client_faults.py.
 """
 
 from __future__ import annotations
@@ -15,199 +11,12 @@ import asyncio
 import subprocess
 import sys
 
-import msgspec
 import pytest
-from aiohttp import web
 
 from areal_async.inference.client import AdminError, InferenceClient, InferenceError, find_stop, parse_weight_version
 from areal_async.inference.routing import Router
+from areal_async.testing.fake_sglang import FIRST, NUM, FakeSGLang, tok_logprob, tok_text
 from areal_async.types import SamplingParams
-
-FIRST, NUM = 4, 26  # token ids 4..29 are the letters a..z
-
-
-def tok_text(t: int) -> str:
-    return chr(ord("a") + (t - FIRST) % NUM) if FIRST <= t < FIRST + NUM else f"<{t}>"
-
-
-def next_tok(t: int) -> int:
-    return FIRST + (t - FIRST + 1) % NUM if FIRST <= t < FIRST + NUM else FIRST
-
-
-def tok_logprob(t: int, version: str) -> float:
-    v = 0 if version == "default" else int(version)
-    return -0.01 * t - v
-
-
-class FakeSGLang:
-    def __init__(self, port: int = 0, *, token_delay: float = 0.0, version: str = "default"):
-        self.port = port
-        self.token_delay = token_delay
-        self.version = version
-        self.received: list[dict] = []  # /generate bodies in arrival order
-        self.auth: list[str | None] = []
-        self.fail_statuses: list[int] = []  # popped one per /generate: answer with this status instead
-        self.abort_after: list[int] = []  # popped one per /generate: abort after this many tokens
-        self.health_status = 200
-        self.update_ok = True
-        self.admin: list[tuple[str, dict]] = []
-        self.paused = False
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self._inflight: dict[str, dict] = {}
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self._inflight)
-
-    async def wait_progress(self, n_requests: int, n_tokens: int) -> None:
-        """Until `n_requests` are in flight and each has made at least `n_tokens` tokens."""
-        for _ in range(5000):
-            made = [st["made"] for st in self._inflight.values()]
-            if len(made) >= n_requests and min(made) >= n_tokens:
-                return
-            await asyncio.sleep(0.002)
-        raise AssertionError("stand-in made no progress")
-
-    async def start(self) -> "FakeSGLang":
-        app = web.Application()
-        app.router.add_post("/generate", self._generate)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/model_info", self._model_info)
-        app.router.add_post("/pause_generation", self._pause)
-        app.router.add_post("/continue_generation", self._continue)
-        app.router.add_post("/abort_request", self._abort)
-        app.router.add_post("/update_weights_from_disk", self._update)
-        app.router.add_post("/update_weight_version", self._update_version)
-        for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache"):
-            app.router.add_post(path, self._record_ok)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.05, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-        return self
-
-    async def kill(self) -> None:
-        """Drop every connection and stop listening, like a crashed process."""
-        for st in list(self._inflight.values()):
-            st["task"].cancel()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        self._inflight.clear()
-
-    @staticmethod
-    def _json(obj, status: int = 200) -> web.Response:
-        return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
-
-    async def _generate(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.received.append(body)
-        self.auth.append(request.headers.get("Authorization"))
-        if self.fail_statuses:
-            status = self.fail_statuses.pop(0)
-            return self._json({"error": {"message": f"injected {status}"}}, status)
-        sp = body["sampling_params"]
-        if sp["max_new_tokens"] > 10_000:
-            return self._json({"error": {"message": "max_new_tokens is too large"}}, 400)
-        rid = body["rid"]
-        if rid in self._inflight:
-            return self._json({"error": {"message": f"rid {rid} in flight"}}, 400)
-        await self._resumed.wait()  # a request that arrives while paused waits, as in SGLang
-        st = {"aborted": False, "task": asyncio.current_task(), "made": 0}
-        self._inflight[rid] = st
-        try:
-            abort_at = self.abort_after.pop(0) if self.abort_after else None
-            ids = list(body["input_ids"])
-            out: list[int] = []
-            version = self.version
-            finish: dict = {"type": "length", "length": sp["max_new_tokens"]}
-            stops = sp.get("stop") or []
-            text = ""
-            while len(out) < sp["max_new_tokens"]:
-                await asyncio.sleep(self.token_delay)
-                if st["aborted"] or (abort_at is not None and len(out) >= abort_at):
-                    finish = {"type": "abort", "message": "Abort before prefill" if not out else "aborted",
-                              "status_code": None, "err_type": None}
-                    break
-                t = next_tok(ids[-1] if not out else out[-1])
-                out.append(t)
-                st["made"] = len(out)
-                text += tok_text(t)
-                if len(out) >= sp.get("min_new_tokens", 0):
-                    hit = next((s for s in stops if text.endswith(s)), None)  # own segment only, like SGLang
-                    if hit is not None:
-                        finish = {"type": "stop", "matched": hit}
-                        text = text[: -len(hit)]
-                        break
-            with_text = body.get("return_text_in_logprobs", False)
-            meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out),
-                    "cached_tokens": 0, "weight_version": version, "e2e_latency": 0.0,
-                    "output_token_logprobs": [[tok_logprob(t, version), t, tok_text(t) if with_text else None]
-                                              for t in out]}
-            return self._json({"text": text, "output_ids": out, "meta_info": meta})
-        finally:
-            self._inflight.pop(rid, None)
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=self.health_status)
-
-    async def _model_info(self, request: web.Request) -> web.Response:
-        return self._json({"model_path": "fake", "tokenizer_path": "fake", "is_generation": True,
-                           "weight_version": self.version})
-
-    async def _pause(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.admin.append(("pause", body))
-        self.paused = True
-        self._resumed.clear()
-        if body.get("mode", "abort") == "abort":
-            marked = set(self._inflight)
-            for st in self._inflight.values():
-                st["aborted"] = True
-            while marked & set(self._inflight):  # returns once the aborted requests have answered
-                await asyncio.sleep(0.001)
-        return self._json({"message": "Generation paused successfully.", "status": "ok"})
-
-    async def _continue(self, request: web.Request) -> web.Response:
-        self.admin.append(("continue", msgspec.json.decode(await request.read())))
-        self.paused = False
-        self._resumed.set()
-        return self._json({"message": "Generation continued successfully.", "status": "ok"})
-
-    async def _abort(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.admin.append(("abort", body))
-        for rid, st in self._inflight.items():
-            if body.get("abort_all") or rid.startswith(body.get("rid", "")):
-                st["aborted"] = True
-        return web.Response(status=200)
-
-    async def _update(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.admin.append(("update", body))
-        if not self.update_ok:
-            return self._json({"success": False, "message": "cannot load", "num_paused_requests": 0}, 400)
-        self.version = body["weight_version"]
-        return self._json({"success": True, "message": "ok", "num_paused_requests": 0})
-
-    async def _record_ok(self, request: web.Request) -> web.Response:
-        raw = await request.read()
-        self.admin.append((request.path, msgspec.json.decode(raw) if raw else {}))
-        return self._json({"success": True, "message": "ok"})
-
-    async def _update_version(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.admin.append(("version", body))
-        self.version = body["new_version"]
-        return self._json({"success": True, "message": "ok"})
-
 
 # ---- fixtures --------------------------------------------------------------------------------------------------
 

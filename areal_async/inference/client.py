@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from areal_async.inference.fleet import Fleet, WeightLoader, WeightTarget, parse_weight_version
+from areal_async.inference.fleet import Fleet, WeightSource, WeightTarget, parse_weight_version
 from areal_async.inference.resume import ResumeState, SegmentEnd, SegmentRejected, find_stop, generate_resumable
 from areal_async.inference.routing import ServerState
 from areal_async.inference.sglang_wire import SegmentReader, segment_payload
@@ -292,7 +292,7 @@ class InferenceClient:
                                               ) -> dict[str, Any]:
         """Every reachable server receives the named tensors by broadcast from the trainer (which broadcasts while
         this is pending) and tags them `version`. A server that fails leaves rotation (it may hold a mix of
-        versions) until `load_weights` or the `weight_loader` hook brings it to the current weights. Raises
+        versions) until `load_weights` or the `weight_source` hook brings it to the current weights. Raises
         `AdminError` only when every reachable server failed."""
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                    "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
@@ -331,7 +331,7 @@ class InferenceClient:
 
     async def add_server(self, url: str, *, wait: bool = False, timeout_s: float | None = None) -> None:
         """Start using a new (or restarted) server. It takes traffic once /health answers and it holds the current
-        weights (loaded from the last checkpoint path, or by the `weight_loader` hook after a broadcast). With
+        weights (loaded from the last checkpoint path, or from the `weight_source` hook after a broadcast). With
         `wait`, return only once it serves (`InferenceError` after `timeout_s`)."""
         self._pool.add(url)
         if wait:
@@ -364,14 +364,15 @@ class InferenceClient:
             await asyncio.sleep(0.02)
 
     @property
-    def weight_loader(self) -> WeightLoader | None:
-        """`async fn(url, version)` that brings one server to `version` when the client cannot (the weights came by
-        broadcast, so there is no checkpoint to load). Without it such a server stays out of rotation."""
-        return self._fleet.weight_loader
+    def weight_source(self) -> WeightSource | None:
+        """`async fn(version) -> checkpoint directory` for when a server must catch up to weights that came by
+        broadcast (there is no checkpoint of them to load): e.g. the trainer publishes one. Without it such a
+        server stays out of rotation until `load_weights`."""
+        return self._fleet.weight_source
 
-    @weight_loader.setter
-    def weight_loader(self, fn: WeightLoader | None) -> None:
-        self._fleet.weight_loader = fn
+    @weight_source.setter
+    def weight_source(self, fn: WeightSource | None) -> None:
+        self._fleet.weight_source = fn
 
     @property
     def weight_target(self) -> WeightTarget | None:

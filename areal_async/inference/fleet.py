@@ -10,9 +10,9 @@ staleness bound allows; and relabelling it (`update_weight_version`) would put a
   reachable server fails, nothing changed anywhere: the target stays where it was and `AdminError` is raised.
 - update_weight_version: only servers holding the current weights are relabelled.
 - update_weights_from_distributed (broadcast): as for disk, per bucket; a server that fails a bucket holds a mix
-  of versions and leaves rotation. The client cannot load broadcast weights by itself: such a server (and one that
-  restarted meanwhile) stays out until `load_weights(url, path, version)` or the `weight_loader` hook brings it to
-  the current version.
+  of versions and leaves rotation. Broadcast weights have no checkpoint to load: such a server (and one that
+  restarted meanwhile) stays out until `load_weights(url, path, version)` brings it to the current version, or the
+  `weight_source` hook supplies a checkpoint of that version (e.g. the trainer publishes one), which it then loads.
 - a server coming back (or added) is checked with GET /model_info before it serves: right version, it serves;
   otherwise it loads the target first. One lock per server keeps a catch-up load and a fleet-wide update from
   interleaving on it.
@@ -32,7 +32,7 @@ from areal_async.inference.transport import AdminError, ConnectionFailed, Infere
 
 log = logging.getLogger(__name__)
 
-WeightLoader = Callable[[str, int], Awaitable[None]]  # (server url, version): bring that server to the version
+WeightSource = Callable[[int], Awaitable[str]]  # version -> an HF checkpoint directory holding that version
 
 
 class WeightTarget(NamedTuple):
@@ -69,7 +69,7 @@ class Fleet:
     def __init__(self, pool: ServerPool, *, on_ready: Callable[[ServerState], Awaitable[None]] | None = None):
         self.pool = pool
         self.target: WeightTarget | None = None  # None: nothing loaded since launch, any server is current
-        self.weight_loader: WeightLoader | None = None
+        self.weight_source: WeightSource | None = None
         self.on_ready = on_ready  # runs before a caught-up server returns to rotation (the client un-pauses it)
         self.counts = {"weight_load_failures": 0, "catch_ups": 0}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -141,26 +141,28 @@ class Fleet:
         if target.launch:  # the current weights are the launch weights under a new label
             ok, why = await self._post(server, "/update_weight_version",
                                        {"new_version": str(target.version), "abort_all_requests": False})
-        elif target.path is not None:
-            ok, why = await self._post(server, "/update_weights_from_disk",
-                                       {"model_path": target.path, "weight_version": str(target.version),
-                                        "abort_all_requests": False, "flush_cache": True})
-        elif self.weight_loader is not None:
-            try:
-                await self.weight_loader(server.url, target.version)
-                ok, why = True, ""
-            except Exception as e:  # the hook's failure keeps the server out, like a failed load
-                ok, why = False, f"{type(e).__name__}: {e}"
-            if ok:  # the hook says it is done; the server's label must agree
-                ok = await self.server_version(server) == target.version
-                why = "" if ok else "the weight loader returned but the server reports another version"
         else:
-            if server.url not in self._warned_stuck:
-                self._warned_stuck.add(server.url)
-                log.warning("inference server %s holds version %s, not %d, and the current weights came by "
-                            "broadcast: it stays out of rotation until load_weights() or the weight_loader hook "
-                            "brings it to version %d", server.url, have, target.version, target.version)
-            return False
+            path = target.path
+            if path is None and self.weight_source is not None:
+                try:
+                    path = await self.weight_source(target.version)
+                except Exception as e:  # the hook's failure keeps the server out, like a failed load
+                    self.counts["weight_load_failures"] += 1
+                    log.warning("inference server %s: weight_source(%d) failed: %s: %s", server.url,
+                                target.version, type(e).__name__, e)
+                    return False
+                if self.target == target:  # later catch-ups of this version load the same checkpoint
+                    self.target = target = target._replace(path=path)
+            if path is None:
+                if server.url not in self._warned_stuck:
+                    self._warned_stuck.add(server.url)
+                    log.warning("inference server %s holds version %s, not %d, and the current weights came by "
+                                "broadcast: it stays out of rotation until load_weights() brings it to version %d "
+                                "or a weight_source is set", server.url, have, target.version, target.version)
+                return False
+            ok, why = await self._post(server, "/update_weights_from_disk",
+                                       {"model_path": path, "weight_version": str(target.version),
+                                        "abort_all_requests": False, "flush_cache": True})
         if not ok:
             self.counts["weight_load_failures"] += 1
             log.warning("inference server %s failed to catch up to weight version %d: %s", server.url,
@@ -195,6 +197,8 @@ class Fleet:
             server.version = version
             self._tainted.pop(server.url, None)
             current = self.target is None or version == self.target.version
+            if self.target is not None and current and self.target.path is None:
+                self.target = self.target._replace(path=path)  # other servers can catch up from it too
         if current:
             if server.state in ("down", "syncing"):
                 await self.pool.try_admit(server)

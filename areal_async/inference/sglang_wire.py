@@ -82,6 +82,8 @@ def span_versions(spans: list[tuple[int, Any]], n: int, start: int, where: str) 
         if spans:
             raise InferenceError(f"{where}: weight_version_spans {spans!r} for an answer without tokens")
         return []
+    if not spans:
+        raise InferenceError(f"{where}: empty weight_version_spans for an answer with {n} tokens")
     prev = -1
     for off, _ in spans:
         if not isinstance(off, int) or off <= prev or off >= n or (prev == -1 and off != 0):

@@ -140,14 +140,15 @@ async def test_killed_server_requests_continue_elsewhere(fakes, stream):
         results = await asyncio.gather(*tasks)
         assert all(r.output_ids == expected(80) and r.finish_reason == "length" for r in results)
         assert c.stats()["servers"][a.url]["state"] == "down"
+        kept_count = c.stats()["failover_kept_tokens"]
     moved = b.received[n_b:]
     assert len(moved) == 2
     kept = [len(m["input_ids"]) - len(PROMPT) for m in moved]
     if stream:
-        assert all(k >= 10 for k in kept)  # nothing generated was lost
+        assert all(k >= 10 for k in kept) and kept_count == sum(kept)  # nothing generated was lost
         assert all(m["sampling_params"]["max_new_tokens"] == 80 - k for m, k in zip(moved, kept))
     else:
-        assert kept == [0, 0]
+        assert kept == [0, 0] and kept_count == 0
 
 
 async def test_hung_server_is_found_and_its_requests_move_on(fakes):

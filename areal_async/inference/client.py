@@ -78,7 +78,9 @@ class InferenceClient:
         self._pause_mode: PauseMode = "abort"
         self._active: dict[str, bool] = {}  # rid -> cancelled by abort()
         self._enc = msgspec.json.Encoder()
-        self._counts = {"tokens": 0, "interruptions": 0}
+        # tokens: received from servers; failover_kept_tokens: received in an attempt that then failed and kept
+        # for its resubmission (only streaming can keep them: see the module docstring)
+        self._counts = {"tokens": 0, "interruptions": 0, "failover_kept_tokens": 0}
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -143,8 +145,10 @@ class InferenceClient:
         async def submit(st: ResumeState) -> SegmentEnd | None:
             reader: SegmentReader | None = None
 
-            def make_body(_attempt: int, url: str) -> bytes | None:
+            def make_body(attempt: int, url: str) -> bytes | None:
                 nonlocal sent, reader
+                if attempt > 0 and st.segment_starts:  # a retry: count what the failed attempt streamed to us
+                    self._counts["failover_kept_tokens"] += len(st.out_ids) - st.segment_starts[-1]
                 if self.cancelled(rid) or (st.segment_starts and st.remaining <= 0):
                     return None  # aborted by the caller, or every token arrived before the server was lost
                 st.begin_segment()

@@ -53,21 +53,23 @@ class InferenceClient:
 
     Hang detection: a server with requests in flight gets GET /health every `probe_interval_s`; after
     `max_health_failures` probes in a row unanswered within `health_timeout_s` it is taken out and its requests
-    move on. `timeout_s` bounds one exchange (one generation segment, or one admin call).
+    move on. `timeout_s` bounds one exchange (one generation segment, or one admin call); a weight load on one
+    server is bounded by `weight_load_timeout_s` (the heartbeat leaves loading servers alone).
     """
 
     def __init__(self, urls: list[str] | str, *, api_key: str | None = None, timeout_s: float = 3600,
                  max_retries: int = 3, backoff_s: float = 0.2, probe_interval_s: float = 1.0,
                  max_connections: int = 1024, unavailable_timeout_s: float = 300.0,
                  connect_timeout_s: float = 10.0, health_timeout_s: float = 10.0, max_health_failures: int = 2,
-                 stream: bool = False):
+                 weight_load_timeout_s: float = 600.0, stream: bool = False):
         if isinstance(urls, str):
             urls = [urls]
         self._pool = ServerPool([u.rstrip("/") for u in urls], api_key=api_key, timeout_s=timeout_s,
                                 max_retries=max_retries, backoff_s=backoff_s, probe_interval_s=probe_interval_s,
                                 max_connections=max_connections, unavailable_timeout_s=unavailable_timeout_s,
                                 connect_timeout_s=connect_timeout_s, health_timeout_s=health_timeout_s,
-                                max_health_failures=max_health_failures)
+                                max_health_failures=max_health_failures,
+                                weight_load_timeout_s=weight_load_timeout_s)
         self._fleet = Fleet(self._pool, on_ready=self._align_pause)
         self.api_key = api_key
         self.max_retries = max_retries

@@ -25,6 +25,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable, NamedTuple
 
+import aiohttp
 import msgspec
 
 from areal_async.inference.routing import ServerState
@@ -108,7 +109,8 @@ class Fleet:
         """One weight call on one server (counted as a weight load: the heartbeat leaves it alone meanwhile)."""
         server.admin_ops += 1
         try:
-            status, body = await self.pool.send(server, "POST", path, msgspec.json.encode(payload))
+            status, body = await self.pool.send(server, "POST", path, msgspec.json.encode(payload),
+                                                timeout=aiohttp.ClientTimeout(total=self.pool.weight_load_timeout_s))
         finally:
             server.admin_ops -= 1
         if status != 200:

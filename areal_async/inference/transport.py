@@ -11,7 +11,8 @@ Failure handling, as the rest of the client relies on it:
   each server with requests in flight is sent GET /health with a `health_timeout_s` deadline; after
   `max_health_failures` unanswered probes in a row it is down. A long healthy generation is never cut short: the
   deadline applies to /health, which a working server answers at once, not to the generation. Servers loading
-  weights are not probed (a real SGLang server may not answer /health while it loads).
+  weights are not probed (a real SGLang server may not answer /health while it loads); a weight load that takes
+  longer than `weight_load_timeout_s` counts as failed instead.
 - when a server goes down, every exchange in flight on it ends at once with `ConnectionFailed` (the caller
   resubmits elsewhere), and a recovery task probes it until /health answers, then runs `ready_check` (the client
   brings the server to the current weights there) and only then puts it back in rotation.
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 DOWN_STATUS = frozenset({502, 503, 504})  # the server (or its proxy) says it cannot serve at all: leave rotation
 _JSON = {"Content-Type": "application/json"}
+# Python 3.11+: a cancellation we caused can be told from the owner's (Task.uncancel); 3.10 has no counter, and a
+# swallowed cancellation there is the owner's only when it cancels in the same instant
+_UNCANCEL = hasattr(asyncio.Task, "uncancel")
 
 
 class InferenceError(RuntimeError):
@@ -98,7 +102,7 @@ class ServerPool:
     def __init__(self, urls: list[str], *, api_key: str | None = None, timeout_s: float = 3600,
                  max_retries: int = 3, backoff_s: float = 0.2, probe_interval_s: float = 1.0,
                  max_connections: int = 1024, unavailable_timeout_s: float = 300.0, connect_timeout_s: float = 10.0,
-                 health_timeout_s: float = 10.0, max_health_failures: int = 2):
+                 health_timeout_s: float = 10.0, max_health_failures: int = 2, weight_load_timeout_s: float = 600.0):
         self.router = Router(urls)
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -110,6 +114,8 @@ class ServerPool:
         self.connect_timeout_s = connect_timeout_s
         self.health_timeout_s = health_timeout_s
         self.max_health_failures = max_health_failures
+        # weight loads are not watched by the heartbeat (see the module docstring): this bounds them instead
+        self.weight_load_timeout_s = weight_load_timeout_s
         # runs after /health answers and before a server returns to rotation; False: not yet, probe again later
         self.ready_check: Callable[[ServerState], Awaitable[bool]] | None = None
         self.closed = False
@@ -120,7 +126,8 @@ class ServerPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._any_healthy = asyncio.Event()
         self._any_healthy.set()
-        self._lost: dict[str, asyncio.Future] = {}  # url -> resolved when that server leaves rotation
+        self._exchanges: dict[str, set[asyncio.Task]] = {}  # url -> tasks awaiting an exchange with it
+        self._lost_cancels: dict[asyncio.Task, str] = {}  # tasks we cancelled because their server left, and why
         self._recovery: dict[str, asyncio.Task] = {}
         self._probing: set[str] = set()  # heartbeat probes in flight
         self._heartbeat: asyncio.Task | None = None
@@ -165,9 +172,6 @@ class ServerPool:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        for fut in self._lost.values():
-            if not fut.done():
-                fut.set_result("client closed")
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -184,12 +188,6 @@ class ServerPool:
 
     # ---- one HTTP exchange --------------------------------------------------------------------------------------
 
-    def _lost_signal(self, url: str) -> asyncio.Future:
-        fut = self._lost.get(url)
-        if fut is None or fut.done():
-            fut = self._lost[url] = asyncio.get_running_loop().create_future()
-        return fut
-
     async def send(self, server: ServerState, method: str, path: str, body: bytes | None, *,
                    timeout: aiohttp.ClientTimeout | None = None, on_event: EventSink | None = None,
                    routed: bool = False, probe: bool = False) -> tuple[int, bytes]:
@@ -197,30 +195,43 @@ class ServerPool:
         rotation meanwhile. With `on_event`, a 200 `text/event-stream` answer is read event by event (each `data:`
         payload goes to `on_event`) and (200, b"") comes back after `[DONE]`; a stream cut before `[DONE]` is a
         `ConnectionFailed`. `routed` requests count as outstanding on the server (the router balances on it);
-        every request but a `probe` makes the heartbeat watch the server while it is in flight."""
+        every request but a `probe` makes the heartbeat watch the server while it is in flight.
+
+        How an exchange ends when its server leaves rotation: the task awaiting it is registered under the server
+        and cancelled (`_end_exchanges`), and the cancellation is turned into `ConnectionFailed` here, unless the
+        task was also cancelled by its owner. No extra task per request (thousands are in flight).
+        """
         session = self.session()
         if routed:
             server.outstanding += 1
             server.num_requests += 1
         if not probe:
             server.exchanges += 1
-        lost = self._lost_signal(server.url)
-        task = asyncio.ensure_future(self._exchange(session, server, method, path, body, timeout, on_event))
+        task = asyncio.current_task()
+        assert task is not None
+        registry = self._exchanges.setdefault(server.url, set())
+        registry.add(task)
         try:
-            done, _ = await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
-            if task in done:
-                return task.result()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise ConnectionFailed(f"{server.url}{path}: server taken out of rotation ({lost.result()})")
+            return await self._exchange(session, server, method, path, body, timeout, on_event)
         except asyncio.CancelledError:
-            task.cancel()
-            raise
+            why = self._lost_cancels.pop(task, None)
+            if why is None or (_UNCANCEL and task.uncancel() > 0):  # not ours, or its owner cancelled it too
+                raise
+            raise ConnectionFailed(f"{server.url}{path}: server taken out of rotation ({why})") from None
         finally:
+            registry.discard(task)
+            self._lost_cancels.pop(task, None)
             if routed:
                 server.outstanding -= 1
             if not probe:
                 server.exchanges -= 1
+
+    def _end_exchanges(self, url: str, why: str) -> None:
+        """End every exchange in flight with `url` (see `send`)."""
+        for task in list(self._exchanges.get(url, ())):
+            if task not in self._lost_cancels and not task.done():
+                self._lost_cancels[task] = why
+                task.cancel()
 
     async def _exchange(self, session: aiohttp.ClientSession, server: ServerState, method: str, path: str,
                         body: bytes | None, timeout: aiohttp.ClientTimeout | None,
@@ -258,9 +269,7 @@ class ServerPool:
             log.warning("inference server %s taken out of rotation: %s", server.url, why)
         if server.state != "draining":
             self.router.set_state(server.url, "down")
-        fut = self._lost.pop(server.url, None)
-        if fut is not None and not fut.done():
-            fut.set_result(why)
+        self._end_exchanges(server.url, why)
         if not self.router.healthy():
             self._any_healthy.clear()
         if server.state != "draining":
@@ -399,9 +408,8 @@ class ServerPool:
         while server.outstanding > 0 and (deadline is None or time.monotonic() < deadline) and not self.closed:
             await asyncio.sleep(0.01)
         self.router.remove(url)
-        fut = self._lost.pop(url, None)
-        if fut is not None and not fut.done():
-            fut.set_result("removed from the pool")
+        self._end_exchanges(url, "removed from the pool")
+        self._exchanges.pop(url, None)
         log.warning("inference server %s removed from the pool", url)
 
     # ---- routed requests ----------------------------------------------------------------------------------------

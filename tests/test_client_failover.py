@@ -124,6 +124,22 @@ async def test_malformed_spans_are_an_error_not_a_guess(fakes):
             await c.agenerate(PROMPT, sp(6))
 
 
+async def test_auto_streams_only_to_servers_with_incremental_events(fakes):
+    """stream="auto" (the default): SSE where events carry only new tokens, one JSON answer where every event
+    would resend the whole answer so far."""
+    a, b = await fakes(2)
+    a.incremental, a.spans = True, True
+    async with client([a.url, b.url]) as c:
+        # the first requests go out as JSON while the servers they reach are asked
+        await asyncio.gather(*(c.agenerate(PROMPT, sp(3)) for _ in range(4)))
+        await until(lambda: all(s.incremental_stream is not None for s in c._pool.router.servers.values()))
+        n_a, n_b = len(a.received), len(b.received)
+        res = await asyncio.gather(*(c.agenerate(PROMPT, sp(12)) for _ in range(6)))
+    assert all(r.output_ids == expected(12) for r in res)
+    assert a.received[n_a:] and all(body["stream"] is True for body in a.received[n_a:])
+    assert b.received[n_b:] and all(body["stream"] is False for body in b.received[n_b:])
+
+
 # ---- a server lost mid-request ----------------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ class ServerState:
     """What the client knows about one server."""
 
     __slots__ = ("url", "outstanding", "exchanges", "state", "num_requests", "num_failures", "health_failures",
-                 "admin_ops", "version")
+                 "admin_ops", "version", "incremental_stream")
 
     def __init__(self, url: str, state: ServerStatus = "serving"):
         self.url = url
@@ -40,6 +40,7 @@ class ServerState:
         self.health_failures = 0  # consecutive heartbeat probes without an answer
         self.admin_ops = 0  # weight loads in flight (a loading server may be slow to answer /health)
         self.version: int | None = None  # the weight version it was last seen or made to hold; None: unknown
+        self.incremental_stream: bool | None = None  # its streams carry only new tokens; None: not asked yet
 
     @property
     def healthy(self) -> bool:

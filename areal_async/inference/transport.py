@@ -262,6 +262,7 @@ class ServerPool:
         """Take a server out of rotation, end the exchanges in flight on it, and start probing it."""
         server.num_failures += 1
         server.health_failures = 0
+        server.incremental_stream = None  # it may come back as another process, with other settings
         if server.url not in self.router.servers:
             return
         if server.state == "serving":

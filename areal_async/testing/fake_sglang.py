@@ -80,6 +80,7 @@ class FakeSGLang:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/model_info", self._model_info)
+        app.router.add_get("/get_server_info", self._server_info)
         app.router.add_post("/pause_generation", self._pause)
         app.router.add_post("/continue_generation", self._continue)
         app.router.add_post("/abort_request", self._abort)
@@ -203,6 +204,10 @@ class FakeSGLang:
     async def _model_info(self, request: web.Request) -> web.Response:
         return self._json({"model_path": "fake", "tokenizer_path": "fake", "is_generation": True,
                            "weight_version": self.version})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        await self._hang_if_hung()
+        return self._json({"model_path": "fake", "incremental_streaming_output": self.incremental})
 
     async def _pause(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())

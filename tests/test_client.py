@@ -92,7 +92,10 @@ def test_router_least_outstanding_and_sticky():
 
 
 def test_client_module_does_not_import_torch():
-    code = ("import sys; import areal_async.inference.client, areal_async.inference.routing; "
+    mods = ["inference.client", "inference.routing", "inference.transport", "inference.resume",
+            "inference.sglang_wire", "inference.fleet", "inference.openai_protocol", "inference.openai_responses",
+            "agent", "agent.workflow", "testing.fake_sglang"]
+    code = (f"import sys; import {', '.join('areal_async.' + m for m in mods)}; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

@@ -121,9 +121,6 @@ class Router:
         """The URL a session key is pinned to, if any."""
         return self._sessions.get(session_key)
 
-    def forget_session(self, session_key: str) -> None:
-        self._sessions.pop(session_key, None)
-
     def set_state(self, url: str, state: ServerStatus) -> ServerStatus:
         """Move a server to `state`; returns the state it had."""
         s = self.servers[url]

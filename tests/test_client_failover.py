@@ -185,6 +185,19 @@ async def test_hung_server_is_found_and_its_requests_move_on(fakes):
         assert c.stats()["servers_recovered"] == 1
 
 
+async def test_admin_call_to_a_hung_server_does_not_hang_the_fleet(fakes):
+    """pause() reaches every server at once; one that hangs is found by the heartbeat and its call ends, so a weight
+    sync is never held hostage by a stopped process."""
+    a, b = await fakes(2)
+    async with client([a.url, b.url]) as c:
+        a.hung = True
+        res = await asyncio.wait_for(c.pause(), 10)
+        assert isinstance(res[a.url], InferenceError) and res[b.url]["status"] == "ok"
+        assert c.stats()["servers"][a.url]["state"] == "down"
+        res = await asyncio.wait_for(c.resume(), 10)  # the down server is no longer asked
+        assert set(res) == {b.url}
+
+
 async def test_long_healthy_generation_is_not_cut_short(fakes):
     """The hang deadline is on /health, not on the generation: a generation far longer than health_timeout_s
     finishes on its server, with no failover."""

@@ -76,7 +76,12 @@ class FakeSGLang:
         raise AssertionError("stand-in made no progress")
 
     async def start(self) -> "FakeSGLang":
-        app = web.Application()
+        @web.middleware
+        async def hang(request: web.Request, handler):  # a stopped process answers nothing, on any endpoint
+            await self._hang_if_hung()
+            return await handler(request)
+
+        app = web.Application(middlewares=[hang])
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/model_info", self._model_info)

@@ -137,7 +137,10 @@ def test_outputs_match_is_exact_for_integers():
     assert outputs_match("0.3333333", "0.33333333")  # a float in the reference: tolerance
     assert not outputs_match("1000000000001", "1000000000000")  # hole 7: an int is an int
     assert not outputs_match("3.0000001", "3") and not outputs_match("3", "4") and not outputs_match("1 2", "1 2 3")
-    assert not outputs_match("YES", "yes") and outputs_match("+7", "7")
+    assert not outputs_match("YES", "yes") and outputs_match("+7", "7") and outputs_match("-0", "0")
+    big = "9" * 5000  # beyond float range and int()'s digit limit: still exact
+    assert outputs_match(big, big) and outputs_match("0" + big, big) and not outputs_match(big + "1", "1" + big)
+    assert not outputs_match("8" + big[1:], big) and not outputs_match("-" + big, big)
 
 
 @pytest.mark.parametrize("got, want, same", [
@@ -304,7 +307,7 @@ HACKS = {
         def add(a, b):
             return 0
     """),
-    "flood_the_channel": "def add(a, b):\n    return 'x' * (64 << 20)\n",
+    "flood_the_channel": "def add(a, b):\n    return 'x' * (8 << 20)\n",  # twice the channel's message cap
 }
 
 

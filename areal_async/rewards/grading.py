@@ -61,21 +61,27 @@ def outputs_match(got: str, want: str, rel_tol: float = 1e-6) -> bool:
         if x == y:
             continue
         if _is_int(y):
-            if not (_is_int(x) and int(x) == int(y)):
+            if not (_is_int(x) and _int_key(x) == _int_key(y)):
                 return False
             continue
         try:
             fx, fy = float(x), float(y)
         except ValueError:
             return False
-        if math.isnan(fy) or not math.isclose(fx, fy, rel_tol=rel_tol, abs_tol=rel_tol):
+        if not math.isfinite(fy) or not math.isclose(fx, fy, rel_tol=rel_tol, abs_tol=rel_tol):  # inf: exact only
             return False
     return True
 
 
 def _is_int(tok: str) -> bool:
     body = tok[1:] if tok[:1] in "+-" else tok
-    return body.isdigit() and body.isascii() and len(body) <= 4000
+    return body.isdigit() and body.isascii()
+
+
+def _int_key(tok: str) -> tuple[bool, str]:
+    """An integer token's value as (negative, digits): exact at any length, no int() conversion limit."""
+    neg, body = tok[:1] == "-", tok.lstrip("+-").lstrip("0")
+    return (neg and bool(body), body)
 
 
 # ---- the solution server -------------------------------------------------------------------------------------
@@ -138,13 +144,16 @@ class ServerSession:
         return line, reply, None
 
     def _lost(self, cut: str) -> str:
+        """End the server after a call got no answer; the reason is ours (`cut`) if it was still running, else
+        its own (memory_limit, killed, exit_code N, ...)."""
         assert self.live is not None
         live, self.live = self.live, None
+        was_running = not live.done
         r = self.sb.finish(live, grace_s=0.0, reason_if_killed=cut)
         self.isolation = r.isolation
-        if live.cut is None and not live.done:
+        if was_running:
             return cut
-        return r.reason or ("solution_exited" if r.ok else cut)
+        return r.reason or "solution_exited"
 
     def close(self) -> None:
         if self.live is not None:

@@ -224,10 +224,11 @@ class RewardRunner:
         return w
 
     async def close(self) -> None:
-        """Kill every worker; calls in flight return (0.0, "runner closed")."""
+        """Stop every worker (SIGTERM, so sandboxes clean up; SIGKILL a second later); calls in flight return
+        (0.0, "runner closed")."""
         self._closed = True
         workers, self._all, self._idle = list(self._all), set(), []
-        await asyncio.gather(*(w.kill() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.terminate(1.0) for w in workers), return_exceptions=True)
 
 
 # ---- the worker process ----------------------------------------------------------------------------------------

@@ -400,12 +400,16 @@ class Sandbox:
             "RLIMIT_NOFILE": (lim.max_open_files, lim.max_open_files),
             "RLIMIT_CORE": (0, 0),
         }
-        if self.uid is not None or os.geteuid() != 0:
-            # NPROC counts every task of the real uid (outside a user namespace); it binds only for non-root,
-            # hence the fresh uid; without one, the caller's own tasks are added on top
-            extra = 0 if self.uid is not None or self.mode == "userns" else len(_pids_of_uid(os.getuid(), True))
-            rl["RLIMIT_NPROC"] = (lim.max_processes + extra, lim.max_processes + extra)
         return rl
+
+    def _nproc(self, lim: SandboxLimits) -> dict[str, int] | None:
+        """RLIMIT_NPROC counts every task of the uid (inside a user namespace: of the uid in that namespace) and
+        binds only for non-root, hence the fresh uid as root. Without one, the bootstrap adds the tasks that share
+        the uid: itself and the reaper in a user namespace, and the caller's own tasks too without one."""
+        if self.uid is None and os.geteuid() == 0:
+            return None  # root is exempt: only the cgroup's pids.max and the pid namespace bound it
+        host_tasks = 0 if self.uid is not None else len(_pids_of_uid(os.getuid(), True))
+        return {"base": lim.max_processes, "shared": 0 if self.uid is not None else 2, "host_tasks": host_tasks}
 
     def _launch(self, argv: Sequence[str], env: dict[str, str] | None, lim: SandboxLimits, stdin_b: bytes, *,
                 channel: bool, nondumpable: bool = False) -> LiveRun | SandboxResult:
@@ -448,7 +452,7 @@ class Sandbox:
                 chan_host, chan_prog = (from_r, to_w), [to_r, from_w]
                 os.set_blocking(to_w, False)
             cfg = {"argv": list(argv), "env": {**base_env, **(env or {})}, "uid": self.uid, "mode": self.mode,
-                   "rlimits": self._rlimits(lim), "allow_network": lim.allow_network, "tmpfs_bytes": lim.tmpfs_bytes,
+                   "rlimits": self._rlimits(lim), "nproc": self._nproc(lim), "allow_network": lim.allow_network, "tmpfs_bytes": lim.tmpfs_bytes,
                    "info_fd": info_w, "parent_pid": os.getpid(), "host_dir": host_dir,
                    "newroot": os.path.join(self._base, "mnt"), "rootfs": "rootfs" not in self.disable,
                    "ro_binds": _ro_binds(self.ro_paths, argv[0]), "seccomp": "seccomp" not in self.disable,

@@ -57,6 +57,7 @@ _ARCH = {
         "name_to_handle_at": 303, "fanotify_init": 300, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
         "fspick": 433, "move_mount": 429, "open_tree": 428, "mount_setattr": 442, "syslog": 103, "quotactl": 179,
         "lookup_dcookie": 212, "vhangup": 153, "kcmp": 312, "pidfd_getfd": 438, "process_madvise": 440,
+        "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
         "clone": 56, "clone3": 435, "socket": 41, "setsid": 112, "setpgid": 109}),
     "aarch64": dict(audit=0xC00000B7, pivot_root=41, nr={
         "memfd_create": 279, "memfd_secret": 447, "userfaultfd": 282, "bpf": 280, "perf_event_open": 241,
@@ -68,6 +69,7 @@ _ARCH = {
         "name_to_handle_at": 264, "fanotify_init": 262, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
         "fspick": 433, "move_mount": 429, "open_tree": 428, "mount_setattr": 442, "syslog": 116, "quotactl": 60,
         "lookup_dcookie": 18, "vhangup": 58, "kcmp": 272, "pidfd_getfd": 438, "process_madvise": 440,
+        "settimeofday": 170, "clock_settime": 112, "clock_adjtime": 266, "adjtimex": 171,
         "clone": 220, "clone3": 435, "socket": 198, "setsid": 157, "setpgid": 154}),
 }
 # always refused with EPERM: memory outside the rlimits (memfd, userfaultfd), other namespaces and mounts,
@@ -78,7 +80,7 @@ _DENY = ("memfd_create", "memfd_secret", "userfaultfd", "bpf", "perf_event_open"
          "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "acct",
          "open_by_handle_at", "name_to_handle_at", "fanotify_init", "fsopen", "fsconfig", "fsmount", "fspick",
          "move_mount", "open_tree", "mount_setattr", "syslog", "quotactl", "lookup_dcookie", "vhangup", "kcmp",
-         "pidfd_getfd", "process_madvise")
+         "pidfd_getfd", "process_madvise", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex")
 _CLONE_NS_FLAGS = NEWNS | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET | NEWCGROUP
 
 
@@ -127,8 +129,12 @@ class _Boot:
         if cfg["mode"] == "root":
             for name, flag in (("pidns", NEWPID), ("netns", 0 if net else NEWNET), ("mountns", NEWNS),
                                ("ipcns", NEWIPC), ("utsns", NEWUTS)):
-                if flag and (self.unshare(flag) or not self.fail(name)):
+                if not flag:
+                    continue
+                if self.unshare(flag):
                     self.iso.append(name)
+                else:
+                    self.fail(name)
         elif cfg["mode"] == "userns":
             real_uid, real_gid = os.getuid(), os.getgid()
             flags = NEWUSER | NEWNS | NEWPID | NEWIPC | NEWUTS | (0 if net else NEWNET)
@@ -328,6 +334,10 @@ class _Boot:
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 200) for fd in (chan or [])]
         for name, (soft, hard) in cfg["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))
+        nproc = cfg["nproc"]
+        if nproc is not None:
+            n = nproc["base"] + nproc["shared"] + (0 if "userns" in self.iso else nproc["host_tasks"])
+            resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
         uid = cfg["uid"]
         if uid is not None:
             os.setgroups([])

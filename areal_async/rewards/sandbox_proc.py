@@ -78,11 +78,15 @@ class LiveRun:
         else:
             self.proc.stdin.close()
         open_reads = len(bufs)
+        ended = False  # the reaper reported the program's end and exited
         try:
             while (open_reads or self._stdin) and not self.cut:
                 left = self.deadline - time.monotonic()
                 if left <= 0:
-                    self.cut = "timeout"
+                    if not ended:
+                        self.cut = "timeout"
+                    else:  # orphans (no pid namespace) still hold the pipes: the program's own status stands
+                        self.kill()
                     break
                 for key, _ in sel.select(timeout=min(left, 0.25)):
                     fd = key.fd
@@ -110,6 +114,7 @@ class LiveRun:
                         if fd == self.info_r:
                             # the reaper reported and exited; without a pid namespace an orphan may still hold
                             # stdout open, so the pipes get only a short grace
+                            ended = True
                             self.deadline = min(self.deadline, time.monotonic() + 1.0)
                         continue
                     if fd == self.chan_r:

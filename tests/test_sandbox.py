@@ -426,7 +426,7 @@ def test_non_root_mode_isolates_with_a_user_namespace(tmp_path):
         pytest.skip("needs root (to become nobody) and /usr/bin/python3")
     tag = uuid.uuid4().hex
     program = textwrap.dedent(f"""
-        import json
+        import json, os
         from areal_async.rewards.sandbox import Sandbox, SandboxLimits, probe_isolation
         from areal_async.rewards.code import evaluate_code, parse_tests
         report = probe_isolation()
@@ -442,8 +442,14 @@ def test_non_root_mode_isolates_with_a_user_namespace(tmp_path):
         hack = evaluate_code("import builtins\\nbuiltins.exec = lambda *a, **k: None\\n"
                              "class E:\\n    __eq__ = lambda s, o: True\\ndef f(x): return E()",
                              parse_tests("assert f(1) == 2"), budget_s=20)
+        # the weakest mode (no namespaces): the program shares our uid; it must not reach our memory
+        probe = ("import os\\ntry:\\n    open('/proc/%d/mem' % HOST, 'rb').read(1)\\n    got = 'read'\\n"
+                 "except OSError as e:\\n    got = type(e).__name__\\ndef f():\\n    return got\\n").replace(
+                     "HOST", str(os.getpid()))
+        mem = evaluate_code(probe, parse_tests(json.dumps(dict(fn_name="f", inputs=[[]], outputs=["PermissionError"]))),
+                            budget_s=20, disable=("namespaces",))
         print(json.dumps(dict(weak=report.weak, missing=report.missing, iso=r.isolation, out=r.stdout, ok=r.ok,
-                              good=good.reward, hack=hack.reward, made=bomb.stdout.strip())))
+                              good=good.reward, hack=hack.reward, made=bomb.stdout.strip(), mem=mem.reward)))
     """)
     p = subprocess.run(cmd, input=program, capture_output=True, text=True, user=65534, group=65534, cwd="/",
                        timeout=120)
@@ -459,3 +465,4 @@ def test_non_root_mode_isolates_with_a_user_namespace(tmp_path):
     assert got["ok"] and got["out"].split() == ["2" if "proc" in got["iso"] else "0", "False"], got
     assert (got["good"], got["hack"]) == (1.0, 0.0)
     assert got["made"] == "7"  # the task bound holds inside the user namespace (the program itself counts)
+    assert got["mem"] == 1.0  # in the weakest mode the grader made itself non-dumpable

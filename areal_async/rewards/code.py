@@ -19,7 +19,8 @@ cleans up before the runner would kill the worker.
 Isolation: the first evaluation in a process probes what the sandbox achieves on this machine. A weak result
 (no private root, pid or network namespace, no memory bound, or root without a dropped uid) is logged as a warning,
 or refused with SandboxIsolationError when `require_isolation=True` (or AREAL_SANDBOX_REQUIRE_ISOLATION=1 in the
-environment), before any untrusted code runs.
+environment), before any untrusted code runs. In the weakest mode (no namespaces and no uid of its own, so the
+program shares ours) this process also makes itself non-dumpable, so the program cannot write its memory.
 """
 
 from __future__ import annotations
@@ -105,7 +106,21 @@ def check_isolation(require: bool, *, disable: Iterable[str] = (), allow_network
             _warned.add(key)
             log.warning("code reward: the sandbox is weak on this machine (%s); set require_isolation=True to "
                         "refuse", report.summary())
+        if not {"uid", "userns"} & set(report.achieved):
+            _not_dumpable()
     return report.achieved
+
+
+def _not_dumpable() -> None:
+    """The program runs under our own uid in no namespace: without this it could write our memory through
+    /proc/<pid>/mem (ptrace itself is refused by seccomp) and forge the verdict. Costs debuggers and core dumps."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(4), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                                                 ctypes.c_ulong(0), ctypes.c_ulong(0))  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        log.warning("code reward: could not make this process non-dumpable")
 
 
 def evaluate_code(code: str, tests: CodeTests, *, all_or_nothing: bool = False, limits: SandboxLimits | None = None,

@@ -274,7 +274,7 @@ def _relay(server: ServerSession, judge: LiveRun, cfg: dict, results: list[str |
             continue
         if "start" in msg:
             i = msg["start"]
-            if type(i) is not int or not 0 <= i < n or (cur is not None and i != cur + 1):
+            if type(i) is not int or i != (cfg["first"] if cur is None else cur + 1) or i >= n:
                 return _abort(results, cfg["first"] if cur is None else cur, "judge_error: protocol"), True
             cur = i
             test_deadline = min(deadline, time.monotonic() + limits.wall_s)

@@ -432,7 +432,8 @@ def test_non_root_mode_isolates_with_a_user_namespace(tmp_path):
         report = probe_isolation()
         with Sandbox(SandboxLimits(wall_s=5, cpu_s=2)) as sb:
             sb.write("main.py", "import os\\nopen('/tmp/areal_nobody_{tag}', 'w').write('x')\\n"
-                                "print(len([p for p in os.listdir('/proc') if p.isdigit()]), os.path.exists('/work'))\\n")
+                                "print(len([p for p in os.listdir('/proc') if p.isdigit()]),"
+                                " os.path.exists('/work'))\\n")
             r = sb.run([sb.python(), "-I", "main.py"])
             sb.write("bomb.py", "import os, time\\nmade = 0\\nfor _ in range(50):\\n    try:\\n"
                                 "        if os.fork() == 0:\\n            time.sleep(3)\\n            os._exit(0)\\n"
@@ -448,8 +449,17 @@ def test_non_root_mode_isolates_with_a_user_namespace(tmp_path):
                      "HOST", str(os.getpid()))
         mem = evaluate_code(probe, parse_tests(json.dumps(dict(fn_name="f", inputs=[[]], outputs=["PermissionError"]))),
                             budget_s=20, disable=("namespaces",))
+        judge_probe = ("import os\\ngot = 'no judge'\\nfor p in os.listdir('/proc'):\\n    try:\\n"
+                       "        if p.isdigit() and b'_mod.judge' in open('/proc/%s/cmdline' % p, 'rb').read():\\n"
+                       "            try:\\n                open('/proc/%s/mem' % p, 'rb').read(1)\\n"
+                       "                got = 'read'\\n            except OSError as e:\\n"
+                       "                got = type(e).__name__\\n    except OSError:\\n        pass\\n"
+                       "def f():\\n    return got\\n")
+        judge_mem = evaluate_code(judge_probe, parse_tests("assert f() == 'PermissionError'"), budget_s=20,
+                                  disable=("namespaces",))
         print(json.dumps(dict(weak=report.weak, missing=report.missing, iso=r.isolation, out=r.stdout, ok=r.ok,
-                              good=good.reward, hack=hack.reward, made=bomb.stdout.strip(), mem=mem.reward)))
+                              good=good.reward, hack=hack.reward, made=bomb.stdout.strip(), mem=mem.reward,
+                              judge_mem=judge_mem.reward)))
     """)
     p = subprocess.run(cmd, input=program, capture_output=True, text=True, user=65534, group=65534, cwd="/",
                        timeout=120)
@@ -465,4 +475,5 @@ def test_non_root_mode_isolates_with_a_user_namespace(tmp_path):
     assert got["ok"] and got["out"].split() == ["2" if "proc" in got["iso"] else "0", "False"], got
     assert (got["good"], got["hack"]) == (1.0, 0.0)
     assert got["made"] == "7"  # the task bound holds inside the user namespace (the program itself counts)
-    assert got["mem"] == 1.0  # in the weakest mode the grader made itself non-dumpable
+    assert got["mem"] == 1.0 and got["judge_mem"] == 1.0  # in the weakest mode the grader and the judge are
+    # not dumpable: the solution, under the same uid, cannot open their memory

@@ -230,8 +230,7 @@ def run_judged(server: ServerSession, judge_sb: Sandbox, snippets: list[str], se
             for i in range(first, n):
                 results[i] = "budget_exhausted"
             break
-        judge = judge_sb.start([judge_sb.python(), "-I", "-c", program], limits=session_limits(limits, left),
-                               nondumpable=True)
+        judge = judge_sb.start([judge_sb.python(), "-I", "-c", program], limits=session_limits(limits, left))
         if isinstance(judge, SandboxResult):
             for i in range(first, n):
                 results[i] = f"judge_error: {judge.reason}"

@@ -92,7 +92,8 @@ def encode(value, handles=None, depth: int = 0):
         return {"$": "dict", "v": [[encode(k, handles, d), encode(v, handles, d)] for k, v in dict.items(value)]}
     if isinstance(value, (set, frozenset)):
         tag = "frozenset" if isinstance(value, frozenset) else "set"
-        return {"$": tag, "v": [encode(v, handles, d) for v in (frozenset if tag == "frozenset" else set).__iter__(value)]}
+        base = frozenset if tag == "frozenset" else set
+        return {"$": tag, "v": [encode(v, handles, d) for v in base.__iter__(value)]}
     if handles is None:
         raise PlainDataError(f"a {type(value).__name__} object is not plain data")
     if callable(handles):

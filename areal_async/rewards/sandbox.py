@@ -261,7 +261,7 @@ def _pid_alive(pid: int) -> bool:
 
 def host_leftovers() -> list[str]:
     """Scratch directories and cgroups that sandboxes of this uid hold right now (alive or left behind)."""
-    found = [p for p in glob.glob(os.path.join(_base_dir(), "run-*"))]
+    found = glob.glob(os.path.join(_base_dir(), "run-*"))
     support = cgroups.detect()
     for parent in {p for p in (support.memory_parent, support.pids_parent) if p}:
         found += [p for p in glob.glob(os.path.join(parent, cgroups.PREFIX + "*")) if "-probe" not in p]
@@ -375,12 +375,11 @@ class Sandbox:
             result = self.finish(live, grace_s=0.0)
         return result
 
-    def start(self, argv: Sequence[str], *, env: dict[str, str] | None = None, limits: SandboxLimits | None = None,
-              nondumpable: bool = False) -> LiveRun | SandboxResult:
+    def start(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
+              limits: SandboxLimits | None = None) -> LiveRun | SandboxResult:
         """Start a session: the program reads messages on fd 3 and writes them on fd 4 (one JSON line each) while
-        the host talks to it through `send`/`recv`; `finish()` ends it. A SandboxResult means it did not start.
-        `nondumpable` keeps processes of the same uid from reading its memory (matters only without namespaces)."""
-        live = self._launch(argv, env, limits or self.limits, b"", channel=True, nondumpable=nondumpable)
+        the host talks to it through `send`/`recv`; `finish()` ends it. A SandboxResult means it did not start."""
+        live = self._launch(argv, env, limits or self.limits, b"", channel=True)
         if isinstance(live, LiveRun):
             live.start_thread()
         return live
@@ -392,15 +391,15 @@ class Sandbox:
             if live in self._live:
                 self._live.remove(live)
 
-    def _rlimits(self, lim: SandboxLimits) -> dict[str, tuple[int, int]]:
-        rl = {
+    @staticmethod
+    def _rlimits(lim: SandboxLimits) -> dict[str, tuple[int, int]]:
+        return {
             "RLIMIT_CPU": (lim.cpu_s, lim.cpu_s + 1),
             "RLIMIT_AS": (lim.memory_bytes, lim.memory_bytes),
             "RLIMIT_FSIZE": (lim.file_bytes, lim.file_bytes),
             "RLIMIT_NOFILE": (lim.max_open_files, lim.max_open_files),
             "RLIMIT_CORE": (0, 0),
         }
-        return rl
 
     def _nproc(self, lim: SandboxLimits) -> dict[str, int] | None:
         """RLIMIT_NPROC counts every task of the uid (inside a user namespace: of the uid in that namespace) and
@@ -412,7 +411,7 @@ class Sandbox:
         return {"base": lim.max_processes, "shared": 0 if self.uid is not None else 2, "host_tasks": host_tasks}
 
     def _launch(self, argv: Sequence[str], env: dict[str, str] | None, lim: SandboxLimits, stdin_b: bytes, *,
-                channel: bool, nondumpable: bool = False) -> LiveRun | SandboxResult:
+                channel: bool) -> LiveRun | SandboxResult:
         if not argv or not os.path.isabs(argv[0]):
             raise ValueError("argv[0] must be an absolute path to the executable")
         base_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
@@ -452,11 +451,12 @@ class Sandbox:
                 chan_host, chan_prog = (from_r, to_w), [to_r, from_w]
                 os.set_blocking(to_w, False)
             cfg = {"argv": list(argv), "env": {**base_env, **(env or {})}, "uid": self.uid, "mode": self.mode,
-                   "rlimits": self._rlimits(lim), "nproc": self._nproc(lim), "allow_network": lim.allow_network, "tmpfs_bytes": lim.tmpfs_bytes,
+                   "rlimits": self._rlimits(lim), "nproc": self._nproc(lim), "allow_network": lim.allow_network,
+                   "tmpfs_bytes": lim.tmpfs_bytes,
                    "info_fd": info_w, "parent_pid": os.getpid(), "host_dir": host_dir,
                    "newroot": os.path.join(self._base, "mnt"), "rootfs": "rootfs" not in self.disable,
                    "ro_binds": _ro_binds(self.ro_paths, argv[0]), "seccomp": "seccomp" not in self.disable,
-                   "cgroup_procs": cg.procs_files if cg else [], "chan": chan_prog, "nondumpable": nondumpable,
+                   "cgroup_procs": cg.procs_files if cg else [], "chan": chan_prog,
                    "files": [[n, _b64(c)] for n, c in self._files.items()]}
             cfg_fd = os.memfd_create("areal-sandbox-cfg", os.MFD_CLOEXEC)
             fds.append(cfg_fd)

@@ -35,7 +35,7 @@ import signal
 import struct
 import sys
 
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 4, 38, 22
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
 NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWCGROUP = (0x20000, 0x4000000, 0x8000000, 0x10000000, 0x20000000,
                                                              0x40000000, 0x02000000)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
@@ -305,8 +305,8 @@ class _Boot:
         for name, e in deny:
             ins += [(jeq, 0, 1, nr[name]), (ret, 0, 0, errno_ret(e))]
         # clone with a namespace flag; the flags are the first argument (low 32 bits at offset 16)
-        ins += [(jeq, 0, 3, nr["clone"]), (ld_w, 0, 0, 16), (jset, 0, 1, _CLONE_NS_FLAGS), (ret, 0, 0, errno_ret(errno.EPERM)),
-                (ret, 0, 0, allow)]
+        ins += [(jeq, 0, 3, nr["clone"]), (ld_w, 0, 0, 16), (jset, 0, 1, _CLONE_NS_FLAGS),
+                (ret, 0, 0, errno_ret(errno.EPERM)), (ret, 0, 0, allow)]
         return b"".join(struct.pack("HBBI", *i) for i in ins)
 
     def install_seccomp(self, prog: bytes) -> bool:
@@ -344,8 +344,6 @@ class _Boot:
             os.setgid(uid)
             os.setuid(uid)
         self.die_with_parent()  # a credential change clears the parent-death signal: set it again
-        if cfg["nondumpable"]:
-            self.prctl(PR_SET_DUMPABLE, 0)
         if not self.prctl(PR_SET_NO_NEW_PRIVS, 1):
             self.fail("no_new_privs")
         if cfg["seccomp"]:

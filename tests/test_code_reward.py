@@ -308,6 +308,7 @@ HACKS = {
             return 0
     """),
     "flood_the_channel": "def add(a, b):\n    return 'x' * (8 << 20)\n",  # twice the channel's message cap
+    "spam_the_channel": "import os\ndef add(a, b):\n    while True:\n        os.write(4, b'{}\\n' * 4096)\n",
 }
 
 

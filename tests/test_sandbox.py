@@ -342,6 +342,20 @@ def test_seccomp_refuses_namespaces_mounts_and_ptrace(host):
 # ---- the host side of the sandbox ---------------------------------------------------------------------------
 
 
+def test_session_channel_cannot_flood_the_host(host):
+    """A session program that floods its channel with small messages nobody asked for is cut, not buffered."""
+    lim = SandboxLimits(wall_s=10.0, cpu_s=5, message_bytes=1 << 16)
+    with Sandbox(lim) as sb:
+        live = sb.start([sb.python(), "-I", "-c", "import os\nwhile True:\n    os.write(4, b'{}\\n' * 4096)\n"])
+        deadline = time.monotonic() + 10
+        while not live.done and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = sum(len(m) for m in live.messages)
+        r = sb.finish(live)
+    assert r.reason == "message_limit" and held <= 4 * lim.message_bytes, (r.reason, held)
+
+
+
 @pytest.mark.parametrize("disable", WEAK_MODES)
 def test_planted_symlink_is_never_followed_by_the_host(host, tmp_path, disable):
     """Hole 4: a program leaves data.txt -> a host file; the host then writes data.txt for the next run."""

@@ -53,6 +53,7 @@ class LiveRun:
         self.out, self.err, self.info = bytearray(), bytearray(), bytearray()
         self._partial = bytearray()
         self.messages: collections.deque[bytes] = collections.deque()
+        self._queued = 0  # bytes of messages received and not yet taken
         self.cond = threading.Condition()
         self.done = False
         self._stdin = memoryview(stdin)
@@ -158,7 +159,10 @@ class LiveRun:
         if lines:
             with self.cond:
                 self.messages.extend(lines)
+                self._queued += sum(len(x) for x in lines)
                 self.cond.notify_all()
+            if self._queued > 2 * self.message_bytes:  # a flood of small messages nobody asked for
+                self.cut = "message_limit"
 
     def _drain_info(self) -> None:
         try:
@@ -203,7 +207,9 @@ class LiveRun:
                 if self.done or left <= 0:
                     return None
                 self.cond.wait(timeout=min(left, 0.25))
-            return self.messages.popleft()
+            line = self.messages.popleft()
+            self._queued -= len(line)
+            return line
 
     # ---- ending ----------------------------------------------------------------------------------------------
 

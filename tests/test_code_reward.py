@@ -20,7 +20,7 @@ import pytest
 from areal_async.rewards import plaindata as pd
 from areal_async.rewards.code import (CodeTests, SandboxIsolationError, code_reward, evaluate_code, extract_code,
                                       outputs_match, parse_tests)
-from areal_async.rewards.sandbox import SandboxLimits
+from areal_async.rewards.sandbox import SandboxLimits, probe_isolation
 from sandbox_host import watched_host
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
@@ -363,10 +363,14 @@ def test_weak_isolation_warns_and_can_refuse(host, caplog, monkeypatch):
     assert any("sandbox is weak" in r.getMessage() for r in caplog.records)
     with pytest.raises(SandboxIsolationError, match="missing .*pidns"):
         evaluate_code(GOOD, tests, limits=LIM, disable=("namespaces",), require_isolation=True)
-    # the full mode is not refused (as root, or with user namespaces), and the switch reaches code_reward
-    assert code_reward(GOOD, "assert add(1, 2) == 3", require_isolation=True) == 1.0
+    # the switch reaches code_reward; the full mode (as root, or with user namespaces) is not refused
     monkeypatch.setenv("AREAL_SANDBOX_REQUIRE_ISOLATION", "1")
-    assert code_reward(GOOD, "assert add(1, 2) == 3") == 1.0
+    if probe_isolation().weak:
+        with pytest.raises(SandboxIsolationError):
+            code_reward(GOOD, "assert add(1, 2) == 3")
+    else:
+        assert code_reward(GOOD, "assert add(1, 2) == 3") == 1.0
+        assert code_reward(GOOD, "assert add(1, 2) == 3", require_isolation=False) == 1.0
 
 
 @pytest.mark.parametrize("hack", ["noop_exec", "always_equal", "frames_and_gc"])

@@ -4,11 +4,12 @@
     Give the final answer as a number after 'The answer is'.
 
 Each problem is a kind (add, subtract, multiply, divide, add-then-subtract, multiply-then-add), its numbers, and a
-story: a name, an object and one of several phrasings. Kinds and number ranges set the difficulty: level 1 is one
-operation with a one-digit operand and a small result, level 2 one operation on a two-digit number (or a larger
-product, or a quotient), level 3 two two-digit numbers or two operations. The ranges and the mix come from
-SmolLM2-135M-Instruct's measured greedy accuracy (benchmarks/task_accuracy.py): it knows its times tables but adds
-and subtracts poorly beyond small numbers, and gets almost no two-operation problem right. Answers are non-negative integers, graded with the `math` reward (math-verify).
+story: a name, an object and one of several phrasings. Kinds and number ranges set the difficulty: level 1 is an
+arithmetic fact (one-digit operands), level 2 one operation on a small two-digit number (or a larger product, or a
+quotient), level 3 two two-digit numbers or two operations. The ranges and the mix come from SmolLM2-135M-Instruct's
+measured greedy accuracy (benchmarks/task_accuracy.py): it knows small facts and times tables but often picks the
+wrong operation or buries the result, adds and subtracts poorly beyond small numbers, and gets almost no
+two-operation problem right. Answers are non-negative integers, graded with the `math` reward (math-verify).
 
 Splits, all deterministic in the seed:
 - `train`: training phrasings, problems (kind and numbers) outside the held-out set;
@@ -97,14 +98,17 @@ PHRASINGS: dict[str, dict[str, list[str]]] = {
 class WordProblemSpec:
     """The problem distribution: how often each level appears, and the held-out share."""
 
-    level_weights: tuple[float, float, float] = (0.45, 0.35, 0.2)
+    level_weights: tuple[float, float, float] = (0.4, 0.4, 0.2)
     eval_permille: int = 150  # share of the problems (by hash of kind and numbers) held out for evaluation
+    max_repeats: int = 3  # times one held-out problem may be posed (in different stories): level 1 has few
 
     def __post_init__(self) -> None:
         if len(self.level_weights) != 3 or min(self.level_weights) < 0 or sum(self.level_weights) <= 0:
             raise ValueError(f"level_weights must be 3 non-negative weights, got {self.level_weights}")
         if not 0 < self.eval_permille < 1000:
             raise ValueError(f"eval_permille must be in (0, 1000), got {self.eval_permille}")
+        if self.max_repeats < 1:
+            raise ValueError(f"max_repeats must be >= 1, got {self.max_repeats}")
 
 
 @dataclass(frozen=True)
@@ -124,23 +128,23 @@ class WordProblem:
 def random_problem(rng: random.Random, level: int) -> WordProblem:
     """A problem of `level` (1 to 3): a kind and numbers in the level's ranges; every answer is a whole number >= 0."""
     r = rng.randint
-    if level == 1:  # one operation with a one-digit operand and a small result
+    if level == 1:  # arithmetic facts: one-digit operands
         kind = rng.choice(["add", "sub", "mul"])
         if kind == "add":
-            nums = (r(2, 30), r(2, 9))
-        elif kind == "sub":
-            nums = (r(10, 30), r(2, 9))
-        else:
             nums = (r(2, 9), r(2, 9))
-    elif level == 2:  # one operation on a two-digit number, a larger product, or a quotient
+        elif kind == "sub":
+            b = r(2, 9)
+            nums = (r(b + 1, 18), b)
+        else:
+            nums = (r(2, 9), r(2, 5))
+    elif level == 2:  # one operation on a small two-digit number, a larger product, or a quotient
         kind = rng.choice(["add", "sub", "mul", "div"])
         if kind == "add":
-            nums = (r(31, 99), r(2, 9))
+            nums = (r(10, 40), r(2, 9))
         elif kind == "sub":
-            a = r(31, 99)
-            nums = (a, r(2, 19))
+            nums = (r(11, 40), r(2, 9))
         elif kind == "mul":
-            nums = (r(3, 9), r(10, 12))
+            nums = (r(2, 9), r(6, 9))
         else:
             b, q = r(2, 9), r(2, 9)
             nums = (b * q, b)
@@ -181,9 +185,9 @@ def prompt_of(problem: WordProblem, rng: random.Random, phrasings: str) -> str:
 def generate(num: int, seed: int, split: str = "train", spec: WordProblemSpec = WordProblemSpec()) -> list[Sample]:
     """`num` samples of `split` (see the module docstring), deterministic in (seed, split, spec); ids 0..num-1.
 
-    Held-out splits pose each problem (kind and numbers) once, so a few easy problems cannot dominate them, with
-    the levels in the spec's proportions (each level's held-out pool holds over a hundred problems; the one-digit
-    products, a small kind, contribute only their few). `eval` and `other` pose the same held-out problems in the same order for a seed, told in
+    Held-out splits pose each problem (kind and numbers) at most `spec.max_repeats` times, each time in another
+    story, with the levels in the spec's proportions as far as the held-out pools allow (level 1's facts are few:
+    about thirty are held out). `eval` and `other` pose the same held-out problems in the same order for a seed, told in
     different phrasings, so their accuracies differ by the wording alone."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -192,7 +196,8 @@ def generate(num: int, seed: int, split: str = "train", spec: WordProblemSpec = 
     story_rng = random.Random(f"areal_async.word_problems/{split}/{seed}/story")
     phrasings = "other" if split == "other" else "train"
     out: list[Sample] = []
-    seen: set[WordProblem] = set()
+    seen: dict[WordProblem, int] = {}
+    stories: set[str] = set()
     tries = 0
     while len(out) < num:
         tries += 1
@@ -200,14 +205,19 @@ def generate(num: int, seed: int, split: str = "train", spec: WordProblemSpec = 
             raise ValueError(f"could not draw {num} {split} word problems from {spec}")
         level = problem_rng.choices((1, 2, 3), spec.level_weights)[0]
         p = random_problem(problem_rng, level)
-        for _ in range(1000 if held_out else 0):  # keep the level: find one of its unseen held-out problems
-            if is_eval_problem(p, spec) and p not in seen:
+        for _ in range(1000 if held_out else 0):  # keep the level: find one of its held-out problems with room
+            if is_eval_problem(p, spec) and seen.get(p, 0) < spec.max_repeats:
                 break
             p = random_problem(problem_rng, level)
-        if is_eval_problem(p, spec) != held_out or (held_out and p in seen):
+        if is_eval_problem(p, spec) != held_out or (held_out and seen.get(p, 0) >= spec.max_repeats):
             continue
-        seen.add(p)
+        seen[p] = seen.get(p, 0) + 1
         prompt = prompt_of(p, story_rng, phrasings)
+        for _ in range(50 if held_out else 0):  # a repeated problem gets another story
+            if prompt not in stories:
+                break
+            prompt = prompt_of(p, story_rng, phrasings)
+        stories.add(prompt)
         out.append(Sample(id=len(out), prompt=prompt, answer=str(p.answer),
                           meta={"task": "word_problems", "kind": p.kind, "level": p.level, "split": split}))
     return out

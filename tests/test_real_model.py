@@ -132,3 +132,41 @@ def test_chat_completions_answer_as_transformers(server, reference):
         assert n in (len(ref["ids"]), len(ref["ids"]) - 1)  # with or without the end-of-turn token
         assert max(abs(a - b) for a, b in zip(lps, ref["logprobs"][:n])) < 1e-3
         assert body["usage"]["prompt_tokens"] == len(ref["prompt"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_short_rl_run_on_the_real_model(smollm2, tmp_path):
+    """The whole pipeline on SmolLM2: chat-templated word problems, math reward, embedded server, torchrun
+    trainer, two async steps, evals before and after, published weights that differ from the base model's."""
+    from safetensors.numpy import load_file
+
+    run_dir = str(tmp_path / "run")
+    args = [f"model.path={smollm2}", f"run_dir={run_dir}", "data.name=word_problems", "data.apply_chat_template=true",
+            "data.reward=math", "data.num_train=64", "data.num_eval=4", "mode=async", "eta=1", "total_steps=2",
+            "rollout.batch_size=2", "rollout.group_size=4", "rollout.max_new_tokens=40", "rollout.temperature=0.7",
+            "eval.every_steps=0", "eval.num_prompts=4", "eval.max_new_tokens=24", "train.micro_batch_tokens=2048",
+            "train.optim.lr=1e-5", "server.max_total_tokens=16384"]
+    p = subprocess.run([sys.executable, "-m", "areal_async.run", *args], capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    train = [r for r in recs if r["kind"] == "train"]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["version"] for r in train] == [1, 2] and [r["version"] for r in evals] == [0, 2]
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in evals)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["trained_samples"] == 2 * 2 * 4
+    final = os.path.join(run_dir, "final")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        assert os.path.isfile(os.path.join(final, name)), name
+    base = load_file(os.path.join(smollm2, "model.safetensors"))
+    new = {}
+    for name in os.listdir(final):
+        if name.endswith(".safetensors"):
+            new.update(load_file(os.path.join(final, name)))
+    assert set(new) == set(base)
+    assert any(not (new[k] == base[k]).all() for k in base)  # the trained weights were published
+    assert Tokenizer(final).apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        Tokenizer(smollm2).apply_chat_template([{"role": "user", "content": "hi"}])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -139,14 +140,21 @@ def test_chat_completions_answer_as_transformers(server, reference):
 def test_a_short_rl_run_on_the_real_model(smollm2, tmp_path):
     """The whole pipeline on SmolLM2: chat-templated word problems, math reward, embedded server, torchrun
     trainer, two async steps, evals before and after, published weights that differ from the base model's."""
-    from safetensors.numpy import load_file
-
     run_dir = str(tmp_path / "run")
     args = [f"model.path={smollm2}", f"run_dir={run_dir}", "data.name=word_problems", "data.apply_chat_template=true",
             "data.reward=math", "data.num_train=64", "data.num_eval=4", "mode=async", "eta=1", "total_steps=2",
             "rollout.batch_size=2", "rollout.group_size=4", "rollout.max_new_tokens=40", "rollout.temperature=0.7",
             "eval.every_steps=0", "eval.num_prompts=4", "eval.max_new_tokens=24", "train.micro_batch_tokens=2048",
             "train.optim.lr=1e-5", "server.max_total_tokens=16384"]
+    try:
+        _check_short_run(run_dir, smollm2, args)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # about 2 GB of weights and checkpoints
+
+
+def _check_short_run(run_dir: str, smollm2: str, args: list[str]) -> None:
+    from safetensors.numpy import load_file
+
     p = subprocess.run([sys.executable, "-m", "areal_async.run", *args], capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

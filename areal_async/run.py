@@ -30,7 +30,8 @@ import msgspec
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config_help import describe
-from areal_async.launch import Cluster, Launcher, failure_policy, free_port, launcher_for, supervise
+from areal_async.launch import (Cluster, Launcher, failure_policy, free_port, interrupt_on_sigterm, launcher_for,
+                                supervise)
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
 from areal_async.rollout.weight_sync import BroadcastSync, DiskSync, WeightSync
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
@@ -419,6 +420,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="YAML config file (may start from another with `base: FILE`); "
                                                   "without it the code defaults (= configs/default.yaml) apply")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--print-sbatch", action="store_true",
+                   help="launcher=slurm: print the batch script that runs this command, and exit (docs/cluster.md)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. mode=sync eta=2 train.optim.lr=1e-4")
     return p.parse_args(argv)
 
@@ -453,6 +456,12 @@ def main(argv: list[str] | None = None, workflow: Any = None, launcher: Launcher
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    interrupt_on_sigterm()  # SIGTERM tears down like Ctrl-C
+    from areal_async.launch.sbatch import cli as slurm_submission  # launcher=slurm outside an allocation
+
+    code = slurm_submission(cfg, args.config, args.overrides, print_sbatch=args.print_sbatch)
+    if code is not None:
+        return code
     setup_logging(cfg.run_dir)
     try:
         import uvloop

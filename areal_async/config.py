@@ -457,8 +457,9 @@ class SlurmConfig(_Section):
     """Partition of the submitted job; null: the cluster's default."""
     account: str | None = None
     """Account the submitted job is charged to; null: your default."""
-    time_limit: str | None = None
-    """Wall-clock limit of the submitted job (e.g. "1-00:00:00"); null: the partition's default."""
+    time_limit: str | int | None = None
+    """Wall-clock limit of the submitted job, as sbatch --time takes it ("1-00:00:00") or in seconds (YAML reads
+    an unquoted 2:00:00 as 7200); null: the partition's default."""
     nodes: int | None = None
     """Nodes of the submitted job; null: train.nnodes, or more if servers_per_node needs more."""
     gpus_per_node: int = 0
@@ -493,6 +494,8 @@ class SlurmConfig(_Section):
             value = getattr(self, name)
             _check(value is None or value >= 1, _key(prefix, name), "must be >= 1")
         _check(self.gpus_per_node >= 0, _key(prefix, "gpus_per_node"), "must be >= 0")
+        _check(not isinstance(self.time_limit, int) or self.time_limit > 0, _key(prefix, "time_limit"),
+               "must be > 0 seconds")
         _check(self.queue_timeout_s is None or self.queue_timeout_s > 0, _key(prefix, "queue_timeout_s"),
                "must be > 0 or null")
         _check(self.node_timeout_s > 0, _key(prefix, "node_timeout_s"), "must be > 0")

@@ -145,7 +145,14 @@ class Registry:
         return self.entries[name]
 
     async def close(self) -> None:
+        """Stop listening and remove the rank files this registry wrote (the ranks are gone by now)."""
         await self._server.close()
+        for reg in self.entries.values():
+            if reg.kind == "rank":
+                try:
+                    os.remove(rank_file(self.rank_dir, reg.rank))
+                except OSError:
+                    pass
 
 
 async def report(reg: Registration, *, registry: str, secret: bytes, timeout_s: float = 60.0) -> None:

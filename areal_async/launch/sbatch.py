@@ -82,13 +82,16 @@ def render_sbatch(cfg: "RunConfig", *, config_path: str | None, overrides: list[
             f"--cpus-per-task={job_cpus_per_node(cfg)}", f"--output={log_path(cfg)}", "--open-mode=append"]
     if s.gpus_per_node:
         opts.append(f"--gres=gpu:{s.gpus_per_node}")
-    for flag, value in (("partition", s.partition), ("account", s.account), ("time", s.time_limit)):
+    limit = s.time_limit
+    if isinstance(limit, int):  # seconds
+        limit = f"{limit // 86400}-{limit % 86400 // 3600:02d}:{limit % 3600 // 60:02d}:{limit % 60:02d}"
+    for flag, value in (("partition", s.partition), ("account", s.account), ("time", limit)):
         if value:
             opts.append(f"--{flag}={value}")
     opts += s.sbatch_args  # last: they win over ours
     args = [python, "-m", "areal_async.run"]
     if config_path:
-        args += ["--config", os.path.abspath(config_path)]
+        args += ["--config", os.path.join(cwd, config_path)]  # absolute stays absolute
     args += [o for o in overrides if not o.startswith("slurm.detach=")]
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts),
              "# Written by `python -m areal_async.run ... --print-sbatch`. Submit with `sbatch FILE`: the controller",
@@ -103,12 +106,29 @@ def check_submission(cfg: "RunConfig", script: str) -> str:
     try:
         return _sbatch(["--test-only"], script)
     except SlurmError as e:
-        text = str(e)
-        key = "slurm.partition" if "partition" in text.lower() else (
-            "slurm.gpus_per_node" if "gres" in text.lower() else (
-                "slurm.account" if "account" in text.lower() else
-                "slurm.nodes" if "node configuration" in text.lower() else "slurm"))
+        text, low = str(e), str(e).lower()
+        key = ("slurm.partition" if "partition" in low else "slurm.gpus_per_node" if "gres" in low else
+               "slurm.account" if "account" in low else "slurm.nodes" if "node configuration" in low else "slurm")
+        if "node configuration" in low:  # too much asked, or the nodes that could serve it are down or drained
+            text += f" ({node_states(cfg.slurm.partition)})"
         raise ConfigError(f"{key}: Slurm refuses the job: {text}") from None
+
+
+def node_states(partition: str | None) -> str:
+    """'nodes of partition debug: 1 drained, 3 idle'"""
+    try:
+        out = slurm_cmd(["sinfo", "--noheader", *(["--partition", partition] if partition else []),
+                         "--format", "%P|%T|%D"])
+    except SlurmError as e:
+        return f"sinfo failed: {e}"
+    counts: dict[str, int] = {}
+    parts = set()
+    for line in out.splitlines():
+        part, state, n = (line.strip().split("|") + ["", "", "0"])[:3]
+        parts.add(part.rstrip("*"))
+        counts[state] = counts.get(state, 0) + int(n or 0)
+    where = f"partition {partition}" if partition else f"partition {', '.join(sorted(parts)) or '?'}"
+    return f"nodes of {where}: " + (", ".join(f"{n} {st}" for st, n in sorted(counts.items())) or "none")
 
 
 def _sbatch(flags: list[str], script: str) -> str:

@@ -36,6 +36,7 @@ import math
 import os
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -323,21 +324,38 @@ class SlurmCluster:
         prefix = self.step_name("")
         return {name: sid for name, sid in list_steps(self.alloc.job_id).items() if name.startswith(prefix)}
 
-    async def shutdown(self, grace_s: float = 20.0) -> None:
-        """scancel our steps, then stop the srun processes; wait (bounded) until Slurm lists none of them."""
+    async def shutdown(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every step we created (scancel --signal=TERM: servers and trainers shut down cleanly) and every
+        srun still waiting for its step to be created; give them `grace_s`, then cancel what is left (scancel:
+        SIGKILL) and kill the srun processes; wait, bounded, until Slurm lists none of our steps."""
         if self._closed:
             return
         self._closed = True
-        for child in self.processes.children:
+        children = self.processes.children
+        for child in children:
             child.expected_exit = True
-        try:
-            steps = await asyncio.to_thread(self._our_steps)
-            if steps:
-                log.info("scancel %s", " ".join(sorted(steps.values())))
-                await asyncio.to_thread(slurm_cmd, ["scancel", *sorted(steps.values())])
-        except SlurmError as e:
-            log.error("could not cancel the steps: %s", e)
-        await asyncio.to_thread(self.processes.shutdown, grace_s)
+        termed: set[str] = set()
+        waiting_stopped: set[str] = set()
+        deadline = time.monotonic() + grace_s
+        while any(c.proc.poll() is None for c in children) and time.monotonic() < deadline:
+            try:
+                listed = await asyncio.to_thread(self._our_steps)
+            except SlurmError as e:
+                log.error("cannot list the steps: %s", e)
+                break
+            new = sorted(sid for sid in listed.values() if sid not in termed)
+            if new:
+                await self._scancel(["--signal=TERM"], new)
+                termed.update(new)
+            for c in children:  # not created yet: stop asking, so it never starts
+                if c.proc.poll() is None and self.step_name(c.name) not in listed and c.name not in waiting_stopped:
+                    waiting_stopped.add(c.name)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(c.proc.pid, signal.SIGTERM)
+            await asyncio.sleep(0.3)
+        with contextlib.suppress(SlurmError):
+            await self._scancel([], sorted((await asyncio.to_thread(self._our_steps)).values()))
+        await asyncio.to_thread(self.processes.shutdown, 5.0)
         deadline = time.monotonic() + grace_s
         left: dict[str, str] = {}
         while time.monotonic() < deadline:
@@ -347,10 +365,35 @@ class SlurmCluster:
                     break
             await asyncio.sleep(0.5)
         if left:
-            log.error("steps still listed after %.0fs: %s; sending SIGKILL", grace_s, sorted(left.values()))
-            with contextlib.suppress(SlurmError):
-                await asyncio.to_thread(slurm_cmd, ["scancel", "--signal=KILL", *sorted(left.values())])
+            log.error("steps still listed %.0fs after scancel: %s", grace_s, " ".join(sorted(left.values())))
         await self.registry.close()
+
+    async def _scancel(self, flags: list[str], ids: list[str]) -> None:
+        if not ids:
+            return
+        log.info("scancel %s%s", "".join(f + " " for f in flags), " ".join(ids))
+        try:
+            await asyncio.to_thread(slurm_cmd, ["scancel", *flags, *ids])
+        except SlurmError as e:
+            log.error("could not cancel the steps: %s", e)
+
+
+def describe_steps(alloc: Allocation) -> str:
+    """What holds the job's resources: 'job 28 holds 4 CPUs on vm; its running steps: 28.0 blocker (2 CPUs on
+    vm), ...' (why a step cannot be created)."""
+    holds = ", ".join(f"{n} CPUs on {node}" for node, n in alloc.cpus.items())
+    try:
+        text = slurm_cmd(["scontrol", "show", "step", "-o", alloc.job_id])
+    except SlurmError as e:
+        return f"job {alloc.job_id} holds {holds}; scontrol show step failed: {e}"
+    steps = []
+    for line in text.splitlines():
+        f = dict(re.findall(r"(\w+)=(\S+)", line))
+        if f.get("StepId", "").endswith((".batch", ".extern")) or f.get("State") == "PENDING":
+            continue  # they hold no CPUs a step could use
+        steps.append(f"{f.get('StepId')} {f.get('Name')} ({f.get('CPUs')} CPUs on {f.get('NodeList')}, "
+                     f"{f.get('State', '').lower()})")
+    return f"job {alloc.job_id} holds {holds}; its running steps: {', '.join(steps) or 'none'}"
 
 
 class SlurmLauncher:
@@ -459,8 +502,10 @@ class SlurmLauncher:
                 return
             if time.monotonic() > deadline:
                 child = next(iter(pending.values()))
+                why = await asyncio.to_thread(describe_steps, cluster.alloc)
                 raise ChildFailed(f"{child.name}: Slurm did not create its step within {timeout_s:.0f}s "
-                                  f"(slurm.node_timeout_s); log tail ({child.log_path}):\n{tail(child.log_path)}")
+                                  f"(slurm.node_timeout_s): its nodes are busy, down or not answering; {why}; "
+                                  f"srun's log ({child.log_path}):\n{tail(child.log_path)}")
             await asyncio.sleep(0.5)
 
 

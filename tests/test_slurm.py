@@ -424,3 +424,13 @@ def test_slurm_helpers():
     assert classify_reason("Resources") == classify_reason("Priority") == "wait"
     with pytest.raises(ConfigError, match="^launcher: slurm runs inside an allocation"):
         Allocation.current({})
+
+
+def test_launch_modules_import_no_torch():
+    mods = ["areal_async.launch.slurm", "areal_async.launch.sbatch", "areal_async.launch.registry",
+            "areal_async.launch.step"]
+    code = ("import json, sys\nfor m in sys.argv[1:]: __import__(m)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))")
+    p = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == []

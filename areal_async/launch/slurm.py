@@ -47,8 +47,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from areal_async.config import ConfigError
-from areal_async.launch.api import EventHandler, ServerHandle, TrainerHandle
-from areal_async.launch.local import _exit_event
+from areal_async.launch.api import EventHandler, ProcessExited, ServerHandle, TrainerHandle
 from areal_async.launch.processes import (Child, ChildFailed, Processes, c10d_args, embedded_server_cmd, free_port,
                                           sglang_server_cmd, tail, thread_env, trainer_cmd)
 from areal_async.launch.registry import Registry, route_address
@@ -316,8 +315,9 @@ class SlurmCluster:
 
     async def watch(self, on_event: EventHandler) -> None:
         while True:
-            for child in self.processes.exited():
-                await on_event(_exit_event(child))
+            for child in self.processes.exited():  # an srun exits when its step ends
+                await on_event(ProcessExited(role=child.role, name=child.name, exit_code=child.proc.poll(),
+                                             log_path=child.log_path, log_tail=tail(child.log_path), url=child.url))
             await asyncio.sleep(self.poll_s)
 
     def _our_steps(self) -> dict[str, str]:

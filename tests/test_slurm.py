@@ -356,21 +356,22 @@ def cfg(*overrides: str):
 
 
 def test_paper_split_two_nodes_of_eight_gpus():
-    c = cfg("server.backend=sglang", "server.num_servers=12", "server.host=0.0.0.0", "slurm.gpus_per_node=8",
-            "train.nnodes=2", "train.nproc=2", "slurm.nodes=2")
+    c = cfg("server.backend=sglang", "server.num_servers=12", "server.host=0.0.0.0", "server.api_key=k",
+            "slurm.gpus_per_node=8", "train.nnodes=2", "train.nproc=2", "slurm.nodes=2")
     p = place(c, ["g1", "g2"], controller_node="g1")
     assert p.server_nodes == ["g1"] * 6 + ["g2"] * 6 and p.trainer_nodes == ["g1", "g2"]
     assert p.needs("g1") == p.needs("g2") == (6 * 2 + 2 * 2, 8)
     with pytest.raises(ConfigError, match=r"^slurm.gpus_per_node: the steps on g1 need 9 GPUs"):
-        place(cfg("server.backend=sglang", "server.num_servers=14", "server.host=0.0.0.0", "slurm.gpus_per_node=8",
-                  "train.nnodes=2", "train.nproc=2"), ["g1", "g2"], controller_node="g1")
+        place(cfg("server.backend=sglang", "server.num_servers=14", "server.host=0.0.0.0", "server.api_key=k",
+                  "slurm.gpus_per_node=8", "train.nnodes=2", "train.nproc=2"), ["g1", "g2"], controller_node="g1")
 
 
 @pytest.mark.parametrize("overrides,nodes,key", [
     (["train.nnodes=2"], ["a"], "train.nnodes"),
     (["server.num_servers=2"], ["a", "b"], "server.host"),  # server1 on b, bound to loopback
-    (["server.num_servers=3", "slurm.servers_per_node=1", "server.host=0.0.0.0"], ["a", "b"],
+    (["server.num_servers=3", "slurm.servers_per_node=1", "server.host=0.0.0.0", "server.api_key=k"], ["a", "b"],
      "slurm.servers_per_node"),
+    (["server.num_servers=2", "server.host=0.0.0.0"], ["a", "b"], "server.api_key"),
     (["server.backend=sglang"], ["a"], "slurm.gpus_per_node"),
     (["train.cuda_visible_devices='1'"], ["a"], "train.cuda_visible_devices"),
     (["train.torchrun_args=[--standalone]"], ["a"], "train.torchrun_args"),
@@ -391,7 +392,8 @@ def test_allocation_too_small_names_the_cpus():
 
 def test_batch_script_asks_for_what_the_steps_need(tmp_path):
     c = cfg(f"run_dir={tmp_path / 'r'}", "slurm.partition=gpu", "slurm.gpus_per_node=8", "slurm.time_limit=2:00:00",
-            "server.num_servers=4", "server.host=0.0.0.0", "train.nnodes=2", "slurm.sbatch_args=[--exclusive]",
+            "server.num_servers=4", "server.host=0.0.0.0", "server.api_key=k", "train.nnodes=2",
+            "slurm.sbatch_args=[--exclusive]",
             "slurm.setup=[module load cuda]")
     script = render_sbatch(c, config_path="configs/default.yaml", overrides=["launcher=slurm", "slurm.detach=true"],
                            cwd=str(tmp_path), python="/venv/bin/python")

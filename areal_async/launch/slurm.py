@@ -223,6 +223,9 @@ def place(cfg: "RunConfig", nodes: list[str], controller_node: str | None) -> Pl
             raise ConfigError(f"server.host: {srv.host} cannot be reached from the controller "
                               f"({controller_node or socket.gethostname()}) on {remote[0]}; bind 0.0.0.0 and set "
                               f"server.api_key")
+        if not _loopback(srv.host) and not srv.api_key:
+            raise ConfigError(f"server.api_key: servers bound to {srv.host} take weight updates from anyone who "
+                              f"reaches them; set a key (the controller sends it)")
     gpus = s.gpus_per_node > 0
     server_gpus = 0 if not gpus else (srv.gpus_per_server if srv.backend == "sglang"
                                       else int(srv.device != "cpu"))

@@ -80,12 +80,17 @@ class DataConfig(_Section):
     """Render prompts with the tokenizer's chat template (needs one; checked before launch)."""
     reward: str = "arith"
     """Reward registry name ("arith", "math", "gsm8k", "code") or an import path "module:function"."""
+    reward_options: dict[str, str | int | float | bool] = {}
+    """Keyword options passed to every reward call (a sample's own meta overrides them), e.g. for the code reward
+    {require_isolation: true, budget_s: 30, memory_mb: 512}."""
 
     def validate(self, prefix: str = "") -> None:
         _check(bool(self.name), _key(prefix, "name"), "must not be empty")
         _check(self.num_train >= 1, _key(prefix, "num_train"), "must be >= 1")
         _check(self.num_eval >= 0, _key(prefix, "num_eval"), "must be >= 0")
         _check(bool(self.reward), _key(prefix, "reward"), "must not be empty")
+        clash = sorted(set(self.reward_options) & {"completion", "answer", "prompt", "fn_spec", "timeout_s"})
+        _check(not clash, _key(prefix, "reward_options"), f"{clash} are the reward call's own arguments")
 
 
 class ServerConfig(_Section):

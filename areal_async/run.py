@@ -100,7 +100,7 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     from areal_async.rewards.runner import RewardRunner
 
     rewards = RewardRunner()
-    score = make_score(rewards, cfg.data.reward, cfg.rollout.reward_timeout_s)
+    score = make_score(rewards, cfg.data.reward, cfg.rollout.reward_timeout_s, cfg.data.reward_options)
     wf = _build_workflow(cfg, tokenizer, score, workflow)  # the runner starts its workers on first use only
     if cfg.schedule.interrupt_mode == "in_place" and cfg.server.backend != "embedded":
         log.warning("schedule.interrupt_mode=in_place: SGLang stamps a whole response with its last weight version, "
@@ -151,13 +151,15 @@ def _check_reward(spec: str) -> None:
 _RESERVED_META = frozenset({"fn_spec", "completion", "answer", "prompt", "timeout_s"})  # RewardRunner.score's own
 
 
-def make_score(rewards: Any, reward: str, timeout_s: float) -> ScoreFn:
-    """The configured reward as a ScoreFn, run off the loop by the reward runner; the sample's meta is passed on as
-    keywords (except keys that would collide with the runner's own arguments, such as a record's extra "prompt")."""
+def make_score(rewards: Any, reward: str, timeout_s: float, options: Mapping[str, Any] | None = None) -> ScoreFn:
+    """The configured reward as a ScoreFn, run off the loop by the reward runner. `options` (data.reward_options)
+    and then the sample's meta are passed on as keywords, except keys that would collide with the runner's own
+    arguments (such as a record's extra "prompt")."""
+    base = dict(options or {})
 
     async def score(completion: str, answer: str, prompt: str = "",
                     meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]:
-        extra = {k: v for k, v in (meta or {}).items() if k not in _RESERVED_META}
+        extra = {k: v for k, v in {**base, **(meta or {})}.items() if k not in _RESERVED_META}
         return await rewards.score(reward, completion, answer, prompt=prompt, timeout_s=timeout_s, **extra)
 
     return score

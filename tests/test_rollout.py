@@ -338,3 +338,24 @@ async def test_the_run_reward_gets_each_samples_meta(tmp_path, monkeypatch):
                           SamplingParams(max_new_tokens=4), group_size=2)
         trajs = await wf.run(servers, Sample(id=1, prompt="abc", answer="2", meta={"wall_s": 2.5}))
     assert [t.reward for t in trajs] == [5.5, 5.5] and all("reward_error" not in t.info for t in trajs)
+
+
+async def test_reward_options_reach_every_call_and_meta_overrides_them(tmp_path, monkeypatch):
+    """`data.reward_options` are keyword options of every reward call; a sample's own meta takes precedence."""
+    from areal_async.rewards.runner import RewardRunner
+    from areal_async.run import make_score
+
+    (tmp_path / "opt_reward.py").write_text(
+        "def reward(completion, answer, **kw):\n    return float(kw['budget_s']) * 10 + float(kw.get('bonus', 0))\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    async with RewardRunner(max_workers=1) as rr:
+        score = make_score(rr, "opt_reward:reward", 30.0, {"budget_s": 2, "bonus": 1})
+        assert await score("x", "y", "p") == (21.0, None)
+        assert await score("x", "y", "p", {"budget_s": 3}) == (31.0, None)
+
+
+def test_reward_options_may_not_shadow_the_runners_arguments():
+    from areal_async.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="data.reward_options"):
+        load_config(None, ["data.reward_options={prompt: x}"])

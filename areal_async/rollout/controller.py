@@ -208,6 +208,8 @@ class AsyncRLController:
             "samples_per_s": st.trained_samples / max(time.monotonic() - t_start, 1e-9),
             "buffer_groups": len(self.buffer),
             "running_groups": self.buffer.running,
+            # how long, in total, B groups were ready but the staleness rule held the batch for an older one
+            "staleness_held_s": self.buffer.held_s,
             "rollout_failed": stats.failed,
             "rollout_filtered": stats.filtered,
             "rollout_rejected": stats.rejected,

@@ -30,10 +30,10 @@ import msgspec
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config_help import describe
-from areal_async.launch import (Cluster, Launcher, failure_policy, free_port, interrupt_on_sigterm, launcher_for,
-                                supervise)
+from areal_async.launch import (Cluster, ElasticBroadcastSync, Launcher, failure_policy, interrupt_on_sigterm,
+                                launcher_for, supervise)
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
-from areal_async.rollout.weight_sync import BroadcastSync, DiskSync, WeightSync
+from areal_async.rollout.weight_sync import DiskSync, WeightSync
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import Sample
@@ -296,11 +296,11 @@ async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cl
         return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
     device = (await trainers.info())[0].device
     per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
-    await trainers.init_broadcast_group(client, cluster.trainers.master_address, free_port(),
-                                        num_server_ranks=per_server * len(cluster.servers),
-                                        ranks_per_server=per_server,
-                                        backend="nccl" if device.startswith("cuda") else "gloo")
-    return BroadcastSync(trainers, client)
+    # the group is formed again, under a new name, at the first update after servers join or leave (launch/fleet.py)
+    sync = ElasticBroadcastSync(trainers, client, cluster.trainers.master_address, ranks_per_server=per_server,
+                                backend="nccl" if device.startswith("cuda") else "gloo", api_key=cfg.server.api_key)
+    await sync.form_group()
+    return sync
 
 
 def make_evaluator(plan: RunPlan, client: Any) -> Any:

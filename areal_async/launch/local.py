@@ -21,6 +21,7 @@ import msgspec
 
 from areal_async.config import ConfigError
 from areal_async.launch.api import ClusterEvent, EventHandler, ProcessExited, ServerHandle, TrainerHandle
+from areal_async.launch.fleet import JoinFile, join_file
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
 from areal_async.launch.registry import SECRET_ENV, Registry
 
@@ -35,18 +36,22 @@ class LocalCluster:
     """Children of this process, watched by polling."""
 
     def __init__(self, processes: Processes, servers: list[ServerHandle], trainers: TrainerHandle,
-                 poll_s: float = 0.5, registry: Registry | None = None) -> None:
+                 poll_s: float = 0.5, registry: Registry | None = None, join: JoinFile | None = None) -> None:
         self.processes = processes
         self.servers = servers
         self.trainers = trainers
         self.poll_s = poll_s
         self.registry = registry  # where the trainer ranks reported (train.rdzv.discovery=registry)
+        self.join = join  # run_dir/servers.txt: servers joining and leaving (launch/fleet.py)
         self._closed = False
 
     async def watch(self, on_event: EventHandler) -> None:
         while True:
             for child in self.processes.exited():
                 await on_event(_exit_event(child))
+            if self.join is not None:
+                for event in await self.join.poll():
+                    await on_event(event)
             await asyncio.sleep(self.poll_s)
 
     async def shutdown(self) -> None:
@@ -76,8 +81,8 @@ class LocalLauncher:
         except BaseException:
             await _stop(procs, registry)
             raise
-        return LocalCluster(procs, [ServerHandle(c.name, c.url or "") for c in servers], trainers,
-                            registry=registry)
+        handles = [ServerHandle(c.name, c.url or "") for c in servers]
+        return LocalCluster(procs, handles, trainers, registry=registry, join=joins(cfg, handles))
 
     @staticmethod
     def _start_servers(procs: Processes, cfg: "RunConfig", model_path: str) -> list[Child]:
@@ -111,7 +116,13 @@ class ExternalLauncher:
             await _stop(procs, registry)
             raise
         servers = [ServerHandle(f"server{i}", url.rstrip("/")) for i, url in enumerate(cfg.server.urls)]
-        return LocalCluster(procs, servers, trainers, registry=registry)
+        return LocalCluster(procs, servers, trainers, registry=registry, join=joins(cfg, servers))
+
+
+def joins(cfg: "RunConfig", launched: list[ServerHandle]) -> JoinFile:
+    """The watcher of run_dir/servers.txt (servers added to and taken out of a running job)."""
+    return JoinFile(join_file(cfg.run_dir), api_key=cfg.server.api_key,
+                    startup_timeout_s=cfg.server.startup_timeout_s, exclude=[s.url for s in launched])
 
 
 async def _stop(procs: Processes, registry: Registry | None) -> None:

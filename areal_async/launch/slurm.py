@@ -48,6 +48,7 @@ import msgspec
 
 from areal_async.config import ConfigError
 from areal_async.launch.api import EventHandler, ProcessExited, ServerHandle, TrainerHandle
+from areal_async.launch.fleet import JoinFile, join_file
 from areal_async.launch.processes import (Child, ChildFailed, Processes, c10d_args, embedded_server_cmd, free_port,
                                           sglang_server_cmd, tail, thread_env, trainer_cmd)
 from areal_async.launch.registry import Registry, route_address
@@ -302,6 +303,7 @@ class SlurmCluster:
         self.servers = servers
         self._trainers = (world_size, secret, rank_dir, fallback_master)
         self.poll_s = poll_s
+        self.join: JoinFile | None = None  # run_dir/servers.txt (launch/fleet.py), set once the servers are up
         self._closed = False
 
     @property
@@ -321,6 +323,9 @@ class SlurmCluster:
             for child in self.processes.exited():  # an srun exits when its step ends
                 await on_event(ProcessExited(role=child.role, name=child.name, exit_code=child.proc.poll(),
                                              log_path=child.log_path, log_tail=tail(child.log_path), url=child.url))
+            if self.join is not None:
+                for event in await self.join.poll():
+                    await on_event(event)
             await asyncio.sleep(self.poll_s)
 
     def _our_steps(self) -> dict[str, str]:
@@ -435,6 +440,9 @@ class SlurmLauncher:
             else:
                 await procs.wait_healthy(servers, cfg.server.startup_timeout_s, cfg.server.api_key)
                 cluster.servers = [ServerHandle(c.name, c.url or "") for c in servers]
+            cluster.join = JoinFile(join_file(cfg.run_dir), api_key=cfg.server.api_key,
+                                    startup_timeout_s=cfg.server.startup_timeout_s,
+                                    exclude=[s.url for s in cluster.servers])
         except BaseException:
             if cluster is not None:
                 await cluster.shutdown()

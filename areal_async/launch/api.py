@@ -9,16 +9,16 @@ What a run needs from a cluster is small: the servers' URLs (`servers`), how to 
 reach trainer rank 0 at for a weight broadcast), a `watch` that reports what happens to the processes, and
 `shutdown`. Implementations today: `LocalLauncher` (embedded or SGLang servers and one torchrun job on this host)
 and `ExternalLauncher` (servers already running, given as URLs; torchrun here, multi-node through
-`train.torchrun_args`), both in launch/local.py.
+`train.torchrun_args`), both in launch/local.py, and `SlurmLauncher` (launch/slurm.py).
 
 Failures are events, not exits. `watch(on_event)` calls the handler with a `ClusterEvent` for everything that
 happens and keeps watching; only a handler that raises ends the watch (and `supervise` then cancels the run with
 that error). A run's handler is `fleet.failure_policy`: servers join and leave, and any child that dies ends the run
-with its log tail (`end_run_on_failure`). What the
-protocol is shaped for, without run() changing:
-- a Slurm launcher: servers as `srun` job steps, the trainers as one `srun` step running torchrun across its nodes,
-  the controller on the batch host; the rank files land in the shared run directory as they do today, and its
-  watch reports a failed step as `ProcessExited`.
+with its log tail (`end_run_on_failure`). What the protocol is shaped for, without run() changing:
+- a Slurm launcher (launch/slurm.py): servers as `srun` job steps, the trainers as one `srun` step running torchrun
+  across its nodes, the controller on the batch host; the ranks report to the controller's registry
+  (launch/registry.py), which writes the rank files `TrainerGroup.connect` reads, and its watch reports a failed
+  step as `ProcessExited`.
 - fault recovery, as another handler (picked by `failure_policy`, which also receives the run's `session`: the
   client, the trainers and the controller once they exist): a dead server leaves rotation, the launcher may
   restart it, and the restarted server is announced as `ServerJoined` and must get the current weights before it

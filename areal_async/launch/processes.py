@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -80,7 +81,8 @@ def interrupt_on_sigterm() -> None:
         else:  # SIGINT ignored (a background job): interrupt directly
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, handler)
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+        signal.signal(signal.SIGTERM, handler)
 
 
 def thread_env(n: int) -> dict[str, str]:

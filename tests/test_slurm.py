@@ -148,8 +148,10 @@ def run_dir_and_name(tmp_path, label: str) -> tuple[str, str]:
 def submitted_run(slurm, tmp_path_factory):
     run_dir, name = run_dir_and_name(tmp_path_factory.mktemp("slurm"), "e2e")
     t0 = time.monotonic()
+    # --mem-per-cpu: the job exports SLURM_MEM_PER_CPU, which the steps' srun must not inherit next to its --mem=0
     p = cli(["launcher=slurm", f"run_dir={run_dir}", "total_steps=3", *SMALL, "server.host=0.0.0.0",
-             "server.api_key=test-key", f"slurm.controller_address={host_address()}"])
+             "server.api_key=test-key", f"slurm.controller_address={host_address()}",
+             "slurm.sbatch_args=[--mem-per-cpu=200M]"])
     return run_dir, name, p, time.monotonic() - t0
 
 

@@ -151,12 +151,14 @@ class Processes:
         self.children: list[Child] = []
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None, *, role: Role = "other",
-              url: str | None = None) -> Child:
+              url: str | None = None, unset: frozenset[str] = frozenset()) -> Child:
+        """Start `cmd` with this environment plus `env`, minus the variables named in `unset`."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         out = open(log_path, "ab")
         out.write(f"$ {' '.join(cmd)}\n".encode())
         out.flush()
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k not in unset}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         try:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True, preexec_fn=_child_setup)

@@ -258,6 +258,16 @@ def check_allocation(p: Placement, alloc: Allocation) -> None:
 # ---- steps --------------------------------------------------------------------------------------------------------
 
 
+# What a batch job or salloc exports about its own request (or a site's defaults, such as DefMemPerCPU) and srun would
+# read as options of our steps; some combinations are fatal to srun ("SLURM_MEM_PER_CPU, SLURM_MEM_PER_GPU, and
+# SLURM_MEM_PER_NODE are mutually exclusive"). Every step gives its own, so srun runs without them.
+SRUN_UNSET = frozenset({
+    "SLURM_CPUS_PER_TASK", "SLURM_TRES_PER_TASK", "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU",
+    "SLURM_MEM_PER_NODE", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_CORE", "SLURM_NTASKS_PER_GPU",
+    "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET", "SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK",
+    "SLURM_GRES", "SLURM_DISTRIBUTION", "SLURM_EXCLUSIVE", "SLURM_OVERLAP", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"})
+
+
 def srun_cmd(job_id: str, step_name: str, nodes: list[str], *, cpus_per_task: int, gpus_per_node: int,
              extra: list[str], label: bool = False) -> list[str]:
     """One task per node with exactly these CPUs and GPUs; the step dies whole when one task fails."""
@@ -470,7 +480,7 @@ class SlurmLauncher:
         srun = srun_cmd(alloc.job_id, cluster.step_name("trainer"), p.trainer_nodes,
                         cpus_per_task=p.cpus_per_trainer_node, gpus_per_node=p.gpus_per_trainer_node,
                         extra=cfg.slurm.srun_args, label=t.nnodes > 1)
-        return cluster.processes.spawn("trainer", srun + cmd, env, role="trainer")
+        return cluster.processes.spawn("trainer", srun + cmd, env, role="trainer", unset=SRUN_UNSET)
 
     @staticmethod
     def _start_servers(cluster: SlurmCluster, cfg: "RunConfig", p: Placement, model_path: str,
@@ -492,7 +502,8 @@ class SlurmLauncher:
             srun = srun_cmd(cluster.alloc.job_id, cluster.step_name(f"server{i}"), [node],
                             cpus_per_task=p.cpus_per_server, gpus_per_node=p.gpus_per_server,
                             extra=cfg.slurm.srun_args)
-            out.append(cluster.processes.spawn(f"server{i}", srun + step + cmd, env, role="server"))
+            out.append(cluster.processes.spawn(f"server{i}", srun + step + cmd, env, role="server",
+                                               unset=SRUN_UNSET))
         return out
 
     @staticmethod

@@ -30,9 +30,10 @@ import msgspec
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config_help import describe
-from areal_async.launch import Cluster, Launcher, failure_policy, free_port, launcher_for, supervise
+from areal_async.launch import (Cluster, ElasticBroadcastSync, Launcher, failure_policy, interrupt_on_sigterm,
+                                launcher_for, supervise)
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
-from areal_async.rollout.weight_sync import BroadcastSync, DiskSync, WeightSync
+from areal_async.rollout.weight_sync import DiskSync, WeightSync
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
 from areal_async.tokenizer import Tokenizer, check_tokenizer
 from areal_async.types import Sample
@@ -295,11 +296,11 @@ async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cl
         return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
     device = (await trainers.info())[0].device
     per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
-    await trainers.init_broadcast_group(client, cluster.trainers.master_address, free_port(),
-                                        num_server_ranks=per_server * len(cluster.servers),
-                                        ranks_per_server=per_server,
-                                        backend="nccl" if device.startswith("cuda") else "gloo")
-    return BroadcastSync(trainers, client)
+    # the group is formed again, under a new name, at the first update after servers join or leave (launch/fleet.py)
+    sync = ElasticBroadcastSync(trainers, client, cluster.trainers.master_address, ranks_per_server=per_server,
+                                backend="nccl" if device.startswith("cuda") else "gloo", api_key=cfg.server.api_key)
+    await sync.form_group()
+    return sync
 
 
 def make_evaluator(plan: RunPlan, client: Any) -> Any:
@@ -421,6 +422,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="YAML config file (may start from another with `base: FILE`); "
                                                   "without it the code defaults (= configs/default.yaml) apply")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--print-sbatch", action="store_true",
+                   help="launcher=slurm: print the batch script that runs this command, and exit (docs/cluster.md)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. mode=sync eta=2 train.optim.lr=1e-4")
     return p.parse_args(argv)
 
@@ -455,6 +458,12 @@ def main(argv: list[str] | None = None, workflow: Any = None, launcher: Launcher
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    interrupt_on_sigterm()  # SIGTERM tears down like Ctrl-C
+    from areal_async.launch.sbatch import cli as slurm_submission  # launcher=slurm outside an allocation
+
+    code = slurm_submission(cfg, args.config, args.overrides, print_sbatch=args.print_sbatch)
+    if code is not None:
+        return code
     setup_logging(cfg.run_dir)
     try:
         import uvloop

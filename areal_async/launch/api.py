@@ -9,21 +9,23 @@ What a run needs from a cluster is small: the servers' URLs (`servers`), how to 
 reach trainer rank 0 at for a weight broadcast), a `watch` that reports what happens to the processes, and
 `shutdown`. Implementations today: `LocalLauncher` (embedded or SGLang servers and one torchrun job on this host)
 and `ExternalLauncher` (servers already running, given as URLs; torchrun here, multi-node through
-`train.torchrun_args`), both in launch/local.py.
+`train.torchrun_args`), both in launch/local.py, and `SlurmLauncher` (launch/slurm.py).
 
 Failures are events, not exits. `watch(on_event)` calls the handler with a `ClusterEvent` for everything that
 happens and keeps watching; only a handler that raises ends the watch (and `supervise` then cancels the run with
-that error). Today's handler is `end_run_on_failure`: any child that dies ends the run with its log tail. What the
-protocol is shaped for, without run() changing:
-- a Slurm launcher: servers as `srun` job steps, the trainers as one `srun` step running torchrun across its nodes,
-  the controller on the batch host; the rank files land in the shared run directory as they do today, and its
-  watch reports a failed step as `ProcessExited`.
+that error). A run's handler is `fleet.failure_policy`: servers join and leave, and any child that dies ends the run
+with its log tail (`end_run_on_failure`). What the protocol is shaped for, without run() changing:
+- a Slurm launcher (launch/slurm.py): servers as `srun` job steps, the trainers as one `srun` step running torchrun
+  across its nodes, the controller on the batch host; the ranks report to the controller's registry
+  (launch/registry.py), which writes the rank files `TrainerGroup.connect` reads, and its watch reports a failed
+  step as `ProcessExited`.
 - fault recovery, as another handler (picked by `failure_policy`, which also receives the run's `session`: the
   client, the trainers and the controller once they exist): a dead server leaves rotation, the launcher may
   restart it, and the restarted server is announced as `ServerJoined` and must get the current weights before it
   serves again; a dead trainer makes the handler restart the trainers from the last checkpoint and roll the
   controller back to it. Only "nothing left to serve or train with" ends a run.
-- servers joining a running job: `ServerJoined` as well (a new name and URL).
+- servers joining a running job: `ServerJoined` as well (a new name and URL), and `ServerLeft` when one is to leave
+  (launch/fleet.py: URLs added to and removed from run_dir/servers.txt, handled by `fleet.failure_policy`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Protocol, TypeVar, Union
+from typing import TYPE_CHECKING, Awaitable, Callable, Literal, Protocol, TypeVar, Union
 
 from areal_async.launch.processes import ChildFailed
 
@@ -78,13 +80,22 @@ class ProcessExited:
 @dataclass(frozen=True)
 class ServerJoined:
     """A server (re)started by the launcher, or added to a running job, answers /health. It serves the weights it
-    was started with until the run gives it the current ones. No launcher emits it yet."""
+    was started with until the run gives it the current ones. Emitted for URLs added to run_dir/servers.txt
+    (launch/fleet.py)."""
 
     name: str
     url: str
 
 
-ClusterEvent = Union[ProcessExited, ServerJoined]
+@dataclass(frozen=True)
+class ServerLeft:
+    """A server added to a running job is to leave it (its URL was taken out of run_dir/servers.txt): drain it."""
+
+    name: str
+    url: str
+
+
+ClusterEvent = Union[ProcessExited, ServerJoined, ServerLeft]
 EventHandler = Callable[[ClusterEvent], Awaitable[None]]
 
 
@@ -115,17 +126,11 @@ class Launcher(Protocol):
 
 
 async def end_run_on_failure(event: ClusterEvent) -> None:
-    """Today's policy: a dead child ends the run, with its log tail."""
+    """Today's policy for processes: a dead child ends the run, with its log tail. (A run's handler,
+    launch/fleet.py `failure_policy`, handles servers joining and leaving and passes the rest here.)"""
     if isinstance(event, ProcessExited):
         raise ChildFailed(event.describe())
-    raise ChildFailed(f"{event.name} joined at {event.url}: servers joining a running job are not supported yet")
-
-
-def failure_policy(cfg: "RunConfig", cluster: Cluster, session: Any) -> EventHandler:
-    """The event handler of a run. `session` holds what a recovering handler acts on (the inference client, the
-    trainer group and the controller, filled in as the run creates them)."""
-    del cfg, cluster, session
-    return end_run_on_failure
+    raise ChildFailed(f"{event.name} at {event.url}: {type(event).__name__} has no handler here")
 
 
 async def supervise(body: Awaitable[T], cluster: Cluster, on_event: EventHandler, *,

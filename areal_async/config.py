@@ -179,6 +179,9 @@ class TrainConfig(_Section):
     torchrun_args: list[str] = []
     torch_threads: int = 1  # intra-op threads per trainer rank (CPU)
     cuda_visible_devices: str | None = None  # e.g. "6,7": keeps trainers off the servers' GPUs on a shared node
+    # sampling temperature of the rollouts (filled from rollout.temperature): logprobs are computed at it; 0 (greedy
+    # rollouts) is scored at 1.0
+    temperature: float = 1.0
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
@@ -187,6 +190,7 @@ class TrainConfig(_Section):
         _check(self.nproc >= 1, f"{prefix}.nproc", "must be >= 1")
         _check(self.ppo_minibatches >= 1, f"{prefix}.ppo_minibatches", "must be >= 1")
         _check(self.micro_batch_tokens >= 16, f"{prefix}.micro_batch_tokens", "must be >= 16")
+        _check(self.temperature >= 0, f"{prefix}.temperature", "must be >= 0")
         self.loss.validate(f"{prefix}.loss")
         self.optim.validate(f"{prefix}.optim")
 

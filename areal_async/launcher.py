@@ -135,13 +135,11 @@ class Launcher:
 
     def start_trainers(self, *, model: str, nproc: int, config_json: str, seed: int, secret_hex: str,
                        torch_threads: int, resume: str | None = None, torchrun_args: list[str] | None = None,
-                       cuda_visible_devices: str | None = None, temperature: float = 1.0) -> Child:
+                       cuda_visible_devices: str | None = None) -> Child:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
         cmd += torchrun_args if torchrun_args else ["--standalone"]
         cmd += ["-m", "areal_async.train.worker", "--model", model, "--run-dir", self.run_dir,
-                "--config-json", config_json, "--seed", str(seed),
-                # logprobs are trained at the rollouts' temperature; greedy rollouts are scored at 1.0
-                "--temperature", str(temperature if temperature > 1e-6 else 1.0)]
+                "--config-json", config_json, "--seed", str(seed)]
         if resume:
             cmd += ["--resume", resume]
         env = {**_thread_env(torch_threads), "AREAL_RPC_SECRET": secret_hex}

@@ -75,7 +75,7 @@ async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
     import msgspec
 
     from areal_async.inference.client import InferenceClient
-    from areal_async.launcher import Launcher, free_port
+    from areal_async.launcher import Launcher
     from areal_async.metrics import MetricsLogger, plot_run
     from areal_async.rewards.runner import RewardRunner
     from areal_async.rollout.controller import AsyncRLController, RunState, ScheduleConfig, load_state
@@ -110,7 +110,8 @@ async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
         json.dump(to_dict(cfg), f, indent=2)
 
     train_cfg = msgspec.structs.replace(
-        cfg.train, optim=msgspec.structs.replace(cfg.train.optim, total_steps=cfg.total_steps))
+        cfg.train, optim=msgspec.structs.replace(cfg.train.optim, total_steps=cfg.total_steps),
+        temperature=cfg.rollout.temperature)
     secret = os.urandom(32)
     launcher = Launcher(run_dir)
     client = trainers = runner = None
@@ -137,7 +138,7 @@ async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
             model=model_path, nproc=train_cfg.nproc, config_json=msgspec.json.encode(train_cfg).decode(),
             seed=cfg.seed, secret_hex=secret.hex(), torch_threads=train_cfg.torch_threads,
             resume=os.path.join(resumed[1], "trainer") if resumed else None, torchrun_args=train_cfg.torchrun_args,
-            cuda_visible_devices=train_cfg.cuda_visible_devices, temperature=cfg.rollout.temperature)
+            cuda_visible_devices=train_cfg.cuda_visible_devices)
         if srv.backend != "external":
             await _race(launcher.wait_healthy(started, srv.startup_timeout_s, srv.api_key), launcher.watch())
         client = InferenceClient(urls, api_key=srv.api_key)
@@ -159,8 +160,7 @@ async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
         if train_cfg.weight_sync == "broadcast":
             info = (await trainers.info())[0]
             backend = "nccl" if info.device.startswith("cuda") else "gloo"
-            await trainers.init_broadcast_group(client, srv.host if srv.backend != "external" else _my_address(),
-                                                free_port(), num_server_ranks=len(urls), backend=backend)
+            await trainers.init_broadcast_group(client, num_server_ranks=len(urls), backend=backend)
         if workflow is None:
             workflow = build_workflow(cfg, tokenizer, score)
         elif not hasattr(workflow, "run"):
@@ -268,13 +268,6 @@ async def _server_busy_s(urls: list[str], api_key: str | None) -> float | None:
     except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
         return None
     return total
-
-
-def _my_address() -> str:
-    """An address of this host that external servers can reach (for the broadcast rendezvous)."""
-    import socket
-
-    return socket.gethostbyname(socket.gethostname())
 
 
 def print_summary(s: dict[str, Any]) -> None:

@@ -676,14 +676,15 @@ class InferenceClient:
                                                         check_success=True))
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              version: int, *, group_name: str = "weight_update_group",
+                                              version: int | None, *, group_name: str = "weight_update_group",
                                               flush_cache: bool = True, abort_all_requests: bool = False
                                               ) -> dict[str, Any]:
         """Every server receives the named tensors by broadcast from the trainer (which broadcasts while this is
-        pending) and tags them `version`."""
+        pending) and tags them `version` (None: no weight_version is sent, the server keeps its label)."""
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
-                   "weight_version": str(version)}
+                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if version is not None:
+            payload["weight_version"] = str(version)
         results = await self._fanout("POST", "/update_weights_from_distributed", payload, check_success=True)
         # a restarted server cannot rejoin the broadcast group by itself; it comes back with its launch weights
         # (its tokens say so in their versions) rather than with an older checkpoint from disk

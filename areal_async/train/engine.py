@@ -281,10 +281,13 @@ class TrainEngine:
             if normalizer <= 0:  # no trainable token in this minibatch on any rank: nothing to step on
                 continue
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for seqs in self._equal_micro_batches(step.layout, shard, mb_seqs):
+            micro_batches = self._equal_micro_batches(step.layout, shard, mb_seqs)
+            for j, seqs in enumerate(micro_batches):
                 t0 = time.perf_counter()
                 loss = self._micro_batch_loss(step, seqs, prox, ref, adv_tok, normalizer, stats, train_entropy)
                 t1 = time.perf_counter()
+                if self.world_size == 1:  # nothing to reduce with: accumulate unsharded, "reduce" (copy) once
+                    self.model.set_requires_gradient_sync(j == len(micro_batches) - 1)
                 (loss * self.world_size).backward()
                 loss_sum += loss.detach().double()
                 timings["forward"] += t1 - t0

@@ -72,8 +72,13 @@ def load_sharded(model_path: str, device: torch.device, compute_dtype: torch.dty
     if not layers:
         raise ValueError(f"{model_path}: cannot find the decoder layers to shard ({type(model).__name__} lists "
                          f"no _no_split_modules)")
+    # A world of one has nothing to free by resharding: keep each layer's parameters gathered between its forward
+    # and backward instead of copying them again for the backward.
+    reshard = dist.get_world_size() > 1
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    # the root keeps its default (stay gathered after forward): train/lm_head.py reads the head's gathered weight
+    # after the forward
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -65,7 +65,8 @@ def _head_module(model: nn.Module) -> nn.Linear | None:
 
 @contextlib.contextmanager
 def _identity_head(head: nn.Linear) -> Iterator[None]:
-    head.forward = lambda x: x  # type: ignore[method-assign]  # instance attribute: shadows Linear.forward
+    # instance attribute, shadows Linear.forward; a copy, not a view: FSDP2 hooks the output for its backward
+    head.forward = torch.clone  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -80,7 +81,11 @@ def forward_features(model: nn.Module, **kwargs) -> tuple[object, LMHead | None]
         return model(**kwargs), None
     with _identity_head(head):
         out = model(**kwargs)
-    return out, LMHead(head.weight, head.bias)  # read now: under FSDP2 the unsharded parameters
+    weight = head.weight  # read now: under FSDP2 the root's gathered (unsharded) parameter
+    if type(weight).__name__ == "DTensor":
+        raise RuntimeError("the LM head's weight is still sharded after the forward: the root FSDP module must "
+                           "keep its parameters gathered after forward (fully_shard's default for the root)")
+    return out, LMHead(weight, head.bias)
 
 
 def token_logprobs(features: Tensor, targets: Tensor, head: LMHead | None, *, temperature: float = 1.0,
@@ -116,7 +121,18 @@ def logprobs_from_hidden(hidden: Tensor, head: LMHead, targets: Tensor, *, tempe
     return lp, (ent if compute_entropy else None)
 
 
+def _chunk_z(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """(h W^T + b) / T for one chunk, as a fresh fp32 tensor the caller may overwrite. [C, V]"""
+    z = F.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
 class _ChunkedHead(torch.autograd.Function):
+    """Element-wise work runs in place on the chunk's one [C, V] buffer (plus one for the probabilities where the
+    entropy needs them): on a CPU these passes over C x V floats cost a sizeable part of the matmuls beside them."""
+
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, temperature: float,
                 chunk: int, want_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor]:
@@ -126,13 +142,13 @@ class _ChunkedHead(torch.autograd.Function):
         lse = torch.empty_like(lp)  # [M], kept for backward
         ent = torch.empty_like(lp) if want_entropy else lp.new_zeros(0)
         for s in range(0, m, chunk):
-            z = F.linear(hidden[s:s + chunk], weight, b).float() / temperature  # [C, V] fp32, transient
+            z = _chunk_z(hidden[s:s + chunk], weight, b, temperature)  # [C, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [C]
-            lp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse_c
             lse[s:s + chunk] = lse_c
-            if want_entropy:  # H = lse - sum p z, as entropy_from_logits (a banned token contributes 0)
-                p = torch.exp(z - lse_c[:, None])
-                ent[s:s + chunk] = lse_c - torch.where(p > 0, p * z, 0.0).sum(-1)
+            lp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse_c
+            if want_entropy:  # H = -sum p log p; logits from a matmul are finite, so p log p is too
+                logp = z.sub_(lse_c[:, None])
+                ent[s:s + chunk] = -torch.linalg.vecdot(torch.exp(logp), logp)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, want_entropy and entropy_grad
         if not ctx.entropy_grad:
@@ -146,28 +162,36 @@ class _ChunkedHead(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         b = bias if bias.numel() else None
         m = hidden.shape[0]
+        if g_lp is None:
+            g_lp = lse.new_zeros(m)
+        use_ent = ctx.entropy_grad and g_ent is not None
         grad_h = torch.empty_like(hidden) if need_h else None  # [M, H]
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # [V, H]
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and b is not None \
             else None
-        use_ent = ctx.entropy_grad and g_ent is not None
         for s in range(0, m, chunk):
             h = hidden[s:s + chunk]  # [C, H]
-            z = F.linear(h, weight, b).float() / t  # [C, V]
-            p = torch.exp(z - lse[s:s + chunk, None])  # [C, V]
-            dz = torch.zeros_like(p)
-            if g_lp is not None:
-                g = g_lp[s:s + chunk, None].float()  # [C, 1]
-                dz = -p * g
-                dz.scatter_add_(1, targets[s:s + chunk, None], g)
-            if use_ent:  # dH/dz = -p (z - E_p[z]), E_p[z] = lse - H; banned tokens (p = 0, z = -inf) give 0
-                mean_z = (lse[s:s + chunk] - ent[s:s + chunk])[:, None]
-                dz -= g_ent[s:s + chunk, None].float() * torch.where(p > 0, p * (z - mean_z), 0.0)
-            dz = (dz / t).to(weight.dtype)  # through z = logits / T
+            g = g_lp[s:s + chunk, None].float()  # [C, 1]
+            logp = _chunk_z(h, weight, b, t).sub_(lse[s:s + chunk, None])  # [C, V]
+            if use_ent:
+                # dlogp/dz = onehot - p; dH/dz = -p (z - E_p[z]) = -p (logp + H). Together:
+                # dz = onehot g - p (g + g_ent (logp + H))
+                p = torch.exp(logp)
+                coef = logp.add_(ent[s:s + chunk, None]).mul_(g_ent[s:s + chunk, None].float()).add_(g)
+                dz = p.mul_(coef).neg_()
+            else:
+                dz = logp.exp_().mul_(-g)  # -p g
+            dz.scatter_add_(1, targets[s:s + chunk, None], g)
+            if t != 1.0:
+                dz.div_(t)  # through z = logits / T
+            dz = dz.to(weight.dtype)
             if grad_h is not None:
-                grad_h[s:s + chunk] = dz @ weight
+                torch.mm(dz, weight, out=grad_h[s:s + chunk])
             if grad_w is not None:
-                grad_w += (dz.t() @ h).float()
+                if weight.dtype == torch.float32:
+                    grad_w.addmm_(dz.t(), h)
+                else:
+                    grad_w += (dz.t() @ h).float()
             if grad_b is not None:
                 grad_b += dz.float().sum(0)
         return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,

@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import MutableMapping
 
 import msgspec
 
@@ -157,6 +158,13 @@ class TrainerService:
         return Empty()
 
 
+def nccl_environment(cfg: TrainConfig, environ: MutableMapping[str, str]) -> None:
+    """Broadcast sync: NCCL_CUMEM_ENABLE=0 unless set. SGLang runs its processes with it; an NCCL peer with the
+    default (cuMem on) fails the same-node p2p setup of the weight-update group ("p2p.cc ... invalid argument")."""
+    if cfg.weight_sync == "broadcast":
+        environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+
+
 def advertised_address(rpc_host: str) -> str:
     """The address this rank reports for the broadcast rendezvous: AREAL_TRAINER_ADDRESS when set; else the RPC
     interface when it is a specific one (127.0.0.1 by default: a single-host run stays on loopback); else, for a
@@ -275,10 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from areal_async.train.engine import TrainEngine, init_distributed
 
-    if cfg.weight_sync == "broadcast" and "NCCL_CUMEM_ENABLE" not in os.environ:
-        # SGLang runs its processes with NCCL_CUMEM_ENABLE=0; a peer with NCCL's default (cuMem on) fails the
-        # same-node p2p setup of the weight-update group. NCCL reads it when the first communicator is made.
-        os.environ["NCCL_CUMEM_ENABLE"] = "0"
+    nccl_environment(cfg, os.environ)  # before the first communicator: NCCL reads it then
     device = init_distributed(cfg.device)
     if device.type == "cpu":
         import torch

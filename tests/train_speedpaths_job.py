@@ -40,18 +40,18 @@ VARIANTS = {  # name -> (ppo_minibatches, layout, fold_prox, extra loss settings
 
 
 def make_trajectories(vocab: int):
-    """5 groups of 4 (2 ranks: 2 groups on one, 3 on the other) with shared prompts, responses of 2-30 tokens;
-    behaviour logprobs around log(1/V) with a few far below (the importance-weight cap masks them); rewards varying
-    within groups."""
+    """5 groups of 4 (2 ranks: 2 groups on one, 3 on the other) with shared prompts of 12-19 tokens, responses of
+    2-20 tokens; behaviour logprobs around log(1/V) with a few far below (the importance-weight cap masks them);
+    rewards varying within groups."""
     from areal_async.types import Trajectory
 
     rng = np.random.default_rng(5)
     trajs = []
     for g in range(5):
-        p_len = int(rng.integers(3, 9))
+        p_len = int(rng.integers(12, 20))  # prompts long enough that sharing them pays (train/layouts.py)
         prompt = rng.integers(2, vocab, p_len).tolist()
         for _ in range(4):
-            r_len = int(rng.integers(2, 31))
+            r_len = int(rng.integers(2, 21))
             behav = (np.log(1.0 / vocab) + rng.normal(0.0, 0.3, r_len) - 3.0 * (rng.random(r_len) < 0.1)).tolist()
             trajs.append(Trajectory(input_ids=prompt + rng.integers(2, vocab, r_len).tolist(),
                                     loss_mask=[0] * p_len + [1] * r_len, logprobs=[0.0] * p_len + behav,

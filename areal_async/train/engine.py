@@ -233,17 +233,18 @@ class TrainEngine:
             error = e
         agree(error, BatchError, "its shard of the batch was rejected")
         assert shard is not None
-        candidate, saved = self.layouts.plan(shard)
-        resp_tokens, num_seqs, saved = all_reduce_floats([float(shard.loss_mask.sum()), float(shard.num_seqs),
-                                                          float(saved)])
+        candidate, costs = self.layouts.plan(shard, self.cfg.micro_batch_tokens)
+        resp_tokens, num_seqs, *costs = all_reduce_floats([float(shard.loss_mask.sum()), float(shard.num_seqs),
+                                                           *costs])
         if resp_tokens <= 0:
             raise BatchError("the batch has no trainable tokens (loss_mask is 0 everywhere on every rank)")
         if int(resp_tokens) != batch.global_response_tokens or int(num_seqs) != batch.global_num_seqs:
             raise BatchError(f"batch.global_response_tokens/global_num_seqs = {batch.global_response_tokens}/"
                              f"{batch.global_num_seqs}, but the shards hold {int(resp_tokens)}/{int(num_seqs)}")
-        layout = self.layouts.for_step(candidate, saved)
+        layout = self.layouts.for_step(candidate, costs)
         self.last_step_layout = layout.name
         fold = self.cfg.loss.prox_logp == "recompute" and self.cfg.ppo_minibatches == 1 and self.fold_prox
+        saved = costs[0] if layout.name == "prefix" else 0.0
         return _Step(shard, layout, num_seqs, saved, fold, shard.seq_of_token())
 
     def _token_advantages(self, shard: Shard, stats: StatSums) -> Tensor:

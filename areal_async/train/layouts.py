@@ -9,8 +9,9 @@ they differ in cost.
     PrefixLayout   the samples of a prompt group share one pass over their common prefix
                    (train/shared_prefix.py); built per step from that step's family plan
 
-`select_layout` decides once per engine (the model's attention and the configured layout) and `for_shard` per
-step: a batch whose prompts share nothing runs the plain layout (one model call per micro-batch instead of two).
+`select_layout` decides once per engine (the model's attention and the configured layout) and `for_step` per
+step: a batch whose prompts share nothing, or whose answers differ so much in length that padding them to the
+longest of their family costs more than the prompts save, runs the plain layout.
 
 Data-parallel ranks must run the same number of forwards (FSDP collectives run per forward), so `forward` of an
 empty list still runs the model once on a dummy sequence and returns an empty token index.
@@ -25,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from areal_async.train.logprobs import needs_dense_packing_mask, packed_forward_logprobs, rows_forward_logprobs
-from areal_async.train.packing import pack_family_micro_batches, pack_micro_batches, pack_sorted_micro_batches
+from areal_async.train.packing import (family_slots, pack_family_micro_batches, pack_micro_batches,
+                                      pack_sorted_micro_batches, padded_slots)
 from areal_async.train.shard import Shard
 from areal_async.train.shared_prefix import (plan_families, shared_prefix_forward_logprobs, shared_prefix_savings,
                                              supports_shared_prefix)
@@ -33,6 +35,10 @@ from areal_async.train.shared_prefix import (plan_families, shared_prefix_forwar
 __all__ = ["Layout", "PackedLayout", "RowsLayout", "PrefixLayout", "LayoutChoice", "select_layout", "LayoutName"]
 
 LayoutName = Literal["auto", "packed", "rows", "prefix"]
+# The prefix layout pays per slot more than padded rows (two model calls, a masked attention, short prefix rows):
+# measured on SmolLM2-135M on CPU, its slots ran ~0.8x as fast (benchmarks/README.md). So it is chosen when it
+# needs at most this fraction of the plain layout's slots.
+PREFIX_SLOT_RATIO = 0.8
 _Result = tuple[Tensor, Tensor | None, Tensor]  # logp [n], entropy [n] | None, token index [n]
 
 
@@ -49,6 +55,13 @@ class Layout:
             return []
         lens = [shard.seq_lens[i] for i in seqs]
         return [[seqs[j] for j in mb] for mb in self._pack(shard, seqs, lens, budget, min_micro_batches)]
+
+    def slots(self, shard: Shard, seqs: Sequence[int], budget: int) -> int:
+        """Token slots the model runs for `seqs` packed at `budget` (real tokens plus padding)."""
+        return sum(self._slots(shard, mb) for mb in self.pack(shard, seqs, budget))
+
+    def _slots(self, shard: Shard, mb: list[int]) -> int:
+        return sum(shard.seq_lens[i] for i in mb)
 
     def forward(self, model: nn.Module, shard: Shard, seqs: Sequence[int], *, temperature: float,
                 entropy: bool, entropy_grad: bool = True) -> _Result:
@@ -98,6 +111,9 @@ class RowsLayout(_PlainLayout):
     name = "rows"
     forward_fn = staticmethod(rows_forward_logprobs)
 
+    def _slots(self, shard, mb):
+        return padded_slots(shard.seq_lens, mb)
+
     def _pack(self, shard, seqs, lens, budget, min_micro_batches):
         return pack_sorted_micro_batches(lens, budget, min_micro_batches)
 
@@ -111,6 +127,9 @@ class PrefixLayout(Layout):
     def __init__(self, family: list[int], prefix_lens: list[int]) -> None:
         self.family = family
         self.prefix_lens = prefix_lens
+
+    def _slots(self, shard, mb):
+        return family_slots(shard.seq_lens, self.family, self.prefix_lens, mb)
 
     def _pack(self, shard, seqs, lens, budget, min_micro_batches):
         fam = [self.family[i] for i in seqs]
@@ -145,18 +164,24 @@ class LayoutChoice:
         self.name: str = layout
         self.plain = plain
 
-    def plan(self, shard: Shard) -> tuple[Layout | None, int]:
-        """This rank's candidate for the step: a PrefixLayout (with the tokens it saves) when shared prefixes are
-        on and the shard has sequences, else None. Ranks then agree (`for_step`)."""
+    def plan(self, shard: Shard, budget: int) -> tuple[Layout | None, list[float]]:
+        """This rank's candidate for the step: a PrefixLayout when shared prefixes are on and the shard has
+        sequences, else None; with [tokens it saves, its padded slots, the plain layout's slots] at `budget`, to
+        be summed over ranks before `for_step` decides."""
         if self.name != "prefix" or not shard.num_seqs:
-            return None, 0
+            return None, [0.0, 0.0, 0.0]
         family, prefix_lens = plan_families(shard.host_ids, shard.seq_lens, shard.group_ids.tolist())
-        return PrefixLayout(family, prefix_lens), shared_prefix_savings(family, prefix_lens)
+        prefix = PrefixLayout(family, prefix_lens)
+        seqs = list(range(shard.num_seqs))
+        return prefix, [float(shared_prefix_savings(family, prefix_lens)), float(prefix.slots(shard, seqs, budget)),
+                        float(self.plain.slots(shard, seqs, budget))]
 
-    def for_step(self, candidate: Layout | None, saved_globally: float) -> Layout:
-        """Shared prefixes only when some rank saves something (every rank must run the same layout: the prefix
-        layout makes two model calls per micro-batch, the others one)."""
-        if self.name == "prefix" and saved_globally > 0:
+    def for_step(self, candidate: Layout | None, costs: list[float]) -> Layout:
+        """Shared prefixes when some rank saves tokens and, over all ranks, their padded slots are at most
+        `PREFIX_SLOT_RATIO` of the plain layout's (every rank must run the same layout: the prefix layout makes two
+        model calls per micro-batch, the others one)."""
+        saved, prefix_slots, plain_slots = costs
+        if self.name == "prefix" and saved > 0 and prefix_slots <= PREFIX_SLOT_RATIO * plain_slots:
             return candidate if candidate is not None else PrefixLayout([], [])
         return self.plain
 

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", default="1", help="torch intra-op threads, comma-separated counts alternate")
     ap.add_argument("--layout", default="auto", choices=["auto", "packed", "rows", "prefix"])
     ap.add_argument("--no-fold", action="store_true", help="keep the separate prox pass with one minibatch")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (inductor)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (inductor, dynamic)")
     ap.add_argument("--gemm-rows", type=int, default=2048, help="rows of the roofline GEMMs")
     ap.add_argument("--profile", default=None, help="write a cProfile of the timed steps to this file")
     ap.add_argument("--seed", type=int, default=0)
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine = TrainEngine(path, cfg, seed=args.seed, device=device, **switches)
         if args.compile:
             for layer in engine.model.model.layers:
-                layer.compile()
+                layer.compile(dynamic=True)  # every micro-batch has other shapes: no recompiles
         n_matmul, n_layers, attn_width, vocab = matmul_params(engine.hf_config)
         prompts = chat_prompts(path, 4 * args.groups, tuple(args.prompt_len), args.seed) if real else None
         rss_loaded = _rss_kib("VmRSS")
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
             if not timed:
                 continue
             # what the model ran: with the shared-prefix layout each group's prompt once, then every answer
-            shared = engine.last_step_layout == "prefix"
+            shared = getattr(engine, "last_step_layout", engine.layout) == "prefix"  # (older engines: no fallback)
             rows = []
             for g in range(args.groups):
                 members = [t for t in trajs if t.group_id == g]

@@ -222,3 +222,7 @@ def test_auto_layout_shares_prompts_only_where_it_pays(tiny_ckpt):
     assert name == "rows" and saved > 0 and pre > PREFIX_SLOT_RATIO * rows
     name, (saved, _, _) = chosen(shard(20, [[20, 22, 21, 19]] * 2, shared=False))
     assert name == "rows" and saved == 0
+    # a configured "prefix" shares whenever something is shared, paying or not
+    forced = select_layout(model, "prefix")
+    costly = shard(4, [[2, 60, 3, 58]] * 4)
+    assert forced.for_step(*forced.plan(costly, 256)).name == "prefix"

@@ -152,6 +152,7 @@ class LayoutChoice:
         if layout not in ("auto", "packed", "rows", "prefix"):
             raise ValueError(f"layout must be 'auto', 'packed', 'rows' or 'prefix', got {layout!r}")
         plain: Layout = RowsLayout() if needs_dense_packing_mask(model) else PackedLayout()
+        self.weigh_costs = layout == "auto"  # a configured "prefix" shares whenever something is shared
         if layout == "auto":
             layout = "prefix" if supports_shared_prefix(model) else plain.name  # type: ignore[assignment]
         elif layout == "prefix" and not supports_shared_prefix(model):
@@ -177,11 +178,12 @@ class LayoutChoice:
                         float(self.plain.slots(shard, seqs, budget))]
 
     def for_step(self, candidate: Layout | None, costs: list[float]) -> Layout:
-        """Shared prefixes when some rank saves tokens and, over all ranks, their padded slots are at most
-        `PREFIX_SLOT_RATIO` of the plain layout's (every rank must run the same layout: the prefix layout makes two
-        model calls per micro-batch, the others one)."""
+        """Shared prefixes when some rank saves tokens and (for layout "auto"), over all ranks, their padded slots
+        are at most `PREFIX_SLOT_RATIO` of the plain layout's. Every rank must run the same layout: the prefix
+        layout makes two model calls per micro-batch, the others one."""
         saved, prefix_slots, plain_slots = costs
-        if self.name == "prefix" and saved > 0 and prefix_slots <= PREFIX_SLOT_RATIO * plain_slots:
+        pays = not self.weigh_costs or prefix_slots <= PREFIX_SLOT_RATIO * plain_slots
+        if self.name == "prefix" and saved > 0 and pays:
             return candidate if candidate is not None else PrefixLayout([], [])
         return self.plain
 

@@ -22,7 +22,8 @@ Figures, per thread count (`--threads 1,2`: the counts alternate step by step, s
   products, the LM head in the engine's 1024-row chunks) at `--gemm-rows` rows, in the step's dtype, at the same
   thread count, measured right before every timed step: the FLOP-weighted rate of that mix is the best the step's
   matmuls could do
-- MFU = model FLOPs / step seconds / roofline
+- MFU = model FLOPs / step seconds / roofline; `mfu_cpu` the same in process CPU seconds for the step and for the
+  roofline GEMMs (steadier where other processes share the cores: wall time counts the time they held them)
 - peak memory: the process's resident-set high-water mark during the step (reset before it through
   /proc/self/clear_refs), and its level before the step
 
@@ -149,7 +150,7 @@ def gemm_roofline(hf_config, rows: int, dtype, reps: int = 2) -> dict:
     at this thread count. Best of `reps` per shape (the machine is shared: the best is the hardware's rate)."""
     import torch
 
-    flops = secs = 0.0
+    flops = secs = cpu_secs = 0.0
     per_shape = {}
     for k, n, count in gemm_shapes(hf_config):
         m = min(rows, 1024) if n == hf_config.get_text_config().vocab_size else rows  # the head runs in chunks
@@ -158,16 +159,18 @@ def gemm_roofline(hf_config, rows: int, dtype, reps: int = 2) -> dict:
         dy = torch.randn(m, n, dtype=dtype)
         for name, fn in (("fwd", lambda: x @ w.t()), ("dx", lambda: dy @ w), ("dw", lambda: dy.t() @ x)):
             fn()  # warm
-            best = float("inf")
+            best = best_cpu = float("inf")
             for _ in range(reps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
                 best = min(best, time.perf_counter() - t0)
+                best_cpu = min(best_cpu, time.process_time() - c0)
             f = 2.0 * m * k * n
             per_shape[f"{name}:{m}x{k}x{n}"] = f / best / 1e9
             flops += f * count * (rows / m)
             secs += best * count * (rows / m)
-    return {"gflops": flops / secs / 1e9, "per_shape_gflops": per_shape}
+            cpu_secs += best_cpu * count * (rows / m)
+    return {"gflops": flops / secs / 1e9, "gflops_per_cpu_s": flops / cpu_secs / 1e9, "per_shape_gflops": per_shape}
 
 
 def attention_flops(seq_lens_run: list[tuple[int, int]], layers: int, width: int) -> float:
@@ -320,6 +323,10 @@ def main(argv: list[str] | None = None) -> dict:
                 "wall_s": wall, "cpu_s": cpu, "parts": parts, "tokens": stats["tokens"], "tokens_run": tokens_run,
                 "model_gflop": flops / 1e9, "gflops": flops / wall / 1e9, "roofline_gflops": roof["gflops"],
                 "mfu": flops / wall / 1e9 / roof["gflops"], "roofline_shapes": roof["per_shape_gflops"],
+                # the same ratio in process CPU seconds (step and GEMMs alike): steadier on a shared machine, where
+                # wall time includes the time other processes held the cores
+                "roofline_gflops_per_cpu_s": roof["gflops_per_cpu_s"],
+                "mfu_cpu": flops / cpu / 1e9 / roof["gflops_per_cpu_s"],
                 "rss_before_gb": rss_before / 2**20, "peak_rss_gb": peak / 2**20,
                 "num_seqs": stats["num_seqs"], "loss": stats["loss"], "grad_norm": stats["grad_norm"],
                 "loadavg_1m": os.getloadavg()[0]})
@@ -341,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
             "roofline_gflops": statistics.median(s["roofline_gflops"] for s in steps),
             "mfu": statistics.median(s["mfu"] for s in steps),
             "mfu_each_step": [s["mfu"] for s in steps],
+            "mfu_cpu": statistics.median(s["mfu_cpu"] for s in steps),
+            "mfu_cpu_each_step": [s["mfu_cpu"] for s in steps],
             "peak_rss_gb": max(s["peak_rss_gb"] for s in steps),
             "breakdown_s": {k: statistics.median(s["parts"][k] for s in steps) for k in steps[0]["parts"]},
             "steps": steps,
@@ -368,12 +377,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"({result['tokens_run_per_step']:.0f} run), micro_batch_tokens={cfg.micro_batch_tokens}, "
           f"layout={engine.layout}, dtype={engine.compute_dtype}, compile={args.compile}, "
           f"load {os.getloadavg()[0]:.2f}")
-    print(f"{'threads':>7} {'s/step':>8} {'tok/s':>8} {'GFLOP/s':>8} {'roof':>8} {'MFU':>6} {'peak GB':>8}   "
-          f"breakdown s")
+    print(f"{'threads':>7} {'s/step':>8} {'tok/s':>8} {'GFLOP/s':>8} {'roof':>8} {'MFU':>6} {'MFU cpu':>7} "
+          f"{'peak GB':>8}   breakdown s")
     for t, s in summary.items():
         parts = " ".join(f"{k}={v:.2f}" for k, v in s["breakdown_s"].items())
         print(f"{t:>7} {s['s_per_step']:>8.2f} {s['trained_tokens_per_s']:>8.0f} {s['model_gflops']:>8.1f} "
-              f"{s['roofline_gflops']:>8.1f} {s['mfu']:>6.1%} {s['peak_rss_gb']:>8.2f}   {parts}")
+              f"{s['roofline_gflops']:>8.1f} {s['mfu']:>6.1%} {s['mfu_cpu']:>7.1%} {s['peak_rss_gb']:>8.2f}   {parts}")
     return result
 
 

@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_step": statistics.mean(s["tokens"] for st in per_threads.values() for s in st),
         "tokens_run_per_step": statistics.mean(s["tokens_run"] for st in per_threads.values() for s in st),
         "seqs_per_step": args.groups * args.group_size, "rss_after_load_gb": rss_loaded / 2**20,
-        "layout": engine.layout, "fold_prox": engine.fold_prox, "compute_dtype": str(engine.compute_dtype),
+        "layout": engine.layout, "step_layout": getattr(engine, "last_step_layout", engine.layout),
+        "fold_prox": engine.fold_prox, "compute_dtype": str(engine.compute_dtype),
         "compile": args.compile, "train_config": cfg_dict,
         "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "env": {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
@@ -375,7 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
         json.dump(result, f, indent=2)
     print(f"{args.model}: {args.groups}x{args.group_size} seqs, {result['tokens_per_step']:.0f} tokens/step "
           f"({result['tokens_run_per_step']:.0f} run), micro_batch_tokens={cfg.micro_batch_tokens}, "
-          f"layout={engine.layout}, dtype={engine.compute_dtype}, compile={args.compile}, "
+          f"layout={engine.layout} (last step: {result['step_layout']}), dtype={engine.compute_dtype}, "
+          f"compile={args.compile}, "
           f"load {os.getloadavg()[0]:.2f}")
     print(f"{'threads':>7} {'s/step':>8} {'tok/s':>8} {'GFLOP/s':>8} {'roof':>8} {'MFU':>6} {'MFU cpu':>7} "
           f"{'peak GB':>8}   breakdown s")

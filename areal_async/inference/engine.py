@@ -472,7 +472,8 @@ class AsyncEngine:
                 self._seal()
                 self.model.load_tensors(tensors)
                 self._forget_prefixes()
-                self.weight_version = _next_version(self.weight_version, weight_version)
+                if weight_version is not None:  # as SGLang: a bucket without a version keeps the label
+                    self.weight_version = weight_version
 
             await self._call(swap, urgent=True)
         return True, "Succeeded to update parameter online from distributed."

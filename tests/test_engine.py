@@ -542,7 +542,7 @@ async def test_cached_prompt_pages_are_evicted_when_pages_run_short(make_engine,
     prompts = [engine.encode(f"{i}: " + "pq" * 30)[:40] for i in range(6)]
     alone = [(await run(engine, req(f"a{i}", p, max_new_tokens=40, temperature=0.0, ignore_eos=True)))[0]
              for i, p in enumerate(prompts)]
-    assert len(engine._prefix_pages) < 2 * len(prompts)  # the first prompts' pages were evicted
+    assert engine.pages.num_registered < 2 * len(prompts)  # the first prompts' pages were evicted
     pairs = [p for p in prompts for _ in range(2)]
     results = await asyncio.gather(*[run(engine, req(f"b{i}", p, max_new_tokens=40, temperature=0.0,
                                                      ignore_eos=True)) for i, p in enumerate(pairs)])

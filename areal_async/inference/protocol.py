@@ -2,9 +2,10 @@
 
 Why a module of its own: every rule about what a client may send and what it gets back lives here, testable without
 a model, a socket or torch. server.py only moves bytes between this module and the engine. Field names, defaults
-and shapes follow SGLang (see /work/shared/reference/sglang_http.md); the OpenAI endpoints follow OpenAI's wire
-format, with SGLang's and vLLM's extras (`rid`, `top_k`, `return_token_ids`, `metadata.weight_version`); those live
-in openai_protocol.py, which builds on the shared parts here (limits, sampling checks, `Accumulator`).
+and shapes follow SGLang 0.5's HTTP server (its `GenerateReqInput` and `SamplingParams`); the OpenAI endpoints
+follow OpenAI's wire format, with SGLang's and vLLM's extras (`rid`, `top_k`, `return_token_ids`,
+`metadata.weight_version`); those live in openai_protocol.py, which builds on the shared parts here (limits,
+sampling checks, `Accumulator`).
 
 Bodies are decoded by msgspec into typed structs, so a wrong type is a 400 naming the JSON path; unknown keys are
 ignored, as SGLang does. Range checks mirror SGLang's `SamplingParams.verify`.

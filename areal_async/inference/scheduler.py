@@ -283,7 +283,8 @@ class Scheduler:
             n_rows += len(rows)
             logit_rows.append(rows)
             r.num_cached = start + n
-        batch = build_step_batch(seqs, self._page_table, self.page_size, self.device, logit_rows, self.model.dtype)
+        batch = build_step_batch(seqs, self._page_table, self.page_size, self.device, logit_rows, self.model.dtype,
+                                 self.model.paged_decode)
         try:
             logits = self.model.forward(batch, self.cache, self._interrupt)  # [n_rows, V]
         except StepInterrupted:  # nothing was sampled: put the requests back as they were; the step is redone

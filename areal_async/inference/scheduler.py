@@ -231,6 +231,7 @@ class Scheduler:
     def can_step(self) -> bool:
         return bool(self.running) or (bool(self.waiting) and not self.admit_blocked)
 
+    @torch.inference_mode()
     def step(self) -> None:
         """One forward over every running request: decode rows plus prefill chunks within the token budget."""
         self._admit()
@@ -306,8 +307,11 @@ class Scheduler:
                 self.finish(r, {"type": "length", "length": 0})
 
     def _sample(self, logits: torch.Tensor, sample_reqs: list[tuple[Request, int]]) -> None:
-        rows = torch.tensor([i for _, i in sample_reqs], device=logits.device)
-        lg = logits.index_select(0, rows)  # [B, V]
+        rows = [i for _, i in sample_reqs]
+        if rows == list(range(logits.shape[0])):  # every logits row samples (a pure decode step): no copy
+            lg = logits  # [B, V]; input logprobs were read from it already, so processing it in place is safe
+        else:
+            lg = logits.index_select(0, torch.tensor(rows, device=logits.device))  # [B, V]
         params = []
         for r, _ in sample_reqs:
             p = r.params

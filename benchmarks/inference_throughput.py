@@ -21,8 +21,8 @@ ignore_eos, so both sides make exactly the same tokens.
   is pure decode at batch 64. Model FLOPs per token (2 x parameters in matmuls, LM head included, plus attention
   at the mean context) x decode tokens/s, divided by the GEMM roofline: the model's own matmul shapes at 64 rows
   timed in a plain loop in this process, same thread count, measured in this run.
-- pause latency: `--requests` long requests decoding (each has streamed its first token), then pause(abort): the
-  time until every one has come back.
+- pause latency: `--requests` long requests decoding (non-streamed, with logprobs, as the RL client sends them),
+  then pause(abort): the time until every one has come back with its partial output.
 - logprobs: a few completions re-scored by transformers (teacher forcing); the largest difference is reported.
 Both sides use the same torch thread count and never run at the same time; timed runs alternate (best of
 `--repeats` each), so that load changing on a shared machine hits both alike.
@@ -144,42 +144,44 @@ async def raw_generate(client, prompt: list[int], n: int, logprobs: bool = False
         "return_logprob": logprobs, "stream": False})
 
 
-async def pause_latency(client, url: str, prompts: list[list[int]], pause_new: int) -> dict[str, Any]:
-    """Every request decoding (streamed, so the first token of each is seen), then pause(abort): the time until the
-    last one has come back with its final event."""
+async def server_info(url: str) -> dict:
     import aiohttp
 
-    decoding = [asyncio.Event() for _ in prompts]
+    async with aiohttp.ClientSession() as session, session.get(url + "/server_info") as r:
+        return await r.json()
+
+
+async def pause_latency(client, url: str, prompts: list[list[int]], pause_new: int, prefill_s: float
+                        ) -> dict[str, Any]:
+    """Every request admitted and decoding (as the RL client sends them: non-streamed, with logprobs), then
+    pause(abort): the time until the last one has come back. `prefill_s` (how long these prompts took to prefill in
+    the decode runs) is waited out after the last admission, so the pause lands in decode."""
     returned: list[float] = []
-    finishes: list[str] = []
 
-    async def one(session, i: int, p: list[int]) -> None:
-        body = {"input_ids": p, "stream": True, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": pause_new, "temperature": 0.0, "ignore_eos": True}}
-        last = None
-        async with session.post(url + "/generate", json=body) as resp:
-            async for line in resp.content:
-                if line.startswith(b"data: {"):
-                    last = json.loads(line[6:])
-                    if last["output_ids"]:
-                        decoding[i].set()
-                    if last["meta_info"]["finish_reason"] is not None:
-                        returned.append(time.perf_counter())
-                        finishes.append(last["meta_info"]["finish_reason"]["type"])
+    async def one(p: list[int]) -> dict:
+        out = await raw_generate(client, p, pause_new, logprobs=True)
+        returned.append(time.perf_counter())
+        return out
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        tasks = [asyncio.create_task(one(session, i, p)) for i, p in enumerate(prompts)]
-        await asyncio.gather(*(e.wait() for e in decoding))
-        t_pause = time.perf_counter()
-        await client.pause(mode="abort")
-        t_call = time.perf_counter()
-        await asyncio.gather(*tasks)
+    tasks = [asyncio.create_task(one(p)) for p in prompts]
+    for _ in range(6000):
+        info = await server_info(url)
+        if info["num_running_reqs"] == len(prompts) and info["num_waiting_reqs"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(max(0.2, 1.5 * prefill_s))
+    t_pause = time.perf_counter()
+    await client.pause(mode="abort")
+    t_call = time.perf_counter()
+    outs = await asyncio.gather(*tasks)
     await client.resume()
-    aborted = finishes.count("abort")
-    if aborted < len(prompts):
-        print(f"warning: only {aborted} of {len(prompts)} requests were still running at the pause", file=sys.stderr)
+    aborted = sum(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+    decoded = sum(len(o["output_ids"]) > 0 for o in outs)
+    if aborted < len(prompts) or decoded < len(prompts):
+        print(f"warning: {aborted} of {len(prompts)} requests aborted by the pause, {decoded} had started decoding",
+              file=sys.stderr)
     return {"pause_latency_ms": (max(returned) - t_pause) * 1000, "pause_call_ms": (t_call - t_pause) * 1000,
-            "pause_aborted_requests": aborted, "pause_in_flight": len(prompts)}
+            "pause_aborted_requests": aborted, "pause_decoding_requests": decoded, "pause_in_flight": len(prompts)}
 
 
 # ---- transformers and the roofline --------------------------------------------------------------------------------
@@ -314,7 +316,7 @@ async def bench(url: str, model_dir: str, cfg: dict, prompts: list[list[int]], l
         outs = await asyncio.gather(*(raw_generate(client, p, min(n, 64), logprobs=True)
                                       for p, n in zip(prompts[:4], lengths[:4])))
         res["max_logprob_diff_vs_hf"] = max(hf.max_logprob_diff(p, o) for p, o in zip(prompts[:4], outs))
-        res.update(await pause_latency(client, url, prompts, args.pause_new))
+        res.update(await pause_latency(client, url, prompts, args.pause_new, walls[short]))
     return res
 
 

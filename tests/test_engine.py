@@ -579,3 +579,15 @@ async def test_priority_requests_are_admitted_first(make_engine, lively_ckpt):
                                                               ("top", 5), ("low3", 0)]]
     await asyncio.gather(first, *tasks)
     assert order == ["running", "top", "eval1", "eval2", "low1", "low2", "low3"]
+
+
+def test_auto_device_names_the_current_cuda_device(monkeypatch):
+    """A weight-update group and torch.cuda.set_device need an indexed device; "auto" must give one."""
+    from areal_async.inference.engine import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("auto") == torch.device("cuda", 3) and resolve_device("auto").index == 3
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)

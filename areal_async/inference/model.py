@@ -2,11 +2,13 @@
 
 One forward pass serves a whole engine step: the tokens of every scheduled request are concatenated into one flat
 batch `[N]` (no padding), so embeddings, projections and MLPs run as single matmuls over all requests. Only attention
-needs per-request structure; it reads keys and values from a paged KV cache (`KVCache`) and runs as one batched SDPA
-per *attention group*: requests padded to the same number of new tokens and keys (decode rows have one new token
-each; prefill chunks have many). Keeping decode rows apart means a long prefill chunk never pads them, and large
-decode batches are further split by cache length so one long request does not make every row attend over its
-length.
+needs per-request structure; it reads keys and values from a paged KV cache (`KVCache`) per *attention group*.
+Decode rows (one new token each) on CPU form one group that a small C kernel serves straight from the pages, each
+key read once, no padding (cpu_attention.py). Prefill chunks, and decode rows where the kernel is not used (CUDA,
+half precision, no C compiler), gather their pages into a padded batch and run one SDPA with an additive mask;
+such decode rows are split by cache length so one long request does not make every row attend over its length.
+Query heads that share a kv head are folded into the query axis, so SDPA sees plain multi-head attention (its
+`enable_gqa` flag would send CUDA to the slow math kernel).
 
 The family differs in a few switches, all read from config.json (`ModelSpec.from_hf_config`): Qwen2 has a bias on
 q/k/v, Qwen3 RMS-normalises q and k per head before RoPE, Llama may have biases everywhere (`attention_bias`,
@@ -200,10 +202,6 @@ class KVCache:
         self.num_pages = -(-max_tokens // page_size) + 1  # + the dummy page 0
         self.kv = torch.zeros((spec.num_layers, self.num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim),
                               device=device, dtype=dtype)
-
-    @property
-    def usable_pages(self) -> int:
-        return self.num_pages - 1
 
 
 @dataclass

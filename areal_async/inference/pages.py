@@ -118,9 +118,6 @@ class PagePool:
 
     # ---- the prefix registry ----
 
-    def key(self, parent: int, tokens: Sequence[int]) -> PageKey:
-        return parent, tuple(tokens)
-
     def match(self, tokens: Sequence[int], max_pages: int) -> list[tuple[int, int]]:
         """The registered pages `tokens` begins with, as (page, serial), at most `max_pages`, following the chain
         from `ROOT`. Takes no references (see `share`)."""

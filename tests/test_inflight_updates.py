@@ -219,7 +219,8 @@ async def test_update_without_pause_waits_for_running_requests(server, http, ckp
     assert final["meta_info"]["weight_version_spans"] == [[0, v]]
     after = Stream(http, long_request(3))
     out = await after.task
-    assert out["meta_info"]["weight_version_spans"] == [[0, f"{v}+b"]] and out["meta_info"]["weight_version"] == f"{v}+b"
+    meta = out["meta_info"]
+    assert meta["weight_version_spans"] == [[0, f"{v}+b"]] and meta["weight_version"] == f"{v}+b"
     status, body = await up.update("a", f"{v}+a", flush_cache=True)
     assert status == 200 and body["success"], body
     await up.finish(server)

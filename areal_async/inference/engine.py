@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import threading
 import time
 from typing import AsyncIterator, Callable
@@ -43,8 +42,8 @@ import torch
 
 from areal_async.inference.engine_api import EngineChunk, EngineRequest, PauseMode
 from areal_async.inference.model import DecoderModel, KVCache, ModelSpec, UnsupportedModelError
-from areal_async.inference.scheduler import Request, Scheduler, abort_reason
-from areal_async.inference.weights import DTYPES, WeightError, check_tensors, load_checkpoint
+from areal_async.inference.scheduler import Request, Scheduler, abort_reason, validate_request
+from areal_async.inference.weights import DTYPES, WeightError, check_tensors, eos_token_ids, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class AsyncEngine:
         self.vocab_size = spec.vocab_size
         self.cache = KVCache(spec, max_total_tokens, PAGE_SIZE, self.device, self.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self._eos_ids = _eos_token_ids(model_path, self.tokenizer)
+        self._eos_ids = eos_token_ids(model_path, self.tokenizer)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         self._groups: dict[str, object] = {}  # weight-update process groups by name
@@ -208,7 +207,8 @@ class AsyncEngine:
 
     def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Validate now (ValueError), then queue on first iteration and yield chunks until the request ends."""
-        self._validate(req)
+        validate_request(req, vocab_size=self.vocab_size, context_len=self.context_len,
+                         max_total_tokens=self.max_total_tokens)
         return self._generate(req)
 
     async def _generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -233,39 +233,6 @@ class AsyncEngine:
             del self._streams[req.rid]
             if not finished:  # the consumer went away (disconnect, cancel): free the request's slot and pages
                 self._post(lambda: self._sched.finish(r, abort_reason("client went away"), emit=False))
-
-    def _validate(self, req: EngineRequest) -> None:
-        s = req.sampling
-        n = len(req.input_ids)
-        if n == 0:
-            raise ValueError("input_ids is empty")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if s.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {s.max_new_tokens}")
-        if n + s.max_new_tokens > self.context_len:
-            raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the context length "
-                             f"{self.context_len}")
-        if n + s.max_new_tokens > self.max_total_tokens:
-            raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({s.max_new_tokens}) can never fit the KV cache "
-                             f"budget of {self.max_total_tokens} tokens (max_total_tokens)")
-        if s.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {s.temperature}")
-        if not 0 < s.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
-        if s.top_k == 0 or s.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {s.top_k}")
-        if not 0 <= s.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {s.min_p}")
-        if s.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
-        if s.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be >= 0, got {s.min_new_tokens}")
-        if req.logprob_start_len > n:
-            raise ValueError(f"logprob_start_len ({req.logprob_start_len}) is beyond the prompt ({n} tokens)")
-        if req.top_logprobs_num < 0:
-            raise ValueError(f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}")
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> int:
         def cmd() -> int:
@@ -605,22 +572,6 @@ def _next_version(current: str, given: str | None) -> str:
     if given is not None:
         return given
     return str(int(current) + 1) if current.isdigit() else current
-
-
-def _eos_token_ids(model_path: str, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer (a model may have several)."""
-    import json
-
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        p = os.path.join(model_path, name)
-        if os.path.exists(p):
-            with open(p) as f:
-                value = json.load(f).get("eos_token_id")
-            ids.extend(value if isinstance(value, list) else [value] if value is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(int(i) for i in ids))
 
 
 def _destroy_group(group) -> None:

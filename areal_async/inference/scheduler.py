@@ -42,6 +42,41 @@ def abort_reason(message: str) -> dict:
     return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
+def validate_request(req: EngineRequest, *, vocab_size: int, context_len: int, max_total_tokens: int) -> None:
+    """What the engine can serve: a ValueError naming the problem otherwise (the server turns it into a 400)."""
+    s = req.sampling
+    n = len(req.input_ids)
+    if n == 0:
+        raise ValueError("input_ids is empty")
+    bad = [t for t in req.input_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"input_ids contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if s.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {s.max_new_tokens}")
+    if n + s.max_new_tokens > context_len:
+        raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the context length "
+                         f"{context_len}")
+    if n + s.max_new_tokens > max_total_tokens:
+        raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({s.max_new_tokens}) can never fit the KV cache "
+                         f"budget of {max_total_tokens} tokens (max_total_tokens)")
+    if s.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
+    if s.top_k == 0 or s.top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or >= 1, got {s.top_k}")
+    if not 0 <= s.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {s.min_p}")
+    if s.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
+    if s.min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be >= 0, got {s.min_new_tokens}")
+    if req.logprob_start_len > n:
+        raise ValueError(f"logprob_start_len ({req.logprob_start_len}) is beyond the prompt ({n} tokens)")
+    if req.top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}")
+
+
 class Request:
     """Engine-thread state of one request. `stream` is the loop-side end its chunks go to (opaque here)."""
 

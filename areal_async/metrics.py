@@ -40,11 +40,43 @@ class MetricsLogger:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def cut_back(path: str, version: int) -> None:
+    """Keep only the records of steps <= `version` (a resume from a checkpoint at that version: the records a killed
+    run wrote after it would otherwise appear twice). A torn last line is dropped. Atomic."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if rec.get("step", 0) <= version:
+                kept.append(json.dumps(rec) + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def keep_aside(path: str) -> str | None:
+    """A fresh run in a used directory: rename an older run's file to `<name>.before-<time><ext>` so the new
+    records never follow the old ones. Returns the new name, or None when there was nothing to keep."""
+    if not os.path.exists(path):
+        return None
+    stem, ext = os.path.splitext(path)
+    kept = f"{stem}.before-{time.strftime('%Y%m%d-%H%M%S')}{ext}"
+    os.replace(path, kept)
+    return kept
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:

@@ -1,9 +1,14 @@
 """`python -m areal_async.run [--config FILE] [key=value ...]`: one asynchronous RL run, end to end.
 
-With no arguments it trains the project's tiny model on the synthetic arithmetic task on this machine's CPU:
-one embedded inference server, one torchrun trainer, async mode (configs/default.yaml). Everything a run makes lands
-in `run_dir`: metrics.jsonl, TensorBoard events, progress.png, logs/, checkpoints/, the final HF checkpoint and
-summary.json. A run directory with a checkpoint is resumed (resume=false starts over).
+With no arguments it trains the project's tiny model on the synthetic arithmetic task on this machine's CPU: one
+embedded inference server, one torchrun trainer, async mode (the code defaults, which configs/default.yaml lists).
+Everything a run makes lands in `run_dir`: metrics.jsonl, trained_index.jsonl (which sample draws each step trained
+or dropped), TensorBoard events, progress.png, logs/, checkpoints/, the final HF checkpoint and summary.json. A run
+directory with a checkpoint is resumed (resume=false starts over).
+
+The shape of a run: `prepare` checks everything that can be checked (config, model, tokenizer and chat template,
+dataset, reward, workflow) before anything starts; a `Launcher` starts the servers and trainers (launch/); the
+training runs under `supervise`, which hands every process event to the failure policy; teardown always runs.
 """
 
 from __future__ import annotations
@@ -11,31 +16,416 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import os
 import shutil
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import msgspec
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
+from areal_async.config_help import describe
+from areal_async.launch import (Cluster, ElasticBroadcastSync, Launcher, failure_policy, interrupt_on_sigterm,
+                                launcher_for, supervise)
+from areal_async.rollout.controller import AsyncRLController, RunState, load_state
+from areal_async.rollout.weight_sync import DiskSync, WeightSync
+from areal_async.rollout.workflow_api import ScoreFn, Workflow
+from areal_async.tokenizer import Tokenizer, check_tokenizer
+from areal_async.types import Sample
 
 log = logging.getLogger("areal_async.run")
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
+
+# ---- before launch: everything that can be checked --------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> tuple[str | None, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m areal_async.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml when present)")
+@dataclass
+class RunPlan:
+    """A checked run, ready to launch."""
+
+    cfg: RunConfig
+    model_path: str
+    tokenizer: Tokenizer
+    train_samples: list[Sample]
+    eval_samples: list[Sample]
+    rewards: Any  # the RewardRunner behind `score` (closed with the run)
+    score: ScoreFn
+    workflow: Workflow
+    resumed: tuple[RunState, str] | None  # (state, checkpoint directory)
+
+    @property
+    def trainer_resume(self) -> str | None:
+        return os.path.join(self.resumed[1], "trainer") if self.resumed else None
+
+
+def resolve_model(cfg: RunConfig) -> str:
+    """`model.path` as an HF directory: built-in names and GGUF files are built or converted (in a subprocess, so
+    this process never imports torch) and cached; see areal_async.model_store."""
+    from areal_async.model_store import ModelPathError, resolve_model_path
+
+    try:
+        return resolve_model_path(cfg.model.path)
+    except ModelPathError as e:
+        raise ConfigError(f"model.path: {e}") from None
+
+
+def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
+    """Validate `cfg` and build what the run needs before launch; every problem is a ConfigError naming its key.
+
+    `workflow` replaces the one `rollout.workflow` names: a Workflow, or a factory `f(cfg, tokenizer, score)`."""
+    cfg = msgspec.structs.replace(cfg)  # re-derives the derived fields of a config built in Python
+    cfg.validate()
+    model_path = resolve_model(cfg)
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
+    try:  # the tokenizer files, an EOS token, ids within the model's vocabulary (the template: below)
+        tokenizer = check_tokenizer(model_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot use the tokenizer of {model_path}: {e}") from None
+    from areal_async.tasks.datasets import load_samples
+
+    try:
+        train_samples, eval_samples = load_samples(cfg.data)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.name: {e}") from None
+    if not train_samples:
+        raise ConfigError(f"data.name: {cfg.data.name} has no training samples")
+    _check_chat_template(cfg, tokenizer, train_samples + eval_samples)
+    _check_reward(cfg.data.reward)
+    from areal_async.rewards.runner import RewardRunner
+
+    rewards = RewardRunner()
+    score = make_score(rewards, cfg.data.reward, cfg.rollout.reward_timeout_s, cfg.data.reward_options)
+    wf = _build_workflow(cfg, tokenizer, score, workflow)  # the runner starts its workers on first use only
+    if cfg.schedule.interrupt_mode == "in_place" and cfg.server.backend != "embedded":
+        log.warning("schedule.interrupt_mode=in_place: SGLang stamps a whole response with its last weight version, "
+                    "so tokens made before an update are labelled newer than they are (the staleness bound holds; "
+                    "the staleness statistics undercount)")
+    resumed = load_state(cfg.run_dir) if cfg.resume else None
+    return RunPlan(cfg, model_path, tokenizer, train_samples, eval_samples[: cfg.eval.num_prompts], rewards, score,
+                   wf, resumed)
+
+
+def _check_chat_template(cfg: RunConfig, tokenizer: Tokenizer, samples: list[Sample]) -> None:
+    key = None
+    if cfg.data.apply_chat_template:
+        key = "data.apply_chat_template"
+    elif any(s.messages is not None for s in samples):
+        key = f"data.name ({cfg.data.name} has chat-message prompts)"
+    elif cfg.rollout.workflow == "multi_turn" and cfg.rollout.multi_turn.chat:
+        key = "rollout.multi_turn.chat"
+    if key is None:
+        return
+    from areal_async.rollout.chat import ChatTokens
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True)
+        if cfg.rollout.workflow == "multi_turn":  # feedback turns are appended as rendered deltas
+            ChatTokens(tokenizer).delta_ids([{"role": "user", "content": "again"}])
+    except Exception as e:  # a missing template, or one that fails to render (raise_exception, syntax)
+        raise ConfigError(f"{key}: the chat template of {tokenizer.path} does not render: "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def _check_reward(spec: str) -> None:
+    from areal_async.rewards.registry import resolve
+
+    try:
+        target = resolve(spec).target
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"data.reward: {e.args[0] if e.args else e}") from None
+    module = target.partition(":")[0]
+    try:  # find, do not import: rewards run in worker processes and may pull heavy packages
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"data.reward: module {module!r} of {target!r} is not importable")
+
+
+_RESERVED_META = frozenset({"fn_spec", "completion", "answer", "prompt", "timeout_s"})  # RewardRunner.score's own
+
+
+def make_score(rewards: Any, reward: str, timeout_s: float, options: Mapping[str, Any] | None = None) -> ScoreFn:
+    """The configured reward as a ScoreFn, run off the loop by the reward runner. `options` (data.reward_options)
+    and then the sample's meta are passed on as keywords, except keys that would collide with the runner's own
+    arguments (such as a record's extra "prompt")."""
+    base = dict(options or {})
+
+    async def score(completion: str, answer: str, prompt: str = "",
+                    meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]:
+        extra = {k: v for k, v in {**base, **(meta or {})}.items() if k not in _RESERVED_META}
+        return await rewards.score(reward, completion, answer, prompt=prompt, timeout_s=timeout_s, **extra)
+
+    return score
+
+
+def _build_workflow(cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn, given: Any) -> Workflow:
+    from areal_async.rollout.workflows import build_workflow
+
+    if given is None:
+        return build_workflow(cfg, tokenizer, score)
+    wf = given if hasattr(given, "run") else given(cfg, tokenizer, score)
+    if not hasattr(wf, "run"):
+        raise ConfigError(f"workflow: the factory returned {type(wf).__name__}, not a workflow")
+    return wf
+
+
+def open_run_dir(plan: RunPlan) -> RunState:
+    """Resume (cut the run's records back to the checkpoint) or start over (set older records aside)."""
+    from areal_async.metrics import cut_back, keep_aside
+    from areal_async.rollout.ledger import FILE_NAME, truncate
+
+    run_dir = plan.cfg.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    if not plan.cfg.resume and os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"))
+    metrics, ledger = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, FILE_NAME)
+    if plan.resumed:
+        state, ckpt = plan.resumed
+        cut_back(metrics, state.version)
+        truncate(ledger, state.version)
+        log.info("resuming from %s at version %d (next draw %d, %d to draw again)", ckpt, state.version,
+                 state.data_position, len(state.pending))
+    else:
+        state = RunState()
+        for path in (metrics, ledger):
+            kept = keep_aside(path)
+            if kept:
+                log.info("a new run in %s: the previous %s is kept as %s", run_dir, os.path.basename(path),
+                         os.path.basename(kept))
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(to_dict(plan.cfg), f, indent=2)
+    return state
+
+
+# ---- the run ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """What a run holds open, for teardown and for the failure policy (see launch/api.py)."""
+
+    rewards: Any
+    logger: Any = None
+    client: Any = None
+    trainers: Any = None
+    controller: AsyncRLController | None = None
+
+    async def close(self) -> None:
+        """Close what is open, trainers first (they exit on request); each part once."""
+        ctrl, trainers, client, rewards, logger = (self.controller, self.trainers, self.client, self.rewards,
+                                                   self.logger)
+        self.controller = self.trainers = self.client = self.rewards = self.logger = None
+        if ctrl is not None:
+            ctrl.finish(completed=False)  # closes the ledger file (its end line was written by a normal finish)
+        if trainers is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(trainers.shutdown(), 30)
+        for part in (client, rewards):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    await part.close()
+        if logger is not None:
+            logger.close()
+
+
+async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = None) -> dict[str, Any]:
+    """Check, launch, train, write the outputs; always tear down. `workflow`: see `prepare`. `launcher` replaces
+    the one `server.backend` picks (`launch.launcher_for`)."""
+    from areal_async.metrics import MetricsLogger
+
+    plan = prepare(cfg, workflow)
+    session = Session(rewards=plan.rewards)
+    cluster: Cluster | None = None
+    try:
+        state = open_run_dir(plan)
+        session.logger = MetricsLogger(plan.cfg.run_dir)
+        launcher = launcher or launcher_for(plan.cfg)
+        cluster = await launcher.launch(plan.cfg, model_path=plan.model_path, trainer_resume=plan.trainer_resume)
+        return await supervise(train(plan, state, cluster, session), cluster,
+                               failure_policy(plan.cfg, cluster, session))
+    finally:
+        await session.close()
+        if cluster is not None:
+            await cluster.shutdown()
+
+
+async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Session) -> dict[str, Any]:
+    """The RL run on a launched cluster: connect, bring the servers to the run's version, train, save, report."""
+    from areal_async.inference.client import InferenceClient
+    from areal_async.rollout.ledger import FILE_NAME, SampleLedger
+    from areal_async.rollout.samples import SampleStream
+    from areal_async.train.client import TrainerGroup
+
+    cfg, t0 = plan.cfg, time.monotonic()
+    tr = cluster.trainers
+    session.trainers = trainers = await TrainerGroup.connect(tr.rendezvous_dir, tr.world_size, tr.secret,
+                                                             timeout=cfg.train.connect_timeout_s)
+    urls = [s.url for s in cluster.servers]
+    session.client = client = InferenceClient(urls, api_key=cfg.server.api_key)
+    weights = await connect_weights(plan, trainers, client, cluster)
+    if plan.resumed:  # the servers start from the base model: bring them to the resumed version
+        await weights.prepare(state.version)
+        await weights.apply(state.version, flush_cache=True)
+    log.info("servers %s and %d trainer rank(s) ready in %.1fs", urls, tr.world_size, time.monotonic() - t0)
+    session.controller = ctrl = AsyncRLController(
+        cfg.schedule, client, trainers, plan.workflow, SampleStream(plan.train_samples, seed=cfg.seed), cfg.run_dir,
+        weights=weights, evaluator=make_evaluator(plan, client) if plan.eval_samples else None,
+        logger=session.logger, state=state, ledger=SampleLedger(os.path.join(cfg.run_dir, FILE_NAME)),
+        busy_probe=lambda: _server_busy_s(urls, cfg.server.api_key))
+    state = await ctrl.run()
+    await ctrl.save_checkpoint()
+    ctrl.finish(completed=True)
+    final = await _copy_final(ctrl, cfg.run_dir)
+    summary = summarize(plan, ctrl, state, num_servers=len(urls), final_checkpoint=final)
+    write_outputs(cfg.run_dir, summary, session.logger)
+    return summary
+
+
+async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cluster) -> WeightSync:
+    """The weight transport `train.weight_sync` names; broadcast first joins trainer rank 0 and every server rank
+    into one torch.distributed group (nccl on CUDA, gloo on CPU)."""
+    cfg = plan.cfg
+    if cfg.train.weight_sync == "disk":
+        return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
+    device = (await trainers.info())[0].device
+    per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
+    # the group is formed again, under a new name, at the first update after servers join or leave (launch/fleet.py)
+    sync = ElasticBroadcastSync(trainers, client, cluster.trainers.master_address, ranks_per_server=per_server,
+                                backend="nccl" if device.startswith("cuda") else "gloo", api_key=cfg.server.api_key)
+    await sync.form_group()
+    return sync
+
+
+def make_evaluator(plan: RunPlan, client: Any) -> Any:
+    from areal_async.rollout.evaluate import evaluate
+
+    cfg = plan.cfg
+    priority = cfg.eval.priority
+    if priority is None and cfg.server.backend == "embedded":
+        priority = 1
+
+    async def evaluator() -> dict[str, float]:
+        return await evaluate(client, plan.tokenizer, plan.eval_samples, plan.score,
+                              max_new_tokens=cfg.eval.max_new_tokens,
+                              use_chat_template=cfg.data.apply_chat_template, priority=priority)
+
+    return evaluator
+
+
+async def _copy_final(ctrl: AsyncRLController, run_dir: str) -> str | None:
+    src = await ctrl.publish_final()
+    if not src:
+        return None
+    final_dir = os.path.join(run_dir, "final")
+    if os.path.isdir(final_dir):
+        shutil.rmtree(final_dir)
+    shutil.copytree(src, final_dir)
+    return final_dir
+
+
+def summarize(plan: RunPlan, ctrl: AsyncRLController, state: RunState, *, num_servers: int,
+              final_checkpoint: str | None) -> dict[str, Any]:
+    s = plan.cfg.schedule
+    return {
+        "mode": s.mode,
+        "eta": s.effective_eta,
+        "interruptible": s.interruptible,
+        "interrupt_mode": ctrl.interrupt,
+        "base_accuracy": state.base_accuracy,
+        "final_accuracy": ctrl.evals[-1]["accuracy"] if ctrl.evals else None,
+        "wall_s": state.wall_s,
+        "steps": state.version,
+        "trained_samples": state.trained_samples,
+        "trained_samples_per_s": state.trained_samples / max(state.wall_s, 1e-9),
+        "max_staleness_seen": state.max_staleness_seen,
+        "staleness_hist": state.staleness_hist,
+        "rollout": ctrl.rollout.stats.__dict__,
+        "dropped": dict(ctrl.ledger.drop_counts),
+        "timings": ctrl.timings,
+        # compute seconds summed over servers during the training loop (embedded servers report it)
+        "server_busy_s": ctrl.timings.get("server_busy_s"),
+        "num_servers": num_servers,
+        "evals": ctrl.evals,
+        "final_checkpoint": final_checkpoint,
+        "model": plan.model_path,
+    }
+
+
+def write_outputs(run_dir: str, summary: dict[str, Any], logger: Any) -> None:
+    from areal_async.metrics import plot_run
+
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    logger.close()
+    plot_run(run_dir)
+    print_summary(summary)
+
+
+async def _server_busy_s(urls: list[str], api_key: str | None) -> float | None:
+    """Seconds the servers spent computing (the embedded engine reports `busy_s` in /server_info; others don't)."""
+    import aiohttp
+
+    total = 0.0
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            for url in urls:
+                async with http.get(url + "/server_info", headers=headers) as r:
+                    busy = (await r.json()).get("busy_s")
+                    if busy is None:
+                        return None
+                    total += float(busy)
+    except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
+        return None
+    return total
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    gain = (None if s["base_accuracy"] is None or s["final_accuracy"] is None
+            else s["final_accuracy"] - s["base_accuracy"])
+    rows = [
+        ("mode", f"{s['mode']} (eta={s['eta']}, in-flight updates: {s['interrupt_mode']})"),
+        ("held-out accuracy", f"{pct(s['base_accuracy'])} -> {pct(s['final_accuracy'])}"
+                              + (f"  ({100 * gain:+.1f} pts)" if gain is not None else "")),
+        ("train steps", str(s["steps"])),
+        ("trained samples", f"{s['trained_samples']}  ({s['trained_samples_per_s']:.1f}/s)"),
+        ("dropped groups", ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"),
+        ("wall time", f"{s['wall_s']:.1f} s"),
+        ("max staleness seen", str(s["max_staleness_seen"])),
+        ("final checkpoint", str(s["final_checkpoint"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n" + "=" * 60)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    print("=" * 60)
+
+
+# ---- the command line -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m areal_async.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="configuration keys (set in a --config file or as key=value; mode, eta, steps and total_steps are "
+               "short for their schedule. keys):\n" + describe())
+    p.add_argument("--config", default=None, help="YAML config file (may start from another with `base: FILE`); "
+                                                  "without it the code defaults (= configs/default.yaml) apply")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--print-sbatch", action="store_true",
+                   help="launcher=slurm: print the batch script that runs this command, and exit (docs/cluster.md)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. mode=sync eta=2 train.optim.lr=1e-4")
-    args = p.parse_args(argv)
-    path = args.config
-    if path is None and os.path.exists(DEFAULT_CONFIG):
-        path = DEFAULT_CONFIG
-    return path, args.overrides
+    return p.parse_args(argv)
 
 
 def setup_logging(run_dir: str) -> None:
@@ -54,261 +444,26 @@ def setup_logging(run_dir: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def resolve_model(cfg: RunConfig) -> str:
-    if cfg.model.path == "tiny":
-        from areal_async.tasks.base_model import ensure_base_model
-
-        return ensure_base_model()
-    if not os.path.isdir(cfg.model.path) and cfg.server.backend == "embedded":
-        raise ConfigError(f"model.path: {cfg.model.path} is not a directory")
-    return cfg.model.path
-
-
-async def run(cfg: RunConfig, workflow: Any = None) -> dict[str, Any]:
-    """Launch servers and trainers, run the controller, write the outputs; always tear the children down.
-
-    `workflow` replaces the one `rollout.workflow` names, so a Python caller (an agent environment, a notebook) can
-    hand in its own without making it importable by name: either a Workflow (an object with
-    `async run(client, sample) -> list[Trajectory] | None`) or a factory `f(cfg, tokenizer, score) -> Workflow`
-    called once the tokenizer and the reward runner exist (`score` is the configured reward, run off the loop).
-    """
-    import msgspec
-
-    from areal_async.inference.client import InferenceClient
-    from areal_async.launcher import Launcher, free_port
-    from areal_async.metrics import MetricsLogger, plot_run
-    from areal_async.rewards.runner import RewardRunner
-    from areal_async.rollout.controller import AsyncRLController, RunState, ScheduleConfig, load_state
-    from areal_async.rollout.evaluate import evaluate
-    from areal_async.rollout.samples import SampleStream
-    from areal_async.rollout.workflows import build_workflow
-    from areal_async.tasks.datasets import load_samples
-    from areal_async.tokenizer import Tokenizer
-    from areal_async.train.client import TrainerGroup
-
-    run_dir = cfg.run_dir
-    t_setup = time.monotonic()
-    model_path = resolve_model(cfg)
-    tokenizer = Tokenizer(model_path)
-    train_samples, eval_samples = load_samples(cfg.data)
-    eval_samples = eval_samples[: cfg.eval.num_prompts]
-    log.info("model %s; %d train / %d eval samples", model_path, len(train_samples), len(eval_samples))
-
-    resumed = load_state(run_dir) if cfg.resume else None
-    if not cfg.resume and os.path.isdir(os.path.join(run_dir, "checkpoints")):
-        shutil.rmtree(os.path.join(run_dir, "checkpoints"))
-    old_metrics = os.path.join(run_dir, "metrics.jsonl")
-    if not resumed and os.path.exists(old_metrics):  # a fresh run: its records must not follow an older run's
-        kept = os.path.join(run_dir, time.strftime("metrics.before-%Y%m%d-%H%M%S.jsonl"))
-        os.replace(old_metrics, kept)
-        log.info("a new run in %s: the previous metrics.jsonl is kept as %s", run_dir, os.path.basename(kept))
-    state = resumed[0] if resumed else RunState()
-    if resumed:
-        log.info("resuming from %s at version %d (data position %d)", resumed[1], state.version,
-                 state.data_position)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(to_dict(cfg), f, indent=2)
-
-    train_cfg = msgspec.structs.replace(
-        cfg.train, optim=msgspec.structs.replace(cfg.train.optim, total_steps=cfg.total_steps))
-    secret = os.urandom(32)
-    launcher = Launcher(run_dir)
-    client = trainers = runner = None
-    logger = MetricsLogger(run_dir)
+def main(argv: list[str] | None = None, workflow: Any = None, launcher: Launcher | None = None) -> int:
+    """The command line entry point, also callable from Python: `main(["steps=20"], workflow=make_workflow)` runs
+    with the same config handling, logging and exit codes, and the given workflow and launcher (see `run`)."""
+    args = parse_args(argv)
     try:
-        srv = cfg.server
-        if srv.backend == "external":
-            urls = list(srv.urls)
-        else:
-            started = []
-            for i in range(srv.num_servers):
-                port = srv.port + i if srv.port else 0
-                if srv.backend == "embedded":
-                    started.append(launcher.start_embedded_server(
-                        i, model_path, host=srv.host, port=port, device=srv.device,
-                        max_total_tokens=srv.max_total_tokens, max_running_requests=srv.max_running_requests,
-                        api_key=srv.api_key, torch_threads=srv.torch_threads, prefix_cache=srv.prefix_cache))
-                else:
-                    started.append(launcher.start_sglang_server(
-                        i, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=srv.extra_args,
-                        base_gpu_id=srv.base_gpu_id, gpus_per_server=srv.gpus_per_server))
-            urls = [u for _, u in started]
-        launcher.start_trainers(
-            model=model_path, nproc=train_cfg.nproc, config_json=msgspec.json.encode(train_cfg).decode(),
-            seed=cfg.seed, secret_hex=secret.hex(), torch_threads=train_cfg.torch_threads,
-            resume=os.path.join(resumed[1], "trainer") if resumed else None, torchrun_args=train_cfg.torchrun_args,
-            cuda_visible_devices=train_cfg.cuda_visible_devices, temperature=cfg.rollout.temperature)
-        if srv.backend != "external":
-            await _race(launcher.wait_healthy(started, srv.startup_timeout_s, srv.api_key), launcher.watch())
-        client = InferenceClient(urls, api_key=srv.api_key)
-        trainers = await _race(TrainerGroup.connect(run_dir, train_cfg.nproc, secret, timeout=300.0),
-                               launcher.watch())
-        log.info("servers %s and %d trainer rank(s) ready in %.1fs", urls, train_cfg.nproc,
-                 time.monotonic() - t_setup)
-
-        runner = RewardRunner()
-
-        async def score(completion: str, answer: str, prompt: str) -> tuple[float, str | None]:
-            return await runner.score(cfg.data.reward, completion, answer, prompt=prompt,
-                                      timeout_s=cfg.rollout.reward_timeout_s)
-
-        if resumed:  # the servers start from the base model: bring them to the resumed version
-            pub = await trainers.publish(state.version, os.path.join(run_dir, "weights"), train_cfg.keep_versions)
-            await client.update_weights_from_disk(pub.path, state.version)
-
-        if train_cfg.weight_sync == "broadcast":
-            info = (await trainers.info())[0]
-            backend = "nccl" if info.device.startswith("cuda") else "gloo"
-            await trainers.init_broadcast_group(client, srv.host if srv.backend != "external" else _my_address(),
-                                                free_port(), num_server_ranks=len(urls), backend=backend)
-        if workflow is None:
-            workflow = build_workflow(cfg, tokenizer, score)
-        elif not hasattr(workflow, "run"):
-            workflow = workflow(cfg, tokenizer, score)
-
-        eval_priority = cfg.eval.priority
-        if eval_priority is None and cfg.server.backend == "embedded":
-            eval_priority = 1
-
-        async def evaluator() -> dict[str, float]:
-            return await evaluate(client, tokenizer, eval_samples, score, max_new_tokens=cfg.eval.max_new_tokens,
-                                  use_chat_template=cfg.data.apply_chat_template, priority=eval_priority)
-
-        sched = ScheduleConfig(
-            batch_size=cfg.rollout.batch_size, total_steps=cfg.total_steps, eta=cfg.rollout.effective_eta,
-            interruptible=cfg.rollout.interruptible, max_concurrent_groups=cfg.rollout.max_concurrent_groups,
-            filter_uniform_reward=cfg.rollout.filter_uniform_reward, eval_every=cfg.eval.every_steps,
-            checkpoint_every=cfg.train.checkpoint_every, keep_versions=train_cfg.keep_versions,
-            max_wall_s=cfg.max_wall_s, weight_sync=train_cfg.weight_sync)
-        ctrl = AsyncRLController(sched, client, trainers, workflow, SampleStream(train_samples, seed=cfg.seed),
-                                 run_dir, evaluator=evaluator if eval_samples else None, logger=logger, state=state,
-                                 busy_probe=lambda: _server_busy_s(urls, srv.api_key))
-        state = await _race(ctrl.run(), launcher.watch())
-        await _race(ctrl.save_checkpoint(), launcher.watch())
-        final_dir = os.path.join(run_dir, "final")
-        final_src = await _race(ctrl.publish_final(), launcher.watch())
-        if final_src:
-            if os.path.isdir(final_dir):
-                shutil.rmtree(final_dir)
-            shutil.copytree(final_src, final_dir)
-        summary = {
-            "mode": cfg.rollout.mode,
-            "eta": cfg.rollout.effective_eta,
-            "interruptible": cfg.rollout.interruptible,
-            "base_accuracy": state.base_accuracy,
-            "final_accuracy": ctrl.evals[-1]["accuracy"] if ctrl.evals else None,
-            "wall_s": state.wall_s,
-            "steps": state.version,
-            "trained_samples": state.trained_samples,
-            "trained_samples_per_s": state.trained_samples / max(state.wall_s, 1e-9),
-            "max_staleness_seen": state.max_staleness_seen,
-            "staleness_hist": state.staleness_hist,
-            "rollout": ctrl.rollout.stats.__dict__,
-            "timings": ctrl.timings,
-            # compute seconds summed over servers during the training loop (embedded servers report it)
-            "server_busy_s": ctrl.timings.get("server_busy_s"),
-            "num_servers": len(urls),
-            "evals": ctrl.evals,
-            "final_checkpoint": final_dir if final_src else None,
-            "model": model_path,
-        }
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        logger.close()
-        plot_run(run_dir)
-        print_summary(summary)
-        return summary
-    finally:
-        with contextlib.suppress(Exception):
-            logger.close()
-        if trainers is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(trainers.shutdown(), 30)
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await client.close()
-        if runner is not None:
-            with contextlib.suppress(Exception):
-                await runner.close()
-        launcher.shutdown()
-
-
-async def _race(main, watcher):
-    """Await `main`; if `watcher` (the children's health) raises first, cancel `main` and raise that."""
-    main_t = asyncio.ensure_future(main)
-    watch_t = asyncio.ensure_future(watcher)
-    try:
-        done, _ = await asyncio.wait({main_t, watch_t}, return_when=asyncio.FIRST_COMPLETED)
-        if watch_t in done:
-            main_t.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await main_t
-            watch_t.result()
-        return main_t.result()
-    finally:
-        for t in (main_t, watch_t):
-            t.cancel()
-        await asyncio.gather(main_t, watch_t, return_exceptions=True)
-
-
-async def _server_busy_s(urls: list[str], api_key: str | None) -> float | None:
-    """Seconds the servers spent computing (the embedded engine reports `busy_s` in /server_info; others don't)."""
-    import aiohttp
-
-    total = 0.0
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            for url in urls:
-                async with session.get(url + "/server_info", headers=headers) as r:
-                    busy = (await r.json()).get("busy_s")
-                    if busy is None:
-                        return None
-                    total += float(busy)
-    except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
-        return None
-    return total
-
-
-def _my_address() -> str:
-    """An address of this host that external servers can reach (for the broadcast rendezvous)."""
-    import socket
-
-    return socket.gethostbyname(socket.gethostname())
-
-
-def print_summary(s: dict[str, Any]) -> None:
-    def pct(x: float | None) -> str:
-        return "n/a" if x is None else f"{100 * x:.1f}%"
-
-    gain = (None if s["base_accuracy"] is None or s["final_accuracy"] is None
-            else s["final_accuracy"] - s["base_accuracy"])
-    rows = [
-        ("mode", f"{s['mode']} (eta={s['eta']}, interruptible={s['interruptible']})"),
-        ("held-out accuracy", f"{pct(s['base_accuracy'])} -> {pct(s['final_accuracy'])}"
-                              + (f"  ({100 * gain:+.1f} pts)" if gain is not None else "")),
-        ("train steps", str(s["steps"])),
-        ("trained samples", f"{s['trained_samples']}  ({s['trained_samples_per_s']:.1f}/s)"),
-        ("wall time", f"{s['wall_s']:.1f} s"),
-        ("max staleness seen", str(s["max_staleness_seen"])),
-        ("final checkpoint", str(s["final_checkpoint"])),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print("\n" + "=" * 60)
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
-    print("=" * 60)
-
-
-def main(argv: list[str] | None = None, workflow: Any = None) -> int:
-    """The command line entry point, also callable from Python: `main(["total_steps=20"], workflow=make_workflow)`
-    runs with the same config handling, logging and exit codes, and the given workflow (see `run`)."""
-    try:
-        path, overrides = parse_args(argv)
-        cfg = load_config(path, overrides)
+        cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
+    interrupt_on_sigterm()  # SIGTERM tears down like Ctrl-C
+    from areal_async.launch.sbatch import cli as slurm_submission  # launcher=slurm outside an allocation
+
+    code = slurm_submission(cfg, args.config, args.overrides, print_sbatch=args.print_sbatch)
+    if code is not None:
+        return code
     setup_logging(cfg.run_dir)
     try:
         import uvloop
@@ -317,7 +472,7 @@ def main(argv: list[str] | None = None, workflow: Any = None) -> int:
     except ImportError:
         runner = asyncio.run
     try:
-        runner(run(cfg, workflow))
+        runner(run(cfg, workflow, launcher))
     except KeyboardInterrupt:
         log.warning("interrupted; children stopped")
         return 130

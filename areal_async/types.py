@@ -89,7 +89,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     logprobs: list[float]  # [T] behaviour logprobs, 0.0 where loss_mask is 0
     versions: list[int]  # [T] producing version, -1 where loss_mask is 0
     reward: float
-    group_id: int  # samples of one prompt group share it; advantages are computed within groups
+    group_id: int = -1  # samples of one prompt group share it (the rollout manager sets it); advantages are per group
     prompt_len: int = 0  # tokens before the first generated one (for overlong penalties and stats)
     info: dict[str, float | int | str | bool] = {}
 

@@ -273,7 +273,7 @@ def main() -> None:
     seconds = args.seconds or (2.0 if args.quick else 15.0)
     fixed_ms = args.latency_ms if args.latency_ms is not None else (20.0 if args.quick else None)
 
-    from areal_async.launcher import free_port
+    from areal_async.launch import free_port
     from areal_async.tasks.char_tokenizer import save_char_tokenizer
 
     runs = []

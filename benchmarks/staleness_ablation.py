@@ -4,7 +4,7 @@
 
 eta in {0, 1, 2, 4, 8, 16, unbounded} x {naive PPO (trust region centred on the behaviour policy), decoupled PPO}:
 final held-out accuracy and effective throughput (trained samples/s). Unbounded staleness keeps the concurrency cap
-(rollout.max_concurrent_groups) as its only limit. Writes JSON, a markdown table laid out like the paper's (.md) and
+(schedule.max_concurrent_groups) as its only limit. Writes JSON, a markdown table laid out like the paper's (.md) and
 a PNG (.png).
 """
 
@@ -32,7 +32,7 @@ def main() -> None:
     if args.quick:
         etas = ["0", "none"]
         args.steps = 2
-        extra = ["rollout.batch_size=2", "rollout.group_size=2", "eval.num_prompts=8", "rollout.max_new_tokens=24",
+        extra = ["schedule.batch_size=2", "rollout.group_size=2", "eval.num_prompts=8", "rollout.max_new_tokens=24",
                  "eval.max_new_tokens=24", *extra]
     out_dir = os.path.splitext(os.path.abspath(args.out))[0] + "_runs"
     rows = []
@@ -42,7 +42,7 @@ def main() -> None:
             name = f"eta={eta} {objective}"
             s = run_one(name, os.path.join(out_dir, f"eta{eta}_{objective}"),
                         [*mode, f"train.loss.decoupled={'true' if objective == 'decoupled' else 'false'}",
-                         f"total_steps={args.steps}", "eval.every_steps=0", *extra])
+                         f"total_steps={args.steps}", "schedule.eval_every=0", *extra])
             rows.append({"eta": eta, "objective": objective, "final_accuracy": s["final_accuracy"],
                          "base_accuracy": s["base_accuracy"], "wall_s": s["wall_s"],
                          "trained_samples_per_s": s["trained_samples"] / s["wall_s"],

@@ -30,7 +30,7 @@ MODES = [
     ("async eta=2", ["mode=async", "eta=2"]),
     ("async eta=4", ["mode=async", "eta=4"]),
     ("async eta=8", ["mode=async", "eta=8"]),
-    ("async eta=4, no interruption", ["mode=async", "eta=4", "rollout.interruptible=false"]),
+    ("async eta=4, no interruption", ["mode=async", "eta=4", "schedule.interruptible=false"]),
 ]
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     extra = list(args.overrides)
     if args.quick:
         modes = [MODES[0], MODES[3]]
-        extra = ["rollout.batch_size=2", "rollout.group_size=2", "eval.num_prompts=8", "rollout.max_new_tokens=24",
+        extra = ["schedule.batch_size=2", "rollout.group_size=2", "eval.num_prompts=8", "rollout.max_new_tokens=24",
                  "eval.max_new_tokens=24", *extra]
         args.steps = 2
     out_dir = os.path.splitext(os.path.abspath(args.out))[0] + "_runs"
@@ -64,7 +64,7 @@ def main() -> None:
                 s = load_run(name, run_dir)
             else:
                 s = run_one(name, run_dir,
-                            [*ov, f"total_steps={args.steps}", f"eval.every_steps={args.eval_every}", *extra])
+                            [*ov, f"total_steps={args.steps}", f"schedule.eval_every={args.eval_every}", *extra])
             runs.append(_row(name, s, rnd))
         sync = next((r for r in runs if r["mode"] == "sync"), None)
         for r in runs:  # held-out evals are the same work in every mode: also compare without the time they cost

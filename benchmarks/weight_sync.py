@@ -44,11 +44,11 @@ SHAPES = {
 async def _measure(model_dir: str, work: str, args: argparse.Namespace) -> dict:
     from areal_async.inference.client import InferenceClient
     from areal_async.inference.server import start_server
-    from areal_async.launcher import Launcher, free_port
+    from areal_async.launch import Processes, free_port
     from areal_async.train.client import TrainerGroup
 
     secret = secrets.token_bytes(32)
-    launcher = Launcher(os.path.join(work, "run"))
+    launcher = Processes(os.path.join(work, "run"))
     cfg = json.dumps({"torch_threads": args.threads})
     child = launcher.start_trainers(model=model_dir, nproc=args.nproc, config_json=cfg, seed=1,
                                     secret_hex=secret.hex(), torch_threads=args.threads)

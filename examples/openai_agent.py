@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lets the run i
 
 from openai import AsyncOpenAI  # noqa: E402
 
-from areal_async.agent import AgentWorkflow, OpenAIProxy  # noqa: E402
+from areal_async.agent import AgentWorkflow, OpenAIProxy, PolicySampling  # noqa: E402
 
 
 def make_workflow(cfg, tokenizer, score):  # rollout.workflow = "openai_agent:make_workflow"
@@ -34,8 +34,10 @@ def make_workflow(cfg, tokenizer, score):  # rollout.workflow = "openai_agent:ma
             prompt = f"{prompt}{text}\nWrong, try again.\n{ctx.sample.prompt}"
         return 0.0
 
-    # the proxy forwards through the controller's InferenceClient (AgentWorkflow hands it over per episode)
-    return AgentWorkflow(OpenAIProxy(None, tokenizer), agent, r.group_size)
+    # the proxy forwards through the controller's InferenceClient (AgentWorkflow hands it over per episode); its
+    # calls are sampled at the run's rollout settings, at which the trainer computes logprobs, whatever the agent asks
+    policy = PolicySampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    return AgentWorkflow(OpenAIProxy(None, tokenizer, policy=policy), agent, r.group_size)
 
 
 if __name__ == "__main__":

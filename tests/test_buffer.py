@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from areal_async.rollout.buffer import BufferClosed, Group, StalenessBuffer
+from areal_async.testing.staleness_sim import OldStragglerRule, SimConfig, simulate
 from areal_async.types import Trajectory
 
 
@@ -26,9 +27,11 @@ async def test_admission_rule_caps_started_groups(eta, batch):
     await fill(buf, (eta + 1) * batch)
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(buf.acquire_slot(), 0.05)
-    # finishing groups does not free capacity: accepted_total counts them
+    # finishing groups does not free capacity, nor does taking a batch: accepted_total counts them
     for i in range(batch):
         await buf.finish(group(i))
+    assert buf.capacity() == 0
+    assert len(await buf.get_batch()) == batch
     assert buf.capacity() == 0
     # a new version does: exactly B more
     await buf.set_version(1)
@@ -116,7 +119,7 @@ async def test_batch_waits_for_a_straggler_and_takes_oldest_starts_first():
     batch = await asyncio.wait_for(waiter, 1.0)
     assert [g.start_version for g in batch] == [0, 0]
     assert sorted(g.trajectories[0].reward for g in batch) == [2.0, 3.0]
-    assert [g.start_version for g in buf._groups] == [1, 1]
+    assert buf.buffered_by_version() == {1: 2}
 
 
 async def test_rejected_straggler_releases_the_batch():
@@ -131,3 +134,137 @@ async def test_rejected_straggler_releases_the_batch():
     assert (await asyncio.wait_for(waiter, 1.0))[0].trajectories[0].reward == 7.0
     with pytest.raises(ValueError, match="start_version"):
         await buf.finish(None)
+
+
+# ---- issue 10: the bound for eta >= 2 -------------------------------------------------------------------------------
+
+
+async def test_eta2_b1_slow_old_groups_hold_the_fast_new_one():
+    """The issue's first counterexample, by hand. Two slow groups start under 0; a fast one started under 1 is done
+    at step 1. The old rule trained it there (and at step 3 a group started under 0, 3 versions old); now step 1
+    waits, since two groups due by step 2 would otherwise be left for one step."""
+    buf = StalenessBuffer(1, 2, max_running=100)
+    assert [await buf.acquire_slot() for _ in range(3)] == [0, 0, 0]  # g0 fast, g1 and g2 slow
+    await buf.finish(started_at(0, 0))
+    trained = [(0, await buf.get_batch())]
+    await buf.set_version(1)
+    assert await buf.acquire_slot() == 1
+    await buf.finish(started_at(3, 1))  # the fast group of version 1 is done
+    step1 = asyncio.create_task(buf.get_batch())
+    await asyncio.sleep(0.05)
+    assert not step1.done() and buf.held_batches == 1  # B groups are there, but the rule holds them
+    await buf.finish(started_at(1, 0))
+    trained.append((1, await asyncio.wait_for(step1, 1)))
+    assert trained[1][1][0].trajectories[0].reward == 1.0  # the old group, not the fast new one
+    await buf.set_version(2)
+    assert buf.capacity() == 1 and await buf.acquire_slot() == 2
+    await buf.finish(started_at(4, 2))
+    step2 = asyncio.create_task(buf.get_batch())
+    await asyncio.sleep(0.05)
+    assert not step2.done()  # g2 (started under 0) is due now: the straggler wait
+    await buf.finish(started_at(2, 0))
+    trained.append((2, await asyncio.wait_for(step2, 1)))
+    await buf.set_version(3)
+    trained.append((3, await asyncio.wait_for(buf.get_batch(), 1)))
+    assert [[g.trajectories[0].reward for g in b] for _, b in trained] == [[0.0], [1.0], [2.0], [3.0]]
+    assert [v - b[0].start_version for v, b in trained] == [0, 1, 2, 2]
+    assert buf.held_s > 0
+
+
+def fast_and_slow(slow: set[int], slow_s: float = 20.0):
+    return lambda i, rng: slow_s if i in slow else 0.1
+
+
+@pytest.mark.parametrize("name,b,eta,cap,slow,old_worst", [
+    ("eta2_b1", 1, 2, 100, {1, 2}, 3),  # two slow groups under 0
+    ("eta4_b2", 2, 4, 100, set(range(2, 10)), 7),  # 8 slow of the 10 started under 0: steps 4..7 went 4..7 old
+    ("defaults", 16, 4, 64, set(range(16, 64)), 6),  # B=16, eta=4, 64 concurrent: 48 slow groups under 0
+])
+def test_issue_counterexamples_hold_the_bound(name, b, eta, cap, slow, old_worst):
+    """The issue's schedules on a simulated clock: the old rule reproduces the reported staleness, the new one stays
+    at eta (and reaches it: the old groups are trained exactly at their deadline)."""
+    cfg = SimConfig(b, eta, cap, steps=3 * eta + 4, duration=fast_and_slow(slow))
+    old = simulate(cfg, OldStragglerRule)
+    assert old.max_staleness == old_worst
+    new = simulate(cfg)
+    assert not new.violations, new.violations
+    assert new.max_staleness == eta
+    assert [bt.version for bt in new.batches] == list(range(cfg.steps))
+
+
+async def test_earliest_deadline_first_does_not_wait_for_a_group_that_has_time():
+    """eta = 4, B = 1: a group started under 0 is still running at step 1, but steps 2..4 can still train it; the
+    batch of step 1 (a group of version 1) goes ahead. Strict start order would wait here."""
+    buf = StalenessBuffer(1, 4, max_running=100)
+    assert [await buf.acquire_slot() for _ in range(2)] == [0, 0]
+    await buf.finish(started_at(0, 0))
+    await buf.get_batch()
+    await buf.set_version(1)
+    assert await buf.acquire_slot() == 1
+    await buf.finish(started_at(5, 1))
+    batch = await asyncio.wait_for(buf.get_batch(), 1)
+    assert batch[0].start_version == 1 and buf.held_batches == 0
+    assert buf.running_by_version() == {0: 1}
+
+
+async def test_a_rejected_old_group_releases_the_held_batch():
+    buf = StalenessBuffer(1, 2, max_running=100)
+    for _ in range(3):
+        await buf.acquire_slot()
+    await buf.finish(started_at(0, 0))
+    await buf.get_batch()
+    await buf.set_version(1)
+    await buf.acquire_slot()
+    await buf.finish(started_at(3, 1))
+    waiter = asyncio.create_task(buf.get_batch())
+    await asyncio.sleep(0.02)
+    assert not waiter.done()
+    await buf.finish(None, 0)  # one of the two old groups is filtered out: the other still fits in step 2
+    batch = await asyncio.wait_for(waiter, 1)
+    assert batch[0].start_version == 1 and buf.rejected_total == 1
+
+
+async def test_unbounded_eta_takes_oldest_starts_and_any_n():
+    buf = StalenessBuffer(2, None, max_running=10)
+    for _ in range(3):
+        await buf.acquire_slot()
+    await buf.finish(started_at(0, 0))
+    await buf.set_version(1)  # no batch needed per version when nothing is bounded
+    await buf.acquire_slot()
+    await buf.finish(started_at(1, 1))
+    await buf.finish(started_at(2, 0))
+    batch = await asyncio.wait_for(buf.get_batch(3), 1)
+    assert [g.start_version for g in batch] == [0, 0, 1]
+    assert buf.trained_total == 3
+
+
+async def test_protocol_errors_are_clear():
+    buf = StalenessBuffer(2, 1, max_running=10)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        await buf.get_batch(1)
+    with pytest.raises(ValueError, match="before the batch of step 0"):
+        await buf.set_version(1)
+    with pytest.raises(ValueError, match="one step at a time"):
+        await buf.set_version(2)
+    with pytest.raises(ValueError, match="no group started under version 0"):
+        await buf.finish(None, 0)
+    assert await buf.acquire_slot() == 0
+    with pytest.raises(ValueError, match="the group says 0"):
+        await buf.finish(started_at(0, 0), 1)
+    with pytest.raises(ValueError, match="restore"):
+        buf.restore(3)
+    with pytest.raises(ValueError, match="max_running"):
+        StalenessBuffer(1, 1, 0)
+
+
+async def test_restore_then_steps_from_there():
+    buf = StalenessBuffer(2, 1, max_running=100)
+    buf.restore(7)
+    assert buf.trained_total == 14 and buf.capacity() == (1 + 7 + 1) * 2 - 14
+    starts = [await buf.acquire_slot() for _ in range(4)]
+    assert starts == [7] * 4
+    for i in range(4):
+        await buf.finish(started_at(i, 7))
+    assert [g.start_version for g in await buf.get_batch()] == [7, 7]
+    await buf.set_version(8)
+    assert buf.capacity() == 2 and len(buf) == 2  # B more may start; the other two wait for step 8

@@ -1,11 +1,8 @@
 """InferenceClient against a stand-in SGLang app: wire format, retries, routing, failover, interruption logic.
 
-The stand-in (`FakeSGLang`) is not a model and not our server: it exists because a real server will not, on demand,
-answer 500 twice, die mid-request and come back on the same port, abort a request "from elsewhere" at a chosen
-token, or fail a weight update on one replica. It answers with SGLang 0.5.x's shapes and records what it received.
-Its "model" is arithmetic: token ids 4..29 stand for the letters a..z and the next token is the letter after the last
-input token (wrapping), so outputs are predictable and a resubmitted request continues seamlessly.
-The client against the real embedded server is tested in tests/test_client_server.py and tests/test_interruption.py.
+The stand-in (`areal_async.testing.fake_sglang.FakeSGLang`) answers with SGLang 0.5.x's shapes and injects faults
+on demand (see its docstring). The client against the real embedded server is tested at the end of this file, in
+tests/test_interruption.py, and with real process signals in tests/test_client_faults.py.
 """
 
 from __future__ import annotations
@@ -14,199 +11,12 @@ import asyncio
 import subprocess
 import sys
 
-import msgspec
 import pytest
-from aiohttp import web
 
-from areal_async.inference.client import AdminError, InferenceClient, InferenceError, _find_stop, parse_weight_version
+from areal_async.inference.client import AdminError, InferenceClient, InferenceError, find_stop, parse_weight_version
 from areal_async.inference.routing import Router
+from areal_async.testing.fake_sglang import FIRST, NUM, FakeSGLang, tok_logprob, tok_text
 from areal_async.types import SamplingParams
-
-FIRST, NUM = 4, 26  # token ids 4..29 are the letters a..z  # token ids 4..29 are the letters a..z
-
-
-def tok_text(t: int) -> str:
-    return chr(ord("a") + (t - FIRST) % NUM) if FIRST <= t < FIRST + NUM else f"<{t}>"
-
-
-def next_tok(t: int) -> int:
-    return FIRST + (t - FIRST + 1) % NUM if FIRST <= t < FIRST + NUM else FIRST
-
-
-def tok_logprob(t: int, version: str) -> float:
-    v = 0 if version == "default" else int(version)
-    return -0.01 * t - v
-
-
-class FakeSGLang:
-    def __init__(self, port: int = 0, *, token_delay: float = 0.0, version: str = "default"):
-        self.port = port
-        self.token_delay = token_delay
-        self.version = version
-        self.received: list[dict] = []  # /generate bodies in arrival order
-        self.auth: list[str | None] = []
-        self.fail_statuses: list[int] = []  # popped one per /generate: answer with this status instead
-        self.abort_after: list[int] = []  # popped one per /generate: abort after this many tokens
-        self.health_status = 200
-        self.update_ok = True
-        self.admin: list[tuple[str, dict]] = []
-        self.paused = False
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self._inflight: dict[str, dict] = {}
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self._inflight)
-
-    async def wait_progress(self, n_requests: int, n_tokens: int) -> None:
-        """Until `n_requests` are in flight and each has made at least `n_tokens` tokens."""
-        for _ in range(5000):
-            made = [st["made"] for st in self._inflight.values()]
-            if len(made) >= n_requests and min(made) >= n_tokens:
-                return
-            await asyncio.sleep(0.002)
-        raise AssertionError("stand-in made no progress")
-
-    async def start(self) -> "FakeSGLang":
-        app = web.Application()
-        app.router.add_post("/generate", self._generate)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/model_info", self._model_info)
-        app.router.add_post("/pause_generation", self._pause)
-        app.router.add_post("/continue_generation", self._continue)
-        app.router.add_post("/abort_request", self._abort)
-        app.router.add_post("/update_weights_from_disk", self._update)
-        app.router.add_post("/update_weight_version", self._update_version)
-        for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/flush_cache"):
-            app.router.add_post(path, self._record_ok)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.05, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-        return self
-
-    async def kill(self) -> None:
-        """Drop every connection and stop listening, like a crashed process."""
-        for st in list(self._inflight.values()):
-            st["task"].cancel()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        self._inflight.clear()
-
-    @staticmethod
-    def _json(obj, status: int = 200) -> web.Response:
-        return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
-
-    async def _generate(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.received.append(body)
-        self.auth.append(request.headers.get("Authorization"))
-        if self.fail_statuses:
-            status = self.fail_statuses.pop(0)
-            return self._json({"error": {"message": f"injected {status}"}}, status)
-        sp = body["sampling_params"]
-        if sp["max_new_tokens"] > 10_000:
-            return self._json({"error": {"message": "max_new_tokens is too large"}}, 400)
-        rid = body["rid"]
-        if rid in self._inflight:
-            return self._json({"error": {"message": f"rid {rid} in flight"}}, 400)
-        await self._resumed.wait()  # a request that arrives while paused waits, as in SGLang
-        st = {"aborted": False, "task": asyncio.current_task(), "made": 0}
-        self._inflight[rid] = st
-        try:
-            abort_at = self.abort_after.pop(0) if self.abort_after else None
-            ids = list(body["input_ids"])
-            out: list[int] = []
-            version = self.version
-            finish: dict = {"type": "length", "length": sp["max_new_tokens"]}
-            stops = sp.get("stop") or []
-            text = ""
-            while len(out) < sp["max_new_tokens"]:
-                await asyncio.sleep(self.token_delay)
-                if st["aborted"] or (abort_at is not None and len(out) >= abort_at):
-                    finish = {"type": "abort", "message": "Abort before prefill" if not out else "aborted",
-                              "status_code": None, "err_type": None}
-                    break
-                t = next_tok(ids[-1] if not out else out[-1])
-                out.append(t)
-                st["made"] = len(out)
-                text += tok_text(t)
-                if len(out) >= sp.get("min_new_tokens", 0):
-                    hit = next((s for s in stops if text.endswith(s)), None)  # own segment only, like SGLang
-                    if hit is not None:
-                        finish = {"type": "stop", "matched": hit}
-                        text = text[: -len(hit)]
-                        break
-            with_text = body.get("return_text_in_logprobs", False)
-            meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(out),
-                    "cached_tokens": 0, "weight_version": version, "e2e_latency": 0.0,
-                    "output_token_logprobs": [[tok_logprob(t, version), t, tok_text(t) if with_text else None]
-                                              for t in out]}
-            return self._json({"text": text, "output_ids": out, "meta_info": meta})
-        finally:
-            self._inflight.pop(rid, None)
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=self.health_status)
-
-    async def _model_info(self, request: web.Request) -> web.Response:
-        return self._json({"model_path": "fake", "tokenizer_path": "fake", "is_generation": True,
-                           "weight_version": self.version})
-
-    async def _pause(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.admin.append(("pause", body))
-        self.paused = True
-        self._resumed.clear()
-        if body.get("mode", "abort") == "abort":
-            marked = set(self._inflight)
-            for st in self._inflight.values():
-                st["aborted"] = True
-            while marked & set(self._inflight):  # returns once the aborted requests have answered
-                await asyncio.sleep(0.001)
-        return self._json({"message": "Generation paused successfully.", "status": "ok"})
-
-    async def _continue(self, request: web.Request) -> web.Response:
-        self.admin.append(("continue", msgspec.json.decode(await request.read())))
-        self.paused = False
-        self._resumed.set()
-        return self._json({"message": "Generation continued successfully.", "status": "ok"})
-
-    async def _abort(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.admin.append(("abort", body))
-        for rid, st in self._inflight.items():
-            if body.get("abort_all") or rid.startswith(body.get("rid", "")):
-                st["aborted"] = True
-        return web.Response(status=200)
-
-    async def _update(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.admin.append(("update", body))
-        if not self.update_ok:
-            return self._json({"success": False, "message": "cannot load", "num_paused_requests": 0}, 400)
-        self.version = body["weight_version"]
-        return self._json({"success": True, "message": "ok", "num_paused_requests": 0})
-
-    async def _record_ok(self, request: web.Request) -> web.Response:
-        raw = await request.read()
-        self.admin.append((request.path, msgspec.json.decode(raw) if raw else {}))
-        return self._json({"success": True, "message": "ok"})
-
-    async def _update_version(self, request: web.Request) -> web.Response:
-        body = msgspec.json.decode(await request.read())
-        self.admin.append(("version", body))
-        self.version = body["new_version"]
-        return self._json({"success": True, "message": "ok"})
-
 
 # ---- fixtures --------------------------------------------------------------------------------------------------
 
@@ -251,11 +61,11 @@ def test_parse_weight_version():
 
 def test_find_stop_places_match_on_completing_token():
     texts = ["ab", "c", "de", "f"]
-    assert _find_stop(texts, ["cd"], 0) == (2, "cd", 2)  # 'd' arrives with token 2
-    assert _find_stop(texts, ["zz"], 0) is None
-    assert _find_stop(texts, ["f", "bc"], 0) == (1, "bc", 1)  # earliest completing token wins
-    assert _find_stop(texts, ["bc"], 3) is None  # min_new_tokens: too early to stop
-    assert _find_stop(["a", "b", "a", "b"], ["ab"], 3) == (3, "ab", 2)  # a later occurrence still counts
+    assert find_stop(texts, ["cd"], 0) == (2, "cd", 2)  # 'd' arrives with token 2
+    assert find_stop(texts, ["zz"], 0) is None
+    assert find_stop(texts, ["f", "bc"], 0) == (1, "bc", 1)  # earliest completing token wins
+    assert find_stop(texts, ["bc"], 3) is None  # min_new_tokens: too early to stop
+    assert find_stop(["a", "b", "a", "b"], ["ab"], 3) == (3, "ab", 2)  # a later occurrence still counts
 
 
 def test_router_least_outstanding_and_sticky():
@@ -282,7 +92,10 @@ def test_router_least_outstanding_and_sticky():
 
 
 def test_client_module_does_not_import_torch():
-    code = ("import sys; import areal_async.inference.client, areal_async.inference.routing; "
+    mods = ["inference.client", "inference.routing", "inference.transport", "inference.resume",
+            "inference.sglang_wire", "inference.fleet", "inference.openai_protocol", "inference.openai_responses",
+            "agent", "agent.workflow", "testing.fake_sglang"]
+    code = (f"import sys; import {', '.join('areal_async.' + m for m in mods)}; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -555,18 +368,39 @@ async def test_connection_cap_holds_generations_back_but_not_admin_calls(fakes):
 # ---- admin fan-out ---------------------------------------------------------------------------------------------
 
 
-async def test_update_failure_is_aggregated(fakes):
+async def test_failed_weight_load_leaves_rotation_until_it_holds_the_weights(fakes):
+    """A server whose load fails keeps its old weights: it must not serve (nor be relabelled) until it has loaded
+    the current ones, which it retries by itself; a load that fails everywhere changes nothing and raises."""
     a, b = await fakes(2)
     b.update_ok = False
     async with fast_client([a.url, b.url]) as c:
-        with pytest.raises(AdminError) as ei:
-            await c.update_weights_from_disk("/ckpt/v3", 3)
-        assert ei.value.results[a.url]["success"] is True
-        assert isinstance(ei.value.results[b.url], InferenceError) and "cannot load" in str(ei.value.results[b.url])
+        res = await c.update_weights_from_disk("/ckpt/v3", 3)  # one server took it: the run goes on
+        assert res[a.url]["success"] is True
+        assert isinstance(res[b.url], InferenceError) and "cannot load" in str(res[b.url])
+        st = c.stats()
+        assert st["servers"][b.url]["state"] == "syncing" and not st["servers"][b.url]["healthy"]
+        assert st["weight_load_failures"] >= 1
+        n_b = len(b.received)
+        await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=2)) for _ in range(6)))
+        assert len(b.received) == n_b  # old weights never serve
+        await c.update_weight_version(4)  # relabels a only: b's old weights must not become "4"
+        assert ("version", {"new_version": "4", "abort_all_requests": False}) in a.admin
+        assert not any(kind == "version" for kind, _ in b.admin)
         info = await c.model_info()
-        assert info[a.url]["weight_version"] == "3" and info[b.url]["weight_version"] == "default"
-        await c.update_weight_version(4)
-        assert {u: r["weight_version"] for u, r in (await c.model_info()).items()} == {a.url: "4", b.url: "4"}
+        assert info[a.url]["weight_version"] == "4" and info[b.url]["weight_version"] == "default"
+        b.update_ok = True  # the retry in the background now succeeds, under the current label
+        await _wait_healthy(c, b.url)
+        assert b.version == "4"
+        assert ("update", {"model_path": "/ckpt/v3", "weight_version": "4", "abort_all_requests": False,
+                           "flush_cache": True}) in b.admin
+        n_b = len(b.received)
+        out = await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=2)) for _ in range(6)))
+        assert all(r.output_versions == [4, 4] for r in out) and len(b.received) > n_b
+        a.update_ok = b.update_ok = False
+        with pytest.raises(AdminError) as ei:  # nobody took it: the target stays, both keep serving
+            await c.update_weights_from_disk("/ckpt/bad", 5)
+        assert set(ei.value.results) == {a.url, b.url}
+        assert c.weight_target.version == 4 and all(s["healthy"] for s in c.stats()["servers"].values())
         res = await c.pause(mode="in_place")
         assert set(res) == {a.url, b.url} and all(r["status"] == "ok" for r in res.values())
         await c.resume()

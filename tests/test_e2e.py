@@ -1,14 +1,17 @@
 """End to end: `python -m areal_async.run` with real servers, a real torchrun trainer and the real controller.
 
-These use a random tiny checkpoint, so they check the machinery (staleness bound, interruption, resume, outputs,
-crash handling), not learning; tests/test_learning.py checks that the default task learns.
+These use a random tiny checkpoint, so they check the machinery (staleness bound, interruption, in-place weight
+updates, resume after a normal stop and after a SIGKILL, the sample accounting, outputs, crash handling, the checks
+before launch), not learning; tests/test_learning.py checks that the default task learns.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +19,11 @@ import time
 
 import pytest
 
+from areal_async.rollout import ledger
+
 pytestmark = pytest.mark.slow
 
-COMMON = ["rollout.batch_size=4", "rollout.group_size=4", "rollout.max_new_tokens=200", "eval.num_prompts=8",
+COMMON = ["schedule.batch_size=4", "rollout.group_size=4", "rollout.max_new_tokens=200", "eval.num_prompts=8",
           "eval.max_new_tokens=16", "data.num_train=200", "data.num_eval=8", "train.micro_batch_tokens=1024",
           "server.max_total_tokens=16384"]
 
@@ -31,6 +36,15 @@ def run_cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProces
 def records(run_dir: str, kind: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def index_lines(run_dir: str) -> list[dict]:
+    return ledger.read(os.path.join(run_dir, ledger.FILE_NAME))
+
+
+def resolved(lines: list[dict]) -> set[int]:
+    return ({i for r in lines for i in r.get("trained", [])} | {d["index"] for r in lines for d in r.get("dropped", [])}
+            | {i for r in lines for i in r.get("unfinished", [])})
 
 
 def child_pids(run_dir: str) -> list[int]:
@@ -53,11 +67,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
 @pytest.fixture(scope="module")
 def async_run(tiny_ckpt, tmp_path_factory) -> str:
     run_dir = str(tmp_path_factory.mktemp("e2e") / "async")
     p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=3", "total_steps=4",
-                 "eval.every_steps=2", "train.checkpoint_every=2", "server.max_running_requests=4", *COMMON])
+                 "schedule.eval_every=2", "schedule.checkpoint_every=2", "server.max_running_requests=4", *COMMON])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run_dir
 
@@ -65,9 +89,10 @@ def async_run(tiny_ckpt, tmp_path_factory) -> str:
 def test_async_run_outputs_and_staleness_bound(async_run):
     with open(os.path.join(async_run, "summary.json")) as f:
         s = json.load(f)
-    for key in ("base_accuracy", "final_accuracy", "wall_s", "mode", "eta", "trained_samples", "max_staleness_seen"):
+    for key in ("base_accuracy", "final_accuracy", "wall_s", "mode", "eta", "trained_samples", "max_staleness_seen",
+                "interrupt_mode", "dropped"):
         assert key in s
-    assert s["mode"] == "async" and s["eta"] == 3 and s["steps"] == 4
+    assert s["mode"] == "async" and s["eta"] == 3 and s["steps"] == 4 and s["interrupt_mode"] == "abort"
     assert s["trained_samples"] == 4 * 4 * 4
     train = records(async_run, "train")
     assert [r["version"] for r in train] == [1, 2, 3, 4]
@@ -83,27 +108,129 @@ def test_async_run_outputs_and_staleness_bound(async_run):
     # it: every eval token comes from the version the eval reports
     assert all(r["min_version"] == r["max_version"] == r["version"] for r in evals), evals
     for path in ("progress.png", "final/config.json", "final/model.safetensors", "final/tokenizer.json",
-                 "checkpoints/latest.json", "logs/server0.log", "logs/trainer.log"):
+                 "checkpoints/latest.json", "logs/server0.log", "logs/trainer.log", "trained_index.jsonl"):
         assert os.path.exists(os.path.join(async_run, path)), path
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(os.path.join(async_run, "tensorboard")))
+    # the accounting: one line per step with its B groups, an end line, every draw exactly once
+    lines = index_lines(async_run)
+    assert [r.get("version") for r in lines[:-1]] == [1, 2, 3, 4] and lines[-1]["end"]
+    assert all(len(r["trained"]) == 4 for r in lines[:-1])
+    ledger.check_invariant(lines)
 
 
 def test_resume_continues_version_and_data_position(async_run, tiny_ckpt):
     with open(os.path.join(async_run, "checkpoints", "latest.json")) as f:
         before = json.load(f)
     assert before["version"] == 4
+    # what the final checkpoint had not seen resolved: what the end line names (written after the checkpoint)
+    end = index_lines(async_run)[-1]
+    assert set(before["pending"]) == resolved([end]) and before["pending"]
     p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={async_run}", "mode=async", "eta=3", "total_steps=6",
-                 "eval.every_steps=0", *COMMON])
+                 "schedule.eval_every=0", *COMMON])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "resuming from" in p.stdout
     train = records(async_run, "train")
-    assert [r["version"] for r in train][-2:] == [5, 6]
+    assert [r["version"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness_max"] <= 3 for r in train)
     with open(os.path.join(async_run, "checkpoints", "latest.json")) as f:
         after = json.load(f)
     assert after["version"] == 6
     assert after["data_position"] > before["data_position"]
     assert after["trained_samples"] == 6 * 16
+    lines = index_lines(async_run)
+    assert [r.get("version") for r in lines[:-1]] == [1, 2, 3, 4, 5, 6]  # the first run's end line was cut
+    ledger.check_invariant(lines)
+    assert set(before["pending"]) <= resolved(lines[4:])  # drawn again after the resume
+
+
+def test_killed_controller_resumes_with_exact_accounting(tiny_ckpt, tmp_path):
+    """SIGKILL the controller between two checkpoints: its children go with it, and a rerun with the same run_dir
+    cuts the records back to the checkpoint and draws every sample the checkpoint had not resolved again, once."""
+    run_dir = str(tmp_path / "killed")
+    args = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=2", "total_steps=6",
+            "schedule.eval_every=0", "schedule.checkpoint_every=2", *COMMON]
+    proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    path = os.path.join(run_dir, ledger.FILE_NAME)
+    try:
+        deadline = time.monotonic() + 180
+        while not (os.path.exists(path) and sum(1 for _ in open(path)) >= 3):  # past the checkpoint at 2
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no third train step within 180 s"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not wait_gone(child_pids(run_dir)), "the controller's children outlived it"
+    with open(os.path.join(run_dir, "checkpoints", "latest.json")) as f:
+        ckpt = json.load(f)
+    killed = index_lines(run_dir)
+    assert ckpt["version"] == 2 and [r["version"] for r in killed][:3] == [1, 2, 3] and "end" not in killed[-1]
+
+    p = run_cli(args)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resuming from" in p.stdout
+    lines = index_lines(run_dir)
+    assert [r.get("version") for r in lines[:-1]] == [1, 2, 3, 4, 5, 6] and lines[-1]["end"]
+    assert lines[:2] == killed[:2]  # what the checkpoint had seen stays as it was
+    ledger.check_invariant(lines)
+    assert set(ckpt["pending"]) <= resolved(lines[2:])
+    assert [r["version"] for r in records(run_dir, "train")] == [1, 2, 3, 4, 5, 6]  # metrics cut back too
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["trained_samples"] == 6 * 16
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_server_reports_version_spans(ckpt: str) -> bool:
+    """Whether a response says where its weight version changed (meta_info weight_version_spans)."""
+    import asyncio
+
+    import aiohttp
+
+    from areal_async.inference.server import start_server
+
+    async def probe() -> bool:
+        async with await start_server(ckpt, port=0) as server, aiohttp.ClientSession() as s:
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+            async with s.post(server.url + "/generate", json=body) as r:
+                return "weight_version_spans" in (await r.json())["meta_info"]
+
+    return asyncio.run(probe())
+
+
+@pytest.fixture(scope="module", params=["disk", "broadcast"])
+def in_place_run(request, tiny_ckpt, tmp_path_factory) -> str:
+    run_dir = str(tmp_path_factory.mktemp("inplace") / request.param)
+    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=2", "total_steps=4",
+                 "schedule.interrupt_mode=in_place", f"train.weight_sync={request.param}", "schedule.eval_every=0",
+                 "server.max_running_requests=4", *COMMON])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run_dir
+
+
+def test_in_place_weight_updates_never_abort(in_place_run):
+    """pause(in_place) + a load without a cache flush, for disk and broadcast: requests in flight stay on the
+    server and continue (no abort, no resubmission), and the staleness bound holds."""
+    with open(os.path.join(in_place_run, "summary.json")) as f:
+        s = json.load(f)
+    assert s["interrupt_mode"] == "in_place" and s["trained_samples"] == 4 * 4 * 4
+    train = records(in_place_run, "train")
+    assert [r["version"] for r in train] == [1, 2, 3, 4]
+    assert all(r["interrupted_frac"] == 0 for r in train), train
+    assert all(r["staleness_max"] <= 2 for r in train)
+    ledger.check_invariant(index_lines(in_place_run))
+
+
+def test_in_place_tokens_carry_exact_versions(in_place_run, tiny_ckpt):
+    """With the server reporting where a response's version changed, one response spans two versions without
+    being interrupted."""
+    if not embedded_server_reports_version_spans(tiny_ckpt):
+        pytest.skip("the embedded server does not report weight_version_spans yet")
+    train = records(in_place_run, "train")
+    assert any(r["multi_version_frac"] > 0 for r in train), train
+    assert all(r["interrupted_frac"] == 0 for r in train)
 
 
 def test_sync_mode_never_trains_stale_tokens(tiny_ckpt, tmp_path):
@@ -113,7 +240,7 @@ def test_sync_mode_never_trains_stale_tokens(tiny_ckpt, tmp_path):
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:  # an older run's records in the same folder
         f.write(json.dumps({"kind": "train", "step": 7, "time": 0.0, "version": 7}) + "\n")
     p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=sync", "total_steps=3",
-                 "eval.every_steps=0", "train.weight_sync=broadcast", *COMMON])
+                 "schedule.eval_every=0", "train.weight_sync=broadcast", *COMMON])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     train = records(run_dir, "train")
     assert len(train) == 3 and [r["version"] for r in train] == [1, 2, 3]  # only this run's
@@ -130,7 +257,7 @@ def test_sync_mode_never_trains_stale_tokens(tiny_ckpt, tmp_path):
 def test_crashed_trainer_ends_the_run_cleanly(tiny_ckpt, tmp_path):
     run_dir = str(tmp_path / "crash")
     proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", f"model.path={tiny_ckpt}",
-                             f"run_dir={run_dir}", "total_steps=10000", "eval.every_steps=0", *COMMON],
+                             f"run_dir={run_dir}", "total_steps=10000", "schedule.eval_every=0", *COMMON],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -160,6 +287,37 @@ def test_bad_config_names_the_key(tmp_path):
     assert p.returncode == 2 and "train.optim.lr" in p.stderr
 
 
+@pytest.mark.parametrize("override,key", [
+    ("data.reward=no_such_reward", "data.reward"),
+    ("data.reward=no_such_module:fn", "data.reward"),
+    ("rollout.workflow=no_such_module:make", "rollout.workflow"),
+    ("rollout.workflow=bogus", "rollout.workflow"),
+    ("data.name=/nowhere/train.jsonl", "data.name"),
+    ("model.path=/nowhere", "model.path"),
+])
+def test_problems_are_found_before_anything_is_launched(tiny_ckpt, tmp_path, override, key):
+    run_dir = tmp_path / "pre"
+    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", override], timeout=60)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stderr.startswith(f"config error: {key}"), p.stderr
+    assert not (run_dir / "logs").exists()  # nothing was started
+
+
+def test_missing_chat_template_is_found_before_launch(tiny_ckpt, tmp_path):
+    ckpt = tmp_path / "no_template"
+    shutil.copytree(tiny_ckpt, ckpt)
+    cfg_path = ckpt / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg.pop("chat_template")
+    cfg_path.write_text(json.dumps(tok_cfg))
+    for override, key in (("data.apply_chat_template=true", "data.apply_chat_template"),
+                          ("rollout.multi_turn.chat=true", "rollout.multi_turn.chat")):
+        p = run_cli([f"model.path={ckpt}", f"run_dir={tmp_path / 'r'}", "rollout.workflow=multi_turn", override],
+                    timeout=60)
+        assert p.returncode == 2 and p.stderr.startswith(f"config error: {key}: the chat template"), p.stderr
+    assert not (tmp_path / "r" / "logs").exists()
+
+
 EMBED_SCRIPT = """
 import sys
 from areal_async.rollout.workflows import build_workflow
@@ -184,7 +342,7 @@ def test_python_api_takes_a_workflow_factory(tiny_ckpt, tmp_path):
     """`main(argv, workflow=...)`: the run drives a workflow handed in from Python, not named in the config."""
     run_dir = str(tmp_path / "embed")
     p = subprocess.run([sys.executable, "-c", EMBED_SCRIPT, f"model.path={tiny_ckpt}", f"run_dir={run_dir}",
-                        "mode=sync", "total_steps=2", "eval.every_steps=0", *COMMON],
+                        "mode=sync", "total_steps=2", "schedule.eval_every=0", *COMMON],
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(os.path.join(run_dir, "calls.txt")) as f:

@@ -119,3 +119,34 @@ async def test_pause_resume_without_update_is_seamless(tiny_ckpt):
     assert res.output_ids == ref.output_ids  # greedy, same weights: identical to the uninterrupted run
     assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref.output_logprobs)) < 1e-4
     assert res.output_versions == [0] * 120
+
+
+async def test_in_place_pause_one_response_two_versions(tiny_ckpt, tiny_ckpt_b):
+    """pause(in_place) keeps the requests (and their KV cache) on the server while new weights load; one response
+    is then made by two versions, and the server says where the version changed (meta_info.weight_version_spans):
+    every token must carry the version that made it, with no interruption on the client's side."""
+    from areal_async.inference.server import start_server
+
+    async with await start_server(tiny_ckpt, port=0) as server, InferenceClient([server.url]) as client:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.url + "/generate", json={"input_ids": [5, 6], "return_logprob": True,
+                                                               "sampling_params": {"max_new_tokens": 1}}) as r:
+                if "weight_version_spans" not in (await r.json())["meta_info"]:
+                    pytest.skip("this embedded server does not report weight_version_spans yet")
+        ref = await client.agenerate(PROMPTS[0], greedy())
+        task = asyncio.create_task(client.agenerate(PROMPTS[0], greedy()))
+        seen = [0]
+        observer = asyncio.create_task(stream_progress(server.url, PROMPTS[1], seen))
+        for _ in range(2000):
+            if seen[0] >= 30:
+                break
+            await asyncio.sleep(0.005)
+        await client.pause(mode="in_place")
+        await client.update_weights_from_disk(tiny_ckpt_b, 1)
+        await client.resume()
+        res = await task
+        await observer
+    assert res.num_interruptions == 0 and len(res.output_ids) == N_NEW
+    cut = res.output_versions.index(1)
+    assert 0 < cut < N_NEW and res.output_versions == [0] * cut + [1] * (N_NEW - cut)
+    assert res.output_ids[:cut] == ref.output_ids[:cut]  # A's greedy tokens up to the swap

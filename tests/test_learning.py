@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["total_steps=10", "eval.every_steps=10", "train.checkpoint_every=0"]
+SHORT = ["total_steps=10", "schedule.eval_every=10", "schedule.checkpoint_every=0"]
 
 
 @pytest.fixture(scope="module")

@@ -204,6 +204,15 @@ def test_make_workflow_from_the_run_config(tiny_ckpt):
     with pytest.raises(msgspec.ValidationError):
         cfg2.rollout.multi_turn = {"max_turnz": 3}
         make_workflow(cfg2, Tokenizer(tiny_ckpt), score)
+    # the run config's section is typed: options set there reach the workflow, and bad ones never load
+    cfg3 = load_config(os.path.join(REPO, "configs", "multiturn.yaml"),
+                       ["rollout.multi_turn.max_turns=3", "rollout.multi_turn.retry_discount=0.25"])
+    wf3 = build_workflow(cfg3, Tokenizer(tiny_ckpt), score)
+    assert wf3.max_turns == 3 and wf3.env_factory(None).retry_discount == 0.25
+    from areal_async.config import ConfigError
+
+    with pytest.raises(ConfigError, match="^rollout.multi_turn.max_turnz: unknown key"):
+        load_config(os.path.join(REPO, "configs", "multiturn.yaml"), ["rollout.multi_turn.max_turnz=3"])
 
 
 async def test_custom_env_example(server_client, tiny_ckpt):

@@ -14,7 +14,7 @@ import shutil
 import aiohttp
 import pytest
 
-from areal_async.agent import AgentWorkflow, Episode, OpenAIProxy, parse_tool_calls
+from areal_async.agent import AgentWorkflow, Episode, OpenAIProxy, PolicySampling, parse_tool_calls
 from areal_async.agent.episode import CallRecord
 from areal_async.inference.client import InferenceClient
 from areal_async.rollout.workflows.multi_turn import ChatTokens
@@ -74,7 +74,9 @@ async def stack(agent_ckpt):
     from areal_async.inference.server import start_server
 
     async with await start_server(agent_ckpt, port=0) as server, InferenceClient([server.url]) as client:
-        proxy = OpenAIProxy(client, Tokenizer(agent_ckpt), model_name="tiny-agent")
+        # the policy samples greedily here, so the SDK agents (temperature=0) are sampled as they ask
+        proxy = OpenAIProxy(client, Tokenizer(agent_ckpt), model_name="tiny-agent",
+                            policy=PolicySampling(temperature=0.0))
         await proxy.start()
         try:
             yield proxy, client, server
@@ -150,7 +152,7 @@ async def test_completions_models_streaming_and_errors(stack):
     # token-id prompts and n > 1
     ids = proxy.tok.encode("2+3=")
     c2 = await oai.completions.create(model="tiny-agent", prompt=ids, max_tokens=5, n=2, temperature=1.0)
-    assert len(c2.choices) == 2 and c2.usage.prompt_tokens == 2 * len(ids)
+    assert len(c2.choices) == 2 and c2.usage.prompt_tokens == len(ids)  # once per prompt, as SGLang and OpenAI
 
     # a text prompt that extends an earlier prompt + its returned text continues that call's tokens
     first = proxy.episode(eid).calls[0]
@@ -240,7 +242,84 @@ async def test_agent_workflow_runs_sdk_agents_as_a_group(stack):
     assert proxy.num_episodes == 0  # finished episodes are released
 
 
+class SpyGenerator:
+    """Records the SamplingParams of every call, then generates with the real client."""
+
+    def __init__(self, client):
+        self.client = client
+        self.sampling = []
+
+    async def agenerate(self, input_ids, sampling, **kw):
+        self.sampling.append(sampling)
+        return await self.client.agenerate(input_ids, sampling, **kw)
+
+
+async def test_trainable_calls_are_sampled_at_the_policy_settings(stack):
+    """The trainer computes logprobs at the policy's sampling; an agent's own temperature, top_p or penalties must
+    not reach a trainable call: enforced (default, and said in the answer), or refused with sampling="reject"."""
+    proxy, client, _server = stack
+    spy = SpyGenerator(client)
+    eid = proxy.start_episode(generator=spy)
+    oai = sdk(proxy, eid)
+    r = await oai.chat.completions.create(model="m", messages=USER, tools=[ADD_TOOL], temperature=1.3, top_p=0.5,
+                                          frequency_penalty=0.5, max_tokens=100)
+    assert r.model_extra["areal"]["overridden"] == ["temperature", "top_p", "frequency_penalty"]
+    assert r.model_extra["areal"]["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+    (sp,) = spy.sampling
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (0.0, 1.0, -1, 0.0)
+    assert r.choices[0].finish_reason == "tool_calls"  # greedy, as the policy samples: the taught tool call
+    stream = await oai.chat.completions.create(model="m", messages=USER, temperature=0.9, max_tokens=5, stream=True,
+                                               stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[-1].usage.completion_tokens == 5 and spy.sampling[-1].temperature == 0.0
+    trajs = proxy.finish_episode(eid, mode="per_call")
+    assert len(trajs) == 2 and all(t.info["temperature"] == 0.0 for t in trajs)
+
+    strict = OpenAIProxy(client, proxy.tok, policy=PolicySampling(temperature=0.0), sampling="reject")
+    async with strict:
+        eid = strict.start_episode(generator=spy)
+        oai = sdk(strict, eid)
+        with pytest.raises(openai.BadRequestError, match="temperature=1.3 differs"):
+            await oai.chat.completions.create(model="m", messages=USER, temperature=1.3, max_tokens=4)
+        with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+            await oai.chat.completions.create(model="m", messages=USER, presence_penalty=1.0, max_tokens=4)
+        await oai.chat.completions.create(model="m", messages=USER, temperature=0, max_tokens=4)  # the policy's
+        await oai.completions.create(model="m", prompt="2+3=", max_tokens=4)  # not given: the policy's
+        assert [s.temperature for s in spy.sampling[-2:]] == [0.0, 0.0]
+        assert len(strict.finish_episode(eid, mode="per_call")) == 2
+
+        ev = strict.start_episode(generator=spy, trainable=False)  # evaluation: sampled as asked, never trained
+        r = await sdk(strict, ev).completions.create(model="m", prompt="2+3=", max_tokens=4, temperature=1.3)
+        assert spy.sampling[-1].temperature == 1.3 and r.model_extra["areal"]["trainable"] is False
+        with pytest.raises(ValueError, match="not trainable"):
+            strict.finish_episode(ev)
+
+
 # ---- pure parts -------------------------------------------------------------------------------------------------
+
+
+def test_per_call_export_counts_every_episode_once():
+    """per_call: an episode of k calls gives k trajectories of weight 1/k each, so a weighted group baseline counts
+    every episode once; a linear episode exports as one trajectory anyway."""
+    mk = dict(output_logprobs=[-0.5], output_versions=[1], finish_reason="stop", kind="chat", temperature=1.0)
+    ep = Episode("e3")
+    for i in range(3):
+        ep.add(CallRecord(call_id=f"c{i}", prompt_ids=[10 + i, 2], output_ids=[3], **mk))  # unrelated prompts
+    ep.set_reward(1.0)
+    trajs = ep.to_trajectories()
+    assert len(trajs) == 3 and all(t.info["export"] == "per_call" for t in trajs)
+    assert [t.info["episode_weight"] for t in trajs] == [1 / 3] * 3
+    assert all(t.info["episode_calls"] == 3 and t.info["temperature"] == 1.0 for t in trajs)
+    one = Episode("e1")
+    one.add(CallRecord(call_id="a", prompt_ids=[1, 2], output_ids=[3], **mk))
+    (t,) = one.to_trajectories()
+    assert t.info["export"] == "concat" and "episode_weight" not in t.info
+    mixed = Episode("m")
+    mixed.add(CallRecord(call_id="a", prompt_ids=[1], output_ids=[3], **mk))
+    mixed.add(CallRecord(call_id="b", prompt_ids=[2], output_ids=[3], **{**mk, "temperature": 0.5}))
+    with pytest.raises(ValueError, match="different temperatures"):
+        mixed.to_trajectories()
+
 
 
 def test_parse_tool_calls():

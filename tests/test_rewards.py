@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import textwrap
 
 import pytest
@@ -126,6 +127,19 @@ def reward_module(tmp_path):
 
         def pid(completion, answer, **meta):
             return float(os.getpid())
+
+        def deadline(completion, answer, **meta):
+            from areal_async.rewards.registry import time_left
+            left = time_left()
+            return -1.0 if left is None else left
+
+        def sandbox_ignoring_deadline(completion, answer, **meta):
+            # runs a program far past the runner's timeout: only the runner's SIGTERM ends it
+            from areal_async.rewards.sandbox import Sandbox, SandboxLimits
+            with Sandbox(SandboxLimits(wall_s=120, cpu_s=60)) as sb:
+                sb.write("main.py", "import time\\ntime.sleep(120)\\n")
+                sb.run([sb.python(), "-I", "main.py", answer])
+            return 1.0
     """))
     return str(tmp_path)
 
@@ -257,3 +271,76 @@ async def test_runner_timeout_takes_down_a_sandboxed_program():
     while _procs_with(marker) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert _procs_with(marker) == []
+
+
+# ---- the code reward under the runner (issue 17) ----------------------------------------------------------------
+
+
+async def test_reward_sees_the_runners_deadline(reward_module):
+    async with RewardRunner(max_workers=1, env={"PYTHONPATH": reward_module}) as rr:
+        left, why = await rr.score("my_rewards:deadline", "", "", timeout_s=7.0)
+        assert why is None and 5.0 < left <= 7.0
+
+
+def _leftovers_of(pid: int) -> list[str]:
+    from areal_async.rewards.sandbox import host_leftovers
+
+    return [p for p in host_leftovers() if f"-{pid}-" in os.path.basename(p)]
+
+
+async def test_code_reward_gives_up_before_the_runner_and_cleans_up(reward_module):
+    """Hole 2: a sleeping solution used to outlive the sandbox's wall clock = the runner's timeout, so the worker was
+    killed before Sandbox.close() and every timeout leaked a scratch directory. Now the reward's budget ends first."""
+    import sys
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the sandbox is Linux-only")
+    sleeper = "```python\nimport time\ntime.sleep(60)\n```"
+    tests = json.dumps({"inputs": ["1\n", "2\n"], "outputs": ["1\n", "2\n"]})
+    async with RewardRunner(max_workers=1, env={"PYTHONPATH": reward_module}) as rr:
+        pid, _ = await rr.score("my_rewards:pid", "", "")
+        t0 = time.monotonic()
+        got = await rr.score("code", sleeper, tests, timeout_s=4.0, wall_s=10)
+        elapsed = time.monotonic() - t0
+        assert got == (0.0, None) and elapsed < 4.0  # the sandbox's verdict, not the runner's timeout
+        assert rr.stats.timeouts == 0 and rr.stats.workers_killed == 0
+        assert _leftovers_of(int(pid)) == []
+        pid_after, _ = await rr.score("my_rewards:pid", "", "")
+        assert pid_after == pid  # the same worker goes on
+
+
+async def test_runner_timeout_lets_the_sandbox_clean_up(reward_module):
+    """A reward that ignores its deadline: SIGTERM first, so its sandbox closes (no scratch, cgroup or process)."""
+    import sys
+    import uuid
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the sandbox is Linux-only")
+    marker = f"areal-marker-{uuid.uuid4().hex}"
+    async with RewardRunner(max_workers=1, env={"PYTHONPATH": reward_module}) as rr:
+        pid, _ = await rr.score("my_rewards:pid", "", "")
+        got = await rr.score("my_rewards:sandbox_ignoring_deadline", "", marker, timeout_s=2.0)
+        assert got == (0.0, "timeout")
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)
+    assert _procs_with(marker) == []
+    assert _leftovers_of(int(pid)) == []  # cleaned by the worker itself, not by a later sweep
+
+
+@pytest.mark.parametrize("hack", [
+    "import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add(a, b):\n    return 0\n",
+    "class E:\n    def __eq__(self, o): return True\ndef add(a, b):\n    return E()\n",
+])
+async def test_reward_hacks_score_zero_through_the_runner(hack):
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the sandbox is Linux-only")
+    mbpp = "assert add(1234, 4321) == 5555\nassert add(98765, 1) == 98766"
+    fn = json.dumps({"fn_name": "add", "inputs": [[1234, 4321]], "outputs": [5555]})
+    async with RewardRunner(max_workers=2) as rr:
+        for answer in (mbpp, fn):
+            assert await rr.score("code", f"```python\n{hack}```", answer) == (0.0, None)
+            assert await rr.score("code", f"```python\n{hack}```", answer, all_or_nothing=True) == (0.0, None)
+        assert await rr.score("code", "```python\ndef add(a, b):\n    return a + b\n```", mbpp) == (1.0, None)

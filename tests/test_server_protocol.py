@@ -10,6 +10,7 @@ import json
 import pytest
 
 from areal_async.inference import openai_protocol as O
+from areal_async.inference import openai_responses as R
 from areal_async.inference import protocol as P
 from areal_async.inference.engine_api import EngineChunk, EngineRequest, EngineSampling
 from areal_async.tasks.char_tokenizer import save_char_tokenizer
@@ -287,17 +288,29 @@ def test_bad_chat_requests(tok, obj, needle):
 
 
 def test_parse_tool_calls():
+    """Complete, valid blocks naming an offered tool become calls; everything else stays in the content as written
+    (the one behaviour of the server and the agent proxy)."""
     text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    content, calls = O.parse_tool_calls(text, {"add"})
+    content, calls = R.parse_tool_calls(text, {"add"})
     assert content == "Let me add."
     assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert calls[0]["function"]["name"] == "add" and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
-    two = '<tool_call>{"name": "add", "arguments": "{}"}</tool_call><tool_call>{"name": "mul", "arguments": {}}'
-    content, calls = O.parse_tool_calls(two, {"add", "mul"})
+    two = '<tool_call>{"name": "add", "arguments": "{}"}</tool_call><tool_call>{"name": "mul", "arguments": {}}' \
+          '</tool_call>'
+    content, calls = R.parse_tool_calls(two, {"add", "mul"})
     assert content is None and [c["function"]["name"] for c in calls] == ["add", "mul"]
-    assert calls[0]["function"]["arguments"] == "{}"
-    for bad in ("no call here", "<tool_call>not json</tool_call>", '<tool_call>{"name": "rm"}</tool_call>'):
-        assert O.parse_tool_calls(bad, {"add"}) == (bad, [])
+    assert calls[0]["function"]["arguments"] == "{}" and len({c["id"] for c in calls}) == 2
+    for bad in ("no call here", "<tool_call>not json</tool_call>", '<tool_call>{"name": "rm"}</tool_call>',
+                '<tool_call>{"name": "add", "arguments": {}}', '<tool_call>["add"]</tool_call>',
+                '<tool_call>{"name": "add", "arguments": 5}</tool_call>'):
+        assert R.parse_tool_calls(bad, {"add"}) == (bad, [])  # not JSON, unknown tool, cut short, wrong shapes
+    mixed = ('A <tool_call>{"name": "rm", "arguments": {}}</tool_call> B <tool_call>{"name": "add", "arguments": '
+             '{"a": 1}}</tool_call> C <tool_call>{"name": "add"')
+    content, calls = R.parse_tool_calls(mixed, {"add"})
+    assert [c["function"]["name"] for c in calls] == ["add"]
+    assert content == 'A <tool_call>{"name": "rm", "arguments": {}}</tool_call> B  C <tool_call>{"name": "add"'
+    _, calls = R.parse_tool_calls('<tool_call>{"name": "anything", "parameters": {"x": 1}}</tool_call>')
+    assert calls[0]["function"]["name"] == "anything" and json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
 
 
 def _finished_acc(tok, req, text, fr=None, lps=None):
@@ -314,7 +327,7 @@ def test_chat_response_with_tool_call(tok):
                               "logprobs": True, "return_token_ids": True}), tok, LIMITS, _template(tok))
     out_text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     acc = _finished_acc(tok, plan.requests[0], out_text, fr={"type": "stop", "matched": 1})
-    resp = O.chat_response(plan, [acc], "m", "id1", 0)
+    resp = R.chat_response(plan, [acc], "m", "id1", 0)
     ch = resp["choices"][0]
     assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None
     assert ch["message"]["tool_calls"][0]["function"]["name"] == "add"
@@ -335,7 +348,7 @@ def test_completion_response_logprobs_and_echo(tok):
     acc.add(EngineChunk(rid=req.rid, new_ids=ids, new_logprobs=[-1.0, -2.0], input_logprobs=[None, -0.5],
                         new_top_logprobs=[[(-1.0, ids[0])], [(-2.0, ids[1])]],
                         finish_reason={"type": "length", "length": 2}))
-    ch = O.completion_response(plan, [acc], "m", "c1", 0)["choices"][0]
+    ch = R.completion_response(plan, [acc], "m", "c1", 0)["choices"][0]
     assert ch["text"] == "abcd" and ch["finish_reason"] == "length"
     lp = ch["logprobs"]
     assert lp["tokens"] == ["a", "b", "c", "d"] and lp["token_logprobs"] == [None, -0.5, -1.0, -2.0]
@@ -349,14 +362,14 @@ def test_stream_deltas_concatenate_to_final_text(tok):
                         tok, LIMITS, _template(tok))
     req = plan.requests[0]
     acc = P.Accumulator(req, tok)
-    st = O.StreamDelta(hold_tool_calls=True)
+    st = R.StreamDelta(hold_tool_calls=True)
     pieces, calls, finish = [], [], None
     text = 'hi <tool_call>{"name": "add", "arguments": {}}</tool_call>'
     for k, tid in enumerate(tok.encode(text)):
         last = k == len(text) - 1
         acc.add(EngineChunk(rid=req.rid, new_ids=[tid], new_logprobs=[-0.1],
                             finish_reason={"type": "stop", "matched": 1} if last else None))
-        ev = O.chat_chunk(plan, 0, acc, st, "m", "id", 0)
+        ev = R.chat_chunk(plan, 0, acc, st, "m", "id", 0)
         if ev is None:
             continue
         d = ev["choices"][0]["delta"]
@@ -370,12 +383,12 @@ def test_stream_deltas_concatenate_to_final_text(tok):
     cplan = O.parse_completion(body({"prompt": "a", "max_tokens": 5, "stop": "zz"}), tok, LIMITS)
     creq = cplan.requests[0]
     cacc = P.Accumulator(creq, tok)
-    cst = O.StreamDelta()
+    cst = R.StreamDelta()
     out = []
     for k, tid in enumerate(tok.encode("xyzz")):
         cacc.add(EngineChunk(rid=creq.rid, new_ids=[tid], new_logprobs=[],
                              finish_reason={"type": "stop", "matched": "zz"} if k == 3 else None))
-        ev = O.completion_chunk(cplan, 0, cacc, cst, "m", "id", 0)
+        ev = R.completion_chunk(cplan, 0, cacc, cst, "m", "id", 0)
         if ev is not None:
             out.append(ev["choices"][0]["text"])
     assert "".join(out) == "xy"
@@ -425,13 +438,13 @@ def test_streamed_completion_logprobs_have_running_text_offsets(tok):
     plan = O.parse_completion(body({"prompt": "ab", "max_tokens": 4, "logprobs": 0, "echo": True}), tok, LIMITS)
     req = plan.requests[0]
     acc = P.Accumulator(req, tok)
-    st = O.StreamDelta()
+    st = R.StreamDelta()
     offsets, texts = [], []
     for k, tid in enumerate(tok.encode("wxyz")):
         acc.add(EngineChunk(rid=req.rid, new_ids=[tid], new_logprobs=[-1.0],
                             input_logprobs=[None, -0.5] if k == 0 else None,
                             finish_reason={"type": "length", "length": 4} if k == 3 else None))
-        ev = O.completion_chunk(plan, 0, acc, st, "m", "id", 0)
+        ev = R.completion_chunk(plan, 0, acc, st, "m", "id", 0)
         offsets += ev["choices"][0]["logprobs"]["text_offset"]
         texts.append(ev["choices"][0]["text"])
     assert "".join(texts) == "abwxyz" and offsets == [0, 1, 2, 3, 4, 5]

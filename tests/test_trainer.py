@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from areal_async.launcher import Launcher
+from areal_async.launch import Processes
 from areal_async.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.client import TrainerError, TrainerGroup, split_by_rank
 from areal_async.train.packing import pack_micro_batches
@@ -45,11 +45,11 @@ STEP1_LR = 0.5e-3  # warmup: (0 + 1) / 2 of the peak
 
 
 class Job:
-    """One torchrun trainer job, started the way a run starts it (areal_async.launcher), plus its TrainerGroup."""
+    """One torchrun trainer job, started the way a run starts it (areal_async.launch), plus its TrainerGroup."""
 
     def __init__(self, name: str, nproc: int, model: str, root, secret: bytes, cfg: dict):
         self.name, self.nproc, self.secret = name, nproc, secret
-        self.launcher = Launcher(str(root / name))
+        self.launcher = Processes(str(root / name))
         self.run_dir = self.launcher.run_dir
         self.child = self.launcher.start_trainers(model=model, nproc=nproc, config_json=json.dumps(cfg), seed=3,
                                                   secret_hex=secret.hex(), torch_threads=1)

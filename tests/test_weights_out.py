@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from areal_async.launcher import Launcher, free_port
+from areal_async.launch import Processes, free_port
 from areal_async.train.client import TrainerError, TrainerGroup
 from areal_async.types import Trajectory
 
@@ -84,7 +84,7 @@ async def setup(tiny_ckpt, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("weights_out")
     secret = secrets.token_bytes(32)
-    launcher = Launcher(str(root / "run"))
+    launcher = Processes(str(root / "run"))
     child = launcher.start_trainers(model=tiny_ckpt, nproc=1, config_json=json.dumps(CFG), seed=1,
                                     secret_hex=secret.hex(), torch_threads=1)
     server = client = group = None

@@ -16,8 +16,12 @@ Export (`to_trajectories`), documented choice:
   call's prompt + output (a linear conversation whose history the proxy kept token-exact). Tokens between one
   call's output and the next call's new output (tool results, user turns, template text) get loss_mask 0;
   the reward is the first call's return G_0.
-- "per_call": one trajectory per call (prompt + output), reward G_i. Always possible.
+- "per_call": one trajectory per call (prompt + output), reward G_i. Always possible. Each carries
+  `info["episode_weight"] = 1 / number of calls`: the weight under which every episode counts once in a group's
+  baseline, however many calls it made (see agent/workflow.py).
 - "auto" (default): concat when legal, else per_call.
+Only trainable episodes export: their calls were sampled at the policy's settings (recorded per call, and copied
+into `info["temperature"]`), the settings the trainer computes logprobs at.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ class CallRecord(msgspec.Struct, kw_only=True):
     response_message: dict | None = None
     tools_json: str | None = None  # the request's tools, canonical JSON: a continuation must use the same tools
     text: str | None = None  # completions: prompt text + returned text, when the returned text is token-exact
+    # the sampling the call was generated with (the policy's, on trainable calls)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    trainable: bool = True
 
 
 class Episode:
@@ -102,11 +111,20 @@ class Episode:
             return []
         if mode not in ("auto", "concat", "per_call"):
             raise ValueError(f"unknown export mode {mode!r}")
+        if not all(c.trainable for c in self.calls):
+            raise ValueError(f"episode {self.id} was not trainable: its calls were sampled as the agent asked, not "
+                             "at the policy's settings")
+        temps = {c.temperature for c in self.calls}
+        if len(temps) > 1:
+            raise ValueError(f"episode {self.id}: calls were sampled at different temperatures {sorted(temps)}")
         linear = self.is_linear()
         if mode == "concat" and not linear:
             raise ValueError(f"episode {self.id}: calls do not extend each other's tokens; use per_call export")
         g = self.returns(discount)
-        base_info = {"episode": self.id, "calls": len(self.calls)}
+        base_info: dict = {"episode": self.id, "calls": len(self.calls)}
+        temp = self.calls[0].temperature
+        if temp is not None:
+            base_info["temperature"] = temp
         if mode == "per_call" or not linear:
             out = []
             for i, c in enumerate(self.calls):
@@ -115,7 +133,8 @@ class Episode:
                     input_ids=c.prompt_ids + c.output_ids, loss_mask=[0] * n_p + [1] * n_o,
                     logprobs=[0.0] * n_p + c.output_logprobs, versions=[-1] * n_p + c.output_versions,
                     reward=g[i], group_id=self.group_id, prompt_len=n_p,
-                    info={**base_info, "export": "per_call", "call": i, "finish": c.finish_reason}))
+                    info={**base_info, "export": "per_call", "call": i, "finish": c.finish_reason,
+                          "episode_calls": len(self.calls), "episode_weight": 1.0 / len(self.calls)}))
             return out
         ids: list[int] = []
         mask: list[int] = []

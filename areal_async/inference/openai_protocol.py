@@ -1,25 +1,23 @@
-"""OpenAI's /v1/completions and /v1/chat/completions on top of SGLang's protocol, as pure functions.
+"""OpenAI's /v1/completions and /v1/chat/completions requests, as pure functions: the one implementation that both
+the embedded server (server.py) and the agent proxy (agent/openai_proxy.py) parse with. The answers are built by
+openai_responses.py.
 
 Why apart from protocol.py: the OpenAI wire format (messages, tools, logprobs objects, streamed chunks) is a second
-protocol with its own rules; it shares the limits, the sampling checks and the response `Accumulator` with the
-SGLang endpoints and adds SGLang's and vLLM's extras (`rid`, `top_k`, `return_token_ids`,
-`metadata.weight_version`). Parsing failures raise `ProtocolError` (a 400), as in protocol.py.
+protocol with its own rules; it shares the limits and the sampling checks with the SGLang endpoints and adds
+SGLang's and vLLM's extras (`rid`, `top_k`, `return_token_ids`). Parsing failures raise `ProtocolError` (a 400),
+as in protocol.py. No torch here.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import msgspec
 
 from areal_async.inference.engine_api import EngineRequest, EngineSampling
-from areal_async.inference.protocol import (Accumulator, Limits, ProtocolError, Tokenizer, check_prompt,
-                                           check_sampling, check_unique_rids, decode_body, new_rid, sample_rids,
-                                           stop_hold, stop_list)
+from areal_async.inference.protocol import (Limits, ProtocolError, Tokenizer, check_prompt, check_sampling,
+                                           check_unique_rids, decode_body, new_rid, sample_rids, stop_list)
 
 
 # ---- OpenAI-compatible requests -----------------------------------------------------------------------------------
@@ -62,6 +60,8 @@ class CompletionIn(_OpenAIIn, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
+    suffix: str | None = None  # refused when set: insertion is not supported
+    best_of: int | None = None  # refused above 1
 
 
 class ChatIn(_OpenAIIn, kw_only=True):
@@ -128,13 +128,20 @@ def _openai_rids(rid: str | list[str] | None, num_prompts: int, n: int, prefix: 
     return rids
 
 
-def parse_completion(body: bytes, tok: Tokenizer, limits: Limits) -> OpenAIPlan:
+def parse_completion(body: bytes, tok: Tokenizer, limits: Limits, *,
+                     encode: Callable[[str], list[int]] | None = None) -> OpenAIPlan:
+    """`encode` turns a text prompt into ids (default `tok.encode`; the proxy continues earlier calls' tokens)."""
     c: CompletionIn = decode_body(body, CompletionIn)
     if c.prompt is None:
         raise ProtocolError("missing `prompt`")
+    if c.suffix is not None:
+        raise ProtocolError("suffix (insertion) is not supported")
+    if c.best_of is not None and c.best_of > 1:
+        raise ProtocolError("best_of > 1 is not supported; use n")
+    encode = encode or tok.encode
     p = c.prompt
     if isinstance(p, str):
-        prompts, texts = [tok.encode(p)], [p]
+        prompts, texts = [encode(p)], [p]
     else:
         kinds = {type(x) for x in p}
         if not p:
@@ -144,7 +151,7 @@ def parse_completion(body: bytes, tok: Tokenizer, limits: Limits) -> OpenAIPlan:
                                 "ints, not a mix")
         if kinds == {str}:
             texts = list(p)
-            prompts = [tok.encode(t) for t in texts]
+            prompts = [encode(t) for t in texts]
         elif kinds == {int}:
             prompts, texts = [list(p)], None
         else:
@@ -222,7 +229,9 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[di
 
 
 def parse_chat(body: bytes, tok: Tokenizer, limits: Limits,
-               apply_chat_template: Callable[[list[dict], list[dict] | None], list[int]]) -> OpenAIPlan:
+               apply_chat_template: Callable[[list[dict], list[dict] | None], list[int]], *,
+               default_max_tokens: int | None = None) -> OpenAIPlan:
+    """Without max_tokens a chat answer may fill the context (SGLang), or take `default_max_tokens` when given."""
     c: ChatIn = decode_body(body, ChatIn)
     if c.messages is None:
         raise ProtocolError("missing `messages`")
@@ -242,6 +251,8 @@ def parse_chat(body: bytes, tok: Tokenizer, limits: Limits,
     if top is not None and not 0 <= top <= min(20, limits.vocab_size):
         raise ProtocolError(f"top_logprobs must be in [0, 20], got {top}")
     max_tokens = c.max_completion_tokens if c.max_completion_tokens is not None else c.max_tokens
+    if max_tokens is None and default_max_tokens is not None:
+        max_tokens = max(0, min(default_max_tokens, limits.context_len - len(ids)))
     s = _sampling_from_openai(c, max_tokens, len(ids), limits)
     if isinstance(c.rid, list) and len(c.rid) == n and n > 1:
         rids = list(c.rid)  # one rid per sample
@@ -255,259 +266,3 @@ def parse_chat(body: bytes, tok: Tokenizer, limits: Limits,
                       include_usage=bool(c.stream_options and c.stream_options.include_usage),
                       return_token_ids=bool(c.return_token_ids), logprobs=(top or 0) if want_lp else None,
                       tools=tools)
-
-
-# ---- OpenAI-compatible responses ----------------------------------------------------------------------------------
-
-
-def openai_finish_reason(fr: dict | None) -> str | None:
-    return None if fr is None else fr.get("type")
-
-
-def matched_stop(fr: dict | None) -> int | str | None:
-    return fr.get("matched") if fr and fr.get("type") == "stop" else None
-
-
-def usage(plan: OpenAIPlan, accs: list[Accumulator]) -> dict:
-    """Prompt tokens count once per prompt (its n samples share it), as SGLang reports them."""
-    prompt = sum(len(p) for p in plan.prompts)
-    completion = sum(len(a.output_ids) for a in accs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def completion_logprobs(acc: Accumulator, top_n: int, start: int, text_offset: int, *,
-                        echo_ids: list[int] | None = None, echo_lps: list | None = None) -> dict:
-    """OpenAI legacy logprobs over output tokens [start:], optionally preceded by the echoed prompt's."""
-    tokens: list[str] = []
-    token_lps: list[float | None] = []
-    offsets: list[int] = []
-    tops: list[dict[str, float] | None] = []
-    off = text_offset
-
-    def push(tid: int, lp: float | None, top: list[tuple[float, int]] | None) -> None:
-        nonlocal off
-        t = acc.token_text(tid)
-        tokens.append(t)
-        token_lps.append(lp)
-        offsets.append(off)
-        off += len(t)
-        if top_n > 0:
-            tops.append(None if top is None else {acc.token_text(i): v for v, i in top})
-
-    if echo_ids is not None:
-        lps = list(echo_lps or [])
-        lps += [None] * (len(echo_ids) - len(lps))
-        for tid, lp in zip(echo_ids, lps):
-            push(tid, lp, None)
-    for k in range(start, len(acc.output_ids)):
-        top = acc.top_logprobs[k] if k < len(acc.top_logprobs) else None
-        push(acc.output_ids[k], acc.logprobs[k] if k < len(acc.logprobs) else None, top)
-    return {"tokens": tokens, "token_logprobs": token_lps, "text_offset": offsets, "top_logprobs": tops}
-
-
-def _lp_entry(acc: Accumulator, tid: int, lp: float) -> dict:
-    t = acc.token_text(tid)
-    return {"token": t, "bytes": list(t.encode("utf-8")), "logprob": lp}
-
-
-def chat_logprobs(acc: Accumulator, start: int, top_n: int) -> dict:
-    """OpenAI chat logprobs for output tokens [start:]: content = [{token, bytes, logprob, top_logprobs}]."""
-    content = []
-    for k in range(start, len(acc.output_ids)):
-        e = _lp_entry(acc, acc.output_ids[k], acc.logprobs[k] if k < len(acc.logprobs) else 0.0)
-        tops = acc.top_logprobs[k] if (top_n > 0 and k < len(acc.top_logprobs)) else []
-        e["top_logprobs"] = [_lp_entry(acc, i, v) for v, i in tops[:top_n]]
-        content.append(e)
-    return {"content": content}
-
-
-def completion_response(plan: OpenAIPlan, accs: list[Accumulator], model: str, rid: str, created: int) -> dict:
-    choices = []
-    for idx, acc in enumerate(accs):
-        prompt_i = idx // plan.n
-        text = acc.text()
-        lp = None
-        echo = plan.echo_texts[prompt_i] if plan.echo_texts is not None else None
-        if plan.logprobs is not None:
-            lp = completion_logprobs(acc, plan.logprobs, 0, 0,
-                                     echo_ids=plan.prompts[prompt_i] if echo is not None else None,
-                                     echo_lps=acc.input_logprobs)
-        choice = {"index": idx, "text": (echo or "") + text, "logprobs": lp,
-                  "finish_reason": openai_finish_reason(acc.finish_reason),
-                  "matched_stop": matched_stop(acc.finish_reason)}
-        if plan.return_token_ids:
-            choice["prompt_token_ids"] = plan.prompts[prompt_i]
-            choice["token_ids"] = list(acc.output_ids)
-        choices.append(choice)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(plan, accs), "metadata": {"weight_version": _version(accs)}}
-
-
-def _version(accs: list[Accumulator]) -> str:
-    return next((a.weight_version for a in reversed(accs) if a.weight_version), "")
-
-
-# Qwen's tool-call format: a JSON object {"name": ..., "arguments": ...} between <tool_call> tags.
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-TOOL_CALL_START = "<tool_call>"
-
-
-def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[dict]]:
-    """Split model output into (content before the first tool call, OpenAI tool_calls).
-
-    Blocks that are not a JSON object naming an offered tool are dropped, as SGLang's Qwen parser drops them;
-    if no block is valid the text is returned unchanged as plain content.
-    """
-    start = text.find(TOOL_CALL_START)
-    if start == -1:
-        return text, []
-    calls = []
-    for m in _TOOL_CALL_RE.finditer(text, start):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not isinstance(obj, dict) or obj.get("name") not in tool_names:
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if not calls:
-        return text, []
-    content = text[:start].strip()
-    return (content or None), calls
-
-
-def chat_message(plan: OpenAIPlan, acc: Accumulator) -> tuple[dict, str | None]:
-    """The assistant message and its finish_reason ("tool_calls" when a tool call was parsed)."""
-    text = acc.text()
-    finish = openai_finish_reason(acc.finish_reason)
-    msg: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
-    if plan.tools and acc.finish_reason and acc.finish_reason.get("type") != "abort":
-        content, calls = parse_tool_calls(text, {t["function"]["name"] for t in plan.tools})
-        if calls:
-            msg["content"] = content
-            msg["tool_calls"] = calls
-            finish = "tool_calls"
-    return msg, finish
-
-
-def chat_response(plan: OpenAIPlan, accs: list[Accumulator], model: str, rid: str, created: int) -> dict:
-    choices = []
-    for idx, acc in enumerate(accs):
-        msg, finish = chat_message(plan, acc)
-        choice = {"index": idx, "message": msg,
-                  "logprobs": chat_logprobs(acc, 0, plan.logprobs or 0) if plan.logprobs is not None else None,
-                  "finish_reason": finish, "matched_stop": matched_stop(acc.finish_reason)}
-        if plan.return_token_ids:
-            choice["token_ids"] = list(acc.output_ids)
-        choices.append(choice)
-    out = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-           "usage": usage(plan, accs), "metadata": {"weight_version": _version(accs)}}
-    if plan.return_token_ids:
-        out["prompt_token_ids"] = plan.prompts[0]
-    return out
-
-
-class StreamDelta:
-    """Per-choice bookkeeping for OpenAI streams: what text and how many tokens were already sent.
-
-    OpenAI chunks carry deltas, so each call returns only what is new since the last one. With tools offered,
-    text from a `<tool_call>` tag on is withheld (it may become a tool call, decided at the end).
-    """
-
-    def __init__(self, hold_tool_calls: bool = False):
-        self.sent_text = ""
-        self.sent_tokens = 0
-        self.text_offset = 0  # completions logprobs: where the next token's text starts in the full text
-        self.hold_tool_calls = hold_tool_calls
-        self.started = False  # chat: the first delta carries the role
-
-    def new_text(self, text: str, final: bool) -> str:
-        if self.hold_tool_calls and not final:
-            cut = text.find(TOOL_CALL_START)
-            if cut == -1:
-                cut = len(text) - stop_hold(text, [TOOL_CALL_START])
-            text = text[:cut]
-        # Decoding more tokens only appends to an already-sent prefix (partial characters and possible stop
-        # strings are withheld upstream), so the delta is the tail past what the client already has.
-        delta = text[len(self.sent_text):]
-        self.sent_text += delta
-        return delta
-
-    def new_tokens(self, acc: Accumulator) -> int:
-        """The index of the first token not yet sent; advances the cursor to the end."""
-        start = self.sent_tokens
-        self.sent_tokens = len(acc.output_ids)
-        return start
-
-
-def completion_chunk(plan: OpenAIPlan, idx: int, acc: Accumulator, st: StreamDelta, model: str, rid: str,
-                     created: int) -> dict | None:
-    """The next streamed /v1/completions chunk for choice `idx`, or None when nothing is new."""
-    final = acc.finished
-    prefix = ""
-    lp = None
-    if plan.echo_texts is not None and not st.started:
-        prefix = plan.echo_texts[idx // plan.n]
-    text = st.new_text(acc.text(), final)
-    start = st.new_tokens(acc)
-    if plan.logprobs is not None:
-        echo = plan.echo_texts is not None and not st.started
-        lp = completion_logprobs(acc, plan.logprobs, start, st.text_offset,
-                                 echo_ids=plan.prompts[idx // plan.n] if echo else None,
-                                 echo_lps=acc.input_logprobs)
-        if lp["tokens"]:
-            st.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
-    if not (prefix or text or final or (lp and lp["tokens"])):
-        return None
-    st.started = True
-    choice = {"index": idx, "text": prefix + text, "logprobs": lp,
-              "finish_reason": openai_finish_reason(acc.finish_reason), "matched_stop": matched_stop(acc.finish_reason)}
-    if plan.return_token_ids:
-        choice["token_ids"] = acc.output_ids[start:]
-        if prefix or start == 0:
-            choice["prompt_token_ids"] = plan.prompts[idx // plan.n]
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-
-
-def chat_chunk(plan: OpenAIPlan, idx: int, acc: Accumulator, st: StreamDelta, model: str, rid: str,
-               created: int) -> dict | None:
-    """The next streamed chat.completion.chunk for choice `idx`, or None when nothing is new."""
-    final = acc.finished
-    delta: dict[str, Any] = {}
-    if not st.started:
-        delta["role"] = "assistant"
-        delta["content"] = ""
-    finish = openai_finish_reason(acc.finish_reason)
-    if final:
-        msg, finish = chat_message(plan, acc)
-        if msg["tool_calls"]:
-            content = msg["content"] or ""
-            text = content[len(st.sent_text):] if content.startswith(st.sent_text) else ""
-            delta["tool_calls"] = [dict(c, index=k) for k, c in enumerate(msg["tool_calls"])]
-        else:
-            text = st.new_text(acc.text(), True)
-    else:
-        text = st.new_text(acc.text(), False)
-    if text:
-        delta["content"] = text
-    start = st.new_tokens(acc)
-    lp = chat_logprobs(acc, start, plan.logprobs or 0) if plan.logprobs is not None else None
-    if not (delta or final or (lp and lp["content"])):
-        return None
-    st.started = True
-    choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": finish if final else None,
-              "matched_stop": matched_stop(acc.finish_reason)}
-    if plan.return_token_ids:
-        choice["token_ids"] = acc.output_ids[start:]
-    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-    if plan.return_token_ids and start == 0:
-        out["prompt_token_ids"] = plan.prompts[0]
-    return out
-
-
-def usage_chunk(plan: OpenAIPlan, accs: list[Accumulator], model: str, rid: str, created: int) -> dict:
-    obj = "chat.completion.chunk" if plan.kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(plan, accs)}

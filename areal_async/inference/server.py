@@ -39,6 +39,7 @@ import msgspec
 from aiohttp import web
 
 from areal_async.inference import openai_protocol as O
+from areal_async.inference import openai_responses as R
 from areal_async.inference import protocol as P
 from areal_async.inference.engine_api import Engine, EngineRequest, EngineSampling
 
@@ -374,13 +375,13 @@ class SGLangServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         plan = O.parse_completion(await request.read(), self.engine, self.limits)
-        return await self._openai(request, plan, "cmpl-", O.completion_response, O.completion_chunk)
+        return await self._openai(request, plan, "cmpl-", R.completion_response, R.completion_chunk)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         engine = self.engine
         plan = O.parse_chat(await request.read(), engine, self.limits,
                             lambda msgs, tools: engine.apply_chat_template(msgs, tools, add_generation_prompt=True))
-        return await self._openai(request, plan, "chatcmpl-", O.chat_response, O.chat_chunk)
+        return await self._openai(request, plan, "chatcmpl-", R.chat_response, R.chat_chunk)
 
     async def _openai(self, request: web.Request, plan: O.OpenAIPlan, id_prefix: str, respond, chunk
                       ) -> web.StreamResponse:
@@ -392,7 +393,7 @@ class SGLangServer:
             await self.run_to_end(run)
             return json_response(respond(plan, run.accs, model, rid, created))
 
-        deltas = [O.StreamDelta(hold_tool_calls=bool(plan.tools)) for _ in run.accs]
+        deltas = [R.StreamDelta(hold_tool_calls=bool(plan.tools)) for _ in run.accs]
         done = [False] * len(run.accs)
 
         def render(i: int) -> list[dict]:
@@ -404,7 +405,7 @@ class SGLangServer:
             return [] if ev is None else [ev]
 
         def tail() -> list[dict]:
-            return [O.usage_chunk(plan, run.accs, model, rid, created)] if plan.include_usage else []
+            return [R.usage_chunk(plan, run.accs, model, rid, created)] if plan.include_usage else []
 
         return await self.stream(request, run, render, tail)
 

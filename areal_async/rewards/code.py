@@ -1,49 +1,56 @@
-r"""Code rewards: run a model-written Python program against tests inside the sandbox.
+r"""Code rewards: run a model-written Python program against a dataset's tests, where it cannot game the grading.
 
-The reference answer carries the tests, in one of the formats public code datasets use:
+The reference answer carries the tests (formats in code_tests.py: stdin/stdout cases, fn_name call cases, MBPP
+asserts, a HumanEval `check` with `meta["entry_point"]`). The program is the last fenced code block of the
+completion (```python ... ```), or the whole completion when it has none. The verdict is the fraction of tests
+passed, or all-or-nothing (`all_or_nothing=True`); a crash, timeout or any limit hit fails the tests it affects,
+with the reason kept in `CodeVerdict`.
 
-- stdin/stdout cases (APPS, CodeContests, LiveCodeBench "stdin"):
-      {"inputs": ["1 2\n", ...], "outputs": ["3\n", ...]}
-- call-based cases (APPS / LiveCodeBench "functional"):
-      {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}
-- assert statements (MBPP, HumanEval-style), setup optional:
-      {"tests": ["assert add(1, 2) == 3", ...], "setup": "import math"}
-- a JSON list of such statements, or a plain string of assert lines (MBPP's test_list joined by newlines), or, when
-  it is not assert lines, one block of test code run after the solution (a HumanEval `check` function plus
-  `meta["entry_point"]` is called for you).
+Why the grading is shaped the way it is (grading.py): RL policies find reward hacks, and a grader that runs beside
+the solution in one interpreter can be told anything (a no-op `exec`, an always-equal return value, a rebound
+comparison helper, a nonce read from a caller's frame). Here the solution runs alone in its sandbox and only ever
+answers with plain data; stdout and returned values are compared on the host (exact for integers and strings, a
+tolerance only for floats); test code runs in a separate judge sandbox whose calls into the solution are relayed.
 
-The program is the last fenced code block of the completion (```python ... ```), or the whole completion when it has
-none. The verdict is the fraction of tests passed, or all-or-nothing (`all_or_nothing=True`); a crash, timeout or
-any limit hit fails the tests it affects, with the reason kept in `CodeVerdict`.
+Time: each test has `wall_s`; the whole sample has `budget_s` (default 30 s), and when the reward runs in a
+RewardRunner worker, the runner's own deadline minus a margin for cleanup, so the sandbox always gives up first and
+cleans up before the runner would kill the worker.
 
-Stdin cases run one process each. Function and assert tests run in one process (a small harness imports the
-solution, then runs each test and reports it); a test that hangs therefore also fails the tests after it. The
-harness reports through a per-run random nonce read from stdin before the solution runs, so a program that exits
-early or prints "PASS" does not pass; it is not proof against a program that deliberately inspects the harness's
-stack frames, which is why the sandbox, not the harness, is the security boundary.
+Isolation: the first evaluation in a process probes what the sandbox achieves on this machine. A weak result
+(no private root, pid or network namespace, no memory bound, or root without a dropped uid) is logged as a warning,
+or refused with SandboxIsolationError when `require_isolation=True` (or AREAL_SANDBOX_REQUIRE_ISOLATION=1 in the
+environment), before any untrusted code runs. In the weakest mode (no namespaces and no uid of its own, so the
+program shares ours) this process also makes itself non-dumpable, so the program cannot write its memory.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import secrets
-from typing import Any
+import logging
+import os
+import time
+from typing import Any, Iterable
 
 import msgspec
 
-from areal_async.rewards.sandbox import Sandbox, SandboxLimits, SandboxResult
+from areal_async.rewards.code_tests import CodeTests, parse_tests
+from areal_async.rewards.grading import ServerSession, outputs_match, run_calls, run_judged, run_stdio
+from areal_async.rewards.registry import time_left
+from areal_async.rewards.sandbox import Sandbox, SandboxLimits, probe_isolation
 
-_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+__all__ = ["CodeTests", "CodeVerdict", "SandboxIsolationError", "code_reward", "evaluate_code", "extract_code",
+           "outputs_match", "parse_tests"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_S = 30.0
+CLEANUP_MARGIN_S = 1.5  # kept free of the runner's deadline for killing and cleaning up
+MAX_COMPLETION_CHARS = 1 << 20
+_PY_TAGS = ("python", "py", "python3")
+_LANG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-")
 
 
-class CodeTests(msgspec.Struct, kw_only=True):
-    """Parsed tests: either stdin/stdout cases or Python test snippets run after the solution."""
-
-    stdio: list[tuple[str, str]] = []  # (stdin, expected stdout)
-    snippets: list[str] = []  # each one test: runs in the solution's namespace, passes if it raises nothing
-    setup: str = ""  # runs before the snippets (imports)
+class SandboxIsolationError(RuntimeError):
+    """The sandbox cannot isolate untrusted code well enough on this machine, and isolation was required."""
 
 
 class CodeVerdict(msgspec.Struct, kw_only=True):
@@ -52,169 +59,122 @@ class CodeVerdict(msgspec.Struct, kw_only=True):
     total: int
     reason: str | None  # the first failure's reason, None when everything passed
     failures: list[str] = []  # one reason per failed test, in test order
+    isolation: list[str] = []  # what the solution's sandbox achieved
 
 
 def extract_code(completion: str) -> str:
-    """The last fenced block, preferring ones tagged python/py; the whole text when there is no fence."""
-    blocks = _FENCE_RE.findall(completion or "")
+    """The last fenced block, preferring ones tagged python/py; the whole text when there is no fence.
+
+    A linear scan (str.find), not a regex: a completion of 128k backticks must not cost seconds on the host."""
+    text = (completion or "")[:MAX_COMPLETION_CHARS]
+    blocks: list[tuple[str, str]] = []
+    pos = 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            break
+        eol = text.find("\n", start + 3)
+        if eol < 0:
+            break
+        info = text[start + 3:eol].lstrip(" \t")
+        n = 0
+        while n < len(info) and info[n] in _LANG_CHARS:
+            n += 1
+        end = text.find("```", eol + 1)
+        if end < 0:
+            break
+        blocks.append((info[:n], text[eol + 1:end]))
+        pos = end + 3
     if not blocks:
-        return completion or ""
-    python = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
+        return text
+    python = [body for lang, body in blocks if lang.lower() in _PY_TAGS]
     return (python or [body for _, body in blocks])[-1]
 
 
-def parse_tests(answer: str | dict, meta: dict[str, Any] | None = None, max_tests: int = 64) -> CodeTests:
-    """Turn a dataset's reference answer into `CodeTests`; raises ValueError on anything unrecognisable."""
-    meta = meta or {}
-    spec: Any = answer
-    if isinstance(answer, str):
-        text = answer.strip()
-        if text.startswith(("{", "[")):
-            try:
-                spec = json.loads(text)
-            except ValueError as e:
-                raise ValueError(f"code tests look like JSON but do not parse: {e}") from None
-            if isinstance(spec, list):  # MBPP's test_list as JSON
-                spec = {"tests": spec}
-        else:
-            lines = [ln for ln in text.splitlines() if ln.strip()]
-            if lines and all(ln.lstrip().startswith("assert") for ln in lines):
-                return CodeTests(snippets=[ln.strip() for ln in lines][:max_tests])
-            if not text:
-                raise ValueError("empty code tests")
-            snippet = text
-            if "def check(" in text and meta.get("entry_point"):
-                snippet += f"\ncheck({meta['entry_point']})\n"
-            return CodeTests(snippets=[snippet])
-    if not isinstance(spec, dict):
-        raise ValueError(f"code tests must be a JSON object or assert lines, got {type(spec).__name__}")
-    if "tests" in spec:
-        tests = spec["tests"]
-        if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests) or not tests:
-            raise ValueError("'tests' must be a non-empty list of strings")
-        return CodeTests(snippets=tests[:max_tests], setup=str(spec.get("setup", "")))
-    inputs, outputs = spec.get("inputs"), spec.get("outputs")
-    if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs) or not inputs:
-        raise ValueError("'inputs' and 'outputs' must be non-empty lists of equal length")
-    fn = spec.get("fn_name")
-    if fn:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", fn):
-            raise ValueError(f"bad fn_name {fn!r}")
-        snippets = []
-        for args, want in zip(inputs[:max_tests], outputs[:max_tests]):
-            args = args if isinstance(args, list) else [args]
-            snippets.append(f"assert _areal_eq({fn}(*{args!r}), {want!r})")
-        return CodeTests(snippets=snippets)
-    return CodeTests(stdio=[(str(i), str(o)) for i, o in zip(inputs[:max_tests], outputs[:max_tests])])
+_warned: set[tuple] = set()
 
 
-def outputs_match(got: str, want: str, rel_tol: float = 1e-6) -> bool:
-    """Whitespace-insensitive token comparison; numeric tokens compare with a small tolerance."""
-    a, b = got.split(), want.split()
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b):
-        if x == y:
-            continue
-        try:
-            fx, fy = float(x), float(y)
-        except ValueError:
-            return False
-        if not math.isclose(fx, fy, rel_tol=rel_tol, abs_tol=rel_tol):
-            return False
-    return True
+def check_isolation(require: bool, *, disable: Iterable[str] = (), allow_network: bool = False) -> list[str]:
+    """Probe (once per process) what the sandbox achieves; warn or raise when it is weak. Returns what it achieves."""
+    disable = frozenset(disable)
+    report = probe_isolation(disable=disable, allow_network=allow_network)
+    if report.weak:
+        if require:
+            raise SandboxIsolationError(f"refusing to run untrusted code: the sandbox is weak here, {report.summary()}")
+        key = (disable, allow_network)
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("code reward: the sandbox is weak on this machine (%s); set require_isolation=True to "
+                        "refuse", report.summary())
+        if not {"uid", "userns"} & set(report.achieved):
+            _not_dumpable()
+    return report.achieved
 
 
-_HARNESS = r'''
-import json, os, sys
-def _main():
-    out = os.dup(1)
-    nonce = sys.stdin.readline().strip()
-    tests = json.loads(sys.stdin.readline())
-    setup = json.loads(sys.stdin.readline())
-    def report(msg):
-        os.write(out, (nonce + " " + msg + "\n").encode())
-    def eq(a, b):
-        if isinstance(a, tuple): a = list(a)
-        if isinstance(b, tuple): b = list(b)
-        if isinstance(a, float) or isinstance(b, float):
-            try: return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
-            except (TypeError, ValueError): return False
-        return a == b
-    g = {"__name__": "solution", "__builtins__": __builtins__, "_areal_eq": eq}
+def _not_dumpable() -> None:
+    """The program runs under our own uid in no namespace: without this it could write our memory through
+    /proc/<pid>/mem (ptrace itself is refused by seccomp) and forge the verdict. Costs debuggers and core dumps."""
+    import ctypes
+
     try:
-        with open("solution.py") as f:
-            code = compile(f.read(), "solution.py", "exec")
-        if setup:
-            exec(compile(setup, "setup", "exec"), g)
-        exec(code, g)
-    except BaseException as e:
-        report("SETUP " + type(e).__name__)
-        return
-    for i, t in enumerate(tests):
-        try:
-            exec(compile(t, "test_%d" % i, "exec"), g)
-            report("%d PASS" % i)
-        except BaseException as e:
-            report("%d FAIL %s" % (i, type(e).__name__))
-_main()
-'''
+        ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(4), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                                                 ctypes.c_ulong(0), ctypes.c_ulong(0))  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        log.warning("code reward: could not make this process non-dumpable")
 
 
-def evaluate_code(code: str, tests: CodeTests, *, all_or_nothing: bool = False,
-                  limits: SandboxLimits | None = None) -> CodeVerdict:
-    """Run `code` against `tests` in one fresh sandbox and return the verdict."""
-    failures: list[str] = []
-    passed = 0
-    total = len(tests.stdio) + len(tests.snippets)
-    with Sandbox(limits) as sb:
+def evaluate_code(code: str, tests: CodeTests, *, all_or_nothing: bool = False, limits: SandboxLimits | None = None,
+                  budget_s: float = DEFAULT_BUDGET_S, require_isolation: bool = False,
+                  disable: Iterable[str] = ()) -> CodeVerdict:
+    """Run `code` against `tests` and return the verdict; the whole evaluation ends within `budget_s`.
+
+    `disable` switches sandbox mechanisms off (see sandbox.MECHANISMS): for tests of the weaker modes."""
+    lim = limits or SandboxLimits()
+    disable = frozenset(disable)
+    iso = check_isolation(require_isolation, disable=disable, allow_network=lim.allow_network)
+    deadline = time.monotonic() + max(0.0, budget_s)
+    results: list[str | None] = []
+    with Sandbox(lim, disable=disable) as sb:
         sb.write("solution.py", code)
-        py = sb.python()
-        for stdin, want in tests.stdio:
-            r = sb.run([py, "-I", "solution.py"], stdin=stdin)
-            if r.ok and outputs_match(r.stdout, want):
-                passed += 1
-            else:
-                failures.append(r.reason or "wrong_answer")
-                if all_or_nothing:
-                    break
-        if tests.snippets and not (all_or_nothing and failures):
-            sb.write("harness.py", _HARNESS)
-            nonce = secrets.token_hex(16)
-            payload = f"{nonce}\n{json.dumps(tests.snippets)}\n{json.dumps(tests.setup)}\n"
-            r = sb.run([py, "-I", "harness.py"], stdin=payload)
-            p, f = _read_harness(r, nonce, len(tests.snippets))
-            passed += p
-            failures += f
+        if tests.stdio:
+            got, run_iso = run_stdio(sb, tests.stdio, lim, deadline, all_or_nothing)
+            results += got
+            iso = run_iso or iso
+        if (tests.calls or tests.snippets) and not (all_or_nothing and any(results)):
+            server = ServerSession(sb, tests.setup, lim, deadline)
+            try:
+                if tests.calls and tests.fn_name:
+                    results += run_calls(server, tests.fn_name, tests.calls, lim, deadline, all_or_nothing)
+                if tests.snippets and not (all_or_nothing and any(results)):
+                    with Sandbox(lim, disable=disable) as judge_sb:
+                        got, _ = run_judged(server, judge_sb, tests.snippets, tests.setup, tests.proxies,
+                                            tests.modules, lim, deadline, all_or_nothing)
+                        results += got
+            finally:
+                server.close()
+            iso = server.isolation or iso
+    total = tests.total
+    passed = sum(1 for r in results if r is None)
+    failures = [r for r in results if r is not None]
     ok_all = passed == total and total > 0
     reward = (1.0 if ok_all else 0.0) if all_or_nothing else (passed / total if total else 0.0)
     return CodeVerdict(reward=reward, passed=passed, total=total, reason=failures[0] if failures else None,
-                       failures=failures)
+                       failures=failures, isolation=list(iso))
 
 
-def _read_harness(r: SandboxResult, nonce: str, n: int) -> tuple[int, list[str]]:
-    status: dict[int, str] = {}
-    setup_fail = None
-    for line in r.stdout.splitlines():
-        if not line.startswith(nonce + " "):
-            continue
-        parts = line[len(nonce) + 1:].split()
-        if parts and parts[0] == "SETUP":
-            setup_fail = "solution_error: " + (parts[1] if len(parts) > 1 else "?")
-        elif len(parts) >= 2 and parts[0].isdigit() and int(parts[0]) < n:
-            status.setdefault(int(parts[0]), "PASS" if parts[1] == "PASS" else "test_failed: " + " ".join(parts[2:]))
-    missing = setup_fail or (r.reason if r.reason else "no_result")
-    passed = sum(1 for v in status.values() if v == "PASS")
-    failures = [status.get(i, missing) for i in range(n) if status.get(i) != "PASS"]
-    return passed, failures
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 def code_reward(completion: str, answer: str, *, prompt: str = "", all_or_nothing: bool = False,
                 **meta: Any) -> float:
-    """Reward-function entry point ("code" in the registry). Never raises: bad tests or a crash score 0.0.
+    """Reward-function entry point ("code" in the registry). Bad tests or any failure of the solution score 0.0;
+    the only exception it raises is SandboxIsolationError, when isolation is required and weak.
 
-    Per-sample limits may be given in `meta`: wall_s, cpu_s, memory_mb.
-    """
+    Per-sample options in `meta`: wall_s (per test), cpu_s, memory_mb, budget_s (the whole sample),
+    require_isolation, and the dataset's entry_point for HumanEval-style checks."""
     del prompt
     try:
         tests = parse_tests(answer, meta)
@@ -225,8 +185,20 @@ def code_reward(completion: str, answer: str, *, prompt: str = "", all_or_nothin
             kw["cpu_s"] = int(meta["cpu_s"])
         if "memory_mb" in meta:
             kw["memory_bytes"] = int(meta["memory_mb"]) << 20
-        verdict = evaluate_code(extract_code(completion), tests, all_or_nothing=bool(all_or_nothing),
-                                limits=SandboxLimits(**kw) if kw else None)
-        return verdict.reward
-    except Exception:
+        budget = float(meta.get("budget_s", DEFAULT_BUDGET_S))
+        left = time_left()
+        if left is not None:
+            budget = min(budget, left - CLEANUP_MARGIN_S)
+        require = _flag(meta.get("require_isolation", os.environ.get("AREAL_SANDBOX_REQUIRE_ISOLATION", "")))
+        limits = SandboxLimits(**kw) if kw else None
+    except (ValueError, TypeError, OverflowError):
         return 0.0
+    try:
+        verdict = evaluate_code(extract_code(completion), tests, all_or_nothing=bool(all_or_nothing),
+                                limits=limits, budget_s=budget, require_isolation=require)
+    except SandboxIsolationError:
+        raise
+    except Exception:
+        log.exception("code reward failed")
+        return 0.0
+    return verdict.reward

@@ -7,18 +7,22 @@ function defined anywhere importable works. A reward function has the signature
     fn(completion: str, answer: str, *, prompt: str = "", **meta) -> float
 
 Functions that take fewer keywords (e.g. `fn(completion, answer)`) are called with only what they accept.
+A reward that may take long (the code sandbox) reads `time_left()` to finish, and clean up, before the caller's
+timeout would kill it.
 `inline=True` marks functions cheap and safe enough to call directly on the caller's thread (a string comparison),
 skipping the process round trip; they still cannot crash the caller (exceptions score 0.0).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
 import numbers
+import time
 from functools import lru_cache
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 RewardFn = Callable[..., float]
 
@@ -104,3 +108,24 @@ def call_reward(fn: RewardFn, completion: str, answer: str, prompt: str = "",
     if not math.isfinite(value):
         raise ValueError(f"reward function returned {value}")
     return value
+
+
+_deadline: float | None = None  # time.monotonic() at which the current call's caller gives up
+
+
+def time_left() -> float | None:
+    """Seconds until whoever called the current reward gives up on it (RewardRunner's timeout); None when no
+    deadline is set (a direct call)."""
+    return None if _deadline is None else _deadline - time.monotonic()
+
+
+@contextlib.contextmanager
+def reward_deadline(timeout_s: float | None) -> Iterator[None]:
+    """Set the deadline `time_left()` reports for the duration of one reward call."""
+    global _deadline
+    previous = _deadline
+    _deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        yield
+    finally:
+        _deadline = previous

@@ -9,7 +9,10 @@ scores 0.0 with reason "timeout"; the next call starts a fresh worker. Exception
 the reason. `score` never raises for anything the reward function does.
 
 Timeouts count only the reward call itself: the worker first imports the function (which may take a second for
-sympy) and acknowledges, and only then does `timeout_s` start. Imports have their own, generous bound.
+sympy) and acknowledges, and only then does `timeout_s` start. Imports have their own, generous bound. The worker
+tells the reward its deadline (`registry.time_left()`), so a reward that runs programs (the code sandbox) ends and
+cleans up before it; a reward that overruns anyway first gets SIGTERM (its `finally` blocks and context managers
+run: the sandbox closes) and `term_grace_s` later SIGKILL.
 
     controller (event loop)                     worker processes (max_workers of them, started on demand)
       score(spec, ...) --frame--> [worker] import fn --"started"--> call fn --"done"(reward|error)-->
@@ -27,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from areal_async.rewards.registry import call_reward, load, resolve
+from areal_async.rewards.registry import call_reward, load, resolve, reward_deadline
 
 _LEN = struct.Struct(">I")
 _MAX_FRAME = 64 << 20
@@ -39,6 +42,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
     answer: str
     prompt: str = ""
     meta: dict[str, Any] = {}
+    timeout_s: float | None = None  # the caller's deadline for the call, for registry.time_left()
 
 
 class ScoreReply(msgspec.Struct, kw_only=True):
@@ -79,6 +83,16 @@ class _Worker:
             raise ValueError(f"worker frame of {n} bytes")
         return msgspec.msgpack.decode(await self.stdout.readexactly(n), type=ScoreReply)
 
+    async def terminate(self, grace_s: float) -> None:
+        """SIGTERM the worker so the reward's cleanup runs; SIGKILL its group if it has not exited in `grace_s`."""
+        if self.proc.returncode is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(self.proc.wait(), grace_s)
+            except (ProcessLookupError, asyncio.TimeoutError):
+                pass
+        await self.kill()
+
     async def kill(self) -> None:
         if self.proc.returncode is None:
             try:
@@ -95,12 +109,13 @@ class _Worker:
 class RewardRunner:
     """`async with RewardRunner(max_workers=2) as rr: reward, why = await rr.score("math", text, answer)`."""
 
-    def __init__(self, max_workers: int = 2, *, import_timeout_s: float = 120.0,
+    def __init__(self, max_workers: int = 2, *, import_timeout_s: float = 120.0, term_grace_s: float = 3.0,
                  env: dict[str, str] | None = None) -> None:
         if max_workers < 1:
             raise ValueError("max_workers must be >= 1")
         self.max_workers = max_workers
         self.import_timeout_s = import_timeout_s
+        self.term_grace_s = term_grace_s
         self._extra_env = dict(env or {})
         self._sem: asyncio.Semaphore | None = None
         self._idle: list[_Worker] = []
@@ -131,7 +146,8 @@ class RewardRunner:
                 self.stats.errors += 1
                 return 0.0, _describe(e)
         try:
-            req = ScoreRequest(fn=entry.target, completion=completion, answer=answer, prompt=prompt, meta=meta)
+            req = ScoreRequest(fn=entry.target, completion=completion, answer=answer, prompt=prompt, meta=meta,
+                               timeout_s=timeout_s)
             msgspec.msgpack.encode(req)  # fail here, not in the worker, on meta that cannot travel
         except (TypeError, msgspec.ValidationError) as e:
             self.stats.errors += 1
@@ -169,6 +185,10 @@ class RewardRunner:
                     return 0.0, "worker sent no reward"
                 return first.reward, None
             except asyncio.TimeoutError:
+                if not self._closed:
+                    self.stats.workers_killed += 1
+                    self._all.discard(worker)
+                    await asyncio.shield(worker.terminate(self.term_grace_s))
                 return 0.0, "timeout"
             except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, ValueError,
                     msgspec.DecodeError) as e:
@@ -184,7 +204,7 @@ class RewardRunner:
                     self._all.discard(worker)
                     if worker.proc.returncode is None:
                         self.stats.workers_killed += 1
-                        await asyncio.shield(worker.kill())
+                        await asyncio.shield(worker.terminate(0.0 if self._closed else self.term_grace_s))
 
     async def _spawn(self) -> _Worker:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -204,17 +224,27 @@ class RewardRunner:
         return w
 
     async def close(self) -> None:
-        """Kill every worker; calls in flight return (0.0, "runner closed")."""
+        """Stop every worker (SIGTERM, so sandboxes clean up; SIGKILL a second later); calls in flight return
+        (0.0, "runner closed")."""
         self._closed = True
         workers, self._all, self._idle = list(self._all), set(), []
-        await asyncio.gather(*(w.kill() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.terminate(1.0) for w in workers), return_exceptions=True)
 
 
 # ---- the worker process ----------------------------------------------------------------------------------------
 
 
+class _Terminated(SystemExit):
+    """SIGTERM from the runner: unwind the reward (its cleanup runs), then exit."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated(128 + signum)
+
+
 def _worker_main() -> None:
     """Serve ScoreRequests on stdin until EOF. Anything the reward prints goes to stderr, never into the protocol."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
     out = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -238,9 +268,10 @@ def _worker_main() -> None:
             continue
         send(ScoreReply(kind="started"))
         try:
-            value = call_reward(fn, req.completion, req.answer, req.prompt, req.meta)
+            with reward_deadline(req.timeout_s):
+                value = call_reward(fn, req.completion, req.answer, req.prompt, req.meta)
             send(ScoreReply(kind="done", reward=value))
         except BaseException as e:
-            if isinstance(e, KeyboardInterrupt):
+            if isinstance(e, (KeyboardInterrupt, _Terminated)):
                 raise
             send(ScoreReply(kind="done", error=_describe(e)))

@@ -4,26 +4,29 @@ Two loops share a StalenessBuffer (buffer.py):
 
     rollout loop (RolloutManager, rollout.py)       train loop (AsyncRLController.run, below)
     ------------------------------------------      -------------------------------------------------------
-    wait: admission rule allows a group             wait: B groups done, no straggler -> oldest starts
-    start workflow.run(client, sample) as a task    trainer.train_step(trajectories, v)      (RPC to all ranks)
-    group done -> buffer.finish(group)              trainer.publish(v + 1)                   (HF checkpoint)
-                                                    servers: pause(abort) -> load v + 1 -> continue
-                                                      (interrupted requests resume in the client, tokens after
-                                                       the switch carry version v + 1)
-                                                    v += 1 -> buffer.set_version(v): capacity grows by B
+    wait: admission rule allows a group             wait: a batch the staleness rule allows (buffer.get_batch)
+    draw a sample, run the workflow as a task       trainer.train_step(trajectories, v)      (RPC to all ranks)
+    group done -> buffer.finish(group)              weights of v + 1 onto the servers (weight_sync.py):
+      (or a drop, with its reason, in the ledger)     disk: publish an HF checkpoint, then load it
+                                                      broadcast: torch.distributed from trainer rank 0
+                                                      in flight: abort and resume / keep going in place / wait
+                                                    v += 1 -> buffer.set_version(v); a line in trained_index.jsonl
                                                     every k steps: checkpoint, and a held-out eval that runs
                                                       beside the next train step (started once that step has its
                                                       batch; its weight sync waits for the eval)
 
-Modes come from the same code: async (eta >= 1 or unbounded, interruptible), sync (eta = 0: after B groups start,
-nothing else starts until the weights of v + 1 are live, so rollout generation never overlaps training; held-out
-evals do, as in every mode), and async without interruption (the weight load waits for in-flight requests to
-finish instead of aborting them).
+Modes come from the same code: async (eta >= 1 or unbounded), sync (eta = 0: after B groups start, nothing else
+starts until the weights of v + 1 are live, so rollout generation never overlaps training; held-out evals do, as in
+every mode), and the three treatments of requests in flight at a weight update (`schedule.interruptible`,
+`schedule.interrupt_mode`; see weight_sync.py).
+
+Every draw is accounted for (ledger.py): trained, dropped with a reason, or unfinished at a stop. A checkpoint holds
+the next fresh draw index and the draws it has not seen resolved; a resume draws those again, exactly once.
 
 Embedding: build an `InferenceClient` over your servers, a trainer (anything with the `Trainer` protocol; the
-torchrun workers are reached through `areal_async.train.client.TrainerGroup`), a workflow and samples, then
-`await AsyncRLController(...).run()`. Or drive `RolloutManager` + `StalenessBuffer` yourself and consume batches with
-`buffer.get_batch()`.
+torchrun workers are reached through `areal_async.train.client.TrainerGroup`), a workflow, a `ScheduleConfig` and
+a `SampleStream`, then `await AsyncRLController(...).run()`. Or drive `RolloutManager` + `StalenessBuffer` yourself
+and consume batches with `buffer.get_batch()`.
 """
 
 from __future__ import annotations
@@ -33,16 +36,22 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Awaitable, Callable, Protocol
 
+from areal_async.config import ScheduleConfig
 from areal_async.rollout.buffer import StalenessBuffer
+from areal_async.rollout.ledger import SampleLedger
 from areal_async.rollout.rollout import RolloutManager
 from areal_async.rollout.samples import SampleStream
+from areal_async.rollout.weight_sync import DiskSync, WeightSync, interrupt_mode, update_weights
 from areal_async.rollout.workflow_api import Generator, Workflow
 from areal_async.types import CheckpointResult, PublishResult, TrainStepResult, Trajectory
 
 log = logging.getLogger(__name__)
+
+__all__ = ["AsyncRLController", "RunState", "ScheduleConfig", "Trainer", "InferenceAdmin", "load_state",
+           "save_state"]
 
 
 class Trainer(Protocol):
@@ -52,33 +61,13 @@ class Trainer(Protocol):
 
     async def save_checkpoint(self, path: str) -> CheckpointResult: ...
 
-    # only for weight_sync="broadcast": send the weights straight to the servers (see train/client.py)
-    async def broadcast_weights(self, servers: Any, version: int) -> Any: ...
-
 
 class InferenceAdmin(Generator, Protocol):
     async def pause(self, mode: str = "abort") -> Any: ...
 
     async def resume(self) -> Any: ...
 
-    async def update_weights_from_disk(self, path: str, version: int) -> Any: ...
-
-
-@dataclass
-class ScheduleConfig:
-    """The knobs of the schedule itself (RunConfig carries them; kept separate so embedders need no RunConfig)."""
-
-    batch_size: int
-    total_steps: int
-    eta: int | None = 4
-    interruptible: bool = True
-    max_concurrent_groups: int = 64
-    filter_uniform_reward: bool = False
-    eval_every: int = 10
-    checkpoint_every: int = 0
-    keep_versions: int = 2
-    max_wall_s: float | None = None
-    weight_sync: str = "disk"  # "disk": publish an HF checkpoint and load it; "broadcast": torch.distributed
+    async def update_weights_from_disk(self, path: str, version: int, *, flush_cache: bool = True) -> Any: ...
 
 
 @dataclass
@@ -86,7 +75,8 @@ class RunState:
     """Everything a resume needs besides the trainer's own checkpoint."""
 
     version: int = 0
-    data_position: int = 0
+    data_position: int = 0  # the next fresh draw index
+    pending: list[int] = field(default_factory=list)  # draws the checkpoint has not seen trained or dropped
     trained_samples: int = 0
     trained_groups: int = 0
     max_staleness_seen: int = 0
@@ -99,32 +89,38 @@ Evaluator = Callable[[], Awaitable[dict[str, float]]]
 
 
 class AsyncRLController:
-    def __init__(self, cfg: ScheduleConfig, client: InferenceAdmin, trainer: Trainer, workflow: Workflow,
-                 stream: SampleStream, run_dir: str, *, evaluator: Evaluator | None = None,
-                 logger: Any = None, state: RunState | None = None,
-                 on_batch: Callable[[int, list[Trajectory]], None] | None = None,
+    def __init__(self, schedule: ScheduleConfig, client: InferenceAdmin, trainer: Trainer, workflow: Workflow,
+                 stream: SampleStream, run_dir: str, *, weights: WeightSync | None = None,
+                 evaluator: Evaluator | None = None, logger: Any = None, state: RunState | None = None,
+                 ledger: SampleLedger | None = None,
                  busy_probe: Callable[[], Awaitable[float | None]] | None = None) -> None:
-        self.cfg = cfg
+        """`weights` defaults to disk sync under `run_dir/weights`; `ledger` to one without a file (the run passes
+        one that writes trained_index.jsonl); `busy_probe` reads the servers' cumulative compute seconds."""
+        schedule.validate("schedule")
+        self.cfg = schedule
         self.client = client
         self.trainer = trainer
         self.workflow = workflow
         self.stream = stream
         self.run_dir = run_dir
+        self.weights = weights if weights is not None else DiskSync(trainer, client, os.path.join(run_dir, "weights"))
         self.evaluator = evaluator
         self.logger = logger
         self.state = state or RunState()
-        self.on_batch = on_batch  # called with every trained batch (tests assert on versions; users can log)
-        self.busy_probe = busy_probe  # the servers' cumulative compute seconds, read around the training loop
-        self.buffer = StalenessBuffer(cfg.batch_size, cfg.eta, cfg.max_concurrent_groups)
+        self.ledger = ledger if ledger is not None else SampleLedger()
+        self.busy_probe = busy_probe
+        self.buffer = StalenessBuffer(schedule.batch_size, schedule.effective_eta, schedule.max_concurrent_groups)
         self.buffer.restore(self.state.version)
         self.stream.seek(self.state.data_position)
+        self.stream.redraw(self.state.pending)
         self.rollout = RolloutManager(client, workflow, stream, self.buffer,
-                                      filter_uniform_reward=cfg.filter_uniform_reward)
+                                      filter_uniform_reward=schedule.filter_uniform_reward,
+                                      max_consecutive_failures=schedule.max_consecutive_failures, ledger=self.ledger)
+        self.interrupt = interrupt_mode(schedule.interruptible, schedule.interrupt_mode)
         # eval_s: every eval's own duration; eval_wait_s: how long the train loop waited for a periodic eval
         self.timings = {"wait_batch_s": 0.0, "train_s": 0.0, "publish_s": 0.0, "weight_load_s": 0.0, "eval_s": 0.0,
                         "eval_wait_s": 0.0}
         self.evals: list[dict[str, float]] = []
-        self.latest_weights: str | None = None
         self._eval_due = False  # a periodic eval waits for the next batch, then runs beside that train step
         self._eval_task: asyncio.Task | None = None
 
@@ -145,7 +141,7 @@ class AsyncRLController:
                     break
                 await self._train_one_step(t_start)
                 st.wall_s = time.monotonic() - t_start
-                if self.cfg.eval_every and st.version % self.cfg.eval_every == 0 \
+                if self.evaluator is not None and self.cfg.eval_every and st.version % self.cfg.eval_every == 0 \
                         and st.version < self.cfg.total_steps:
                     self._eval_due = True  # started by the next step once it has its batch (see _train_one_step)
                 if self.cfg.checkpoint_every and st.version % self.cfg.checkpoint_every == 0:
@@ -180,21 +176,21 @@ class AsyncRLController:
             self._eval_task = asyncio.create_task(self._evaluate(), name=f"eval-v{v}")
         trajs = [t for g in groups for t in g.trajectories]
         staleness = self._record_staleness(trajs, v)
-        if self.on_batch is not None:
-            self.on_batch(v, trajs)
         result = await self.trainer.train_step(trajs, v)
         t2 = time.monotonic()
         eval_wait = await self._join_eval()
         await self._sync_weights(v + 1)
         t3 = time.monotonic()
         st.version = v + 1
-        st.data_position = self.stream.position
         st.trained_samples += len(trajs)
         st.trained_groups += len(groups)
+        # the draw index of each group (rollout.py numbers every group's trajectories with it)
+        self.ledger.trained(st.version, [g.trajectories[0].group_id for g in groups])
         await self.buffer.set_version(st.version)
         self.timings["wait_batch_s"] += t1 - t0
         self.timings["train_s"] += t2 - t1
         rewards = [t.reward for t in trajs]
+        stats = self.rollout.stats
         record = {
             "version": st.version,
             "wall_s": time.monotonic() - t_start,
@@ -212,49 +208,33 @@ class AsyncRLController:
             "samples_per_s": st.trained_samples / max(time.monotonic() - t_start, 1e-9),
             "buffer_groups": len(self.buffer),
             "running_groups": self.buffer.running,
-            "rollout_failed": self.rollout.stats.failed,
-            "rollout_filtered": self.rollout.stats.filtered,
+            # how long, in total, B groups were ready but the staleness rule held the batch for an older one
+            "staleness_held_s": self.buffer.held_s,
+            "rollout_failed": stats.failed,
+            "rollout_filtered": stats.filtered,
+            "rollout_rejected": stats.rejected,
+            "rollout_aborted": stats.aborted,
+            "rollout_invalid": stats.invalid,
             **{f"train/{k}": v for k, v in result.stats.items()},
         }
         self._log("train", st.version, record)
 
     async def _sync_weights(self, version: int) -> None:
-        """Make every server serve the trainer's weights as `version`.
-
-        disk: the trainer publishes an HF checkpoint (while generation goes on), then the servers load it.
-        broadcast: the servers receive the tensors from trainer rank 0 over torch.distributed.
-        Interruptible: the load happens between pause(abort) and continue; otherwise the servers finish their
-        in-flight requests under the old weights first.
-        """
+        """Make every server serve the trainer's weights as `version` (transport and in-flight treatment: see
+        weight_sync.py). The prepare step (disk: publishing the checkpoint) overlaps generation."""
         t0 = time.monotonic()
-        if self.cfg.weight_sync == "disk":
-            pub = await self.trainer.publish(version, os.path.join(self.run_dir, "weights"), self.cfg.keep_versions)
-            self.latest_weights = pub.path
-
-            async def load() -> None:
-                await self.client.update_weights_from_disk(pub.path, version)
-        else:
-            async def load() -> None:
-                await self.trainer.broadcast_weights(self.client, version)
+        await self.weights.prepare(version)
         t1 = time.monotonic()
-        if self.cfg.interruptible:
-            await self.client.pause("abort")
-            try:
-                await load()
-            finally:
-                await self.client.resume()
-        else:
-            await load()
+        await update_weights(self.weights, self.client, version, self.interrupt)
         self.timings["publish_s"] += t1 - t0
         self.timings["weight_load_s"] += time.monotonic() - t1
 
     async def publish_final(self) -> str | None:
         """An HF checkpoint of the current weights (already there with disk sync; written now with broadcast)."""
-        if self.latest_weights is None and self.state.version > 0:
-            pub = await self.trainer.publish(self.state.version, os.path.join(self.run_dir, "weights"),
-                                             self.cfg.keep_versions)
-            self.latest_weights = pub.path
-        return self.latest_weights
+        if self.weights.latest_checkpoint is None and self.state.version > 0:
+            pub = await self.trainer.publish(self.state.version, os.path.join(self.run_dir, "weights"))
+            return pub.path
+        return self.weights.latest_checkpoint
 
     async def _join_eval(self) -> float:
         """Wait for a periodic eval still running (it must finish on the weights it started with, so the next weight
@@ -311,13 +291,21 @@ class AsyncRLController:
             log.info("eval @ version %d: accuracy %.1f%%  (%.1fs)", step, 100 * values["accuracy"], values["seconds"])
 
     async def save_checkpoint(self) -> str:
-        """Trainer state through the trainer's own checkpoint, controller state as JSON beside it."""
+        """Trainer state through the trainer's own checkpoint, then the controller state beside it (atomically): the
+        version, the next fresh draw and the draws not yet resolved in trained_index.jsonl."""
         st = self.state
         path = os.path.join(self.run_dir, "checkpoints", f"v{st.version}")
         await self.trainer.save_checkpoint(os.path.join(path, "trainer"))
         st.data_position = self.stream.position
+        # redraws queued by a resume and not handed out yet are unresolved too
+        st.pending = sorted(set(self.ledger.pending()) | set(self.stream.pending_redraws))
         save_state(self.run_dir, st, path)
         return path
+
+    def finish(self, *, completed: bool) -> None:
+        """Close the ledger; after a normal stop (`completed`) its end line names what was left unfinished (redraws
+        of a resume that were never handed out again included)."""
+        self.ledger.close(finished=completed, undrawn=self.stream.pending_redraws)
 
 
 def _spans_versions(t: Trajectory) -> bool:
@@ -325,19 +313,27 @@ def _spans_versions(t: Trajectory) -> bool:
     return len(seen) > 1
 
 
-def save_state(run_dir: str, state: RunState, ckpt_path: str) -> None:
-    """Write the controller state next to the trainer checkpoint, then point `latest.json` at it (atomically)."""
-    os.makedirs(ckpt_path, exist_ok=True)
-    data = {**state.__dict__, "checkpoint": os.path.abspath(ckpt_path)}
-    with open(os.path.join(ckpt_path, "controller.json"), "w") as f:
-        json.dump(data, f, indent=2)
-    latest = os.path.join(run_dir, "checkpoints", "latest.json")
-    tmp = latest + ".tmp"
+def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, latest)
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)
+
+
+def save_state(run_dir: str, state: RunState, ckpt_path: str) -> None:
+    """Write the controller state next to the trainer checkpoint, then point `latest.json` at it; each file is
+    written to a temporary name and renamed, so a kill at any moment leaves the previous checkpoint intact."""
+    os.makedirs(ckpt_path, exist_ok=True)
+    data = {**state.__dict__, "checkpoint": os.path.abspath(ckpt_path)}
+    _write_json_atomic(os.path.join(ckpt_path, "controller.json"), data)
+    _write_json_atomic(os.path.join(run_dir, "checkpoints", "latest.json"), data)
 
 
 def load_state(run_dir: str) -> tuple[RunState, str] | None:
@@ -348,5 +344,5 @@ def load_state(run_dir: str) -> tuple[RunState, str] | None:
     with open(latest) as f:
         data = json.load(f)
     ckpt = data.pop("checkpoint")
-    return RunState(**data), ckpt
-
+    known = {f.name for f in fields(RunState)}
+    return RunState(**{k: v for k, v in data.items() if k in known}), ckpt

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from areal_async.rollout.workflow_api import Generator
-from areal_async.rollout.workflows.rlvr import ScoreFn
+from areal_async.rollout.prompts import prompt_ids
+from areal_async.rollout.workflow_api import Generator, ScoreFn, score_sample
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import SamplingParams, Sample
 
@@ -24,13 +24,10 @@ async def evaluate(client: Generator, tokenizer: Tokenizer, samples: list[Sample
     t0 = time.monotonic()
 
     async def one(s: Sample) -> tuple[float, int, int, int]:
-        if s.messages is not None or use_chat_template:
-            ids = tokenizer.apply_chat_template(s.messages or [{"role": "user", "content": s.prompt}])
-        else:
-            ids = tokenizer.encode(s.prompt)
+        ids = prompt_ids(tokenizer, s, use_chat_template)
         async with sem:
             g = await client.agenerate(ids, sampling, rid=None, **extra)
-        reward, _ = await score(tokenizer.decode(g.output_ids), s.answer, s.prompt)
+        reward, _ = await score_sample(score, tokenizer.decode(g.output_ids), s)
         vers = g.output_versions
         return reward, len(g.output_ids), min(vers, default=-1), max(vers, default=-1)
 

@@ -1,28 +1,36 @@
 """The rollout side of the schedule: keep the servers busy, within the staleness bound.
 
     loop:  wait for buffer.acquire_slot()   (admission rule + concurrency cap; see buffer.py)
-           take the next sample, start workflow.run(client, sample) as its own task
-    task:  trajectories -> filter (optional: all rewards equal) -> buffer.finish(group or None)
+           draw the next sample (its draw index names it from then on), start workflow.run(client, sample)
+    task:  trajectories -> checks -> buffer.finish(group), or buffer.finish(None) and a drop in the ledger
 
-A workflow that raises is logged and rejected; it never kills the run. But when many groups in a row fail (every
-server gone, say) the manager closes the buffer with the last error, so the trainer side stops with a clear reason
-instead of waiting forever.
+A group is dropped (its capacity released, counted in `RolloutStats` and in the ledger with the reason) when the
+workflow raises ("failed"), returns nothing ("rejected"), returns a trajectory whose generation was aborted
+("aborted": `info["finish"] == "abort"`, from repeated foreign aborts or an engine error; a half-answer must never be
+trained as if it were complete), returns a malformed or token-less trajectory ("invalid"), or, with
+`filter_uniform_reward`, gives every sample the same reward ("filtered"). A failure never kills the run, but when
+`max_consecutive_failures` groups in a row fail or come back aborted (every server gone, say) the manager closes the
+buffer with the last error, so the trainer side stops with a clear reason instead of waiting forever.
 
-While it runs, the manager paces Python's garbage collector from the event loop (`GCPacer`, gc_pacer.py): with thousands
-of rollouts in flight the collector's own schedule, not our code, is what stalls the loop.
+Accepted groups are numbered by their draw index: every trajectory's `group_id` is set to it (unique across the run,
+so the trainer's per-group advantages and the ledger's record agree on what a group is).
+
+While it runs, the manager paces Python's garbage collector from the event loop (`GCPacer`, gc_pacer.py): with
+thousands of rollouts in flight the collector's own schedule, not our code, is what stalls the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from dataclasses import dataclass
 
 from areal_async.rollout.buffer import BufferClosed, Group, StalenessBuffer
 from areal_async.rollout.gc_pacer import GCPacer
-from areal_async.rollout.samples import SampleStream
+from areal_async.rollout.ledger import SampleLedger
+from areal_async.rollout.samples import Draw, SampleStream
 from areal_async.rollout.workflow_api import Generator, Workflow
+from areal_async.types import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -33,27 +41,44 @@ class RolloutStats:
     accepted: int = 0
     filtered: int = 0  # dropped by dynamic filtering (all rewards equal)
     rejected: int = 0  # the workflow returned None / nothing
+    aborted: int = 0  # a trajectory's generation was aborted
+    invalid: int = 0  # a malformed trajectory, or one without a generated token
     failed: int = 0  # the workflow raised
     samples: int = 0  # trajectories accepted
     generated_tokens: int = 0
 
 
+def invalid_reason(trajs: list[Trajectory]) -> str | None:
+    """Why these trajectories cannot be trained (the trainer would reject the whole batch), or None."""
+    for i, t in enumerate(trajs):
+        n = len(t.input_ids)
+        if n < 2 or len(t.loss_mask) != n or len(t.logprobs) != n or len(t.versions) != n:
+            return f"trajectory {i}: lengths {n}/{len(t.loss_mask)}/{len(t.logprobs)}/{len(t.versions)}"
+        if t.loss_mask[0]:
+            return f"trajectory {i}: loss_mask[0] must be 0"
+        if not any(t.loss_mask):
+            return f"trajectory {i}: no generated token"
+    return None
+
+
 class RolloutManager:
     """Keeps prompt groups running within the buffer's admission rule. `pace_gc` (default on) runs the garbage
-    collector from the loop while started (see `GCPacer`); turn it off if the process manages its own collector."""
+    collector from the loop while started (see `GCPacer`); turn it off if the process manages its own collector.
+    `ledger` records every draw and drop (an in-memory one by default)."""
 
     def __init__(self, client: Generator, workflow: Workflow, stream: SampleStream, buffer: StalenessBuffer, *,
                  filter_uniform_reward: bool = False, max_consecutive_failures: int = 50,
-                 pace_gc: bool = True) -> None:
+                 pace_gc: bool = True, ledger: SampleLedger | None = None) -> None:
         self.client = client
         self.workflow = workflow
         self.stream = stream
         self.buffer = buffer
         self.filter_uniform_reward = filter_uniform_reward
         self.max_consecutive_failures = max_consecutive_failures
+        self.ledger = ledger if ledger is not None else SampleLedger()
         self.stats = RolloutStats()
-        self._group_ids = itertools.count()
         self._consecutive_failures = 0
+        self._gave_up = False
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.pace_gc = pace_gc
@@ -69,43 +94,70 @@ class RolloutManager:
         try:
             while True:
                 start_version = await self.buffer.acquire_slot()
-                sample = self.stream.next()
+                draw = self.stream.draw()
+                self.ledger.drawn(draw.index)
                 self.stats.started += 1
-                task = asyncio.create_task(self._run_group(sample, start_version))
+                task = asyncio.create_task(self._run_group(draw, start_version))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         except BufferClosed:
             pass
 
-    async def _run_group(self, sample, start_version: int) -> None:
+    def _drop_reason(self, trajs: list[Trajectory] | None) -> str | None:
+        if not trajs:
+            self.stats.rejected += 1
+            return "rejected: the workflow returned no trajectory"
+        if any(t.info.get("finish") == "abort" for t in trajs):
+            self.stats.aborted += 1
+            return "aborted: a generation came back aborted"
+        bad = invalid_reason(trajs)
+        if bad is not None:
+            self.stats.invalid += 1
+            return f"invalid: {bad}"
+        if self.filter_uniform_reward and len({t.reward for t in trajs}) == 1:
+            self.stats.filtered += 1
+            return "filtered: every reward equal"
+        return None
+
+    async def _run_group(self, draw: Draw, start_version: int) -> None:
         group: Group | None = None
         try:
-            trajs = await self.workflow.run(self.client, sample)
+            try:
+                trajs = await self.workflow.run(self.client, draw.sample)
+            except asyncio.CancelledError:
+                raise  # a stop: the draw stays outstanding (unfinished, drawn again by a resume)
+            except Exception as e:  # a broken workflow or reward loses one group, never the run
+                self.stats.failed += 1
+                self.ledger.dropped(draw.index, f"failed: {type(e).__name__}: {e}")
+                log.warning("workflow failed on sample %s: %s: %s", draw.sample.id, type(e).__name__, e)
+                await self._count_failure(f"{type(e).__name__}: {e}")
+                return
+            why = self._drop_reason(trajs)
+            if why is not None:
+                self.ledger.dropped(draw.index, why)
+                if why.startswith("aborted"):
+                    await self._count_failure(why)
+                else:
+                    self._consecutive_failures = 0
+                return
             self._consecutive_failures = 0
-            if not trajs:
-                self.stats.rejected += 1
-            elif self.filter_uniform_reward and len({t.reward for t in trajs}) == 1:
-                self.stats.filtered += 1
-            else:
-                gid = next(self._group_ids)
-                for t in trajs:
-                    t.group_id = gid
-                group = Group(trajs, start_version=start_version, finish_version=self.buffer.version)
-                self.stats.accepted += 1
-                self.stats.samples += len(trajs)
-                self.stats.generated_tokens += sum(t.response_len for t in trajs)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a broken workflow or reward loses one group, never the run
-            self.stats.failed += 1
-            self._consecutive_failures += 1
-            log.warning("workflow failed on sample %s: %s: %s", getattr(sample, "id", "?"), type(e).__name__, e)
-            if self._consecutive_failures >= self.max_consecutive_failures:
-                await self.buffer.close(RuntimeError(
-                    f"{self._consecutive_failures} prompt groups failed in a row; last error: {type(e).__name__}: {e}"))
+            assert trajs is not None
+            for t in trajs:
+                t.group_id = draw.index
+            group = Group(trajs, start_version=start_version, finish_version=self.buffer.version)
+            self.stats.accepted += 1
+            self.stats.samples += len(trajs)
+            self.stats.generated_tokens += sum(t.response_len for t in trajs)
         finally:
             if not self.buffer.closed:
                 await self.buffer.finish(group, start_version)
+
+    async def _count_failure(self, what: str) -> None:
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= self.max_consecutive_failures and not self._gave_up:
+            self._gave_up = True  # the first reason stands: later failures are the same outage
+            await self.buffer.close(RuntimeError(
+                f"{self._consecutive_failures} prompt groups failed in a row; last error: {what}"))
 
     @property
     def in_flight(self) -> int:
@@ -122,4 +174,3 @@ class RolloutManager:
             self._loop_task = None
             if self._gc is not None:
                 self._gc.stop()
-

@@ -2,8 +2,9 @@
 
 `ensure_base_model()` returns an HF checkpoint directory (config.json, model.safetensors, the char tokenizer with
 its chat template) that every loader in the project reads like a downloaded model. It is built once by a short
-supervised warm-up and cached; the cache key hashes every setting plus `FORMAT_VERSION`, so changing anything
-(here or through overrides) builds a new model instead of silently reusing a stale one.
+supervised warm-up and cached; the cache key hashes every setting, `FORMAT_VERSION` and the build code itself (the
+syntax trees of this module, the task and the tokenizer; see `areal_async.cache.code_fingerprint`), so changing
+anything that shapes the model builds a new one instead of silently reusing a stale one.
 
 Why the warm-up has two phases: RL needs headroom. The first phase teaches worked solutions only (see
 `areal_async.tasks.arith`) until the model follows the procedure reliably; the last `bare_phase_steps` mix in bare
@@ -17,6 +18,8 @@ Building: a plain single-process torch loop (transformers' Qwen2ForCausalLM, Ada
 sequences bucketed by length to avoid padding, loss on the answer tokens only. Deterministic for a seed on a given
 kind of machine (the build runs on a fixed number of CPU threads, `torch_threads`). Writes go to a temporary
 directory renamed into place, under a file lock, so concurrent builders neither corrupt the cache nor train twice.
+Importing this module and computing `cached_path()` need no torch; callers that must not import torch (the
+controller) build through `areal_async.model_store`, which runs the CLI below in a subprocess.
 
 CLI: `python -m areal_async.tasks.base_model [--out DIR] [--seed S] [--cache-dir DIR] [key=value ...]`.
 """
@@ -24,7 +27,6 @@ CLI: `python -m areal_async.tasks.base_model [--out DIR] [--seed S] [--cache-dir
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -35,15 +37,17 @@ import random
 import shutil
 import sys
 import time
-import uuid
 from typing import Any, Iterator
 
+from areal_async import cache
 from areal_async.tasks import arith
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # bump when the build procedure changes in a way the settings do not capture
 MARKER = "areal_base_model.json"  # written last into the temporary directory; its presence means complete
+# the modules whose code shapes the model: their fingerprint is part of the cache key
+BUILD_MODULES = ("areal_async.tasks.base_model", "areal_async.tasks.arith", "areal_async.tasks.char_tokenizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +89,16 @@ class BaseModelSpec:
             raise ValueError("torch_threads must be >= 1")
 
 
-def default_cache_dir() -> str:
-    return os.environ.get("AREAL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "areal_async")
+default_cache_dir = cache.default_cache_dir
+
+
+def build_code_fingerprint() -> str:
+    return cache.code_fingerprint(list(BUILD_MODULES))
 
 
 def cache_key(spec: BaseModelSpec, seed: int) -> str:
     blob = json.dumps({"format": FORMAT_VERSION, "seed": seed, "task": dataclasses.asdict(arith.ArithSpec()),
-                       **dataclasses.asdict(spec)}, sort_keys=True)
+                       "code": build_code_fingerprint(), **dataclasses.asdict(spec)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -104,54 +111,38 @@ def make_spec(**overrides: Any) -> BaseModelSpec:
     return BaseModelSpec(**overrides)
 
 
-def ensure_base_model(cache_dir: str | None = None, seed: int = 0, **overrides: Any) -> str:
-    """The checkpoint directory of the base model for (settings, seed), building it on first use."""
+def cached_path(cache_dir: str | None = None, seed: int = 0, **overrides: Any) -> str:
+    """Where the base model for (settings, seed) lives in the cache, built or not; needs no torch."""
     spec = make_spec(**overrides)
-    root = os.path.join(cache_dir or default_cache_dir(), "base_models")
-    final = os.path.join(root, f"arith-qwen2-{cache_key(spec, seed)}")
-    if _is_complete(final):
+    return os.path.join(cache_dir or default_cache_dir(), "base_models", f"arith-qwen2-{cache_key(spec, seed)}")
+
+
+def is_built(path: str) -> bool:
+    return cache.is_complete(path, MARKER)
+
+
+def ensure_base_model(cache_dir: str | None = None, seed: int = 0, **overrides: Any) -> str:
+    """The checkpoint directory of the base model for (settings, seed), building it on first use (in this
+    process: it imports torch; see `areal_async.model_store.resolve_model_path` for the torch-free way)."""
+    final = cached_path(cache_dir, seed, **overrides)
+    if is_built(final):
         return final
-    os.makedirs(root, exist_ok=True)
-    with _file_lock(final + ".lock"):
-        if _is_complete(final):  # another process built it while we waited
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    with cache.file_lock(final + ".lock"):
+        if is_built(final):  # another process built it while we waited
             return final
-        build_into(final, spec, seed)
+        build_into(final, make_spec(**overrides), seed)
     return final
 
 
 def build_into(final: str, spec: BaseModelSpec, seed: int) -> None:
     """Train into a fresh temporary sibling of `final`, then rename it into place. Call under the lock."""
-    parent, name = os.path.split(os.path.abspath(final))
-    for entry in os.listdir(parent):  # leftovers of builders that died (we hold the lock, so none is live)
-        if entry.startswith(name + ".tmp-"):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-    if os.path.exists(final):  # incomplete: no marker
-        shutil.rmtree(final)
-    tmp = os.path.join(parent, f"{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = cache.fresh_tmp_dir(final)
     try:
         build_base_model(tmp, spec, seed)
         os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MARKER))
-
-
-@contextlib.contextmanager
-def _file_lock(path: str) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): the atomic rename alone keeps the cache consistent
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # ---- the warm-up ------------------------------------------------------------------------------------------------
@@ -270,7 +261,8 @@ def _train_and_save(out_dir: str, spec: BaseModelSpec, seed: int, device: str | 
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out_dir, safe_serialization=True)
-    stats = {"format_version": FORMAT_VERSION, "seed": seed, "settings": dataclasses.asdict(spec),
+    stats = {"format_version": FORMAT_VERSION, "code": build_code_fingerprint(), "seed": seed,
+             "settings": dataclasses.asdict(spec),
              "task": dataclasses.asdict(arith.ArithSpec()), "num_params": n_params, "sft_seconds": round(seconds, 2),
              "final_loss": round(loss_ema, 4), "tokens": tokens, "device": str(dev), "torch": torch.__version__,
              "transformers": transformers.__version__}
@@ -314,12 +306,13 @@ def main(argv: list[str] | None = None) -> int:
                 with open(marker) as f:
                     old = json.load(f)
                 same = (old.get("format_version") == FORMAT_VERSION and old.get("seed") == args.seed
+                        and old.get("code") == build_code_fingerprint()
                         and old.get("settings") == dataclasses.asdict(spec))
             if not same:
                 if os.path.exists(args.out) and os.listdir(args.out) and not os.path.isfile(marker):
                     raise SystemExit(f"{args.out} exists and is not a base model directory; refusing to replace it")
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with _file_lock(os.path.abspath(args.out) + ".lock"):
+                with cache.file_lock(os.path.abspath(args.out) + ".lock"):
                     build_into(args.out, spec, args.seed)
             path = args.out
         else:

@@ -12,10 +12,9 @@ resumes inside a turn (the client does it), so one turn may span several policy 
 
 Observations are either plain text (appended as is: for base models and plain-text tasks such as arith; the
 model's EOS token stays in the context before the feedback, because it was generated) or chat messages (rendered
-with the tokenizer's chat template). For chat, only the *new* messages are rendered: the
-`ChatTokens` helper renders the template twice around a fixed stand-in conversation and keeps the difference, and
-closes the model's turn with the template's own end-of-turn text (e.g. ChatML's "<|im_end|>\\n"), minus whatever
-part of it the model already generated.
+with the tokenizer's chat template). For chat, only the *new* messages are rendered (`ChatTokens`, rollout/chat.py),
+and the model's turn is closed with the template's own end-of-turn text, minus whatever part of it the model
+already generated.
 
 The environment API is two coroutines (`Env` below); `CheckerEnv` is a ready-made one: it grades each attempt with
 a reward function and answers "wrong, try again" until the attempts run out. `make_workflow` is what
@@ -25,16 +24,20 @@ a reward function and answers "wrong, try again" until the attempts run out. `ma
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Protocol, Union, runtime_checkable
 
 import msgspec
 
-from areal_async.rollout.workflow_api import Generator
+from areal_async.config import MultiTurnConfig
+from areal_async.rollout.chat import ChatTokens
+from areal_async.rollout.workflow_api import Generator, ScoreFn, score_sample
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import SamplingParams, Sample, Trajectory
 
+__all__ = ["ChatTokens", "CheckerEnv", "Env", "EnvFactory", "EpisodeResult", "MultiTurnConfig", "MultiTurnWorkflow",
+           "Observation", "make_workflow"]
+
 Observation = Union[str, list[dict]]  # plain text, or chat messages ({"role", "content", ...})
-ScoreFn = Callable[[str, str, str], Awaitable[tuple[float, "str | None"]]]  # (completion, answer, prompt)
 
 
 @runtime_checkable
@@ -53,67 +56,7 @@ class Env(Protocol):
 EnvFactory = Callable[[Sample], Env]
 
 
-# ---- chat rendering of deltas ------------------------------------------------------------------------------------
-
-_STAND_IN = [{"role": "user", "content": "areal-stand-in"}, {"role": "assistant", "content": "areal-stand-in"}]
-_MARK = "\x00AREAL-TURN-END\x00"
-
-
-class ChatTokens:
-    """Token ids for appending messages to a conversation whose earlier tokens must not change.
-
-    Why a stand-in conversation: chat templates render whole conversations, and many emit different text for a
-    message depending on what precedes it (the first system block, tool-response grouping). Rendering
-    `stand_in + new` and subtracting the rendering of `stand_in` gives the text the template would put after a
-    finished assistant turn, which is what a new user or tool message looks like mid-conversation.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tok = tokenizer
-        closed = tokenizer.apply_chat_template(
-            _STAND_IN[:1] + [{"role": "assistant", "content": _MARK}], add_generation_prompt=False, tokenize=False)
-        assert isinstance(closed, str)
-        if _MARK not in closed:
-            raise ValueError("the chat template drops assistant content; cannot find its end-of-turn text")
-        self.turn_end = closed.split(_MARK, 1)[1]  # e.g. "<|im_end|>\n"
-
-    def delta_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Ids of `messages` rendered as the continuation of a conversation that ended with an assistant turn."""
-        base = self.tok.apply_chat_template(_STAND_IN, add_generation_prompt=False, tokenize=False)
-        full = self.tok.apply_chat_template(_STAND_IN + list(messages), add_generation_prompt=add_generation_prompt,
-                                            tokenize=False)
-        assert isinstance(base, str) and isinstance(full, str)
-        if not full.startswith(base):
-            raise ValueError("the chat template renders earlier turns differently once more messages follow; "
-                             "appending feedback tokens is not possible with it")
-        return self.tok.encode(full[len(base):])
-
-    def close_turn_ids(self, output_ids: list[int]) -> list[int]:
-        """The end-of-turn tokens the template puts after an assistant message, minus what the model generated.
-
-        If the model stopped on a token whose text starts the template's end-of-turn text (ChatML's <|im_end|>),
-        only the rest (the newline) is added; if it stopped for length or on another EOS, all of it is.
-        """
-        if output_ids:
-            last = self.tok.decode([output_ids[-1]], skip_special_tokens=False)
-            if last and self.turn_end.startswith(last):
-                rest = self.turn_end[len(last):]
-                return self.tok.encode(rest) if rest else []
-        return self.tok.encode(self.turn_end)
-
-
 # ---- the workflow ---------------------------------------------------------------------------------------------------
-
-
-class MultiTurnConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Knobs of `make_workflow` (set under `rollout.multi_turn` in a run config)."""
-
-    max_turns: int = 2  # model turns per episode
-    max_total_tokens: int = 1024  # the whole trajectory (prompt + every turn + feedback) stays within this
-    feedback: str = "Wrong, try again.\n{prompt}"  # CheckerEnv's retry message ({prompt}, {answer_text} allowed)
-    retry_discount: float = 0.5  # reward of a correct attempt k (k = 0, 1, ...) is retry_discount ** k
-    chat: bool = False  # render prompts and feedback as chat messages instead of plain text
-    truncated_reward: float | None = 0.0  # a turn cut off by max_new_tokens ends the episode with this reward
 
 
 class EpisodeResult(msgspec.Struct, kw_only=True):
@@ -240,7 +183,7 @@ class MultiTurnWorkflow:
                        turn_inputs=ins, finish=finish, interruptions=interruptions)
 
     @staticmethod
-    def to_trajectory(ep: EpisodeResult, group_id: int = 0) -> Trajectory:
+    def to_trajectory(ep: EpisodeResult, group_id: int = -1) -> Trajectory:
         info: dict[str, Any] = {"turns": ep.turns, "finish": ep.finish, "interruptions": ep.interruptions}
         if ep.step_rewards:
             info["first_reward"] = ep.step_rewards[0]
@@ -281,7 +224,7 @@ class CheckerEnv:
 
     async def step(self, action: str) -> tuple[Observation, float, bool]:
         assert self.sample is not None, "reset() first"
-        reward, self.last_reason = await self.score(action, self.sample.answer, self.sample.prompt)
+        reward, self.last_reason = await score_sample(self.score, action, self.sample)
         k = self.attempt
         self.attempt += 1
         if reward >= self.threshold:
@@ -294,8 +237,9 @@ def make_workflow(cfg: Any, tokenizer: Tokenizer, score: ScoreFn) -> MultiTurnWo
     """`rollout.workflow: multi_turn`: CheckerEnv over the run's reward, options from `rollout.multi_turn`."""
     r = cfg.rollout
     raw = getattr(r, "multi_turn", None) or {}
-    mt = raw if isinstance(raw, MultiTurnConfig) else msgspec.convert(
+    mt = raw if isinstance(raw, MultiTurnConfig) else msgspec.convert(  # a mapping, from a hand-made cfg
         msgspec.to_builtins(raw), MultiTurnConfig, strict=False)
+    mt.validate("rollout.multi_turn")
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k)
     chat = mt.chat or bool(getattr(getattr(cfg, "data", None), "apply_chat_template", False))

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
 
-from areal_async.rollout.workflow_api import Generator, trajectory_from_generation
+from areal_async.rollout.prompts import prompt_ids
+from areal_async.rollout.workflow_api import Generator, ScoreFn, score_sample, trajectory_from_generation
 from areal_async.tokenizer import Tokenizer
-from areal_async.types import SamplingParams, Sample, Trajectory
-
-# (completion_text, answer, prompt) -> (reward, failure reason or None); never raises
-ScoreFn = Callable[[str, str, str], Awaitable[tuple[float, str | None]]]
+from areal_async.types import Sample, SamplingParams, Trajectory
 
 
 class RLVRWorkflow:
@@ -26,26 +23,25 @@ class RLVRWorkflow:
         self.use_chat_template = use_chat_template
 
     def prompt_ids(self, sample: Sample) -> list[int]:
-        if sample.messages is not None or self.use_chat_template:
-            messages = sample.messages or [{"role": "user", "content": sample.prompt}]
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # type: ignore[return-value]
-        return self.tokenizer.encode(sample.prompt)
+        return prompt_ids(self.tokenizer, sample, self.use_chat_template)
 
     async def run(self, client: Generator, sample: Sample) -> list[Trajectory] | None:
-        prompt_ids = self.prompt_ids(sample)
+        ids = self.prompt_ids(sample)
         key = f"s{sample.id}"
         if self.group_size == 1:  # no gather: it would wrap the one call in a task of its own
-            gens = [await client.agenerate(prompt_ids, self.sampling, session_key=key)]
+            gens = [await client.agenerate(ids, self.sampling, session_key=key)]
         else:
-            gens = await asyncio.gather(*(client.agenerate(prompt_ids, self.sampling, session_key=key)
+            gens = await asyncio.gather(*(client.agenerate(ids, self.sampling, session_key=key)
                                           for _ in range(self.group_size)))
+        if any(g.finish_reason == "abort" for g in gens):  # the group is dropped (rollout.py): score nothing
+            return [trajectory_from_generation(ids, g, 0.0, interruptions=g.num_interruptions) for g in gens]
         texts = [self.tokenizer.decode(g.output_ids) for g in gens]
         if len(texts) == 1:
-            scores = [await self.score(texts[0], sample.answer, sample.prompt)]
+            scores = [await score_sample(self.score, texts[0], sample)]
         else:
-            scores = await asyncio.gather(*(self.score(t, sample.answer, sample.prompt) for t in texts))
+            scores = await asyncio.gather(*(score_sample(self.score, t, sample) for t in texts))
         return [
-            trajectory_from_generation(prompt_ids, g, reward, group_id=0, finish=g.finish_reason,
-                                       interruptions=g.num_interruptions, **({"reward_error": why} if why else {}))
+            trajectory_from_generation(ids, g, reward, interruptions=g.num_interruptions,
+                                       **({"reward_error": why} if why else {}))
             for g, (reward, why) in zip(gens, scores)
         ]

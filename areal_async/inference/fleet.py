@@ -1,0 +1,285 @@
+"""Which weights each server holds, and keeping every server in rotation on the current ones.
+
+The rule: a server is in rotation only while it holds the current weights (the `WeightTarget`: the version the
+trainer last published, and where to load it from). Tokens are stamped with the version the server itself reports,
+so a server that missed an update would not mislabel its tokens, but it would serve weights older than the
+staleness bound allows; and relabelling it (`update_weight_version`) would put a new label on old weights. So:
+
+- update_weights_from_disk: every reachable server loads the checkpoint. Those that fail leave rotation and
+  retry in the background (with backoff) until they load it; down servers load it when they come back. If every
+  reachable server fails, nothing changed anywhere: the target stays where it was and `AdminError` is raised.
+- update_weight_version: only servers holding the current weights are relabelled.
+- update_weights_from_distributed (broadcast): as for disk, per bucket; a server that fails a bucket holds a mix
+  of versions and leaves rotation. Broadcast weights have no checkpoint to load: such a server (and one that
+  restarted meanwhile) stays out until `load_weights(url, path, version)` brings it to the current version, or the
+  `weight_source` hook supplies a checkpoint of that version (e.g. the trainer publishes one), which it then loads.
+- a server coming back (or added) is checked with GET /model_info before it serves: right version, it serves;
+  otherwise it loads the target first. One lock per server keeps a catch-up load and a fleet-wide update from
+  interleaving on it.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable, NamedTuple
+
+import aiohttp
+import msgspec
+
+from areal_async.inference.routing import ServerState
+from areal_async.inference.transport import AdminError, ConnectionFailed, InferenceError, ServerPool, error_message
+
+log = logging.getLogger(__name__)
+
+WeightSource = Callable[[int], Awaitable[str]]  # version -> an HF checkpoint directory holding that version
+
+
+class WeightTarget(NamedTuple):
+    """The weights every serving server must hold."""
+
+    version: int
+    path: str | None  # an HF checkpoint directory the client can load; None: broadcast, or never loaded
+    launch: bool = False  # the launch weights relabelled: a restarted server holds them already
+
+
+_warned_versions: set = set()  # labels already warned about, once per process
+
+
+def parse_weight_version(v: Any) -> int:
+    """SGLang reports `weight_version` as a string. Ours are integers (train steps). SGLang's initial value is
+    "default", meaning weights loaded at launch and never updated: that is version 0. Any other non-integer label
+    (set by someone else) is also read as 0, with a warning, rather than failing a whole rollout over a label."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if v is None or v == "" or v == "default":
+        return 0
+    try:
+        return int(str(v).strip())
+    except ValueError:
+        if v not in _warned_versions:
+            _warned_versions.add(v)
+            log.warning("non-integer weight_version %r read as version 0", v)
+        return 0
+
+
+class Fleet:
+    """The weight side of a `ServerPool`; installs itself as the pool's `ready_check`."""
+
+    def __init__(self, pool: ServerPool, *, on_ready: Callable[[ServerState], Awaitable[None]] | None = None):
+        self.pool = pool
+        self.target: WeightTarget | None = None  # None: nothing loaded since launch, any server is current
+        self.weight_source: WeightSource | None = None
+        self.on_ready = on_ready  # runs before a caught-up server returns to rotation (the client un-pauses it)
+        self.counts = {"weight_load_failures": 0, "catch_ups": 0}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._warned_stuck: set[str] = set()
+        # url -> version whose label that server carries without holding all of its weights (a failed bucket of a
+        # broadcast relabels the buckets it did receive): its /model_info cannot be trusted for that version
+        self._tainted: dict[str, int] = {}
+        pool.ready_check = self.ready
+
+    def _lock(self, url: str) -> asyncio.Lock:
+        lock = self._locks.get(url)
+        if lock is None:
+            lock = self._locks[url] = asyncio.Lock()
+        return lock
+
+    def reachable(self) -> list[ServerState]:
+        """Servers an update should go to now: every one that is not down (down ones catch up on return)."""
+        return [s for s in self.pool.router.servers.values() if s.state != "down"]
+
+    # ---- one server ---------------------------------------------------------------------------------------------
+
+    async def server_version(self, server: ServerState) -> int | None:
+        """The version a server reports in GET /model_info (None when it does not say)."""
+        status, body = await self.pool.send(server, "GET", "/model_info", None, timeout=self.pool.probe_timeout())
+        if status != 200:
+            return None
+        try:
+            info = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return None
+        if not isinstance(info, dict) or "weight_version" not in info:
+            return None
+        return parse_weight_version(info["weight_version"])
+
+    async def _post(self, server: ServerState, path: str, payload: dict) -> tuple[bool, str]:
+        """One weight call on one server (counted as a weight load: the heartbeat leaves it alone meanwhile)."""
+        server.admin_ops += 1
+        try:
+            status, body = await self.pool.send(server, "POST", path, msgspec.json.encode(payload),
+                                                timeout=aiohttp.ClientTimeout(total=self.pool.weight_load_timeout_s))
+        finally:
+            server.admin_ops -= 1
+        if status != 200:
+            return False, f"HTTP {status}: {error_message(body)}"
+        try:
+            out = msgspec.json.decode(body) if body else {}
+        except msgspec.DecodeError:
+            out = {}
+        if isinstance(out, dict) and out.get("success") is False:
+            return False, str(out.get("message", "failed"))
+        return True, ""
+
+    async def ready(self, server: ServerState) -> bool:
+        """The pool's `ready_check`: True once `server` holds the current weights (loading them if it can)."""
+        async with self._lock(server.url):
+            target = self.target
+            if target is None:
+                ok = True
+            else:
+                ok = await self._catch_up(server, target)
+            if ok and self.on_ready is not None:
+                await self.on_ready(server)
+            return ok
+
+    async def _catch_up(self, server: ServerState, target: WeightTarget) -> bool:
+        have = await self.server_version(server)
+        if have == target.version and self._tainted.get(server.url) != target.version:
+            server.version = have
+            return True
+        if target.launch:  # the current weights are the launch weights under a new label
+            ok, why = await self._post(server, "/update_weight_version",
+                                       {"new_version": str(target.version), "abort_all_requests": False})
+        else:
+            path = target.path
+            if path is None and self.weight_source is not None:
+                try:
+                    path = await self.weight_source(target.version)
+                except Exception as e:  # the hook's failure keeps the server out, like a failed load
+                    self.counts["weight_load_failures"] += 1
+                    log.warning("inference server %s: weight_source(%d) failed: %s: %s", server.url,
+                                target.version, type(e).__name__, e)
+                    return False
+                if self.target == target:  # later catch-ups of this version load the same checkpoint
+                    self.target = target = target._replace(path=path)
+            if path is None:
+                if server.url not in self._warned_stuck:
+                    self._warned_stuck.add(server.url)
+                    log.warning("inference server %s holds version %s, not %d, and the current weights came by "
+                                "broadcast: it stays out of rotation until load_weights() brings it to version %d "
+                                "or a weight_source is set", server.url, have, target.version, target.version)
+                return False
+            ok, why = await self._post(server, "/update_weights_from_disk",
+                                       {"model_path": path, "weight_version": str(target.version),
+                                        "abort_all_requests": False, "flush_cache": True})
+        if not ok:
+            self.counts["weight_load_failures"] += 1
+            log.warning("inference server %s failed to catch up to weight version %d: %s", server.url,
+                        target.version, why)
+            return False
+        if self.target != target:  # an update landed meanwhile: check again against the new target
+            return await self._catch_up(server, self.target) if self.target is not None else True
+        server.version = target.version
+        self.counts["catch_ups"] += 1
+        self._warned_stuck.discard(server.url)
+        self._tainted.pop(server.url, None)
+        log.warning("inference server %s caught up to weight version %d", server.url, target.version)
+        return True
+
+    async def load_one(self, url: str, path: str, version: int) -> None:
+        """Load the checkpoint at `path` as `version` into one server (a restarted one, before it takes traffic).
+        When that is the current version the server returns to rotation (after a /health check); raises
+        `InferenceError` if the load fails."""
+        server = self.pool.router.servers.get(url.rstrip("/"))
+        if server is None:
+            raise KeyError(f"unknown server {url!r}")
+        async with self._lock(server.url):
+            try:
+                ok, why = await self._post(server, "/update_weights_from_disk",
+                                           {"model_path": path, "weight_version": str(version),
+                                            "abort_all_requests": False, "flush_cache": True})
+            except ConnectionFailed as e:
+                raise InferenceError(str(e), url=server.url) from e
+            if not ok:  # the server keeps the weights it had
+                self.counts["weight_load_failures"] += 1
+                raise InferenceError(f"{server.url}: loading {path} failed: {why}", url=server.url)
+            server.version = version
+            self._tainted.pop(server.url, None)
+            current = self.target is None or version == self.target.version
+            if self.target is not None and current and self.target.path is None:
+                self.target = self.target._replace(path=path)  # other servers can catch up from it too
+        if current:
+            if server.state in ("down", "syncing"):
+                await self.pool.try_admit(server)
+        elif server.state == "serving":
+            self.pool.needs_sync(server, f"loaded version {version}, not the current {self.target.version}")
+
+    # ---- the whole fleet ----------------------------------------------------------------------------------------
+
+    async def _fan(self, servers: list[ServerState], path: str, payload: dict) -> dict[str, Any]:
+        async def one(server: ServerState) -> Any:
+            async with self._lock(server.url):
+                try:
+                    ok, why = await self._post(server, path, payload)
+                except ConnectionFailed as e:
+                    if server.state != "down":
+                        self.pool.server_failed(server, str(e))
+                    raise InferenceError(str(e), url=server.url) from e
+                if not ok:
+                    raise InferenceError(f"{server.url}{path}: {why}", url=server.url)
+                return {"success": True}
+
+        results = await asyncio.gather(*(one(s) for s in servers), return_exceptions=True)
+        for r in results:
+            if isinstance(r, asyncio.CancelledError):
+                raise r
+        return {s.url: r for s, r in zip(servers, results)}
+
+    def _settle(self, what: str, servers: list[ServerState], results: dict[str, Any], version: int, *,
+                taints: bool = False) -> None:
+        """Servers that took the update hold `version`; the others leave rotation until they catch up (with
+        `taints`, a failure also means the server's label can no longer be trusted for `version`)."""
+        for s in servers:
+            r = results[s.url]
+            if isinstance(r, BaseException):
+                self.counts["weight_load_failures"] += 1
+                if taints:
+                    self._tainted[s.url] = version
+                self.pool.needs_sync(s, f"{what} to version {version} failed: {r}")
+            elif self._tainted.get(s.url) != version:
+                self._tainted.pop(s.url, None)
+                s.version = version
+                if s.state == "syncing":  # it was catching up and now holds the current weights
+                    self.pool.spawn(self.pool.try_admit(s))
+
+    async def update_from_disk(self, path: str, version: int, *, flush_cache: bool, abort_all_requests: bool
+                               ) -> dict[str, Any]:
+        servers = self.reachable()
+        previous = self.target
+        self.target = WeightTarget(version, path)
+        payload = {"model_path": path, "weight_version": str(version), "abort_all_requests": abort_all_requests,
+                   "flush_cache": flush_cache}
+        results = await self._fan(servers, "/update_weights_from_disk", payload)
+        if servers and all(isinstance(r, BaseException) for r in results.values()):
+            self.target = previous  # nobody took it: every server still holds what it held
+            self.counts["weight_load_failures"] += len(servers)
+            detail = "; ".join(f"{u}: {r}" for u, r in results.items())
+            raise AdminError(f"update_weights_from_disk failed on every server: {detail}", results)
+        self._settle("update_weights_from_disk", servers, results, version)
+        return results
+
+    async def relabel(self, version: int, *, abort_all_requests: bool) -> dict[str, Any]:
+        target = self.target
+        if target is None:
+            servers = self.reachable()
+        else:  # only servers known to hold the current weights get the new label
+            servers = [s for s in self.reachable() if s.state != "syncing" and s.version == target.version]
+        payload = {"new_version": str(version), "abort_all_requests": abort_all_requests}
+        self.target = WeightTarget(version, target.path if target else None, target.launch if target else True)
+        results = await self._fan(servers, "/update_weight_version", payload)
+        self._settle("update_weight_version", servers, results, version)
+        return results
+
+    async def distributed(self, payload: dict, version: int) -> dict[str, Any]:
+        if self.target is None or self.target.version != version or self.target.path is not None:
+            self.target = WeightTarget(version, None)
+        servers = self.reachable()
+        results = await self._fan(servers, "/update_weights_from_distributed", payload)
+        if servers and all(isinstance(r, BaseException) for r in results.values()):
+            detail = "; ".join(f"{u}: {r}" for u, r in results.items())
+            raise AdminError(f"update_weights_from_distributed failed on every server: {detail}", results)
+        self._settle("update_weights_from_distributed", servers, results, version, taints=True)
+        return results

@@ -1,0 +1,573 @@
+"""A pool of SGLang-protocol servers over HTTP: one exchange, routing with retries and failover, health, membership.
+
+No torch here, and nothing about generation: the pool moves bytes and keeps each server's state (routing.py). One
+aiohttp session (made lazily inside the running loop) carries every request.
+
+Failure handling, as the rest of the client relies on it:
+- retries with exponential backoff on connection errors, 429 and 5xx; never on other 4xx (those raise
+  `InferenceError` with the server's message). A retry goes to another serving server when there is one.
+- a server that refuses connections, drops them, or answers 502/503/504 leaves rotation at once ("down").
+- hung servers (SIGSTOP: the socket accepts, nothing answers) are found by a heartbeat: every `probe_interval_s`
+  each server with requests in flight is sent GET /health with a `health_timeout_s` deadline; after
+  `max_health_failures` unanswered probes in a row it is down. A long healthy generation is never cut short: the
+  deadline applies to /health, which a working server answers at once, not to the generation. Servers loading
+  weights are not probed (a real SGLang server may not answer /health while it loads); a weight load that takes
+  longer than `weight_load_timeout_s` counts as failed instead.
+- when a server goes down, every exchange in flight on it ends at once with `ConnectionFailed` (the caller
+  resubmits elsewhere), and a recovery task probes it until /health answers, then runs `ready_check` (the client
+  brings the server to the current weights there) and only then puts it back in rotation.
+- when no server is serving, a request waits up to `unavailable_timeout_s` for one to come back, then raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import msgspec
+
+from areal_async.inference.routing import Router, ServerState
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+DOWN_STATUS = frozenset({502, 503, 504})  # the server (or its proxy) says it cannot serve at all: leave rotation
+_JSON = {"Content-Type": "application/json"}
+# Python 3.11+: a cancellation we caused can be told from the owner's (Task.uncancel); 3.10 has no counter, and a
+# swallowed cancellation there is the owner's only when it cancels in the same instant
+_UNCANCEL = hasattr(asyncio.Task, "uncancel")
+
+
+class InferenceError(RuntimeError):
+    """A request the servers could not or would not serve. `status` is the HTTP status when there was one."""
+
+    def __init__(self, message: str, *, status: int | None = None, url: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.url = url
+
+
+class AdminError(InferenceError):
+    """An admin call (weight update, ...) failed; `results` maps every URL to its result or its exception, so the
+    caller can decide whether to retry, drop the server or stop."""
+
+    def __init__(self, message: str, results: dict[str, Any]):
+        super().__init__(message)
+        self.results = results
+
+
+class ConnectionFailed(Exception):
+    """The server could not be reached, dropped the connection, or was taken out of rotation mid-exchange."""
+
+
+class StreamError(Exception):
+    """An error event inside a 200 event stream; `status` is the code it carries (500 when none)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+def error_message(body: bytes) -> str:
+    """The human part of an error body: SGLang's {"error": {"message"}}, FastAPI's {"detail"}, or the raw text."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body[:500].decode("utf-8", "replace").strip()
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("error", "message", "detail"):
+            if data.get(key):
+                return str(data[key])
+    return str(data)[:500]
+
+
+EventSink = Callable[[bytes], None]  # one SSE `data:` payload (JSON bytes)
+BodyFn = Callable[[int, str], "bytes | None"]  # (attempt, server url) -> body; None: nothing left to ask
+
+
+class ServerPool:
+    """The servers, their states, and the HTTP machinery. Bound to the event loop that first uses it.
+
+    At most `max_connections` routed requests are on the wire at once; the rest wait in the pool, uncounted by the
+    router. Probes and admin calls never wait behind them.
+    """
+
+    def __init__(self, urls: list[str], *, api_key: str | None = None, timeout_s: float = 3600,
+                 max_retries: int = 3, backoff_s: float = 0.2, probe_interval_s: float = 1.0,
+                 max_connections: int = 1024, unavailable_timeout_s: float = 300.0, connect_timeout_s: float = 10.0,
+                 health_timeout_s: float = 10.0, max_health_failures: int = 2, weight_load_timeout_s: float = 600.0):
+        self.router = Router(urls)
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.probe_interval_s = probe_interval_s
+        self.max_connections = max_connections
+        self.unavailable_timeout_s = unavailable_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.max_health_failures = max_health_failures
+        # weight loads are not watched by the heartbeat (see the module docstring): this bounds them instead
+        self.weight_load_timeout_s = weight_load_timeout_s
+        # runs after /health answers and before a server returns to rotation; False: not yet, probe again later
+        self.ready_check: Callable[[ServerState], Awaitable[bool]] | None = None
+        self.closed = False
+        self.counts = {"requests": 0, "retries": 0, "failovers": 0, "errors": 0, "servers_lost": 0,
+                       "servers_recovered": 0}
+        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._any_healthy = asyncio.Event()
+        self._any_healthy.set()
+        self._exchanges: dict[str, set[asyncio.Task]] = {}  # url -> tasks awaiting an exchange with it
+        self._lost_cancels: dict[asyncio.Task, str] = {}  # tasks we cancelled because their server left, and why
+        self._recovery: dict[str, asyncio.Task] = {}
+        self._probing: set[str] = set()  # heartbeat probes in flight
+        self._heartbeat: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+
+    def session(self) -> aiohttp.ClientSession:
+        """The shared session, made on first use inside the running loop (with the heartbeat)."""
+        if self.closed:
+            raise InferenceError("InferenceClient is closed")
+        loop = asyncio.get_running_loop()
+        if self._session is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            # no connector limit: routed requests are capped by `_slots`, so admin calls and probes never queue
+            # behind thousands of generations waiting for a connection
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+            # no cookie jar: SGLang sets no cookies, and a real jar costs a cookie filter + parse per request
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
+                                                  cookie_jar=aiohttp.DummyCookieJar())
+            self._slots = asyncio.Semaphore(self.max_connections)
+            self._loop = loop
+            self._heartbeat = loop.create_task(self._heartbeat_loop())
+            for s in self.router.servers.values():  # servers added before the loop existed
+                if s.state in ("down", "syncing"):
+                    self._start_recovery(s)
+        elif loop is not self._loop:
+            raise InferenceError("InferenceClient is bound to the event loop that first used it")
+        return self._session
+
+    async def close(self) -> None:
+        """Stop probes and background tasks, wake every waiter (they raise), close the session."""
+        if self.closed:
+            return
+        self.closed = True
+        self._any_healthy.set()
+        tasks = [*self._recovery.values(), *self._background]
+        if self._heartbeat is not None:
+            tasks.append(self._heartbeat)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        """Run `coro` in the background; cancelled by close()."""
+        t = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.router.servers)
+
+    # ---- one HTTP exchange --------------------------------------------------------------------------------------
+
+    async def send(self, server: ServerState, method: str, path: str, body: bytes | None, *,
+                   timeout: aiohttp.ClientTimeout | None = None, on_event: EventSink | None = None,
+                   routed: bool = False, probe: bool = False) -> tuple[int, bytes]:
+        """(status, body) of one request, or `ConnectionFailed` if the server cannot be reached, drops us, or leaves
+        rotation meanwhile. With `on_event`, a 200 `text/event-stream` answer is read event by event (each `data:`
+        payload goes to `on_event`) and (200, b"") comes back after `[DONE]`; a stream cut before `[DONE]` is a
+        `ConnectionFailed`. `routed` requests count as outstanding on the server (the router balances on it);
+        every request but a `probe` makes the heartbeat watch the server while it is in flight.
+
+        How an exchange ends when its server leaves rotation: the task awaiting it is registered under the server
+        and cancelled (`_end_exchanges`), and the cancellation is turned into `ConnectionFailed` here, unless the
+        task was also cancelled by its owner. No extra task per request (thousands are in flight).
+        """
+        session = self.session()
+        if routed:
+            server.outstanding += 1
+            server.num_requests += 1
+        if not probe:
+            server.exchanges += 1
+        task = asyncio.current_task()
+        assert task is not None
+        registry = self._exchanges.setdefault(server.url, set())
+        registry.add(task)
+        try:
+            return await self._exchange(session, server, method, path, body, timeout, on_event)
+        except asyncio.CancelledError:
+            why = self._lost_cancels.pop(task, None)
+            if why is None or (_UNCANCEL and task.uncancel() > 0):  # not ours, or its owner cancelled it too
+                raise
+            raise ConnectionFailed(f"{server.url}{path}: server taken out of rotation ({why})") from None
+        finally:
+            registry.discard(task)
+            self._lost_cancels.pop(task, None)
+            if routed:
+                server.outstanding -= 1
+            if not probe:
+                server.exchanges -= 1
+
+    def _end_exchanges(self, url: str, why: str) -> None:
+        """End every exchange in flight with `url` (see `send`)."""
+        for task in list(self._exchanges.get(url, ())):
+            if task not in self._lost_cancels and not task.done():
+                self._lost_cancels[task] = why
+                task.cancel()
+
+    async def _exchange(self, session: aiohttp.ClientSession, server: ServerState, method: str, path: str,
+                        body: bytes | None, timeout: aiohttp.ClientTimeout | None,
+                        on_event: EventSink | None) -> tuple[int, bytes]:
+        kw: dict[str, Any] = {}
+        if body is not None:
+            kw["data"] = body
+            kw["headers"] = _JSON
+        if timeout is not None:
+            kw["timeout"] = timeout
+        try:
+            async with session.request(method, server.url + path, **kw) as resp:
+                if on_event is None or resp.status != 200 \
+                        or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    return resp.status, await resp.read()
+                return await _read_events(resp, on_event, server.url + path)
+        except aiohttp.ClientError as e:  # includes connect timeouts: the server is unreachable
+            raise ConnectionFailed(f"{server.url}{path}: {e!r}") from e
+        except asyncio.TimeoutError as e:
+            total = timeout.total if timeout is not None else self.timeout_s
+            raise InferenceError(f"{server.url}{path}: no answer within {total:g}s", url=server.url) from e
+        except OSError as e:
+            raise ConnectionFailed(f"{server.url}{path}: {e!r}") from e
+
+    # ---- server states ------------------------------------------------------------------------------------------
+
+    def server_failed(self, server: ServerState, why: str) -> None:
+        """Take a server out of rotation, end the exchanges in flight on it, and start probing it."""
+        server.num_failures += 1
+        server.health_failures = 0
+        server.incremental_stream = None  # it may come back as another process, with other settings
+        if server.url not in self.router.servers:
+            return
+        if server.state == "serving":
+            self.counts["servers_lost"] += 1
+            log.warning("inference server %s taken out of rotation: %s", server.url, why)
+        if server.state != "draining":
+            self.router.set_state(server.url, "down")
+        self._end_exchanges(server.url, why)
+        if not self.router.healthy():
+            self._any_healthy.clear()
+        if server.state != "draining":
+            self._start_recovery(server)
+
+    def needs_sync(self, server: ServerState, why: str) -> None:
+        """Reachable but not holding the right weights: out of rotation until `ready_check` says it does."""
+        if server.url not in self.router.servers or server.state in ("down", "draining"):
+            return
+        if server.state == "serving":
+            log.warning("inference server %s out of rotation until it holds the current weights: %s",
+                        server.url, why)
+        self.router.set_state(server.url, "syncing")
+        if not self.router.healthy():
+            self._any_healthy.clear()
+        self._start_recovery(server)
+
+    def _start_recovery(self, server: ServerState) -> None:
+        if self.closed or self._loop is None:
+            return  # started with the session
+        t = self._recovery.get(server.url)
+        if t is None or t.done():
+            self._recovery[server.url] = self._loop.create_task(self._recover(server))
+
+    def probe_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.health_timeout_s)
+
+    async def _recover(self, server: ServerState) -> None:
+        """Probe GET /health until it answers 200, then `ready_check` until it passes; then back in rotation."""
+        delay = self.probe_interval_s
+        first = server.state == "syncing"  # a reachable server is checked at once; a dead one after a pause
+        while not self.closed and server.url in self.router.servers and server.state in ("down", "syncing"):
+            if not first:
+                await asyncio.sleep(delay)
+            first = False
+            try:
+                status, _ = await self.send(server, "GET", "/health", None, timeout=self.probe_timeout(), probe=True)
+            except (ConnectionFailed, InferenceError):
+                continue
+            if status != 200:
+                continue
+            if server.state == "down":
+                self.router.set_state(server.url, "syncing")
+            try:
+                ready = self.ready_check is None or await self.ready_check(server)
+            except (ConnectionFailed, InferenceError) as e:
+                log.warning("inference server %s: weight check failed: %s", server.url, e)
+                ready = False
+            if not ready:  # e.g. its weight load failed: back off up to 30 s between tries
+                delay = min(30.0, max(delay * 2, self.probe_interval_s))
+                continue
+            if server.url in self.router.servers and server.state == "syncing":
+                self.router.set_state(server.url, "serving")
+                self._any_healthy.set()
+                self.counts["servers_recovered"] += 1
+                log.warning("inference server %s is back in rotation", server.url)
+                return
+            # it failed again meanwhile (state "down"): keep probing
+
+    async def try_admit(self, server: ServerState) -> bool:
+        """Put an out-of-rotation server back now if /health answers and `ready_check` passes."""
+        if server.url not in self.router.servers or server.state not in ("down", "syncing"):
+            return server.state == "serving"
+        try:
+            status, _ = await self.send(server, "GET", "/health", None, timeout=self.probe_timeout(), probe=True)
+            if status != 200:
+                return False
+            if server.state == "down":
+                self.router.set_state(server.url, "syncing")
+            if self.ready_check is not None and not await self.ready_check(server):
+                return False
+        except (ConnectionFailed, InferenceError):
+            return False
+        if server.url in self.router.servers and server.state == "syncing":
+            self.router.set_state(server.url, "serving")
+            self._any_healthy.set()
+            self.counts["servers_recovered"] += 1
+            log.warning("inference server %s is in rotation", server.url)
+        return server.state == "serving"
+
+    async def _heartbeat_loop(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(self.probe_interval_s)
+            for s in list(self.router.servers.values()):
+                if s.state in ("serving", "draining") and s.exchanges > 0 and s.admin_ops == 0 \
+                        and s.url not in self._probing:
+                    self._probing.add(s.url)
+                    self.spawn(self._heartbeat_probe(s))
+
+    async def _heartbeat_probe(self, server: ServerState) -> None:
+        """One /health probe of a busy server; enough unanswered ones in a row mean it hangs."""
+        try:
+            status, _ = await self.send(server, "GET", "/health", None, timeout=self.probe_timeout(), probe=True)
+        except ConnectionFailed as e:
+            if server.state in ("serving", "draining"):
+                self.server_failed(server, f"health probe: {e}")
+            return
+        except InferenceError:  # no answer within health_timeout_s
+            server.health_failures += 1
+            if server.health_failures >= self.max_health_failures and server.state in ("serving", "draining"):
+                self.server_failed(server, f"hung: {server.health_failures} health probes unanswered within "
+                                           f"{self.health_timeout_s:g}s")
+            return
+        finally:
+            self._probing.discard(server.url)
+        if status == 200:
+            server.health_failures = 0
+        elif status in DOWN_STATUS and server.state in ("serving", "draining"):
+            self.server_failed(server, f"health probe: HTTP {status}")
+
+    # ---- membership ---------------------------------------------------------------------------------------------
+
+    def add(self, url: str) -> ServerState:
+        """A new server: out of rotation until /health answers and `ready_check` passes."""
+        s = self.router.add(url, "down")
+        if self._session is not None:
+            self._start_recovery(s)
+        return s
+
+    async def remove(self, url: str, drain_timeout_s: float | None = 0.0) -> None:
+        """Stop routing to `url`; wait up to `drain_timeout_s` (None: forever) for its requests to finish, then end
+        the rest (they fail over, keeping their tokens so far) and forget the server."""
+        url = url.rstrip("/")
+        server = self.router.servers.get(url)
+        if server is None:
+            raise KeyError(f"unknown server {url!r}")
+        if len(self.router.servers) == 1:
+            raise ValueError("cannot remove the last server")
+        self.router.set_state(url, "draining")
+        t = self._recovery.pop(url, None)
+        if t is not None:
+            t.cancel()
+        if not self.router.healthy():
+            self._any_healthy.clear()
+        deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
+        while server.outstanding > 0 and (deadline is None or time.monotonic() < deadline) and not self.closed:
+            await asyncio.sleep(0.01)
+        self.router.remove(url)
+        self._end_exchanges(url, "removed from the pool")
+        self._exchanges.pop(url, None)
+        log.warning("inference server %s removed from the pool", url)
+
+    # ---- routed requests ----------------------------------------------------------------------------------------
+
+    async def _wait_for_healthy(self, deadline: float, last_err: BaseException | None) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise InferenceError(f"no healthy inference server among {self.urls} for "
+                                 f"{self.unavailable_timeout_s:g}s; last error: {last_err}")
+        try:
+            await asyncio.wait_for(self._any_healthy.wait(), remaining)
+        except asyncio.TimeoutError:
+            pass
+        if self.closed:
+            raise InferenceError("InferenceClient is closed")
+
+    async def routed(self, method: str, path: str, make_body: BodyFn, session_key: str | None = None, *,
+                     on_event: EventSink | None = None, progress: Callable[[], int] | None = None
+                     ) -> tuple[bytes, ServerState | None]:
+        """One logical request with routing, retries, failover and waiting out a full outage.
+
+        `make_body(attempt, url)` builds the body per attempt: generation gives each attempt its own rid (a retry never
+        collides with a request the dead server may still be running) and its prompt + tokens so far; None means
+        nothing is left to ask, and (b"", None) comes back. `progress()` counts what the request has received so
+        far (streamed tokens): a failure after progress does not count against `max_retries`.
+        """
+        self.counts["requests"] += 1
+        self.session()  # the session and its slot semaphore exist from here on
+        slots = self._slots
+        assert slots is not None
+        failures = 0
+        attempt = 0
+        tried: list[str] = []
+        last_err: BaseException | None = None
+        deadline: float | None = None
+        while True:
+            # a slot first, then the server: a request waiting for a connection holds no aiohttp state, and the
+            # least-outstanding choice is made with the load at the moment the request actually goes out
+            await slots.acquire()
+            try:
+                server = self.router.pick(session_key, tried)
+                if server is not None:
+                    body = make_body(attempt, server.url)
+                    if body is None:
+                        return b"", None
+                    if tried and server.url not in tried:
+                        self.counts["failovers"] += 1
+                    attempt += 1
+                    before = progress() if progress is not None else 0
+                    try:
+                        answer: tuple[int, bytes] | BaseException = await self.send(
+                            server, method, path, body, on_event=on_event, routed=True)
+                    except (ConnectionFailed, StreamError) as e:
+                        answer = e
+            finally:
+                slots.release()
+            if server is None:
+                if deadline is None:
+                    deadline = time.monotonic() + self.unavailable_timeout_s
+                await self._wait_for_healthy(deadline, last_err)
+                continue
+            deadline = None
+            if isinstance(answer, ConnectionFailed):
+                self.server_failed(server, str(answer))
+                last_err = answer
+            elif isinstance(answer, StreamError):
+                last_err = InferenceError(f"{server.url}{path}: error in stream: {answer}", status=answer.status,
+                                          url=server.url)
+                if not 500 <= answer.status < 600 and answer.status != 429:
+                    self.counts["errors"] += 1
+                    raise last_err
+                server.num_failures += 1
+            else:
+                status, data = answer
+                if status == 200:
+                    return data, server
+                msg = error_message(data)
+                last_err = InferenceError(f"{server.url}{path} -> HTTP {status}: {msg}", status=status,
+                                          url=server.url)
+                if status not in RETRY_STATUS:
+                    self.counts["errors"] += 1
+                    raise last_err
+                if status in DOWN_STATUS:
+                    self.server_failed(server, f"HTTP {status}")
+                else:
+                    server.num_failures += 1
+            if progress is not None and progress() > before:
+                failures = 0  # it got somewhere: a request that outlives several servers is not failing
+            failures += 1
+            if failures > self.max_retries:
+                self.counts["errors"] += 1
+                raise InferenceError(f"{method} {path} failed after {failures} attempts: {last_err}") from last_err
+            self.counts["retries"] += 1
+            tried.append(server.url)
+            if not any(s.url not in tried for s in self.router.healthy()):  # nowhere new to go: back off first
+                await asyncio.sleep(self.backoff_s * 2 ** (failures - 1) * (0.5 + random.random()))
+
+    # ---- admin fan-out ------------------------------------------------------------------------------------------
+
+    async def fanout(self, method: str, path: str, payload: dict | Callable[[int, str], dict] | None = None, *,
+                     servers: list[ServerState] | None = None, check_success: bool = False,
+                     timeout: aiohttp.ClientTimeout | None = None) -> dict[str, Any]:
+        """Send to `servers` (default: every known server, in any state) at once. Returns url -> decoded answer,
+        or the exception. `check_success`: a 200 answer with `"success": false` is an `InferenceError` too."""
+        enc = msgspec.json.encode
+
+        async def one(i: int, server: ServerState) -> Any:
+            p = payload(i, server.url) if callable(payload) else payload
+            body = None if p is None else enc(p)
+            try:
+                status, data = await self.send(server, method, path, body, timeout=timeout)
+            except ConnectionFailed as e:
+                if server.state in ("serving", "syncing", "draining"):
+                    self.server_failed(server, str(e))
+                raise InferenceError(str(e), url=server.url) from e
+            if status != 200:
+                raise InferenceError(f"{server.url}{path} -> HTTP {status}: {error_message(data)}",
+                                     status=status, url=server.url)
+            try:
+                out = msgspec.json.decode(data) if data else None
+            except msgspec.DecodeError:
+                out = data.decode("utf-8", "replace")
+            if check_success and isinstance(out, dict) and out.get("success") is False:
+                raise InferenceError(f"{server.url}{path}: {out.get('message', 'failed')}", url=server.url)
+            return out
+
+        targets = list(self.router.servers.values()) if servers is None else servers
+        results = await asyncio.gather(*(one(i, s) for i, s in enumerate(targets)), return_exceptions=True)
+        for r in results:  # a cancelled caller must not be swallowed as a per-server failure
+            if isinstance(r, asyncio.CancelledError):
+                raise r
+        return {s.url: r for s, r in zip(targets, results)}
+
+
+async def _read_events(resp: aiohttp.ClientResponse, on_event: EventSink, where: str) -> tuple[int, bytes]:
+    """Feed the `data:` payloads of a server-sent-event stream to `on_event` until `[DONE]`.
+
+    Events are split by hand rather than with aiohttp's line reader: SGLang's default streams are cumulative, so one
+    event of a long answer can be far larger than that reader's line limit.
+    """
+    buf = bytearray()
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            for line in bytes(buf[start:end]).split(b"\n"):
+                line = line.rstrip(b"\r")
+                if not line.startswith(b"data:"):
+                    continue  # comments, event names, keep-alives
+                data = line[5:].lstrip(b" ")
+                if data == b"[DONE]":
+                    return 200, b""
+                on_event(data)
+            start = end + 2
+        if start:
+            del buf[:start]
+    raise ConnectionFailed(f"{where}: the event stream ended before [DONE]")

@@ -1,0 +1,212 @@
+"""Launchers for one host: `LocalLauncher` (embedded or SGLang servers and a torchrun job as children of this
+process) and `ExternalLauncher` (servers already running, given as URLs, and the torchrun job here). See
+launch/api.py for the protocol; `launcher_for` picks one (or the Slurm launcher, launch/slurm.py).
+
+A trainer job of `train.nnodes` > 1 is that many torchrun agents joined by c10d rendezvous; here they all run on
+this host (a real multi-node job, on one machine), or only the first `train.rdzv.local_agents` of them, the others
+started by hand elsewhere with the command the launcher logs. Ranks report their addresses to the run's registry
+(launch/registry.py) unless `train.rdzv.discovery=files`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shlex
+import socket
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from areal_async.config import ConfigError
+from areal_async.launch.api import ClusterEvent, EventHandler, ProcessExited, ServerHandle, TrainerHandle
+from areal_async.launch.fleet import JoinFile, join_file
+from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
+from areal_async.launch.registry import SECRET_ENV, Registry
+
+if TYPE_CHECKING:
+    from areal_async.config import RunConfig
+    from areal_async.launch.api import Launcher
+
+log = logging.getLogger(__name__)
+
+
+class LocalCluster:
+    """Children of this process, watched by polling."""
+
+    def __init__(self, processes: Processes, servers: list[ServerHandle], trainers: TrainerHandle,
+                 poll_s: float = 0.5, registry: Registry | None = None, join: JoinFile | None = None) -> None:
+        self.processes = processes
+        self.servers = servers
+        self.trainers = trainers
+        self.poll_s = poll_s
+        self.registry = registry  # where the trainer ranks reported (train.rdzv.discovery=registry)
+        self.join = join  # run_dir/servers.txt: servers joining and leaving (launch/fleet.py)
+        self._closed = False
+
+    async def watch(self, on_event: EventHandler) -> None:
+        while True:
+            for child in self.processes.exited():
+                await on_event(_exit_event(child))
+            if self.join is not None:
+                for event in await self.join.poll():
+                    await on_event(event)
+            await asyncio.sleep(self.poll_s)
+
+    async def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await asyncio.to_thread(self.processes.shutdown)
+            if self.registry is not None:
+                await self.registry.close()
+
+
+def _exit_event(child: Child) -> ClusterEvent:
+    return ProcessExited(role=child.role, name=child.name, exit_code=child.proc.poll(), log_path=child.log_path,
+                         log_tail=tail(child.log_path), url=child.url)
+
+
+class LocalLauncher:
+    """`server.backend` embedded or sglang: `server.num_servers` servers and one torchrun job, all on this host."""
+
+    async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> LocalCluster:
+        procs = Processes(cfg.run_dir)
+        registry = None
+        try:
+            trainers, registry = await _start_trainers(procs, cfg, model_path, trainer_resume, cfg.server.host)
+            servers = self._start_servers(procs, cfg, model_path)
+            # the trainers load while the servers do; wait_healthy fails fast if any child dies meanwhile
+            await procs.wait_healthy(servers, cfg.server.startup_timeout_s, cfg.server.api_key)
+        except BaseException:
+            await _stop(procs, registry)
+            raise
+        handles = [ServerHandle(c.name, c.url or "") for c in servers]
+        return LocalCluster(procs, handles, trainers, registry=registry, join=joins(cfg, handles))
+
+    @staticmethod
+    def _start_servers(procs: Processes, cfg: "RunConfig", model_path: str) -> list[Child]:
+        srv = cfg.server
+        out = []
+        for i in range(srv.num_servers):
+            port = srv.port + i if srv.port else 0
+            if srv.backend == "embedded":
+                out.append(procs.start_embedded_server(
+                    i, model_path, host=srv.host, port=port, device=srv.device,
+                    max_total_tokens=srv.max_total_tokens, max_running_requests=srv.max_running_requests,
+                    api_key=srv.api_key, torch_threads=srv.torch_threads, prefix_cache=srv.prefix_cache))
+            else:
+                out.append(procs.start_sglang_server(
+                    i, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=srv.extra_args,
+                    base_gpu_id=srv.base_gpu_id, gpus_per_server=srv.gpus_per_server))
+        return out
+
+
+class ExternalLauncher:
+    """`server.backend=external`: the servers at `server.urls` must answer /health within
+    `server.startup_timeout_s`; the trainers are a torchrun job started here."""
+
+    async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> LocalCluster:
+        procs = Processes(cfg.run_dir)
+        registry = None
+        try:
+            trainers, registry = await _start_trainers(procs, cfg, model_path, trainer_resume, _my_address())
+            await procs.wait_healthy(list(cfg.server.urls), cfg.server.startup_timeout_s, cfg.server.api_key)
+        except BaseException:
+            await _stop(procs, registry)
+            raise
+        servers = [ServerHandle(f"server{i}", url.rstrip("/")) for i, url in enumerate(cfg.server.urls)]
+        return LocalCluster(procs, servers, trainers, registry=registry, join=joins(cfg, servers))
+
+
+def joins(cfg: "RunConfig", launched: list[ServerHandle]) -> JoinFile:
+    """The watcher of run_dir/servers.txt (servers added to and taken out of a running job)."""
+    return JoinFile(join_file(cfg.run_dir), api_key=cfg.server.api_key,
+                    startup_timeout_s=cfg.server.startup_timeout_s, exclude=[s.url for s in launched])
+
+
+async def _stop(procs: Processes, registry: Registry | None) -> None:
+    await asyncio.to_thread(procs.shutdown)
+    if registry is not None:
+        await registry.close()
+
+
+def run_secret(cfg: "RunConfig") -> bytes:
+    """The RPC secret of a run: fresh, unless agents are started by hand elsewhere (train.rdzv.local_agents):
+    they need it too, so it comes from AREAL_RPC_SECRET in this environment and theirs."""
+    t = cfg.train
+    if t.nnodes > 1 and (t.rdzv.local_agents or t.nnodes) < t.nnodes:
+        try:
+            return read_secret_env()
+        except ValueError as e:
+            raise ConfigError(f"train.rdzv.local_agents: agents started by hand need the run's RPC secret: {e}; "
+                              f"export the same AREAL_RPC_SECRET here and on their nodes") from None
+    return os.urandom(32)
+
+
+def read_secret_env() -> bytes:
+    raw = os.environ.get(SECRET_ENV, "")
+    if not raw:
+        raise ValueError(f"{SECRET_ENV} is not set")
+    try:
+        secret = bytes.fromhex(raw.strip())
+    except ValueError:
+        raise ValueError(f"{SECRET_ENV} is not hex") from None
+    if len(secret) < 16:
+        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes (32 hex digits)")
+    return secret
+
+
+async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, resume: str | None,
+                          master_address: str) -> tuple[TrainerHandle, Registry | None]:
+    """One torchrun agent (train.nnodes=1), or the agents of a c10d job of train.nnodes nodes started here (all of
+    them, or node ranks below train.rdzv.local_agents; the command for the others is logged)."""
+    t = cfg.train
+    secret = run_secret(cfg)
+    here = t.rdzv.local_agents or t.nnodes
+    remote = here < t.nnodes  # ranks elsewhere must reach the registry and the rendezvous
+    registry = None
+    env: dict[str, str] = {}
+    if t.rdzv.discovery == "registry":
+        registry = Registry(secret, cfg.run_dir)
+        await registry.start("0.0.0.0" if remote else "127.0.0.1", _my_address() if remote else None)
+        env = registry.env()
+    common = dict(model=model_path, nproc=t.nproc, config_json=msgspec.json.encode(t).decode(), seed=cfg.seed,
+                  resume=resume)
+    try:
+        if t.nnodes == 1:
+            procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
+                                 torchrun_args=t.torchrun_args, cuda_visible_devices=t.cuda_visible_devices, env=env)
+        else:
+            endpoint = t.rdzv.endpoint or f"{_my_address() if remote else '127.0.0.1'}:{free_port()}"
+            rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=secrets.token_hex(4),
+                             timeout_s=t.rdzv.timeout_s)
+            for node in range(here):
+                procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
+                                     torchrun_args=rdzv, cuda_visible_devices=t.cuda_visible_devices,
+                                     name=f"trainer{node}", env=env)
+            if remote:
+                cmd = trainer_cmd(**common, run_dir=cfg.run_dir, torchrun_args=rdzv, rpc_host="0.0.0.0")
+                log.warning("train.nnodes=%d, %d agent(s) started here; start the other %d, one per node, with "
+                            "AREAL_RPC_SECRET exported as here and:\n  %s %s", t.nnodes, here, t.nnodes - here,
+                            " ".join(f"{k}={v}" for k, v in env.items()), shlex.join(cmd))
+    except BaseException:
+        if registry is not None:
+            await registry.close()
+        raise
+    return TrainerHandle(world_size=t.nnodes * t.nproc, rendezvous_dir=cfg.run_dir, secret=secret,
+                         master_address=master_address), registry
+
+
+def _my_address() -> str:
+    """An address of this host that external servers can reach (for the broadcast rendezvous)."""
+    return socket.gethostbyname(socket.gethostname())
+
+
+def launcher_for(cfg: "RunConfig") -> "Launcher":
+    """The launcher `launcher` and `server.backend` ask for."""
+    if cfg.launcher == "slurm":
+        from areal_async.launch.slurm import SlurmLauncher
+
+        return SlurmLauncher()
+    return ExternalLauncher() if cfg.server.backend == "external" else LocalLauncher()

@@ -1,0 +1,269 @@
+"""Child processes on this host: inference servers and torchrun trainers, their logs, health and teardown.
+
+Each child runs in its own session (process group) with its log in `<run_dir>/logs/`, and on Linux asks the kernel to
+SIGTERM it if its parent dies (PR_SET_PDEATHSIG), so neither Ctrl-C, an exception nor a killed controller leaves
+orphans. `exited()` names every child that ended without being asked to (once each), which is what a cluster's
+watch turns into events; `watch()` is the short form for scripts and tests: it raises `ChildFailed` with the child's
+log tail. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+Role = Literal["server", "trainer", "other"]
+
+
+class ChildFailed(RuntimeError):
+    """A child process died or never became healthy; the message carries the tail of its log."""
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: str
+    role: Role = "other"
+    url: str | None = None  # servers: the base URL they serve
+    expected_exit: bool = False  # set by shutdown(): an exit from now on is no failure
+    reported: bool = False  # its unexpected exit was handed out by exited()
+
+    def describe_exit(self) -> str:
+        return (f"{self.name} exited with code {self.proc.poll()}; log tail ({self.log_path}):\n"
+                f"{tail(self.log_path)}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "<no log>"
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM (scancel, a time limit, `kill`) stops this process the way Ctrl-C does, so its teardown runs: it
+    raises SIGINT, which asyncio.run turns into cancelling the main task (or KeyboardInterrupt outside a loop)."""
+
+    def handler(signum: int, frame: object) -> None:
+        if callable(signal.getsignal(signal.SIGINT)):
+            signal.raise_signal(signal.SIGINT)
+        else:  # SIGINT ignored (a background job): interrupt directly
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+        signal.signal(signal.SIGTERM, handler)
+
+
+def thread_env(n: int) -> dict[str, str]:
+    """Environment that pins a child's intra-op thread pools to n threads (children share the host's cores)."""
+    n = max(1, n)
+    return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "AREAL_TORCH_THREADS": str(n),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+# ---- commands (shared by the launchers: a Slurm step runs the same command under srun) ----------------------------
+
+
+def embedded_server_cmd(model: str, *, host: str, port: str, device: str, max_total_tokens: int,
+                        max_running_requests: int, api_key: str | None, weight_version: int = 0,
+                        prefix_cache: bool = True) -> list[str]:
+    """`port` is a string so that a launcher can pass a placeholder the step fills in (launch/step.py)."""
+    cmd = [sys.executable, "-m", "areal_async.serve", "--model", model, "--host", host, "--port", port,
+           "--device", device, "--max-total-tokens", str(max_total_tokens),
+           "--max-running-requests", str(max_running_requests), "--weight-version", str(weight_version)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if not prefix_cache:
+        cmd.append("--disable-radix-cache")
+    return cmd
+
+
+def sglang_server_cmd(model: str, *, host: str, port: str, api_key: str | None, extra_args: list[str],
+                      base_gpu_id: int = 0) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", port,
+           *extra_args]
+    if "--base-gpu-id" not in extra_args:
+        cmd += ["--base-gpu-id", str(base_gpu_id)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd
+
+
+def trainer_cmd(*, model: str, nproc: int, config_json: str, seed: int, run_dir: str, resume: str | None = None,
+                torchrun_args: list[str] | None = None, rpc_host: str | None = None) -> list[str]:
+    """One torchrun agent: `torchrun_args` carries the rendezvous (empty: --standalone)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += torchrun_args if torchrun_args else ["--standalone"]
+    cmd += ["-m", "areal_async.train.worker", "--model", model, "--run-dir", run_dir, "--config-json", config_json,
+            "--seed", str(seed)]
+    if resume:
+        cmd += ["--resume", resume]
+    if rpc_host:
+        cmd += ["--rpc-host", rpc_host]
+    return cmd
+
+
+def c10d_args(*, nnodes: int, endpoint: str, run_id: str, timeout_s: float) -> list[str]:
+    """torchrun's elastic (c10d) rendezvous of `nnodes` agents: the agent on the endpoint's host serves the store,
+    the others connect; they give up after `timeout_s` if not all of them arrive."""
+    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--rdzv-conf", f"join_timeout={int(max(1, timeout_s))}", "--max-restarts", "0"]
+
+
+class Processes:
+    """The children of one run on this host."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.log_dir = os.path.join(run_dir, "logs")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.children: list[Child] = []
+
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None, *, role: Role = "other",
+              url: str | None = None, unset: frozenset[str] = frozenset()) -> Child:
+        """Start `cmd` with this environment plus `env`, minus the variables named in `unset`."""
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        out = open(log_path, "ab")
+        out.write(f"$ {' '.join(cmd)}\n".encode())
+        out.flush()
+        inherited = {k: v for k, v in os.environ.items() if k not in unset}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=full_env, start_new_session=True, preexec_fn=_child_setup)
+        finally:
+            out.close()
+        child = Child(name, proc, log_path, role=role, url=url)
+        self.children.append(child)
+        log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
+        return child
+
+    # ---- servers ------------------------------------------------------------------------------------------------
+
+    def start_embedded_server(self, index: int, model: str, *, host: str, port: int, device: str,
+                              max_total_tokens: int, max_running_requests: int, api_key: str | None,
+                              torch_threads: int, weight_version: int = 0, prefix_cache: bool = True) -> Child:
+        port = port or free_port(host)
+        cmd = embedded_server_cmd(model, host=host, port=str(port), device=device, max_total_tokens=max_total_tokens,
+                                  max_running_requests=max_running_requests, api_key=api_key,
+                                  weight_version=weight_version, prefix_cache=prefix_cache)
+        return self.spawn(f"server{index}", cmd, thread_env(torch_threads), role="server",
+                          url=f"http://{host}:{port}")
+
+    def start_sglang_server(self, index: int, model: str, *, host: str, port: int, api_key: str | None,
+                            extra_args: list[str], base_gpu_id: int = 0, gpus_per_server: int = 1) -> Child:
+        port = port or free_port(host)
+        cmd = sglang_server_cmd(model, host=host, port=str(port), api_key=api_key, extra_args=extra_args,
+                                base_gpu_id=base_gpu_id + index * gpus_per_server)
+        return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
+
+    async def wait_healthy(self, servers: list[Child] | list[str], timeout_s: float, api_key: str | None = None,
+                           ) -> None:
+        """Poll GET /health of every server (children, or plain URLs of servers started elsewhere) until each
+        answers 200. Fails fast, with the log tail, as soon as ANY child of this set exits: a trainer that dies
+        while the servers load must not leave the launch waiting for them."""
+        deadline = time.monotonic() + timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        pending: list[tuple[str, str]] = [(s.name, s.url or "") if isinstance(s, Child) else (s, s)
+                                          for s in servers]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while pending:
+                for child in self.exited():
+                    raise ChildFailed(child.describe_exit())
+                for name, url in list(pending):
+                    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                        async with session.get(url + "/health", headers=headers) as r:
+                            if r.status == 200:
+                                pending.remove((name, url))
+                                log.info("%s healthy at %s", name, url)
+                if pending:
+                    if time.monotonic() > deadline:
+                        name, url = pending[0]
+                        child = next((c for c in self.children if c.name == name), None)
+                        where = (f"; log tail ({child.log_path}):\n{tail(child.log_path)}" if child is not None
+                                 else f" (no answer from {url}/health)")
+                        raise ChildFailed(f"{name} not healthy after {timeout_s:.0f}s{where}")
+                    await asyncio.sleep(0.2)
+
+    # ---- trainers -----------------------------------------------------------------------------------------------
+
+    def start_trainers(self, *, model: str, nproc: int, config_json: str, seed: int, secret_hex: str,
+                       torch_threads: int, resume: str | None = None, torchrun_args: list[str] | None = None,
+                       cuda_visible_devices: str | None = None, name: str = "trainer", rpc_host: str | None = None,
+                       env: dict[str, str] | None = None) -> Child:
+        """One torchrun agent of `nproc` ranks (standalone, or one node of a job `torchrun_args` describes); each
+        rank reads its TrainConfig (temperature included) from `config_json` and announces itself: a rank file
+        `<run_dir>/trainer/rank<r>.json`, or a report to the controller's registry when `env` names one
+        (launch/registry.py)."""
+        cmd = trainer_cmd(model=model, nproc=nproc, config_json=config_json, seed=seed, run_dir=self.run_dir,
+                          resume=resume, torchrun_args=torchrun_args, rpc_host=rpc_host)
+        full_env = {**thread_env(torch_threads), "AREAL_RPC_SECRET": secret_hex, **(env or {})}
+        if cuda_visible_devices is not None:
+            full_env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        return self.spawn(name, cmd, full_env, role="trainer")
+
+    # ---- health and teardown ------------------------------------------------------------------------------------
+
+    def exited(self) -> list[Child]:
+        """Children that ended without being asked to and were not named before (each is named once)."""
+        out = []
+        for child in self.children:
+            if not child.reported and not child.expected_exit and child.proc.poll() is not None:
+                child.reported = True
+                out.append(child)
+        return out
+
+    async def watch(self, interval_s: float = 0.5) -> None:
+        """Return never; raise ChildFailed when any child exits unexpectedly."""
+        while True:
+            for child in self.exited():
+                raise ChildFailed(child.describe_exit())
+            await asyncio.sleep(interval_s)
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child's process group, wait up to grace_s, then SIGKILL what is left."""
+        for child in self.children:
+            child.expected_exit = True
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            # the group may hold grandchildren (torchrun's workers) even when the leader is gone
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=5)

@@ -1,0 +1,269 @@
+"""A stand-in SGLang server for client tests: SGLang 0.5.x's /generate shapes (JSON and SSE streams), pause and
+abort, weight updates, and faults on demand.
+
+Not a model and not our server: it exists because a real server will not, on demand, answer 500 twice, hang like a
+stopped process, abort a request "from elsewhere" at a chosen token, switch weights at a chosen token, or fail a
+weight update on one replica. It records what it received. Its "model" is arithmetic: token ids 4..29 stand for the
+letters a..z and the next token is the letter after the last input token (wrapping), so outputs are predictable and
+a resubmitted request continues seamlessly. Behaviour the client relies on is also tested against the real
+embedded server (tests/test_client.py, tests/test_interruption.py, tests/test_client_faults.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from aiohttp import web
+
+FIRST, NUM = 4, 26  # token ids 4..29 are the letters a..z
+
+
+def tok_text(t: int) -> str:
+    return chr(ord("a") + (t - FIRST) % NUM) if FIRST <= t < FIRST + NUM else f"<{t}>"
+
+
+def next_tok(t: int) -> int:
+    return FIRST + (t - FIRST + 1) % NUM if FIRST <= t < FIRST + NUM else FIRST
+
+
+def tok_logprob(t: int, version: str) -> float:
+    v = 0 if version == "default" else int(version)
+    return -0.01 * t - v
+
+
+class FakeSGLang:
+    def __init__(self, port: int = 0, *, token_delay: float = 0.0, version: str = "default"):
+        self.port = port
+        self.token_delay = token_delay
+        self.version = version
+        self.received: list[dict] = []  # /generate bodies in arrival order
+        self.auth: list[str | None] = []
+        self.fail_statuses: list[int] = []  # popped one per /generate: answer with this status instead
+        self.abort_after: list[int] = []  # popped one per /generate: abort after this many tokens
+        self.health_status = 200
+        self.hung = False  # like SIGSTOP: connections are accepted, nothing is answered
+        self.spans = False  # report meta_info.weight_version_spans (our embedded server does; SGLang does not)
+        self.incremental = False  # streams carry only the new tokens (SGLang's --incremental-streaming-output)
+        # (n, version), in order: when a request has made n tokens, the weights become that version (the head
+        # entry applies to whichever request reaches its n first; then the next entry waits for its n)
+        self.version_at: list[tuple[int, str]] = []
+        self.dist_ok = True
+        self.mutate = None  # callable(answer dict): edits every /generate answer or event before it is sent
+        self.update_ok = True
+        self.admin: list[tuple[str, dict]] = []
+        self.paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._inflight: dict[str, dict] = {}
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    async def wait_progress(self, n_requests: int, n_tokens: int) -> None:
+        """Until `n_requests` are in flight and each has made at least `n_tokens` tokens."""
+        for _ in range(5000):
+            made = [st["made"] for st in self._inflight.values()]
+            if len(made) >= n_requests and min(made) >= n_tokens:
+                return
+            await asyncio.sleep(0.002)
+        raise AssertionError("stand-in made no progress")
+
+    async def start(self) -> "FakeSGLang":
+        @web.middleware
+        async def hang(request: web.Request, handler):  # a stopped process answers nothing, on any endpoint
+            await self._hang_if_hung()
+            return await handler(request)
+
+        app = web.Application(middlewares=[hang])
+        app.router.add_post("/generate", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/model_info", self._model_info)
+        app.router.add_get("/get_server_info", self._server_info)
+        app.router.add_post("/pause_generation", self._pause)
+        app.router.add_post("/continue_generation", self._continue)
+        app.router.add_post("/abort_request", self._abort)
+        app.router.add_post("/update_weights_from_disk", self._update)
+        app.router.add_post("/update_weight_version", self._update_version)
+        for path in ("/init_weights_update_group", "/flush_cache"):
+            app.router.add_post(path, self._record_ok)
+        app.router.add_post("/update_weights_from_distributed", self._distributed)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.05, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def kill(self) -> None:
+        """Drop every connection and stop listening, like a crashed process."""
+        for st in list(self._inflight.values()):
+            st["task"].cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._inflight.clear()
+
+    @staticmethod
+    def _json(obj, status: int = 200) -> web.Response:
+        return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
+
+    async def _hang_if_hung(self) -> None:
+        while self.hung:
+            await asyncio.sleep(0.01)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = msgspec.json.decode(await request.read())
+        self.received.append(body)
+        self.auth.append(request.headers.get("Authorization"))
+        await self._hang_if_hung()
+        if self.fail_statuses:
+            status = self.fail_statuses.pop(0)
+            return self._json({"error": {"message": f"injected {status}"}}, status)
+        sp = body["sampling_params"]
+        if sp["max_new_tokens"] > 10_000:
+            return self._json({"error": {"message": "max_new_tokens is too large"}}, 400)
+        rid = body["rid"]
+        if rid in self._inflight:
+            return self._json({"error": {"message": f"rid {rid} in flight"}}, 400)
+        await self._resumed.wait()  # a request that arrives while paused waits, as in SGLang
+        st = {"aborted": False, "task": asyncio.current_task(), "made": 0}
+        self._inflight[rid] = st
+        resp: web.StreamResponse | None = None
+        try:
+            abort_at = self.abort_after.pop(0) if self.abort_after else None
+            ids = list(body["input_ids"])
+            out: list[int] = []
+            vers: list[str] = []  # the version that made each token
+            finish: dict | None = None
+            stops = sp.get("stop") or []
+            text = ""
+            with_text = body.get("return_text_in_logprobs", False)
+            stream = body.get("stream", False)
+            sent = 0  # tokens already streamed
+
+            def answer(final: bool) -> dict:
+                lo = sent if (stream and self.incremental) else 0
+                meta = {"id": rid, "finish_reason": finish if final else None, "prompt_tokens": len(ids),
+                        "completion_tokens": len(out), "cached_tokens": 0, "weight_version": self.version,
+                        "e2e_latency": 0.0,
+                        "output_token_logprobs": [[tok_logprob(t, v), t, tok_text(t) if with_text else None]
+                                                  for t, v in zip(out[lo:], vers[lo:])]}
+                if self.spans:
+                    vs = vers[lo:]  # offsets into this answer's output_ids
+                    meta["weight_version_spans"] = [[k, v] for k, v in enumerate(vs) if k == 0 or v != vs[k - 1]]
+                ans = {"text": text if lo == 0 else text[lo:], "output_ids": out[lo:], "meta_info": meta}
+                if self.mutate is not None:
+                    self.mutate(ans)
+                return ans
+
+            if stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+            while len(out) < sp["max_new_tokens"]:
+                await asyncio.sleep(self.token_delay)
+                await self._hang_if_hung()
+                if st["aborted"] or (abort_at is not None and len(out) >= abort_at):
+                    finish = {"type": "abort", "message": "Abort before prefill" if not out else "aborted",
+                              "status_code": None, "err_type": None}
+                    break
+                if self.version_at and len(out) == self.version_at[0][0]:
+                    self.version = self.version_at.pop(0)[1]
+                t = next_tok(ids[-1] if not out else out[-1])
+                out.append(t)
+                vers.append(self.version)
+                st["made"] = len(out)
+                text += tok_text(t)
+                if len(out) >= sp.get("min_new_tokens", 0):
+                    hit = next((s for s in stops if text.endswith(s)), None)  # own segment only, like SGLang
+                    if hit is not None:
+                        finish = {"type": "stop", "matched": hit}
+                        text = text[: -len(hit)]
+                        break
+                if resp is not None:
+                    await resp.write(b"data: " + msgspec.json.encode(answer(False)) + b"\n\n")
+                    sent = len(out)
+            if finish is None:
+                finish = {"type": "length", "length": sp["max_new_tokens"]}
+            if resp is None:
+                return self._json(answer(True))
+            await resp.write(b"data: " + msgspec.json.encode(answer(True)) + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except ConnectionResetError:  # the client went away mid-stream (aiohttp's reset error subclasses it)
+            assert resp is not None
+            return resp
+        finally:
+            self._inflight.pop(rid, None)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        await self._hang_if_hung()
+        return web.Response(status=self.health_status)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return self._json({"model_path": "fake", "tokenizer_path": "fake", "is_generation": True,
+                           "weight_version": self.version})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        await self._hang_if_hung()
+        return self._json({"model_path": "fake", "incremental_streaming_output": self.incremental})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append(("pause", body))
+        self.paused = True
+        self._resumed.clear()
+        if body.get("mode", "abort") == "abort":
+            marked = set(self._inflight)
+            for st in self._inflight.values():
+                st["aborted"] = True
+            while marked & set(self._inflight):  # returns once the aborted requests have answered
+                await asyncio.sleep(0.001)
+        return self._json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: web.Request) -> web.Response:
+        self.admin.append(("continue", msgspec.json.decode(await request.read())))
+        self.paused = False
+        self._resumed.set()
+        return self._json({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append(("abort", body))
+        for rid, st in self._inflight.items():
+            if body.get("abort_all") or rid.startswith(body.get("rid", "")):
+                st["aborted"] = True
+        return web.Response(status=200)
+
+    async def _update(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append(("update", body))
+        if not self.update_ok:
+            return self._json({"success": False, "message": "cannot load", "num_paused_requests": 0}, 400)
+        self.version = body["weight_version"]
+        return self._json({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def _record_ok(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.admin.append((request.path, msgspec.json.decode(raw) if raw else {}))
+        return self._json({"success": True, "message": "ok"})
+
+    async def _distributed(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append((request.path, body))
+        if not self.dist_ok:
+            return self._json({"success": False, "message": "broadcast failed"}, 400)
+        self.version = body["weight_version"]  # as SGLang: the buckets received are relabelled
+        return self._json({"success": True, "message": "ok"})
+
+    async def _update_version(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append(("version", body))
+        self.version = body["new_version"]
+        return self._json({"success": True, "message": "ok"})

@@ -69,20 +69,30 @@ def resolve_model(name: str, tmp: str, seed: int, quick: bool) -> str:
     return resolve_model_path(name)
 
 
-def make_workload(tok, vocab: int, n: int, seed: int, median: float, sigma: float, max_new: int,
-                  chat: bool) -> tuple[list[list[int]], list[int]]:
+def _lengths(rng, n: int, median: float, sigma: float, max_new: int) -> list[int]:
+    return np.clip(rng.lognormal(np.log(median), sigma, size=n), 8, max_new).astype(int).tolist()
+
+
+def make_workload(n: int, seed: int, vocab_lo: int, vocab_hi: int, median: float, sigma: float,
+                  max_new: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts of 16-64 random token ids in [vocab_lo, vocab_hi) and lognormal completion lengths (also used by
+    benchmarks/client_streaming.py)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(vocab_lo, vocab_hi, size=int(rng.integers(16, 65))).tolist() for _ in range(n)]
+    return prompts, _lengths(rng, n, median, sigma, max_new)
+
+
+def make_chat_workload(tok, n: int, seed: int, median: float, sigma: float,
+                       max_new: int) -> tuple[list[list[int]], list[int]]:
+    """Chat-templated user messages of 8-40 random words, and lognormal completion lengths."""
     rng = np.random.default_rng(seed)
     prompts = []
     for _ in range(n):
-        if chat:
-            words = " ".join(rng.choice(WORDS, size=int(rng.integers(8, 40))))
-            text = tok.apply_chat_template([{"role": "user", "content": words}], tokenize=False,
-                                           add_generation_prompt=True)
-            prompts.append(tok.encode(text, add_special_tokens=False))
-        else:
-            prompts.append(rng.integers(10, vocab, size=int(rng.integers(16, 65))).tolist())
-    lengths = np.clip(rng.lognormal(np.log(median), sigma, size=n), 8, max_new).astype(int).tolist()
-    return prompts, lengths
+        words = " ".join(rng.choice(WORDS, size=int(rng.integers(8, 40))))
+        text = tok.apply_chat_template([{"role": "user", "content": words}], tokenize=False,
+                                       add_generation_prompt=True)
+        prompts.append(tok.encode(text, add_special_tokens=False))
+    return prompts, _lengths(rng, n, median, sigma, max_new)
 
 
 # ---- the embedded server ------------------------------------------------------------------------------------------
@@ -355,7 +365,10 @@ def main() -> None:
             cfg = json.load(f)
         tok = AutoTokenizer.from_pretrained(model_dir)
         chat = bool(getattr(tok, "chat_template", None)) and args.model != "tiny" and not args.quick
-        prompts, lengths = make_workload(tok, cfg["vocab_size"], n_req, args.seed, median, sigma, max_new, chat)
+        if chat:
+            prompts, lengths = make_chat_workload(tok, n_req, args.seed, median, sigma, max_new)
+        else:
+            prompts, lengths = make_workload(n_req, args.seed, 10, cfg["vocab_size"], median, sigma, max_new)
         ctx = cfg.get("max_position_embeddings", 1024)
         args.pause_new = args.pause_new or min(900, ctx - max(map(len, prompts)) - 1)
 

@@ -188,6 +188,15 @@ class TrainEngine:
         model.reshard()  # FSDP2 keeps the root unsharded after a forward; no backward follows to reshard it
         return logp_all, ent_all
 
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        """The current weights' logprobs of every token of this rank's shard, as a train step computes its
+        proximal logprobs (the step's layout, micro-batches, precision and temperature), without training. [N] fp32,
+        0 at each sequence's first token. For numerics checks against the servers' behaviour logprobs
+        (benchmarks/logprob_mismatch.py). Collective, like every public method."""
+        self.bind_device()
+        return self._forward_all(self.model, self._begin(batch), entropy=False)[0]
+
     # ---- the step ----
 
     def train_step(self, batch: TrainBatch) -> tuple[int, dict[str, float]]:

@@ -80,6 +80,9 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     `workflow` replaces the one `rollout.workflow` names: a Workflow, or a factory `f(cfg, tokenizer, score)`."""
     cfg = msgspec.structs.replace(cfg)  # re-derives the derived fields of a config built in Python
     cfg.validate()
+    from areal_async.launch.placement import plan_placement
+
+    plan_placement(cfg)  # the GPU layout and SGLang's arguments, checked on this host (launch/placement.py)
     model_path = resolve_model(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")

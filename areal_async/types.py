@@ -220,3 +220,4 @@ class TrainerInfo(msgspec.Struct, kw_only=True):
     device: str
     num_params: int
     host: str = ""  # an address of this rank's host the inference servers can reach (the broadcast rendezvous)
+    gpu_uuid: str = ""  # the physical GPU of this rank ("" on CPU): a server on the same GPU cannot join by nccl

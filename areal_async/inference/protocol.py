@@ -461,6 +461,10 @@ class InitGroupIn(msgspec.Struct, kw_only=True):
     backend: str = "nccl"
 
 
+class DestroyGroupIn(msgspec.Struct, kw_only=True):
+    group_name: str = "weight_update_group"
+
+
 class UpdateFromDistributedIn(msgspec.Struct, kw_only=True):
     names: list[str]
     dtypes: list[str]

@@ -16,23 +16,27 @@ update, when the servers are paused anyway): trainer rank 0 and every server the
 go out through it, and the newcomer, now holding the current version, enters rotation. A server that leaves is
 drained (`remove_server`: its requests get `DRAIN_S` to finish, then continue elsewhere from their tokens so far)
 and the next update forms a group without it, so no broadcast ever waits on a server that is gone. The old group is
-destroyed on the servers that can (SGLang's /destroy_weights_update_group); trainer rank 0 keeps its end of it
-until the trainers exit (no RPC drops one group yet). A dead process is still the end of the run (`end_run_on_failure`).
-No torch here.
+destroyed on the servers that can (SGLang's /destroy_weights_update_group, which the embedded server serves too);
+trainer rank 0 keeps its end of it until the trainers exit (no RPC drops one group yet). Group names carry a token
+of the run, so a persistent server that still holds an earlier run's group is never asked to create a name twice;
+the inference client destroys its groups on the servers when it closes, at the end of the run. How many ranks
+each server holds and the backend come from the servers (launch/broadcast_group.py). A dead process is still the
+end of the run (`end_run_on_failure`). No torch here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
+import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from areal_async.launch.api import ClusterEvent, EventHandler, ServerJoined, ServerLeft, end_run_on_failure
+from areal_async.launch.broadcast_group import plan_group
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -208,18 +212,25 @@ class ElasticBroadcastSync:
         self.group_name: str | None = None
         self.members: tuple[str, ...] = ()
         self.generation = 0
+        self.run_token = secrets.token_hex(4)
 
     async def form_group(self) -> None:
         members = tuple(self.client.urls)
         self.generation += 1
-        name = f"weight_update_group_{self.generation}"
+        # unique per run: a persistent server still holding an earlier run's group (same process, same torch
+        # group registry) refuses a name it has seen
+        name = f"areal-{self.run_token}-{self.generation}"
+        # each server's ranks (its tensor-parallel size) and the backend come from the servers (broadcast_group.py)
+        plan = await plan_group(self.client, list(members), (getattr(self.trainers, "infos", None) or [None])[0],
+                                default_ranks=self.ranks_per_server, backend=self.backend)
         # rank 0 hosts the group's store on a port it binds itself; the address is the launcher's view of where
         # the servers reach rank 0 (the same host's address for a local run, the trainer node's under Slurm)
         await self.trainers.init_broadcast_group(
-            self.client, num_server_ranks=self.ranks_per_server * len(members), master_address=self.master_address,
-            ranks_per_server=self.ranks_per_server, group_name=name, backend=self.backend)
+            self.client, num_server_ranks=plan.num_server_ranks, master_address=self.master_address,
+            ranks_per_server=plan.ranks, group_name=name, backend=plan.backend)
         old, self.group_name, self.members = self.group_name, name, members
-        log.info("weight-update group %s: trainer rank 0 and %d server(s)", name, len(members))
+        log.info("weight-update group %s (%s): trainer rank 0 and %d server(s), %d server rank(s)", name,
+                 plan.backend, len(members), plan.num_server_ranks)
         if old is not None:
             await self._destroy_on_servers(old, members)
 
@@ -234,14 +245,11 @@ class ElasticBroadcastSync:
             await asyncio.sleep(0.1)
 
     async def _destroy_on_servers(self, name: str, urls: tuple[str, ...]) -> None:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            for url in urls:
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                    async with s.post(url + "/destroy_weights_update_group", json={"group_name": name},
-                                      headers=headers) as r:
-                        if r.status not in (200, 404):
-                            log.warning("%s could not destroy weight-update group %s: HTTP %d", url, name, r.status)
+        """The servers leave the old group (the client knows who joined it); an unknown name is no failure."""
+        results = await self.client.destroy_weights_update_group(name)
+        for url, r in results.items():
+            if isinstance(r, BaseException):
+                log.warning("%s could not destroy weight-update group %s: %s", url, name, r)
 
     async def prepare(self, version: int) -> None:
         del version

@@ -22,6 +22,7 @@ import msgspec
 from areal_async.config import ConfigError
 from areal_async.launch.api import ClusterEvent, EventHandler, ProcessExited, ServerHandle, TrainerHandle
 from areal_async.launch.fleet import JoinFile, join_file
+from areal_async.launch.placement import plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
 from areal_async.launch.registry import SECRET_ENV, Registry
 from areal_async.netaddr import host_address
@@ -88,14 +89,16 @@ class LocalLauncher:
     @staticmethod
     def _start_servers(procs: Processes, cfg: "RunConfig", model_path: str) -> list[Child]:
         srv = cfg.server
+        place = plan_placement(cfg)  # each server's GPU (launch/placement.py)
         out = []
         for i in range(srv.num_servers):
             port = srv.port + i if srv.port else 0
             if srv.backend == "embedded":
                 out.append(procs.start_embedded_server(
-                    i, model_path, host=srv.host, port=port, device=srv.device,
+                    i, model_path, host=srv.host, port=port, device=place.server_devices[i],
                     max_total_tokens=srv.max_total_tokens, max_running_requests=srv.max_running_requests,
-                    api_key=srv.api_key, torch_threads=srv.torch_threads, prefix_cache=srv.prefix_cache))
+                    api_key=srv.api_key, torch_threads=srv.torch_threads, prefix_cache=srv.prefix_cache,
+                    cuda_visible_devices=place.server_visible[i]))
             else:
                 out.append(procs.start_sglang_server(
                     i, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=srv.extra_args,
@@ -165,6 +168,7 @@ async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, r
     """One torchrun agent (train.nnodes=1), or the agents of a c10d job of train.nnodes nodes started here (all of
     them, or node ranks below train.rdzv.local_agents; the command for the others is logged)."""
     t = cfg.train
+    gpus = plan_placement(cfg).trainer_visible  # per agent here: its GPUs (launch/placement.py)
     secret = run_secret(cfg)
     here = t.rdzv.local_agents or t.nnodes
     remote = here < t.nnodes  # ranks elsewhere must reach the registry and the rendezvous
@@ -179,14 +183,14 @@ async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, r
     try:
         if t.nnodes == 1:
             procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
-                                 torchrun_args=t.torchrun_args, cuda_visible_devices=t.cuda_visible_devices, env=env)
+                                 torchrun_args=t.torchrun_args, cuda_visible_devices=gpus[0], env=env)
         else:
             endpoint = t.rdzv.endpoint or f"{_my_address() if remote else '127.0.0.1'}:{free_port()}"
             rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=secrets.token_hex(4),
                              timeout_s=t.rdzv.timeout_s)
             for node in range(here):
                 procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
-                                     torchrun_args=rdzv, cuda_visible_devices=t.cuda_visible_devices,
+                                     torchrun_args=rdzv, cuda_visible_devices=gpus[node],
                                      name=f"trainer{node}", env=env)
             if remote:
                 cmd = trainer_cmd(**common, run_dir=cfg.run_dir, torchrun_args=rdzv, rpc_host="0.0.0.0")

@@ -120,6 +120,9 @@ class TrainEngine:
         self._broadcast_timeout_s = broadcast_timeout_s
         self._broadcaster = None  # train/broadcast.py's WeightBroadcaster, made on first use
         self.bind_device()
+        from areal_async.custom_group import device_uuid
+
+        self._gpu_uuid = device_uuid(self.device)
         torch.manual_seed(seed + self.rank)
 
         mp = cfg.mixed_precision
@@ -337,7 +340,7 @@ class TrainEngine:
 
     def info(self) -> TrainerInfo:
         return TrainerInfo(rank=self.rank, world_size=self.world_size, version=self.version, device=str(self.device),
-                           num_params=self.num_params)
+                           num_params=self.num_params, gpu_uuid=self._gpu_uuid)
 
     def weight_plan(self, bucket_bytes: int) -> list[WeightSpec]:
         """How `broadcast` buckets the weights: names, dtypes, shapes in send order (local, no collective)."""

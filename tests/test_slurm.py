@@ -34,7 +34,7 @@ START_SLURM = os.path.join(REPO, ".ci", "start_slurm.sh")
 
 SMALL = ["schedule.batch_size=4", "rollout.group_size=4", "eval.num_prompts=8", "eval.max_new_tokens=16",
          "data.num_train=200", "data.num_eval=8", "schedule.eval_every=0", "server.max_total_tokens=16384",
-         "train.micro_batch_tokens=1024"]
+         "train.micro_batch_tokens=1024", "server.device=cpu", "train.device=cpu"]
 
 
 # ---- the cluster ----------------------------------------------------------------------------------------------

@@ -13,16 +13,18 @@ and `ExternalLauncher` (servers already running, given as URLs; torchrun here, m
 
 Failures are events, not exits. `watch(on_event)` calls the handler with a `ClusterEvent` for everything that
 happens and keeps watching; only a handler that raises ends the watch (and `supervise` then cancels the run with
-that error). Today's handler is `end_run_on_failure`: any child that dies ends the run with its log tail. What the
-protocol is shaped for, without run() changing:
+that error). `failure_policy` picks the handler:
+- `recovery.enabled` (the default): `RunRecovery` (launch/recovery.py). A dead or hung server leaves rotation and
+  is restarted by the cluster (`restart_server`, announced as `ServerJoined`), then gets the current weights
+  before it serves again; a dead trainer makes the run restart the trainers from the last checkpoint
+  (`restart_trainers`) and roll the controller back to it. Only "nothing left to serve or train with" ends a run.
+  A cluster without those methods (see `RestartableCluster`) leaves that kind of failure to end the run or, for
+  servers it did not start, to the client, which re-admits a server that answers again.
+- `recovery.enabled=false`: `end_run_on_failure`: any child that dies ends the run with its log tail.
+What else the protocol is shaped for, without run() changing:
 - a Slurm launcher: servers as `srun` job steps, the trainers as one `srun` step running torchrun across its nodes,
   the controller on the batch host; the rank files land in the shared run directory as they do today, and its
   watch reports a failed step as `ProcessExited`.
-- fault recovery, as another handler (picked by `failure_policy`, which also receives the run's `session`: the
-  client, the trainers and the controller once they exist): a dead server leaves rotation, the launcher may
-  restart it, and the restarted server is announced as `ServerJoined` and must get the current weights before it
-  serves again; a dead trainer makes the handler restart the trainers from the last checkpoint and roll the
-  controller back to it. Only "nothing left to serve or train with" ends a run.
 - servers joining a running job: `ServerJoined` as well (a new name and URL).
 """
 
@@ -70,6 +72,7 @@ class ProcessExited:
     log_path: str
     log_tail: str
     url: str | None = None  # servers
+    pid: int | None = None  # the process that exited (tells a dead job from the one that replaced it)
 
     def describe(self) -> str:
         return f"{self.name} exited with code {self.exit_code}; log tail ({self.log_path}):\n{self.log_tail}"
@@ -78,7 +81,7 @@ class ProcessExited:
 @dataclass(frozen=True)
 class ServerJoined:
     """A server (re)started by the launcher, or added to a running job, answers /health. It serves the weights it
-    was started with until the run gives it the current ones. No launcher emits it yet."""
+    was started with until the run gives it the current ones (the client loads them before it takes traffic)."""
 
     name: str
     url: str
@@ -122,10 +125,18 @@ async def end_run_on_failure(event: ClusterEvent) -> None:
 
 
 def failure_policy(cfg: "RunConfig", cluster: Cluster, session: Any) -> EventHandler:
-    """The event handler of a run. `session` holds what a recovering handler acts on (the inference client, the
-    trainer group and the controller, filled in as the run creates them)."""
-    del cfg, cluster, session
-    return end_run_on_failure
+    """The event handler of a run. With `recovery.enabled` it is a `RunRecovery`, also stored as
+    `session.recovery` (the run attaches the client to it and trains under its guard); `session.recovery_log`,
+    when the session has one, is where it records what it does."""
+    if not cfg.recovery.enabled:
+        return end_run_on_failure
+    from areal_async.launch.recovery import RecoveryLog, RunRecovery
+
+    rlog = getattr(session, "recovery_log", None) or RecoveryLog(cfg.run_dir)
+    policy = RunRecovery(cfg, cluster, rlog)
+    with contextlib.suppress(AttributeError):
+        session.recovery = policy
+    return policy
 
 
 async def supervise(body: Awaitable[T], cluster: Cluster, on_event: EventHandler, *,

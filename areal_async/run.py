@@ -343,12 +343,15 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
     checkpointed = plan.resumed is not None
     while True:
         session.controller = ctrl = make_controller(plan, state, session, weights, checkpointed)
+        segment_t0, segment_wall0 = time.monotonic(), state.wall_s
         try:
             state = await (rec.guard(run_and_save(ctrl), stop=ctrl.request_stop) if rec is not None
                            else run_and_save(ctrl))
             break
         except TrainerLost as lost:
             state, weights, checkpointed = await roll_back(plan, cluster, session, lost, launch_state)
+            # wall time counts what the run really spent, the steps it now trains again and the recovery included
+            state.wall_s = segment_wall0 + time.monotonic() - segment_t0
         except NoServerServing as e:
             raise RunStopped(await _stop_without_servers(ctrl, session, e)) from e
     ctrl.finish(completed=True)
@@ -417,14 +420,15 @@ async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: Bas
         if delay is None:
             resume = (f"its last checkpoint (v{target.version}, {ckpt}) resumes it: run the same command again"
                       if ckpt else "no checkpoint was saved, so a rerun starts over")
-            rlog.record("gave_up", "trainer_failed", "trainer", str(lost),
-                        f"{rec.trainer_restarts} restart(s) spent (recovery.max_trainer_restarts): the run stops; "
-                        + resume, failed_at_version=failed_at)
+            rlog.record("fault", "trainer_failed", "trainer", str(lost), "no restart left", version=failed_at)
+            rlog.record("gave_up", "trainer_restarts_spent", "trainer",
+                        f"{rec.trainer_restarts} restart(s) spent (recovery.max_trainer_restarts)",
+                        "the run stops; " + resume, version=failed_at)
             raise RunStopped(f"the trainer job failed ({str(lost).splitlines()[0]}) and its restarts are spent "
                              f"(recovery.max_trainer_restarts={cfg.recovery.max_trainer_restarts}); {resume}")
         rlog.record("fault", "trainer_failed", "trainer", str(lost),
                     f"restart {rec.trainer_restarts} of {cfg.recovery.max_trainer_restarts} in {delay:.1f}s from "
-                    f"{where}", failed_at_version=failed_at)
+                    f"{where}", version=failed_at)
         if session.trainers is not None:
             with contextlib.suppress(Exception):
                 await session.trainers.close()
@@ -449,7 +453,7 @@ async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: Bas
     rlog.record("recovered", "trainer_recovered", "trainer", f"the trainer job failed at version {failed_at}",
                 f"trainers restarted from {where}; controller state, sample ledger, metrics and the servers' "
                 f"weights rolled back to version {target.version}", recover_s=time.monotonic() - t_lost,
-                steps_redone=failed_at - target.version)
+                steps_redone=failed_at - target.version, version=target.version)
     return target, weights, ckpt is not None
 
 

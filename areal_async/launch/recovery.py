@@ -96,7 +96,7 @@ class RestartableCluster(Cluster, Protocol):
 
 class RecoveryLog:
     """Faults and recoveries: `record` logs, appends to recoveries.jsonl and to metrics.jsonl (through `metrics`,
-    set by the run), and counts. Each record has `kind`: fault (something failed), recovered (it is back;
+    set by the run), and counts. Each record has an `outcome`: fault (something failed), recovered (it is back;
     `recover_s` says how long it took), gave_up (retries spent), or info (a step on the way)."""
 
     def __init__(self, run_dir: str) -> None:
@@ -110,15 +110,16 @@ class RecoveryLog:
                     with contextlib.suppress(json.JSONDecodeError):
                         self.history.append(json.loads(line))
 
-    def record(self, kind: str, event: str, name: str, what: str, action: str, **extra: Any) -> dict[str, Any]:
-        version = self.version()
-        rec = {"kind": kind, "event": event, "name": name, "what": what, "action": action, "version": version,
+    def record(self, outcome: str, event: str, name: str, what: str, action: str, **extra: Any) -> dict[str, Any]:
+        version = extra.pop("version", None)
+        version = self.version() if version is None else version
+        rec = {"outcome": outcome, "event": event, "name": name, "what": what, "action": action, "version": version,
                "time": time.time(), **extra}
         self.history.append(rec)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        (log.info if kind == "info" else log.warning)(
+        (log.info if outcome == "info" else log.warning)(
             "recovery: %s %s: %s -> %s%s", event, name, what.splitlines()[0] if what else "", action,
             f" ({extra['recover_s']:.1f}s)" if "recover_s" in extra else "")
         if self.metrics is not None:
@@ -127,14 +128,14 @@ class RecoveryLog:
         return rec
 
     def summary(self) -> dict[str, Any]:
-        """For summary.json: counts by kind and by event, recovery times, and the records themselves."""
-        by_kind = collections.Counter(r.get("kind") for r in self.history)
-        times = [r["recover_s"] for r in self.history if r.get("kind") == "recovered" and "recover_s" in r]
+        """For summary.json: counts by outcome and faults by event, recovery times, and the last records."""
+        by_kind = collections.Counter(r.get("outcome") for r in self.history)
+        times = [r["recover_s"] for r in self.history if r.get("outcome") == "recovered" and "recover_s" in r]
         return {
             "faults": by_kind.get("fault", 0),
             "recovered": by_kind.get("recovered", 0),
             "gave_up": by_kind.get("gave_up", 0),
-            "by_event": dict(collections.Counter(r.get("event") for r in self.history if r.get("kind") == "fault")),
+            "by_event": dict(collections.Counter(r.get("event") for r in self.history if r.get("outcome") == "fault")),
             "recover_s_max": max(times) if times else None,
             "recover_s_mean": sum(times) / len(times) if times else None,
             "events": [{k: v for k, v in r.items() if k != "what" or len(str(v)) < 300} for r in self.history[-50:]],

@@ -33,7 +33,7 @@ from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config_help import describe
 from areal_async.launch import ChildFailed, Cluster, Launcher, failure_policy, free_port, launcher_for, supervise
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
-from areal_async.rollout.weight_sync import BroadcastSync, DiskSync, WeightSync
+from areal_async.rollout.weight_sync import DiskSync, WeightSync
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import Sample
@@ -349,7 +349,7 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
                            else run_and_save(ctrl))
             break
         except TrainerLost as lost:
-            state, weights, checkpointed = await roll_back(plan, cluster, session, lost, launch_state)
+            state, weights, checkpointed = await roll_back(plan, cluster, session, lost, launch_state, weights)
             # wall time counts what the run really spent, the steps it now trains again and the recovery included
             state.wall_s = segment_wall0 + time.monotonic() - segment_t0
         except NoServerServing as e:
@@ -395,7 +395,7 @@ async def run_and_save(ctrl: AsyncRLController) -> RunState:
 
 
 async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException,
-                    launch_state: RunState) -> tuple[RunState, WeightSync, bool]:
+                    launch_state: RunState, weights: WeightSync) -> tuple[RunState, WeightSync, bool]:
     """The trainer job failed: restart it from the last checkpoint (or the base model when there is none yet),
     bring the controller state, the sample ledger, metrics.jsonl and the servers' weights back to that version,
     and return (state, weight sync, whether the state is a checkpoint's). Raises `RunStopped` once
@@ -447,7 +447,7 @@ async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: Bas
         session.logger.close()
     rewind_records(cfg.run_dir, target.version)
     session.logger = MetricsLogger(cfg.run_dir)
-    weights = await connect_weights(plan, session.trainers, session.client, cluster)
+    weights = await connect_weights(plan, session.trainers, session.client, cluster, previous=weights)
     await weights.prepare(target.version)
     await weights.apply(target.version, flush_cache=True)
     rlog.record("recovered", "trainer_recovered", "trainer", f"the trainer job failed at version {failed_at}",
@@ -471,19 +471,32 @@ async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: 
     return f"{why}; the run stops: {where}"
 
 
-async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cluster) -> WeightSync:
-    """The weight transport `train.weight_sync` names; broadcast first joins trainer rank 0 and every server rank
-    into one torch.distributed group (nccl on CUDA, gloo on CPU)."""
+async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cluster,
+                          previous: WeightSync | None = None) -> WeightSync:
+    """The weight transport `train.weight_sync` names. Broadcast first joins trainer rank 0 and every server rank
+    into one torch.distributed group (nccl on CUDA, gloo on CPU); its group follows the servers (a lost or
+    restarted server makes the next update form a new one, see rollout/broadcast_group.py), and a server that
+    comes back catches up from a checkpoint the trainers publish on demand. `previous`: the transport of a trainer
+    job that was replaced (broadcast keeps counting its groups, whose names the servers will not reuse)."""
+    from areal_async.rollout.broadcast_group import RegroupingBroadcastSync
+
     cfg = plan.cfg
     if cfg.train.weight_sync == "disk":
         return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
-    device = (await trainers.info())[0].device
-    per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
-    await trainers.init_broadcast_group(client, cluster.trainers.master_address, free_port(),
-                                        num_server_ranks=per_server * len(cluster.servers),
-                                        ranks_per_server=per_server,
-                                        backend="nccl" if device.startswith("cuda") else "gloo")
-    return BroadcastSync(trainers, client)
+    if isinstance(previous, RegroupingBroadcastSync):
+        sync = previous
+        sync.set_trainers(trainers)
+    else:
+        device = (await trainers.info())[0].device
+        sync = RegroupingBroadcastSync(
+            trainers, client, cluster.trainers.master_address,
+            ranks_per_server=1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server,  # TP ranks
+            backend="nccl" if device.startswith("cuda") else "gloo", free_port=free_port,
+            catch_up_root=os.path.join(cfg.run_dir, "weights"))
+    sync.master_address = cluster.trainers.master_address
+    await sync.form()
+    client.weight_source = sync.publish_current
+    return sync
 
 
 def make_evaluator(plan: RunPlan, client: Any) -> Any:

@@ -450,10 +450,11 @@ async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: Bas
     weights = await connect_weights(plan, session.trainers, session.client, cluster, previous=weights)
     await weights.prepare(target.version)
     await weights.apply(target.version, flush_cache=True)
+    held = {u: st["version"] for u, st in session.client.stats()["servers"].items() if st["state"] == "serving"}
     rlog.record("recovered", "trainer_recovered", "trainer", f"the trainer job failed at version {failed_at}",
                 f"trainers restarted from {where}; controller state, sample ledger, metrics and the servers' "
                 f"weights rolled back to version {target.version}", recover_s=time.monotonic() - t_lost,
-                steps_redone=failed_at - target.version, version=target.version)
+                steps_redone=failed_at - target.version, version=target.version, server_versions=held)
     return target, weights, ckpt is not None
 
 

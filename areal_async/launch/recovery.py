@@ -428,7 +428,8 @@ class RunRecovery:
                 self.log.record("fault", event, name, what, "not started by this run: left to the client, which "
                                                             "re-admits it when it answers again")
                 return
-            self.log.record("fault", event, name, what, "killed; restarting" if kill else "restarting")
+            action = "restarting" if self.cfg.max_server_restarts else "not restarted (recovery.max_server_restarts=0)"
+            self.log.record("fault", event, name, what, f"killed; {action}" if kill else action)
             if kill:
                 await self.cluster.stop_server(name)
             handle = await self._restart(name, w)
@@ -442,11 +443,12 @@ class RunRecovery:
                                 "left to the watchdog")
                 return
             target = self.client.weight_target
-            version = self.client.stats()["servers"].get(handle.url, {}).get("version")
+            held = self.client.stats()["servers"].get(handle.url, {}).get("version")
+            current = target.version if target is not None else 0
             self.log.record("recovered", "server_recovered", name, f"{handle.url} serving again",
-                            f"restarted and loaded weight version {version if version is not None else 0}"
-                            + ("" if target is None else f" (current {target.version})"),
-                            recover_s=time.monotonic() - lost_at, restarts=len(w.restarts))
+                            f"restarted and loaded weight version {held if held is not None else 0} "
+                            f"(current {current})", recover_s=time.monotonic() - lost_at, restarts=len(w.restarts),
+                            server_version=held if held is not None else 0, current_version=current)
         finally:
             w.busy = False
             w.unwell_since = None

@@ -41,7 +41,7 @@ if _path:
                 f.write(f"{time.time()} {os.getpid()} {event} {args!r}\\n")
     sys.addaudithook(_hook)
     with open(_path, "a") as f:
-        f.write(f"{time.time()} {os.getpid()} installed\n")
+        f.write(f"{time.time()} {os.getpid()} installed\\n")
 """
 
 

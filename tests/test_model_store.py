@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +21,8 @@ from areal_async.testing.real_model import SMOLLM2, smollm2_gguf, smollm2_path
 # a tiny base-model setting that builds in seconds (see test_base_model.py)
 QUICK = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, sft_steps=4,
              bare_phase_steps=2, batch_size=4, bucket_batches=2)
-MIXED_TEXT = ("<|im_start|>user\nWhat is 12 + 30? Ünïcödé ✓ 😀\ttabs  and   spaces<|im_end|>\n<|im_start|>assistant\n"
-              "The answer is 42.<|im_end|><|endoftext|> <repo_name>x</s>")
+MIXED_TEXT = ("<|im_start|>user\nWhat is 12 + 30? Ünïcödé ✓ 😀\ttabs  and   spaces<|im_end|>\n"
+              "<|im_start|>assistant\nThe answer is 42.<|im_end|><|endoftext|> <repo_name>x</s>")
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +114,18 @@ def test_a_killed_conversion_leaves_no_usable_cache_and_the_next_one_is_identica
     assert not os.path.exists(final) and not model_store.is_converted(final)
     assert sorted(set(os.listdir(models)) - set(leftovers)) == [os.path.basename(final) + ".lock"]
 
-    again = resolve_model_path(SMOLLM2, cache_root)
-    assert again == final and model_store.is_converted(final)
-    assert not _tmp_dirs(models)  # the dead converter's directory was removed
-    assert _files(final) == _files(smollm2)  # deterministic: byte-identical to the conversion in the user cache
+    try:
+        again = resolve_model_path(SMOLLM2, cache_root)
+        assert again == final and model_store.is_converted(final)
+        assert not _tmp_dirs(models)  # the dead converter's directory was removed
+        assert _files(final) == _files(smollm2)  # deterministic: byte-identical to the conversion in the user cache
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)  # 540 MB that pytest would otherwise keep
 
 
 def test_any_gguf_file_converts_and_is_cached_by_content(tmp_path):
     """A GGUF of our own (SmolLM2 cut to 2 layers and 2048 tokens, no chat template): converted once, found again
     by content under another path, loadable by transformers with the same logits as its direct GGUF load."""
-    import shutil
-
     import torch
     import transformers
 

@@ -359,3 +359,11 @@ def test_reward_options_may_not_shadow_the_runners_arguments():
 
     with pytest.raises(ConfigError, match="data.reward_options"):
         load_config(None, ["data.reward_options={prompt: x}"])
+
+
+async def test_periodic_evals_without_an_evaluator_are_skipped(tmp_path):
+    """eval_every with no held-out set (eval.num_prompts=0: the run passes no evaluator) trains on, no eval."""
+    ctrl = controller(tmp_path, FakeServers(), FakeTrainer(),
+                      schedule=ScheduleConfig(batch_size=2, total_steps=4, eval_every=2))
+    final = await asyncio.wait_for(ctrl.run(), 20)
+    assert final.version == 4 and ctrl.evals == []

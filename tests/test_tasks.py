@@ -276,3 +276,104 @@ def test_registry():
         register_dataset(name, tiny)
     train, evals = load_samples(DataConfig(name=name, num_train=4))
     assert len(train) == 4 and len(evals) == 1
+
+
+# ---- word problems (the real model's task) ----------------------------------------------------------------------
+
+from areal_async.tasks import word_problems as wp  # noqa: E402
+
+
+def _phrasing_regexes(group: str) -> dict[str, list[re.Pattern]]:
+    """Each phrasing of `group` as a regex capturing a, b, c: solving prompts from their text alone."""
+    out: dict[str, list[re.Pattern]] = {}
+    for kind, groups in wp.PHRASINGS.items():
+        pats = []
+        for t in groups[group]:
+            rx = re.escape(t + " " + wp.INSTRUCTION)
+            for name in ("a", "b", "c"):
+                rx = rx.replace(re.escape("{" + name + "}"), f"(?P<{name}>\\d+)", 1)
+                rx = rx.replace(re.escape("{" + name + "}"), f"(?P={name})")
+            rx = re.sub(r"\\\{[a-zA-Z]+\\\}", r"[A-Za-z']+", rx)
+            pats.append(re.compile(rx))
+        out[kind] = pats
+    return out
+
+
+def _parse(prompt: str, group: str) -> tuple[str, tuple[int, ...]]:
+    """(kind, (a, b[, c])) of a prompt, found by matching it against the phrasings of `group` only."""
+    hits = [(kind, m) for kind, pats in _phrasing_regexes(group).items() for p in pats if (m := p.fullmatch(prompt))]
+    assert len({k for k, _ in hits}) == 1, (prompt, hits)
+    kind, m = hits[0]
+    return kind, tuple(int(m.group(n)) for n in ("a", "b", "c") if m.groupdict().get(n) is not None)
+
+
+def _solve(prompt: str, group: str) -> tuple[str, int]:
+    """(kind, answer) of a prompt, computed from its text alone."""
+    solve = {"add": lambda a, b, c: a + b, "sub": lambda a, b, c: a - b, "mul": lambda a, b, c: a * b,
+             "div": lambda a, b, c: a / b, "add_sub": lambda a, b, c: a + b - c, "mul_add": lambda a, b, c: a * b + c}
+    kind, nums = _parse(prompt, group)
+    value = solve[kind](nums[0], nums[1], nums[2] if len(nums) > 2 else 0)
+    assert value == int(value) and value >= 0, prompt
+    return kind, int(value)
+
+
+def test_word_problems_answers_are_right_and_splits_use_their_phrasings():
+    for split, group in (("train", "train"), ("eval", "train"), ("other", "other")):
+        for s in wp.generate(400, 1, split):
+            kind, answer = _solve(s.prompt, group)
+            assert (kind, str(answer)) == (s.meta["kind"], s.answer) and s.meta["split"] == split
+    # no training phrasing ever appears in the other-phrasings split, and vice versa
+    train_rx = [p for ps in _phrasing_regexes("train").values() for p in ps]
+    assert not any(p.fullmatch(s.prompt) for s in wp.generate(300, 2, "other") for p in train_rx)
+
+
+def test_word_problems_held_out_problems_never_appear_in_training():
+    def key(s):
+        return _parse(s.prompt, "other" if s.meta["split"] == "other" else "train")
+
+    held = {key(s) for seed in (0, 1) for split in ("eval", "other") for s in wp.generate(200, seed, split)}
+    trains = [s for seed in (0, 1, 2) for s in wp.generate(3000, seed, "train")]
+    assert not held & {key(s) for s in trains}
+    assert all(wp.is_eval_problem(wp.WordProblem(k, n, 0)) for k, n in held)
+    assert not any(wp.is_eval_problem(wp.WordProblem(*key(s), 0)) for s in trains)
+
+
+def test_word_problems_eval_and_other_pose_the_same_problems_and_are_deterministic():
+    e, o = wp.generate(200, 3, "eval"), wp.generate(200, 3, "other")
+    assert [(s.answer, s.meta["kind"], s.meta["level"]) for s in e] == \
+        [(s.answer, s.meta["kind"], s.meta["level"]) for s in o]
+    assert len({s.prompt for s in e}) == len({s.prompt for s in o}) == 200
+    assert [s.prompt for s in wp.generate(200, 3, "eval")] == [s.prompt for s in e]
+    assert [s.prompt for s in wp.generate(200, 4, "eval")] != [s.prompt for s in e]
+    assert [s.prompt for s in wp.generate(50, 3, "train")] != [s.prompt for s in wp.generate(50, 4, "train")]
+
+
+def test_word_problems_difficulty_mix_follows_the_weights():
+    levels = [s.meta["level"] for s in wp.generate(4000, 0, "train")]
+    for level, weight in zip((1, 2, 3), wp.WordProblemSpec().level_weights):
+        assert abs(levels.count(level) / len(levels) - weight) < 0.03
+    hard_only = wp.generate(200, 0, "train", wp.WordProblemSpec(level_weights=(0, 0, 1)))
+    assert {s.meta["level"] for s in hard_only} == {3}
+    assert {s.meta["kind"] for s in hard_only} == {"add", "sub", "add_sub", "mul_add"}
+    with pytest.raises(ValueError, match="level_weights"):
+        wp.WordProblemSpec(level_weights=(1, 2))
+    with pytest.raises(ValueError, match="split must be"):
+        wp.generate(1, 0, "test")
+
+
+def test_word_problems_datasets_and_the_math_reward():
+    from areal_async.rewards.math import math_reward
+
+    train, evals = load_samples(DataConfig(name="word_problems", num_train=50, num_eval=20, apply_chat_template=True))
+    train2, other = load_samples(DataConfig(name="word_problems_other", num_train=50, num_eval=20,
+                                            apply_chat_template=True))
+    assert [s.prompt for s in train] == [s.prompt for s in train2] and len(evals) == len(other) == 20
+    assert [s.answer for s in evals] == [s.answer for s in other]
+    assert {s.prompt for s in evals}.isdisjoint(s.prompt for s in other)
+    assert all(s.messages == [{"role": "user", "content": s.prompt}] for s in train + evals + other)
+    assert {"word_problems", "word_problems_other"} <= set(registered_datasets())
+    plain, _ = load_samples(DataConfig(name="word_problems", num_train=3, num_eval=2))
+    assert all(s.messages is None for s in plain)
+    s = evals[0]
+    assert math_reward(f"First I work it out. The answer is {s.answer}.", s.answer) == 1.0
+    assert math_reward(f"The answer is {int(s.answer) + 1}.", s.answer) == 0.0

@@ -9,23 +9,26 @@ What a run needs from a cluster is small: the servers' URLs (`servers`), how to 
 reach trainer rank 0 at for a weight broadcast), a `watch` that reports what happens to the processes, and
 `shutdown`. Implementations today: `LocalLauncher` (embedded or SGLang servers and one torchrun job on this host)
 and `ExternalLauncher` (servers already running, given as URLs; torchrun here, multi-node through
-`train.torchrun_args`), both in launch/local.py.
+`train.torchrun_args`), both in launch/local.py, and `SlurmLauncher` (launch/slurm.py).
 
 Failures are events, not exits. `watch(on_event)` calls the handler with a `ClusterEvent` for everything that
 happens and keeps watching; only a handler that raises ends the watch (and `supervise` then cancels the run with
-that error). `failure_policy` picks the handler:
-- `recovery.enabled` (the default): `RunRecovery` (launch/recovery.py). A dead or hung server leaves rotation and
-  is restarted by the cluster (`restart_server`, announced as `ServerJoined`), then gets the current weights
-  before it serves again; a dead trainer makes the run restart the trainers from the last checkpoint
-  (`restart_trainers`) and roll the controller back to it. Only "nothing left to serve or train with" ends a run.
-  A cluster without those methods (see `RestartableCluster`) leaves that kind of failure to end the run or, for
-  servers it did not start, to the client, which re-admits a server that answers again.
-- `recovery.enabled=false`: `end_run_on_failure`: any child that dies ends the run with its log tail.
-What else the protocol is shaped for, without run() changing:
-- a Slurm launcher: servers as `srun` job steps, the trainers as one `srun` step running torchrun across its nodes,
-  the controller on the batch host; the rank files land in the shared run directory as they do today, and its
-  watch reports a failed step as `ProcessExited`.
-- servers joining a running job: `ServerJoined` as well (a new name and URL).
+that error). A run's handler is `fleet.failure_policy`: servers join and leave; with `recovery.enabled` (the
+default) dead and hung parts are restarted (below), otherwise any child that dies ends the run with its log tail
+(`end_run_on_failure`). What the protocol is shaped for, without run() changing:
+- a Slurm launcher (launch/slurm.py): servers as `srun` job steps, the trainers as one `srun` step running torchrun
+  across its nodes, the controller on the batch host; the ranks report to the controller's registry
+  (launch/registry.py), which writes the rank files `TrainerGroup.connect` reads, and its watch reports a failed
+  step as `ProcessExited`.
+- fault recovery (launch/recovery.py, `recovery.enabled`): `fleet.failure_policy` puts `RunRecovery` in front of
+  the fleet handler. A dead or hung server is restarted by the cluster (`restart_server`; announced as
+  `ServerJoined` under its old name) and gets the current weights before it serves again; a dead trainer makes the
+  run restart the trainers from the last checkpoint (`restart_trainers`) and roll the controller back to it. Only
+  "nothing left to serve or train with" ends a run. A cluster without those methods (`RestartableCluster`) leaves
+  that failure to end the run, or, for servers it did not start, to the client, which re-admits them when they
+  answer again.
+- servers joining a running job: `ServerJoined` as well (a new name and URL), and `ServerLeft` when one is to leave
+  (launch/fleet.py: URLs added to and removed from run_dir/servers.txt, handled by `fleet.failure_policy`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Protocol, TypeVar, Union
+from typing import TYPE_CHECKING, Awaitable, Callable, Literal, Protocol, TypeVar, Union
 
 from areal_async.launch.processes import ChildFailed
 
@@ -81,13 +84,22 @@ class ProcessExited:
 @dataclass(frozen=True)
 class ServerJoined:
     """A server (re)started by the launcher, or added to a running job, answers /health. It serves the weights it
-    was started with until the run gives it the current ones (the client loads them before it takes traffic)."""
+    was started with until the run gives it the current ones. Emitted for URLs added to run_dir/servers.txt
+    (launch/fleet.py)."""
 
     name: str
     url: str
 
 
-ClusterEvent = Union[ProcessExited, ServerJoined]
+@dataclass(frozen=True)
+class ServerLeft:
+    """A server added to a running job is to leave it (its URL was taken out of run_dir/servers.txt): drain it."""
+
+    name: str
+    url: str
+
+
+ClusterEvent = Union[ProcessExited, ServerJoined, ServerLeft]
 EventHandler = Callable[[ClusterEvent], Awaitable[None]]
 
 
@@ -118,25 +130,11 @@ class Launcher(Protocol):
 
 
 async def end_run_on_failure(event: ClusterEvent) -> None:
-    """Today's policy: a dead child ends the run, with its log tail."""
+    """Today's policy for processes: a dead child ends the run, with its log tail. (A run's handler,
+    launch/fleet.py `failure_policy`, handles servers joining and leaving and passes the rest here.)"""
     if isinstance(event, ProcessExited):
         raise ChildFailed(event.describe())
-    raise ChildFailed(f"{event.name} joined at {event.url}: servers joining a running job are not supported yet")
-
-
-def failure_policy(cfg: "RunConfig", cluster: Cluster, session: Any) -> EventHandler:
-    """The event handler of a run. With `recovery.enabled` it is a `RunRecovery`, also stored as
-    `session.recovery` (the run attaches the client to it and trains under its guard); `session.recovery_log`,
-    when the session has one, is where it records what it does."""
-    if not cfg.recovery.enabled:
-        return end_run_on_failure
-    from areal_async.launch.recovery import RecoveryLog, RunRecovery
-
-    rlog = getattr(session, "recovery_log", None) or RecoveryLog(cfg.run_dir)
-    policy = RunRecovery(cfg, cluster, rlog)
-    with contextlib.suppress(AttributeError):
-        session.recovery = policy
-    return policy
+    raise ChildFailed(f"{event.name} at {event.url}: {type(event).__name__} has no handler here")
 
 
 async def supervise(body: Awaitable[T], cluster: Cluster, on_event: EventHandler, *,

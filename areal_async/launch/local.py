@@ -1,6 +1,11 @@
 """Launchers for one host: `LocalLauncher` (embedded or SGLang servers and a torchrun job as children of this
-process) and `ExternalLauncher` (servers already running, given as URLs, and the torchrun job here; its ranks may
-span nodes through `train.torchrun_args`). See launch/api.py for the protocol."""
+process) and `ExternalLauncher` (servers already running, given as URLs, and the torchrun job here). See
+launch/api.py for the protocol; `launcher_for` picks one (or the Slurm launcher, launch/slurm.py).
+
+A trainer job of `train.nnodes` > 1 is that many torchrun agents joined by c10d rendezvous; here they all run on
+this host (a real multi-node job, on one machine), or only the first `train.rdzv.local_agents` of them, the others
+started by hand elsewhere with the command the launcher logs. Ranks report their addresses to the run's registry
+(launch/registry.py) unless `train.rdzv.discovery=files`."""
 
 from __future__ import annotations
 
@@ -9,18 +14,24 @@ import contextlib
 import functools
 import logging
 import os
+import secrets
+import shlex
 import socket
 from typing import TYPE_CHECKING, Callable
 from urllib.parse import urlsplit
 
 import msgspec
 
+from areal_async.config import ConfigError
 from areal_async.launch.api import (ClusterEvent, EventHandler, ProcessExited, ServerHandle, ServerJoined,
                                     TrainerHandle)
-from areal_async.launch.processes import Child, Processes, tail
+from areal_async.launch.fleet import JoinFile, join_file
+from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
+from areal_async.launch.registry import SECRET_ENV, Registry
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
+    from areal_async.launch.api import Launcher
 
 log = logging.getLogger(__name__)
 
@@ -28,19 +39,22 @@ log = logging.getLogger(__name__)
 class LocalCluster:
     """Children of this process, watched by polling. Launched servers and the trainer job can be restarted while
     the run goes on (the recovery policy, launch/recovery.py, does so): `restart_server`, `stop_server`,
-    `restart_trainers`. A restarted server is announced by `watch` as `ServerJoined`."""
+    `restart_trainers`. A restarted server is announced by `watch` as `ServerJoined` under its old name."""
 
     def __init__(self, processes: Processes, servers: list[ServerHandle], trainers: TrainerHandle,
-                 poll_s: float = 0.5, *, cfg: "RunConfig | None" = None, model_path: str | None = None,
+                 poll_s: float = 0.5, registry: Registry | None = None, join: JoinFile | None = None, *,
+                 cfg: "RunConfig | None" = None, model_path: str | None = None,
                  start_server: Callable[[int, int], Child] | None = None) -> None:
         self.processes = processes
         self.servers = servers
         self.trainers = trainers
         self.poll_s = poll_s
+        self.registry = registry  # where the trainer ranks reported (train.rdzv.discovery=registry)
+        self.join = join  # run_dir/servers.txt: servers joining and leaving (launch/fleet.py)
         self._cfg = cfg
         self._model_path = model_path
         self._start_server = start_server  # (index, port) -> child; None: the servers are not ours (external)
-        self._joined: list[ServerJoined] = []
+        self._joined: list[ServerJoined] = []  # restarted servers, announced by the watch
         self._fresh_port: set[str] = set()  # servers whose old port failed them: the next start takes a free one
         self._closed = False
 
@@ -50,12 +64,17 @@ class LocalCluster:
                 await on_event(_exit_event(child))
             while self._joined:
                 await on_event(self._joined.pop(0))
+            if self.join is not None:
+                for event in await self.join.poll():
+                    await on_event(event)
             await asyncio.sleep(self.poll_s)
 
     async def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
             await asyncio.to_thread(self.processes.shutdown)
+            if self.registry is not None:
+                await self.registry.close()
 
     # ---- restarting (the recovery policy's side of the cluster) -------------------------------------------------
 
@@ -70,9 +89,9 @@ class LocalCluster:
         child = self._child(name)
         return child is not None and child.proc.poll() is None
 
-    def trainer_pid(self) -> int | None:
-        child = self._child("trainer")
-        return child.proc.pid if child is not None else None
+    def trainer_pids(self) -> set[int]:
+        """The processes of the current trainer job (its torchrun agents)."""
+        return {c.proc.pid for c in self.processes.children if c.role == "trainer" and not c.expected_exit}
 
     async def stop_server(self, name: str) -> None:
         """Kill a launched server (SIGKILL: a hung one may be SIGSTOPped); its exit is not reported as an event."""
@@ -109,21 +128,28 @@ class LocalCluster:
 
     async def restart_trainers(self, resume: str | None) -> TrainerHandle:
         """Replace the trainer job: the old one is stopped (SIGTERM, then SIGKILL), its rank files removed, and a new
-        torchrun job starts from the trainer checkpoint `resume` (None: the base model). Returns how to reach it
-        (a new RPC secret); the ranks may still be loading."""
+        job starts from the trainer checkpoint `resume` (None: the base model), with a new RPC secret and registry.
+        Returns how to reach it (the ranks may still be loading). Agents started by hand elsewhere
+        (train.rdzv.local_agents) cannot be restarted from here: NotImplementedError."""
         if self._cfg is None or self._model_path is None:
             raise NotImplementedError("this cluster cannot restart its trainers")
-        old = self._child("trainer")
-        if old is not None:
+        t = self._cfg.train
+        if (t.rdzv.local_agents or t.nnodes) < t.nnodes:
+            raise NotImplementedError("trainer agents started by hand elsewhere (train.rdzv.local_agents) cannot be "
+                                      "restarted by this run")
+        for old in [c for c in self.processes.children if c.role == "trainer"]:
             await asyncio.to_thread(self.processes.stop, old, 10.0)
+        if self.registry is not None:
+            await self.registry.close()
+            self.registry = None
         rank_dir = os.path.join(self._cfg.run_dir, "trainer")
         if os.path.isdir(rank_dir):
             for entry in os.listdir(rank_dir):
                 if entry.endswith(".json"):
                     with contextlib.suppress(OSError):
                         os.remove(os.path.join(rank_dir, entry))
-        self.trainers = _start_trainers(self.processes, self._cfg, self._model_path, resume,
-                                        self.trainers.master_address)
+        self.trainers, self.registry = await _start_trainers(self.processes, self._cfg, self._model_path, resume,
+                                                             self.trainers.master_address)
         return self.trainers
 
 
@@ -137,15 +163,17 @@ class LocalLauncher:
 
     async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> LocalCluster:
         procs = Processes(cfg.run_dir)
+        registry = None
         try:
-            trainers = _start_trainers(procs, cfg, model_path, trainer_resume, cfg.server.host)
+            trainers, registry = await _start_trainers(procs, cfg, model_path, trainer_resume, cfg.server.host)
             servers = self._start_servers(procs, cfg, model_path)
             # the trainers load while the servers do; wait_healthy fails fast if any child dies meanwhile
             await procs.wait_healthy(servers, cfg.server.startup_timeout_s, cfg.server.api_key)
         except BaseException:
-            await asyncio.to_thread(procs.shutdown)
+            await _stop(procs, registry)
             raise
-        return LocalCluster(procs, [ServerHandle(c.name, c.url or "") for c in servers], trainers, cfg=cfg,
+        handles = [ServerHandle(c.name, c.url or "") for c in servers]
+        return LocalCluster(procs, handles, trainers, registry=registry, join=joins(cfg, handles), cfg=cfg,
                             model_path=model_path, start_server=functools.partial(_start_server, procs, cfg,
                                                                                   model_path))
 
@@ -175,25 +203,95 @@ class ExternalLauncher:
 
     async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> LocalCluster:
         procs = Processes(cfg.run_dir)
+        registry = None
         try:
-            trainers = _start_trainers(procs, cfg, model_path, trainer_resume, _my_address())
+            trainers, registry = await _start_trainers(procs, cfg, model_path, trainer_resume, _my_address())
             await procs.wait_healthy(list(cfg.server.urls), cfg.server.startup_timeout_s, cfg.server.api_key)
         except BaseException:
-            await asyncio.to_thread(procs.shutdown)
+            await _stop(procs, registry)
             raise
         servers = [ServerHandle(f"server{i}", url.rstrip("/")) for i, url in enumerate(cfg.server.urls)]
-        return LocalCluster(procs, servers, trainers, cfg=cfg, model_path=model_path)
+        return LocalCluster(procs, servers, trainers, registry=registry, join=joins(cfg, servers), cfg=cfg,
+                            model_path=model_path)
 
 
-def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, resume: str | None,
-                    master_address: str) -> TrainerHandle:
-    secret = os.urandom(32)
+def joins(cfg: "RunConfig", launched: list[ServerHandle]) -> JoinFile:
+    """The watcher of run_dir/servers.txt (servers added to and taken out of a running job)."""
+    return JoinFile(join_file(cfg.run_dir), api_key=cfg.server.api_key,
+                    startup_timeout_s=cfg.server.startup_timeout_s, exclude=[s.url for s in launched])
+
+
+async def _stop(procs: Processes, registry: Registry | None) -> None:
+    await asyncio.to_thread(procs.shutdown)
+    if registry is not None:
+        await registry.close()
+
+
+def run_secret(cfg: "RunConfig") -> bytes:
+    """The RPC secret of a run: fresh, unless agents are started by hand elsewhere (train.rdzv.local_agents):
+    they need it too, so it comes from AREAL_RPC_SECRET in this environment and theirs."""
     t = cfg.train
-    procs.start_trainers(model=model_path, nproc=t.nproc, config_json=msgspec.json.encode(t).decode(), seed=cfg.seed,
-                         secret_hex=secret.hex(), torch_threads=t.torch_threads, resume=resume,
-                         torchrun_args=t.torchrun_args, cuda_visible_devices=t.cuda_visible_devices)
-    return TrainerHandle(world_size=t.nproc, rendezvous_dir=cfg.run_dir, secret=secret,
-                         master_address=master_address)
+    if t.nnodes > 1 and (t.rdzv.local_agents or t.nnodes) < t.nnodes:
+        try:
+            return read_secret_env()
+        except ValueError as e:
+            raise ConfigError(f"train.rdzv.local_agents: agents started by hand need the run's RPC secret: {e}; "
+                              f"export the same AREAL_RPC_SECRET here and on their nodes") from None
+    return os.urandom(32)
+
+
+def read_secret_env() -> bytes:
+    raw = os.environ.get(SECRET_ENV, "")
+    if not raw:
+        raise ValueError(f"{SECRET_ENV} is not set")
+    try:
+        secret = bytes.fromhex(raw.strip())
+    except ValueError:
+        raise ValueError(f"{SECRET_ENV} is not hex") from None
+    if len(secret) < 16:
+        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes (32 hex digits)")
+    return secret
+
+
+async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, resume: str | None,
+                          master_address: str) -> tuple[TrainerHandle, Registry | None]:
+    """One torchrun agent (train.nnodes=1), or the agents of a c10d job of train.nnodes nodes started here (all of
+    them, or node ranks below train.rdzv.local_agents; the command for the others is logged)."""
+    t = cfg.train
+    secret = run_secret(cfg)
+    here = t.rdzv.local_agents or t.nnodes
+    remote = here < t.nnodes  # ranks elsewhere must reach the registry and the rendezvous
+    registry = None
+    env: dict[str, str] = {}
+    if t.rdzv.discovery == "registry":
+        registry = Registry(secret, cfg.run_dir)
+        await registry.start("0.0.0.0" if remote else "127.0.0.1", _my_address() if remote else None)
+        env = registry.env()
+    common = dict(model=model_path, nproc=t.nproc, config_json=msgspec.json.encode(t).decode(), seed=cfg.seed,
+                  resume=resume)
+    try:
+        if t.nnodes == 1:
+            procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
+                                 torchrun_args=t.torchrun_args, cuda_visible_devices=t.cuda_visible_devices, env=env)
+        else:
+            endpoint = t.rdzv.endpoint or f"{_my_address() if remote else '127.0.0.1'}:{free_port()}"
+            rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=secrets.token_hex(4),
+                             timeout_s=t.rdzv.timeout_s)
+            for node in range(here):
+                procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
+                                     torchrun_args=rdzv, cuda_visible_devices=t.cuda_visible_devices,
+                                     name=f"trainer{node}", env=env)
+            if remote:
+                cmd = trainer_cmd(**common, run_dir=cfg.run_dir, torchrun_args=rdzv, rpc_host="0.0.0.0")
+                log.warning("train.nnodes=%d, %d agent(s) started here; start the other %d, one per node, with "
+                            "AREAL_RPC_SECRET exported as here and:\n  %s %s", t.nnodes, here, t.nnodes - here,
+                            " ".join(f"{k}={v}" for k, v in env.items()), shlex.join(cmd))
+    except BaseException:
+        if registry is not None:
+            await registry.close()
+        raise
+    return TrainerHandle(world_size=t.nnodes * t.nproc, rendezvous_dir=cfg.run_dir, secret=secret,
+                         master_address=master_address), registry
 
 
 def _my_address() -> str:
@@ -201,6 +299,10 @@ def _my_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def launcher_for(cfg: "RunConfig") -> LocalLauncher | ExternalLauncher:
-    """The launcher `server.backend` asks for (a Slurm launcher will be chosen here too)."""
+def launcher_for(cfg: "RunConfig") -> "Launcher":
+    """The launcher `launcher` and `server.backend` ask for."""
+    if cfg.launcher == "slurm":
+        from areal_async.launch.slurm import SlurmLauncher
+
+        return SlurmLauncher()
     return ExternalLauncher() if cfg.server.backend == "external" else LocalLauncher()

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -70,11 +71,74 @@ def _child_setup() -> None:  # runs in the child between fork and exec
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def interrupt_on_sigterm() -> None:
+    """SIGTERM (scancel, a time limit, `kill`) stops this process the way Ctrl-C does, so its teardown runs: it
+    raises SIGINT, which asyncio.run turns into cancelling the main task (or KeyboardInterrupt outside a loop)."""
+
+    def handler(signum: int, frame: object) -> None:
+        if callable(signal.getsignal(signal.SIGINT)):
+            signal.raise_signal(signal.SIGINT)
+        else:  # SIGINT ignored (a background job): interrupt directly
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+        signal.signal(signal.SIGTERM, handler)
+
+
 def thread_env(n: int) -> dict[str, str]:
     """Environment that pins a child's intra-op thread pools to n threads (children share the host's cores)."""
     n = max(1, n)
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "AREAL_TORCH_THREADS": str(n),
             "TOKENIZERS_PARALLELISM": "false"}
+
+
+# ---- commands (shared by the launchers: a Slurm step runs the same command under srun) ----------------------------
+
+
+def embedded_server_cmd(model: str, *, host: str, port: str, device: str, max_total_tokens: int,
+                        max_running_requests: int, api_key: str | None, weight_version: int = 0,
+                        prefix_cache: bool = True) -> list[str]:
+    """`port` is a string so that a launcher can pass a placeholder the step fills in (launch/step.py)."""
+    cmd = [sys.executable, "-m", "areal_async.serve", "--model", model, "--host", host, "--port", port,
+           "--device", device, "--max-total-tokens", str(max_total_tokens),
+           "--max-running-requests", str(max_running_requests), "--weight-version", str(weight_version)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if not prefix_cache:
+        cmd.append("--disable-radix-cache")
+    return cmd
+
+
+def sglang_server_cmd(model: str, *, host: str, port: str, api_key: str | None, extra_args: list[str],
+                      base_gpu_id: int = 0) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", port,
+           *extra_args]
+    if "--base-gpu-id" not in extra_args:
+        cmd += ["--base-gpu-id", str(base_gpu_id)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd
+
+
+def trainer_cmd(*, model: str, nproc: int, config_json: str, seed: int, run_dir: str, resume: str | None = None,
+                torchrun_args: list[str] | None = None, rpc_host: str | None = None) -> list[str]:
+    """One torchrun agent: `torchrun_args` carries the rendezvous (empty: --standalone)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += torchrun_args if torchrun_args else ["--standalone"]
+    cmd += ["-m", "areal_async.train.worker", "--model", model, "--run-dir", run_dir, "--config-json", config_json,
+            "--seed", str(seed)]
+    if resume:
+        cmd += ["--resume", resume]
+    if rpc_host:
+        cmd += ["--rpc-host", rpc_host]
+    return cmd
+
+
+def c10d_args(*, nnodes: int, endpoint: str, run_id: str, timeout_s: float) -> list[str]:
+    """torchrun's elastic (c10d) rendezvous of `nnodes` agents: the agent on the endpoint's host serves the store,
+    the others connect; they give up after `timeout_s` if not all of them arrive."""
+    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--rdzv-conf", f"join_timeout={int(max(1, timeout_s))}", "--max-restarts", "0"]
 
 
 class Processes:
@@ -87,12 +151,14 @@ class Processes:
         self.children: list[Child] = []
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None, *, role: Role = "other",
-              url: str | None = None) -> Child:
+              url: str | None = None, unset: frozenset[str] = frozenset()) -> Child:
+        """Start `cmd` with this environment plus `env`, minus the variables named in `unset`."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         out = open(log_path, "ab")
         out.write(f"$ {' '.join(cmd)}\n".encode())
         out.flush()
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k not in unset}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         try:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True, preexec_fn=_child_setup)
@@ -109,25 +175,17 @@ class Processes:
                               max_total_tokens: int, max_running_requests: int, api_key: str | None,
                               torch_threads: int, weight_version: int = 0, prefix_cache: bool = True) -> Child:
         port = port or free_port(host)
-        cmd = [sys.executable, "-m", "areal_async.serve", "--model", model, "--host", host, "--port", str(port),
-               "--device", device, "--max-total-tokens", str(max_total_tokens),
-               "--max-running-requests", str(max_running_requests), "--weight-version", str(weight_version)]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        if not prefix_cache:
-            cmd.append("--disable-radix-cache")
+        cmd = embedded_server_cmd(model, host=host, port=str(port), device=device, max_total_tokens=max_total_tokens,
+                                  max_running_requests=max_running_requests, api_key=api_key,
+                                  weight_version=weight_version, prefix_cache=prefix_cache)
         return self.spawn(f"server{index}", cmd, thread_env(torch_threads), role="server",
                           url=f"http://{host}:{port}")
 
     def start_sglang_server(self, index: int, model: str, *, host: str, port: int, api_key: str | None,
                             extra_args: list[str], base_gpu_id: int = 0, gpus_per_server: int = 1) -> Child:
         port = port or free_port(host)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port",
-               str(port), *extra_args]
-        if "--base-gpu-id" not in extra_args:
-            cmd += ["--base-gpu-id", str(base_gpu_id + index * gpus_per_server)]
-        if api_key:
-            cmd += ["--api-key", api_key]
+        cmd = sglang_server_cmd(model, host=host, port=str(port), api_key=api_key, extra_args=extra_args,
+                                base_gpu_id=base_gpu_id + index * gpus_per_server)
         return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 
     async def wait_healthy(self, servers: list[Child] | list[str], timeout_s: float, api_key: str | None = None,
@@ -165,19 +223,18 @@ class Processes:
 
     def start_trainers(self, *, model: str, nproc: int, config_json: str, seed: int, secret_hex: str,
                        torch_threads: int, resume: str | None = None, torchrun_args: list[str] | None = None,
-                       cuda_visible_devices: str | None = None) -> Child:
-        """One torchrun job of `nproc` ranks; each rank reads its TrainConfig (temperature included) from
-        `config_json` and writes `<run_dir>/trainer/rank<r>.json` for the controller to connect to."""
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-        cmd += torchrun_args if torchrun_args else ["--standalone"]
-        cmd += ["-m", "areal_async.train.worker", "--model", model, "--run-dir", self.run_dir,
-                "--config-json", config_json, "--seed", str(seed)]
-        if resume:
-            cmd += ["--resume", resume]
-        env = {**thread_env(torch_threads), "AREAL_RPC_SECRET": secret_hex}
+                       cuda_visible_devices: str | None = None, name: str = "trainer", rpc_host: str | None = None,
+                       env: dict[str, str] | None = None) -> Child:
+        """One torchrun agent of `nproc` ranks (standalone, or one node of a job `torchrun_args` describes); each
+        rank reads its TrainConfig (temperature included) from `config_json` and announces itself: a rank file
+        `<run_dir>/trainer/rank<r>.json`, or a report to the controller's registry when `env` names one
+        (launch/registry.py)."""
+        cmd = trainer_cmd(model=model, nproc=nproc, config_json=config_json, seed=seed, run_dir=self.run_dir,
+                          resume=resume, torchrun_args=torchrun_args, rpc_host=rpc_host)
+        full_env = {**thread_env(torch_threads), "AREAL_RPC_SECRET": secret_hex, **(env or {})}
         if cuda_visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-        return self.spawn("trainer", cmd, env, role="trainer")
+            full_env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        return self.spawn(name, cmd, full_env, role="trainer")
 
     # ---- health and teardown ------------------------------------------------------------------------------------
 
@@ -213,11 +270,6 @@ class Processes:
             child.proc.wait(timeout=10)
         if child in self.children:
             self.children.remove(child)  # its pid may be reused: shutdown must not signal that group later
-
-    def forget(self, child: Child) -> None:
-        """A child that died and was reported: signal what is left of its process group once, then drop it (as
-        `stop`, for a child about to be replaced)."""
-        self.stop(child, grace_s=0)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child's process group, wait up to grace_s, then SIGKILL what is left."""

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar
 
 import aiohttp
 
-from areal_async.launch.api import Cluster, ClusterEvent, ProcessExited, ServerHandle, ServerJoined, TrainerHandle
+from areal_async.launch.api import (Cluster, ClusterEvent, EventHandler, ProcessExited, ServerHandle, ServerJoined,
+                                    TrainerHandle, end_run_on_failure)
 from areal_async.launch.processes import ChildFailed
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class RestartableCluster(Cluster, Protocol):
 
     def server_alive(self, name: str) -> bool: ...
 
-    def trainer_pid(self) -> int | None: ...
+    def trainer_pids(self) -> set[int]: ...
 
     async def stop_server(self, name: str) -> None: ...
 
@@ -219,8 +220,10 @@ class RunRecovery:
     """The recovering event handler of a run (see the module docstring). Call `attach(client)` once the inference
     client exists (the watchdog starts), run the training loop under `guard`, and `close()` at the end."""
 
-    def __init__(self, cfg: "RunConfig", cluster: Cluster, log_: RecoveryLog) -> None:
+    def __init__(self, cfg: "RunConfig", cluster: Cluster, log_: RecoveryLog,
+                 fallback: EventHandler | None = None) -> None:
         self.cfg = cfg.recovery
+        self.fallback = fallback or end_run_on_failure  # servers joining and leaving (launch/fleet.py), the rest
         self.startup_timeout_s = cfg.server.startup_timeout_s
         self.api_key = cfg.server.api_key
         self.cluster = cluster
@@ -241,7 +244,7 @@ class RunRecovery:
 
     @property
     def can_restart_trainers(self) -> bool:
-        return hasattr(self.cluster, "restart_trainers")
+        return hasattr(self.cluster, "restart_trainers") and hasattr(self.cluster, "trainer_pids")
 
     def _watch(self, name: str) -> _ServerWatch:
         return self._servers.setdefault(name, _ServerWatch())
@@ -249,19 +252,16 @@ class RunRecovery:
     # ---- events -------------------------------------------------------------------------------------------------
 
     async def __call__(self, event: ClusterEvent) -> None:
-        if isinstance(event, ServerJoined):
+        if isinstance(event, ServerJoined) and event.name in self._urls:  # one of ours, restarted
             await self._admit(event.name, event.url)
-            return
-        assert isinstance(event, ProcessExited)
-        if event.role == "server":
+        elif isinstance(event, ProcessExited) and event.role == "server" and event.name in self._urls:
             self._spawn(self._recover_server(event.name, "server_exited", event.describe(), time.monotonic()))
-        elif event.role == "trainer":
-            current = self.cluster.trainer_pid() if hasattr(self.cluster, "trainer_pid") else None
-            if event.pid is not None and current is not None and event.pid != current:
+        elif isinstance(event, ProcessExited) and event.role == "trainer" and self.can_restart_trainers:
+            if event.pid is not None and event.pid not in self.cluster.trainer_pids():
                 return  # a job that was already replaced
             self.fail(TrainerLost(f"the trainer job exited: {event.describe()}", pid=event.pid))
-        else:
-            raise ChildFailed(event.describe())
+        else:  # servers joining and leaving, processes we cannot restart
+            await self.fallback(event)
 
     def fail(self, exc: BaseException) -> None:
         """End the current training segment with `exc` (the first failure stands until it is taken)."""
@@ -321,9 +321,9 @@ class RunRecovery:
                 task.cancel()
 
     def _stale(self, failure: BaseException | None) -> bool:
-        if not isinstance(failure, TrainerLost) or failure.pid is None or not hasattr(self.cluster, "trainer_pid"):
+        if not isinstance(failure, TrainerLost) or failure.pid is None or not self.can_restart_trainers:
             return False
-        return self.cluster.trainer_pid() != failure.pid  # replaced, or being replaced (no job right now)
+        return failure.pid not in self.cluster.trainer_pids()  # replaced, or being replaced (no job right now)
 
     def _take(self, failure: BaseException) -> None:
         if self._failure is failure and not isinstance(failure, NoServerServing):
@@ -425,8 +425,8 @@ class RunRecovery:
         w.busy = True
         try:
             if not self.can_restart_servers:
-                self.log.record("fault", event, name, what, "not started by this run: left to the client, which "
-                                                            "re-admits it when it answers again")
+                self.log.record("fault", event, name, what, "this cluster cannot restart it: left to the client, "
+                                                            "which re-admits it if it answers again")
                 return
             action = "restarting" if self.cfg.max_server_restarts else "not restarted (recovery.max_server_restarts=0)"
             self.log.record("fault", event, name, what, f"killed; {action}" if kill else action)

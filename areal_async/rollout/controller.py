@@ -148,7 +148,7 @@ class AsyncRLController:
                     break
                 await self._train_one_step(t_start)
                 st.wall_s = time.monotonic() - t_start
-                if self.cfg.eval_every and st.version % self.cfg.eval_every == 0 \
+                if self.evaluator is not None and self.cfg.eval_every and st.version % self.cfg.eval_every == 0 \
                         and st.version < self.cfg.total_steps:
                     self._eval_due = True  # started by the next step once it has its batch (see _train_one_step)
                 if self.cfg.checkpoint_every and st.version % self.cfg.checkpoint_every == 0:

@@ -1,8 +1,12 @@
 """Prompt datasets: the built-in synthetic task, or {prompt, answer} records from JSONL / Parquet files.
 
 `load_samples(cfg)` is the one entry point the controller uses. `DataConfig.name` is looked up in a small registry
-first ("arith" is built in; `register_dataset` adds more), then treated as a file path ending in `.jsonl` or
-`.parquet`.
+first, then treated as a file path ending in `.jsonl` or `.parquet`. Built in (`register_dataset` adds more):
+
+    arith                 the tiny base model's task (areal_async.tasks.arith)
+    word_problems         arithmetic word problems for real instruct models (areal_async.tasks.word_problems);
+                          held out: unseen problems in the training phrasings
+    word_problems_other   the same training data; held out: the same unseen problems in phrasings never trained on
 
 File records: `cfg.prompt_key` holds either a string or a chat (a list of {"role", "content"} messages) and
 `cfg.answer_key` the reference answer, kept verbatim (a GSM8K solution ending in `#### 72` stays whole; the reward
@@ -52,7 +56,21 @@ def _load_arith(cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
     return train, evals
 
 
-_REGISTRY: dict[str, Loader] = {"arith": _load_arith}
+def _word_problems_loader(eval_split: str) -> Loader:
+    def load(cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
+        from areal_async.tasks.word_problems import load_word_problems
+
+        train, evals = load_word_problems(cfg.num_train, cfg.num_eval, cfg.seed, eval_split)
+        if cfg.apply_chat_template:
+            for s in train + evals:
+                s.messages = [{"role": "user", "content": s.prompt}]
+        return train, evals
+
+    return load
+
+
+_REGISTRY: dict[str, Loader] = {"arith": _load_arith, "word_problems": _word_problems_loader("eval"),
+                                "word_problems_other": _word_problems_loader("other")}
 
 
 def register_dataset(name: str, loader: Loader, *, overwrite: bool = False) -> None:

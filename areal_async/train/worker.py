@@ -200,9 +200,10 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, f"signal {signal.Signals(sig).name}")
     address = await server.start_tcp(args.rpc_host, 0)
-    path = rank_file(args.run_dir, engine.rank)
-    _write_atomic(path, {"address": address, "rank": engine.rank, "world_size": engine.world_size,
-                         "pid": os.getpid()})
+    # a rank file in run_dir, or a report to the controller's registry when AREAL_REGISTRY is set (multi-node)
+    from areal_async.launch.registry import announce_rank
+
+    path = await announce_rank(args.run_dir, engine.rank, engine.world_size, address, secret)
     log.info("rank %d/%d serving on %s (model %s, device %s)", engine.rank, engine.world_size, address,
              args.model, engine.device)
     watchdog = loop.create_task(_watchdog(server, args, parent, stop))
@@ -214,7 +215,8 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
         watchdog.cancel()
         engine.close_broadcast()
         try:
-            os.remove(path)
+            if path:
+                os.remove(path)
         except OSError:
             pass
     return exit_code

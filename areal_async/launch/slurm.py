@@ -1,0 +1,555 @@
+"""`launcher=slurm` inside an allocation: servers and trainers as `srun` job steps of the job this controller runs in.
+
+    sbatch run.sbatch                    # the batch host (the job's first node) runs the controller; see sbatch.py
+    salloc -N 2 ... python -m areal_async.run launcher=slurm ...   # or from an interactive allocation
+
+Outside an allocation, `python -m areal_async.run launcher=slurm` submits a batch job that runs this same command
+(launch/sbatch.py says why a batch job rather than an allocation held from the login node).
+
+What runs where (`place`): the trainer step takes the first `train.nnodes` nodes, one torchrun agent per node
+(c10d rendezvous on the first of them; `train.nproc` ranks each); server i runs on node i // servers_per_node as its
+own one-task step. Every step asks for exactly its CPUs (`--exact`, `slurm.cpus_per_*`) and GPUs (`--gres`), and
+shares the job's memory (`--mem=0`), so steps on one node run side by side and Slurm gives each its own GPUs
+(CUDA_VISIBLE_DEVICES per step: an SGLang step always starts at GPU 0 of what it was given). All of it is checked
+against the allocation before the first srun, with errors naming the key to change.
+
+Finding the processes: no filesystem is assumed to be shared. Server steps start through launch/step.py, which
+reports its node's address and port to the controller's registry (launch/registry.py) and then becomes the server;
+trainer ranks report there too (train.rdzv.discovery=registry). One log per step, `run_dir/logs/<name>.log`: srun
+writes its tasks' output (and its own errors) to the controller's side, so logs need no shared filesystem either.
+
+Bounded waits: a step Slurm does not create within `slurm.node_timeout_s` (its node busy, down or not answering)
+fails the launch with srun's own words ("Requested nodes are busy"); servers get `server.startup_timeout_s` to
+answer /health; torchrun's rendezvous gives up after `train.rdzv.timeout_s`. Every failure carries the step's log
+tail. Teardown (normal exit, error, Ctrl-C, SIGTERM) scancels every step this controller created, waits for Slurm
+to report them gone, and kills what is left of the srun processes; the allocation itself belongs to whoever made it
+(the batch job ends when the controller does). No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import math
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from areal_async.config import ConfigError
+from areal_async.launch.api import EventHandler, ProcessExited, ServerHandle, TrainerHandle
+from areal_async.launch.fleet import JoinFile, join_file
+from areal_async.launch.processes import (Child, ChildFailed, Processes, c10d_args, embedded_server_cmd, free_port,
+                                          sglang_server_cmd, tail, thread_env, trainer_cmd)
+from areal_async.launch.registry import Registry, route_address
+
+if TYPE_CHECKING:
+    from areal_async.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+_SLURM_TIMEOUT_S = 30.0  # one squeue/scontrol/scancel call
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed or Slurm refused a request; the message carries Slurm's words."""
+
+
+def slurm_cmd(args: list[str], timeout_s: float = _SLURM_TIMEOUT_S) -> str:
+    """Run a Slurm client command; its stdout, or SlurmError with its stderr."""
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise SlurmError(f"{args[0]} not found: launcher=slurm needs the Slurm client commands on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{' '.join(args[:2])} did not answer within {timeout_s:.0f}s (is slurmctld up?)") from None
+    if p.returncode != 0:
+        raise SlurmError(f"{' '.join(args)}: {(p.stderr or p.stdout).strip()}")
+    return p.stdout
+
+
+def in_allocation(env: dict[str, str] | os._Environ = os.environ) -> bool:
+    return bool(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"))
+
+
+# ---- the allocation -----------------------------------------------------------------------------------------------
+
+
+def expand_counts(spec: str) -> list[int]:
+    """SLURM_JOB_CPUS_PER_NODE's compressed form: '16' -> [16]; '8(x2),4' -> [8, 8, 4]."""
+    out: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ValueError(f"cannot read the CPU counts {spec!r}")
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def _count_ids(ids: str) -> int:
+    """'0-2,5' -> 4"""
+    n = 0
+    for part in ids.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """A Slurm host list expression ('gpu[01-03],cpu7') as names, the way Slurm expands it."""
+    return slurm_cmd(["scontrol", "show", "hostnames", nodelist]).split()
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: str
+    nodes: list[str]
+    cpus: dict[str, int]  # CPUs the job holds on each node
+    controller_node: str | None  # the node this controller runs on, when it is one of the job's
+
+    @classmethod
+    def current(cls, env: dict[str, str] | os._Environ = os.environ) -> "Allocation":
+        """The allocation this process runs in (sbatch, salloc, or SLURM_JOB_ID naming a running job)."""
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if not job:
+            raise ConfigError("launcher: slurm runs inside an allocation (SLURM_JOB_ID is not set); start it with "
+                              "`python -m areal_async.run launcher=slurm ...`, which submits a batch job, or under "
+                              "salloc/sbatch")
+        nodelist, cpus_spec = env.get("SLURM_JOB_NODELIST"), env.get("SLURM_JOB_CPUS_PER_NODE")
+        if nodelist and cpus_spec:
+            nodes = hostnames(nodelist)
+            counts = expand_counts(cpus_spec)
+            if len(counts) != len(nodes):
+                raise SlurmError(f"SLURM_JOB_CPUS_PER_NODE={cpus_spec} does not match {len(nodes)} nodes")
+            cpus = dict(zip(nodes, counts))
+        else:  # attached by job id only: ask slurmctld
+            nodes, cpus = _job_resources(job)
+        me = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+        return cls(job, nodes, cpus, me if me in nodes else None)
+
+
+def _job_resources(job: str) -> tuple[list[str], dict[str, int]]:
+    text = slurm_cmd(["scontrol", "show", "job", "-d", job])
+    state = re.search(r"JobState=(\S+)", text)
+    if not state or state.group(1) != "RUNNING":
+        raise ConfigError(f"launcher: SLURM_JOB_ID={job} is {state.group(1) if state else 'unknown'}, not RUNNING")
+    nodes: list[str] = []
+    cpus: dict[str, int] = {}
+    for expr, ids in re.findall(r"\bNodes=(\S+) CPU_IDs=(\S+)", text):
+        for node in hostnames(expr):
+            nodes.append(node)
+            cpus[node] = _count_ids(ids)
+    if not nodes:
+        raise SlurmError(f"scontrol show job -d {job}: no node list")
+    return nodes, cpus
+
+
+# ---- placement ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which node runs what, and what each step asks Slurm for."""
+
+    nodes: list[str]
+    server_nodes: list[str]  # node of server i (empty for server.backend=external)
+    trainer_nodes: list[str]
+    cpus_per_server: int
+    gpus_per_server: int
+    cpus_per_trainer_node: int  # train.nproc ranks on each trainer node
+    gpus_per_trainer_node: int
+
+    def needs(self, node: str) -> tuple[int, int]:
+        """(CPUs, GPUs) the steps on `node` ask for together."""
+        n = self.server_nodes.count(node)
+        t = int(node in self.trainer_nodes)
+        return (n * self.cpus_per_server + t * self.cpus_per_trainer_node,
+                n * self.gpus_per_server + t * self.gpus_per_trainer_node)
+
+
+def job_nodes(cfg: "RunConfig") -> int:
+    """Nodes a submitted job asks for: slurm.nodes, or enough for the trainers and slurm.servers_per_node."""
+    if cfg.slurm.nodes:
+        return cfg.slurm.nodes
+    n = cfg.train.nnodes
+    if cfg.server.backend != "external" and cfg.slurm.servers_per_node:
+        n = max(n, math.ceil(cfg.server.num_servers / cfg.slurm.servers_per_node))
+    return n
+
+
+def _loopback(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return host == "localhost"
+
+
+def place(cfg: "RunConfig", nodes: list[str], controller_node: str | None) -> Placement:
+    """Lay the run out on `nodes`; every impossibility is a ConfigError naming the key to change."""
+    s, srv, t = cfg.slurm, cfg.server, cfg.train
+    if s.nodes is not None:
+        if s.nodes > len(nodes):
+            raise ConfigError(f"slurm.nodes: {s.nodes} nodes asked for, the job has {len(nodes)} ({','.join(nodes)})")
+        nodes = nodes[: s.nodes]
+    if t.nnodes > len(nodes):
+        raise ConfigError(f"train.nnodes: {t.nnodes} trainer nodes, the job has {len(nodes)} ({','.join(nodes)})")
+    for key, bad, why in (
+            ("train.torchrun_args", bool(t.torchrun_args), "under Slurm the rendezvous comes from train.nnodes"),
+            ("train.cuda_visible_devices", t.cuda_visible_devices is not None,
+             "under Slurm each step gets its GPUs from Slurm (slurm.gpus_per_node)"),
+            ("server.base_gpu_id", srv.base_gpu_id != 0, "under Slurm each server step gets its GPUs from Slurm"),
+            ("train.rdzv.local_agents", t.rdzv.local_agents is not None, "is for launcher=local"),
+            ("slurm.gpus_per_node", srv.backend == "sglang" and s.gpus_per_node == 0,
+             "sglang servers need GPUs: set the GPUs each node has")):
+        if bad:
+            raise ConfigError(f"{key}: {why}")
+    server_nodes: list[str] = []
+    if srv.backend != "external":
+        per = s.servers_per_node or math.ceil(srv.num_servers / len(nodes))
+        if math.ceil(srv.num_servers / per) > len(nodes):
+            raise ConfigError(f"slurm.servers_per_node: {srv.num_servers} servers at {per} per node need "
+                              f"{math.ceil(srv.num_servers / per)} nodes, the job has {len(nodes)}")
+        server_nodes = [nodes[i // per] for i in range(srv.num_servers)]
+        remote = [n for n in server_nodes if n != controller_node]
+        if remote and _loopback(srv.host):
+            raise ConfigError(f"server.host: {srv.host} cannot be reached from the controller "
+                              f"({controller_node or socket.gethostname()}) on {remote[0]}; bind 0.0.0.0 and set "
+                              f"server.api_key")
+        if not _loopback(srv.host) and not srv.api_key:
+            raise ConfigError(f"server.api_key: servers bound to {srv.host} take weight updates from anyone who "
+                              f"reaches them; set a key (the controller sends it)")
+    gpus = s.gpus_per_node > 0
+    server_gpus = 0 if not gpus else (srv.gpus_per_server if srv.backend == "sglang"
+                                      else int(srv.device != "cpu"))
+    p = Placement(nodes=nodes, server_nodes=server_nodes, trainer_nodes=nodes[: t.nnodes],
+                  cpus_per_server=s.cpus_per_server or srv.torch_threads + 1, gpus_per_server=server_gpus,
+                  cpus_per_trainer_node=t.nproc * (s.cpus_per_trainer or t.torch_threads + 1),
+                  gpus_per_trainer_node=t.nproc if gpus and t.device != "cpu" else 0)
+    for node in nodes:
+        _, g = p.needs(node)
+        if g > s.gpus_per_node:
+            raise ConfigError(f"slurm.gpus_per_node: the steps on {node} need {g} GPUs "
+                              f"({p.server_nodes.count(node)} servers x {p.gpus_per_server}"
+                              f"{f' + {p.gpus_per_trainer_node} trainer ranks' if node in p.trainer_nodes else ''})"
+                              f", a node has {s.gpus_per_node}")
+    return p
+
+
+def check_allocation(p: Placement, alloc: Allocation) -> None:
+    for node in p.nodes:
+        c, _ = p.needs(node)
+        if c > alloc.cpus.get(node, 0):
+            raise ConfigError(f"slurm.cpus_per_server: the steps on {node} need {c} CPUs "
+                              f"({p.server_nodes.count(node)} servers x {p.cpus_per_server}"
+                              f"{f' + trainers {p.cpus_per_trainer_node}' if node in p.trainer_nodes else ''}), "
+                              f"job {alloc.job_id} holds {alloc.cpus.get(node, 0)} there "
+                              f"(or lower slurm.cpus_per_trainer)")
+
+
+# ---- steps --------------------------------------------------------------------------------------------------------
+
+
+# What a batch job or salloc exports about its own request (or a site's defaults, such as DefMemPerCPU) and srun would
+# read as options of our steps; some combinations are fatal to srun ("SLURM_MEM_PER_CPU, SLURM_MEM_PER_GPU, and
+# SLURM_MEM_PER_NODE are mutually exclusive"). Every step gives its own, so srun runs without them.
+SRUN_UNSET = frozenset({
+    "SLURM_CPUS_PER_TASK", "SLURM_TRES_PER_TASK", "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU",
+    "SLURM_MEM_PER_NODE", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_CORE", "SLURM_NTASKS_PER_GPU",
+    "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET", "SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK",
+    "SLURM_GRES", "SLURM_DISTRIBUTION", "SLURM_EXCLUSIVE", "SLURM_OVERLAP", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"})
+
+
+def srun_cmd(job_id: str, step_name: str, nodes: list[str], *, cpus_per_task: int, gpus_per_node: int,
+             extra: list[str], label: bool = False) -> list[str]:
+    """One task per node with exactly these CPUs and GPUs; the step dies whole when one task fails."""
+    cmd = ["srun", f"--jobid={job_id}", f"--job-name={step_name}", f"--nodes={len(nodes)}",
+           f"--ntasks={len(nodes)}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
+           f"--cpus-per-task={cpus_per_task}", "--exact", "--mem=0", "--kill-on-bad-exit=1", "--input=none"]
+    if gpus_per_node:
+        cmd.append(f"--gres=gpu:{gpus_per_node}")
+    if label:
+        cmd.append("--label")
+    return cmd + list(extra)
+
+
+def rdzv_port(job_id: str, controller_node: str | None, first_trainer: str) -> int:
+    """A port for the c10d store on the first trainer node: a free one when that is this node, else one derived
+    from the job id (two jobs sharing a node then pick different ports)."""
+    if controller_node == first_trainer:
+        return free_port("0.0.0.0")
+    return 29500 + int(re.sub(r"\D", "", job_id) or 0) % 20000
+
+
+def list_steps(job_id: str) -> dict[str, str]:
+    """step name -> "<job>.<step>" of the job's running steps."""
+    out = slurm_cmd(["squeue", "--noheader", "--steps", "--jobs", job_id, "--format", "%i|%j"])
+    steps = {}
+    for line in out.splitlines():
+        sid, _, name = line.strip().partition("|")
+        if sid:
+            steps[name] = sid
+    return steps
+
+
+class SlurmCluster:
+    """srun children of this controller, one per step; watched by polling like LocalCluster."""
+
+    def __init__(self, alloc: Allocation, processes: Processes, registry: Registry, tag: str,
+                 servers: list[ServerHandle], world_size: int, secret: bytes, rank_dir: str, fallback_master: str,
+                 poll_s: float = 0.5) -> None:
+        self.alloc = alloc
+        self.processes = processes
+        self.registry = registry
+        self.tag = tag
+        self.servers = servers
+        self._trainers = (world_size, secret, rank_dir, fallback_master)
+        self.poll_s = poll_s
+        self.join: JoinFile | None = None  # run_dir/servers.txt (launch/fleet.py), set once the servers are up
+        self._closed = False
+
+    @property
+    def trainers(self) -> TrainerHandle:
+        """Rank 0's reported address is where servers reach it for a weight broadcast (known once it reports)."""
+        world_size, secret, rank_dir, master = self._trainers
+        rank0 = self.registry.entries.get("rank0")
+        if rank0 is not None:
+            master = rank0.address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        return TrainerHandle(world_size=world_size, rendezvous_dir=rank_dir, secret=secret, master_address=master)
+
+    def step_name(self, name: str) -> str:
+        return f"areal.{self.tag}.{name}"
+
+    async def watch(self, on_event: EventHandler) -> None:
+        while True:
+            for child in self.processes.exited():  # an srun exits when its step ends
+                await on_event(ProcessExited(role=child.role, name=child.name, exit_code=child.proc.poll(),
+                                             log_path=child.log_path, log_tail=tail(child.log_path), url=child.url))
+            if self.join is not None:
+                for event in await self.join.poll():
+                    await on_event(event)
+            await asyncio.sleep(self.poll_s)
+
+    def _our_steps(self) -> dict[str, str]:
+        prefix = self.step_name("")
+        return {name: sid for name, sid in list_steps(self.alloc.job_id).items() if name.startswith(prefix)}
+
+    async def shutdown(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every step we created (scancel --signal=TERM: servers and trainers shut down cleanly) and every
+        srun still waiting for its step to be created; give them `grace_s`, then cancel what is left (scancel:
+        SIGKILL) and kill the srun processes; wait, bounded, until Slurm lists none of our steps."""
+        if self._closed:
+            return
+        self._closed = True
+        children = self.processes.children
+        for child in children:
+            child.expected_exit = True
+        termed: set[str] = set()
+        waiting_stopped: set[str] = set()
+        deadline = time.monotonic() + grace_s
+        while any(c.proc.poll() is None for c in children) and time.monotonic() < deadline:
+            try:
+                listed = await asyncio.to_thread(self._our_steps)
+            except SlurmError as e:
+                log.error("cannot list the steps: %s", e)
+                break
+            new = sorted(sid for sid in listed.values() if sid not in termed)
+            if new:
+                await self._scancel(["--signal=TERM"], new)
+                termed.update(new)
+            for c in children:  # not created yet: stop asking, so it never starts
+                if c.proc.poll() is None and self.step_name(c.name) not in listed and c.name not in waiting_stopped:
+                    waiting_stopped.add(c.name)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(c.proc.pid, signal.SIGTERM)
+            await asyncio.sleep(0.3)
+        with contextlib.suppress(SlurmError):
+            await self._scancel([], sorted((await asyncio.to_thread(self._our_steps)).values()))
+        await asyncio.to_thread(self.processes.shutdown, 5.0)
+        deadline = time.monotonic() + grace_s
+        left: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            with contextlib.suppress(SlurmError):
+                left = await asyncio.to_thread(self._our_steps)
+                if not left:
+                    break
+            await asyncio.sleep(0.5)
+        if left:
+            log.error("steps still listed %.0fs after scancel: %s", grace_s, " ".join(sorted(left.values())))
+        await self.registry.close()
+
+    async def _scancel(self, flags: list[str], ids: list[str]) -> None:
+        if not ids:
+            return
+        log.info("scancel %s%s", "".join(f + " " for f in flags), " ".join(ids))
+        try:
+            await asyncio.to_thread(slurm_cmd, ["scancel", *flags, *ids])
+        except SlurmError as e:
+            log.error("could not cancel the steps: %s", e)
+
+
+def describe_steps(alloc: Allocation) -> str:
+    """What holds the job's resources: 'job 28 holds 4 CPUs on vm; its running steps: 28.0 blocker (2 CPUs on
+    vm), ...' (why a step cannot be created)."""
+    holds = ", ".join(f"{n} CPUs on {node}" for node, n in alloc.cpus.items())
+    try:
+        text = slurm_cmd(["scontrol", "show", "step", "-o", alloc.job_id])
+    except SlurmError as e:
+        return f"job {alloc.job_id} holds {holds}; scontrol show step failed: {e}"
+    steps = []
+    for line in text.splitlines():
+        f = dict(re.findall(r"(\w+)=(\S+)", line))
+        if f.get("StepId", "").endswith((".batch", ".extern")) or f.get("State") == "PENDING":
+            continue  # they hold no CPUs a step could use
+        steps.append(f"{f.get('StepId')} {f.get('Name')} ({f.get('CPUs')} CPUs on {f.get('NodeList')}, "
+                     f"{f.get('State', '').lower()})")
+    return f"job {alloc.job_id} holds {holds}; its running steps: {', '.join(steps) or 'none'}"
+
+
+class SlurmLauncher:
+    """Start the run's steps in the allocation this process runs in (see the module docstring)."""
+
+    async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> SlurmCluster:
+        alloc = await asyncio.to_thread(Allocation.current)
+        placement = place(cfg, alloc.nodes, alloc.controller_node)
+        check_allocation(placement, alloc)
+        if os.environ.get("SLURM_STEP_ID"):
+            log.warning("the controller runs inside step %s.%s: the CPUs it holds are not free for the run's steps",
+                        alloc.job_id, os.environ["SLURM_STEP_ID"])
+        secret = os.urandom(32)
+        registry = Registry(secret, cfg.run_dir)
+        others = [n for n in placement.nodes if n != alloc.controller_node]
+        remote = bool(others or cfg.slurm.controller_address)
+        advertise = cfg.slurm.controller_address or (route_address(_node_address(others[0])) if others else None)
+        await registry.start("0.0.0.0" if remote else "127.0.0.1", advertise)
+        procs = Processes(cfg.run_dir)
+        tag = secrets.token_hex(3)
+        cluster: SlurmCluster | None = None
+        try:
+            world = cfg.train.nnodes * cfg.train.nproc
+            cluster = SlurmCluster(alloc, procs, registry, tag, [], world, secret, cfg.run_dir,
+                                   _node_address(placement.trainer_nodes[0]))
+            trainer = self._start_trainers(cluster, cfg, placement, model_path, trainer_resume, secret, remote)
+            servers = self._start_servers(cluster, cfg, placement, model_path, secret)
+            await self._wait_created(cluster, [trainer, *servers], cfg.slurm.node_timeout_s)
+            for child in servers:
+                reg = await _wait_or_fail(procs, registry.wait_for(child.name), cfg.slurm.node_timeout_s,
+                                          f"{child.name} did not report its address", child)
+                child.url = "http://" + reg.address.removeprefix("tcp://")
+            if cfg.server.backend == "external":
+                await procs.wait_healthy(list(cfg.server.urls), cfg.server.startup_timeout_s, cfg.server.api_key)
+                cluster.servers = [ServerHandle(f"server{i}", u.rstrip("/")) for i, u in enumerate(cfg.server.urls)]
+            else:
+                await procs.wait_healthy(servers, cfg.server.startup_timeout_s, cfg.server.api_key)
+                cluster.servers = [ServerHandle(c.name, c.url or "") for c in servers]
+            cluster.join = JoinFile(join_file(cfg.run_dir), api_key=cfg.server.api_key,
+                                    startup_timeout_s=cfg.server.startup_timeout_s,
+                                    exclude=[s.url for s in cluster.servers])
+        except BaseException:
+            if cluster is not None:
+                await cluster.shutdown()
+            else:
+                await registry.close()
+            raise
+        return cluster
+
+    @staticmethod
+    def _start_trainers(cluster: SlurmCluster, cfg: "RunConfig", p: Placement, model_path: str,
+                        resume: str | None, secret: bytes, remote: bool) -> Child:
+        t, alloc = cfg.train, cluster.alloc
+        rdzv: list[str] = []
+        if t.nnodes > 1:
+            endpoint = t.rdzv.endpoint or (f"{p.trainer_nodes[0]}:"
+                                           f"{rdzv_port(alloc.job_id, alloc.controller_node, p.trainer_nodes[0])}")
+            rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=f"{alloc.job_id}-{cluster.tag}",
+                             timeout_s=t.rdzv.timeout_s)
+        cmd = trainer_cmd(model=model_path, nproc=t.nproc, config_json=msgspec.json.encode(t).decode(),
+                          seed=cfg.seed, run_dir=cfg.run_dir, resume=resume, torchrun_args=rdzv,
+                          rpc_host="0.0.0.0" if remote else "127.0.0.1")
+        env = {**thread_env(t.torch_threads), "AREAL_RPC_SECRET": secret.hex()}
+        if t.rdzv.discovery == "registry":
+            env.update(cluster.registry.env())
+        srun = srun_cmd(alloc.job_id, cluster.step_name("trainer"), p.trainer_nodes,
+                        cpus_per_task=p.cpus_per_trainer_node, gpus_per_node=p.gpus_per_trainer_node,
+                        extra=cfg.slurm.srun_args, label=t.nnodes > 1)
+        return cluster.processes.spawn("trainer", srun + cmd, env, role="trainer", unset=SRUN_UNSET)
+
+    @staticmethod
+    def _start_servers(cluster: SlurmCluster, cfg: "RunConfig", p: Placement, model_path: str,
+                       secret: bytes) -> list[Child]:
+        srv, out = cfg.server, []
+        for i, node in enumerate(p.server_nodes):
+            port = str(srv.port + i) if srv.port else "{port}"
+            if srv.backend == "embedded":
+                cmd = embedded_server_cmd(model_path, host=srv.host, port=port, device=srv.device,
+                                          max_total_tokens=srv.max_total_tokens,
+                                          max_running_requests=srv.max_running_requests, api_key=srv.api_key,
+                                          prefix_cache=srv.prefix_cache)
+            else:
+                cmd = sglang_server_cmd(model_path, host=srv.host, port=port, api_key=srv.api_key,
+                                        extra_args=srv.extra_args, base_gpu_id=0)
+            step = [sys.executable, "-m", "areal_async.launch.step", "--name", f"server{i}", "--host", srv.host,
+                    "--port", str(srv.port + i if srv.port else 0), "--"]
+            env = {**thread_env(srv.torch_threads), "AREAL_RPC_SECRET": secret.hex(), **cluster.registry.env()}
+            srun = srun_cmd(cluster.alloc.job_id, cluster.step_name(f"server{i}"), [node],
+                            cpus_per_task=p.cpus_per_server, gpus_per_node=p.gpus_per_server,
+                            extra=cfg.slurm.srun_args)
+            out.append(cluster.processes.spawn(f"server{i}", srun + step + cmd, env, role="server",
+                                               unset=SRUN_UNSET))
+        return out
+
+    @staticmethod
+    async def _wait_created(cluster: SlurmCluster, children: list[Child], timeout_s: float) -> None:
+        """Until Slurm lists a step for every child; a child that exits first, or a step not created in time (srun
+        keeps retrying while the step's nodes are busy, down or unreachable), fails with srun's log."""
+        deadline = time.monotonic() + timeout_s
+        pending = {cluster.step_name(c.name): c for c in children}
+        while True:
+            for child in cluster.processes.exited():
+                raise ChildFailed(child.describe_exit())
+            with contextlib.suppress(SlurmError):
+                listed = await asyncio.to_thread(list_steps, cluster.alloc.job_id)
+                for name in list(pending):
+                    if name in listed:
+                        log.info("%s runs as Slurm step %s", pending.pop(name).name, listed[name])
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                child = next(iter(pending.values()))
+                why = await asyncio.to_thread(describe_steps, cluster.alloc)
+                raise ChildFailed(f"{child.name}: Slurm did not create its step within {timeout_s:.0f}s "
+                                  f"(slurm.node_timeout_s): its nodes are busy, down or not answering; {why}; "
+                                  f"srun's log ({child.log_path}):\n{tail(child.log_path)}")
+            await asyncio.sleep(0.5)
+
+
+async def _wait_or_fail(procs: Processes, awaitable, timeout_s: float, what: str, child: Child):
+    """`awaitable` within `timeout_s`, failing fast (with the log tail) when any child exits meanwhile."""
+    task = asyncio.ensure_future(awaitable)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not task.done():
+            for c in procs.exited():
+                raise ChildFailed(c.describe_exit())
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{what} within {timeout_s:.0f}s; log tail ({child.log_path}):\n"
+                                  f"{tail(child.log_path)}")
+            await asyncio.wait({task}, timeout=0.2)
+        return task.result()
+    finally:
+        task.cancel()
+
+
+def _node_address(node: str) -> str:
+    try:
+        return socket.gethostbyname(node)
+    except OSError:
+        return node

@@ -1,0 +1,440 @@
+"""launcher=slurm on a real Slurm: a short default-task run submitted from outside an allocation, Ctrl-C and SIGTERM
+of a run inside one (salloc) and of the command following a batch job, and the bad inputs (a partition that does
+not exist, a drained node, a step that cannot be created); each must end with nothing left: no job, no step, no
+process. Plus the placement and batch-script rules, which need no Slurm.
+
+The cluster is the single-node Slurm of .ci/start_slurm.sh (slurmctld + slurmd, this host the only node). When it
+is not running and we are root, the fixture starts it; a machine where that is impossible skips, loudly, and fails
+instead under AREAL_REQUIRE_SLURM=1 (what .ci/run sets: CI must run these).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+from areal_async.config import ConfigError, load_config
+from areal_async.launch.registry import route_address
+from areal_async.launch.sbatch import classify_reason, render_sbatch
+from areal_async.launch.slurm import Allocation, check_allocation, expand_counts, place
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_SLURM = os.path.join(REPO, ".ci", "start_slurm.sh")
+
+SMALL = ["schedule.batch_size=4", "rollout.group_size=4", "eval.num_prompts=8", "eval.max_new_tokens=16",
+         "data.num_train=200", "data.num_eval=8", "schedule.eval_every=0", "server.max_total_tokens=16384",
+         "train.micro_batch_tokens=1024"]
+
+
+# ---- the cluster ----------------------------------------------------------------------------------------------
+
+
+def _sinfo_idle() -> bool:
+    try:
+        p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return p.returncode == 0 and any(s.strip() in ("idle", "mixed", "allocated") for s in p.stdout.splitlines())
+
+
+def _why_no_slurm() -> str | None:
+    if _sinfo_idle():
+        return None
+    if os.geteuid() != 0:
+        return "Slurm is not running and starting it (.ci/start_slurm.sh) needs root"
+    if not os.path.exists(START_SLURM):
+        return f"Slurm is not running and {START_SLURM} is missing"
+    p = subprocess.run(["bash", START_SLURM], capture_output=True, text=True, timeout=600)
+    if p.returncode != 0 or not _sinfo_idle():
+        return f".ci/start_slurm.sh could not start Slurm (exit {p.returncode}): {(p.stderr or p.stdout)[-1500:]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    reason = _why_no_slurm()
+    if reason is None:
+        return
+    message = f"NO SLURM ON THIS MACHINE, the Slurm launcher is untested: {reason}"
+    if os.environ.get("AREAL_REQUIRE_SLURM") == "1":
+        pytest.fail(message)
+    warnings.warn(message)
+    pytest.skip(message)
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without any Slurm job of its own (the suite may itself run inside an allocation)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+
+def cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "areal_async.run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or clean_env(), cwd=REPO)
+
+
+def squeue(*args: str) -> str:
+    return subprocess.run(["squeue", "--noheader", *args], capture_output=True, text=True, timeout=30).stdout
+
+
+def jobs_named(name: str) -> str:
+    return squeue("--name", name, "--format", "%i %T")
+
+
+def steps_of(job: str) -> str:
+    return squeue("--steps", "--jobs", job, "--format", "%i %j") if job else ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(cond, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"{what} not within {timeout:.0f}s")
+
+
+def reported_pids(run_dir: str) -> list[int]:
+    """Every process the run's registry heard from (server steps, trainer ranks) and every srun it started."""
+    with open(os.path.join(run_dir, "run.log")) as f:
+        text = f.read()
+    return [int(p) for p in re.findall(r"pid (\d+)", text)]
+
+
+def assert_nothing_left(run_dir: str, job: str, name: str) -> None:
+    wait_until(lambda: not steps_of(job).strip(), 30, f"steps of job {job} gone")
+    wait_until(lambda: not jobs_named(name).strip(), 30, f"job {name} gone")
+    pids = reported_pids(run_dir)
+    assert pids, "the run logged no process ids"
+    wait_until(lambda: not [p for p in pids if alive(p)], 30, f"processes {pids} gone")
+
+
+def host_address() -> str:
+    """A non-loopback address of this host if it has one: steps then report routable addresses, as on a cluster."""
+    addr = socket.gethostbyname(socket.gethostname())
+    if addr.startswith("127."):
+        addr = route_address("192.0.2.1")
+    return addr
+
+
+def run_dir_and_name(tmp_path, label: str) -> tuple[str, str]:
+    base = f"slurmtest-{label}-{secrets.token_hex(3)}"
+    return str(tmp_path / base), f"areal-{base}"
+
+
+# ---- a run through launcher=slurm ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def submitted_run(slurm, tmp_path_factory):
+    run_dir, name = run_dir_and_name(tmp_path_factory.mktemp("slurm"), "e2e")
+    t0 = time.monotonic()
+    # --mem-per-cpu: the job exports SLURM_MEM_PER_CPU, which the steps' srun must not inherit next to its --mem=0
+    p = cli(["launcher=slurm", f"run_dir={run_dir}", "total_steps=3", *SMALL, "server.host=0.0.0.0",
+             "server.api_key=test-key", f"slurm.controller_address={host_address()}",
+             "slurm.sbatch_args=[--mem-per-cpu=200M]"])
+    return run_dir, name, p, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_submitted_run_trains_in_srun_steps_and_leaves_nothing(submitted_run):
+    run_dir, name, p, _ = submitted_run
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    job = re.search(r"submitted batch job (\d+)", out).group(1)
+    assert f"job {job} ended: COMPLETED, exit code 0" in out
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["steps"] == 3 and summary["trained_samples"] == 3 * 4 * 4
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        train = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    assert [r["version"] for r in train] == [1, 2, 3]
+    assert all(math.isfinite(r["train/loss"]) and r["train/response_tokens"] > 0 for r in train)
+    # the controller ran in the batch job (its log is the job's output) and started its parts as steps of that job
+    with open(os.path.join(run_dir, "logs", f"slurm-{job}.out")) as f:
+        batch_log = f.read()
+    assert "servers ['http://" in batch_log and "trained samples" in batch_log
+    with open(os.path.join(run_dir, "run.log")) as f:
+        run_log = f.read()
+    steps = dict(re.findall(r"(\w+) runs as Slurm step (\S+)", run_log))
+    assert set(steps) == {"trainer", "server0"} and all(s.startswith(f"{job}.") for s in steps.values()), steps
+    assert f"scancel --signal=TERM {job}." in run_log
+    with open(os.path.join(run_dir, "logs", "server0.log")) as f:
+        server_log = f.read()
+    assert f"Slurm step {steps['server0']}, serving at tcp://{host_address()}:" in server_log
+    assert "signal received; shutting down" in server_log and "Killed" not in server_log  # scancel --signal=TERM
+    with open(os.path.join(run_dir, "logs", "trainer.log")) as f:
+        assert "rank 0/1 serving" in f.read()
+    assert re.search(rf"registered rank0 at tcp://{re.escape(host_address())}:\d+ .*Slurm step {steps['trainer']}",
+                     run_log)
+    assert_nothing_left(run_dir, job, name)
+    assert not os.path.exists(os.path.join(run_dir, "trainer", "rank0.json"))
+
+
+# ---- interruptions ------------------------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[-1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _trained(run_dir: str) -> bool:
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return any(json.loads(line)["kind"] == "train" for line in f)
+    except OSError:
+        return False
+
+
+def _ready(run_dir: str) -> bool:
+    try:
+        with open(os.path.join(run_dir, "run.log")) as f:
+            return "trainer rank(s) ready" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_interrupted_run_in_an_allocation_leaves_nothing(slurm, tmp_path, sig):
+    """salloc ... python -m areal_async.run launcher=slurm: the controller is signalled mid-training."""
+    run_dir, name = run_dir_and_name(tmp_path, sig.name.lower())
+    proc = subprocess.Popen(["salloc", f"--job-name={name}", "--ntasks=1", "--cpus-per-task=6", sys.executable,
+                             "-m", "areal_async.run", "launcher=slurm", f"run_dir={run_dir}", "total_steps=10000",
+                             *SMALL], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
+                            cwd=REPO)
+    try:
+        wait_until(lambda: _trained(run_dir) or proc.poll() is not None, 180, "a train step")
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        job = jobs_named(name).split()[0]
+        assert len(steps_of(job).splitlines()) == 2  # trainer and server0
+        controller = [c for c in _children(proc.pid) if "areal_async.run" in open(f"/proc/{c}/cmdline").read()]
+        assert len(controller) == 1
+        t0 = time.monotonic()
+        os.kill(controller[0], sig)
+        out, _ = proc.communicate(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted" in out and took < 60, (took, out[-3000:])
+    assert_nothing_left(run_dir, job, name)
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_the_following_command_cancels_the_job(slurm, tmp_path):
+    run_dir, name = run_dir_and_name(tmp_path, "follow")
+    proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", "launcher=slurm", f"run_dir={run_dir}",
+                             "total_steps=10000", *SMALL], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=clean_env(), cwd=REPO)
+    try:  # interrupted once servers and trainers are up (the runs above are interrupted mid-training)
+        wait_until(lambda: _ready(run_dir) or proc.poll() is not None, 180, "the run's servers and trainers")
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        job = jobs_named(name).split()[0]
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert f"cancelling job {job}: interrupted" in out
+    assert_nothing_left(run_dir, job, name)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_unknown_partition_is_refused_before_submission(slurm, tmp_path):
+    run_dir, name = run_dir_and_name(tmp_path, "partition")
+    p = cli(["launcher=slurm", f"run_dir={run_dir}", "slurm.partition=no_such_partition"], timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("config error: slurm.partition: Slurm refuses the job"), p.stderr
+    assert "invalid partition" in p.stderr.lower()
+    assert not jobs_named(name).strip()
+
+
+@pytest.mark.slow
+def test_drained_node_is_refused_before_submission(slurm, tmp_path):
+    run_dir, name = run_dir_and_name(tmp_path, "drained")
+    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split()[0]
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=areal_async test"], check=True)
+    try:
+        p = cli(["launcher=slurm", f"run_dir={run_dir}"], timeout=60)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("config error: slurm.nodes: Slurm refuses the job"), p.stderr
+    assert re.search(r"nodes of partition \S+: .*\bdrained\b", p.stderr), p.stderr
+    assert not jobs_named(name).strip()
+
+
+@pytest.mark.slow
+def test_job_whose_nodes_never_come_up_fails_within_the_node_timeout(slurm, tmp_path):
+    """Every node reserved for maintenance: the job is accepted, then waits on unavailable nodes."""
+    run_dir, name = run_dir_and_name(tmp_path, "unavailable")
+    resv = f"areal_test_{secrets.token_hex(3)}"
+    subprocess.run(["scontrol", "create", "reservation", f"ReservationName={resv}", "StartTime=now", "Duration=5",
+                    "Nodes=ALL", "Users=nobody", "Flags=maint"], check=True, capture_output=True)
+    try:
+        t0 = time.monotonic()
+        p = cli(["launcher=slurm", f"run_dir={run_dir}", "slurm.node_timeout_s=3"], timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        subprocess.run(["scontrol", "delete", f"ReservationName={resv}"], check=True)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "its nodes did not come up within 3s (slurm.node_timeout_s): ReqNodeNotAvail" in p.stderr, p.stderr
+    assert took < 60
+    wait_until(lambda: not jobs_named(name).strip(), 30, "the job cancelled")
+
+
+@pytest.mark.slow
+def test_step_that_cannot_be_created_fails_within_the_node_timeout(slurm, tmp_path):
+    """An allocation of 4 CPUs, 2 of them held by another step: one of the run's steps (2 CPUs each) waits."""
+    run_dir, name = run_dir_and_name(tmp_path, "busy")
+    alloc = subprocess.run(["salloc", "--no-shell", f"--job-name={name}", "--ntasks=1", "--cpus-per-task=4"],
+                           capture_output=True, text=True, timeout=60)
+    job = re.search(r"Granted job allocation (\d+)", alloc.stderr).group(1)
+    blocker = subprocess.Popen(["srun", f"--jobid={job}", "--exact", "--ntasks=1", "--cpus-per-task=2",
+                                "--job-name=blocker", "sleep", "120"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=clean_env())
+    try:
+        wait_until(lambda: "blocker" in steps_of(job), 30, "the blocking step")
+        t0 = time.monotonic()
+        p = cli(["launcher=slurm", f"run_dir={run_dir}", "slurm.node_timeout_s=8"], timeout=120,
+                env={**clean_env(), "SLURM_JOB_ID": job})
+        took = time.monotonic() - t0
+        assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+        assert re.search(r"(trainer|server0): Slurm did not create its step within 8s \(slurm.node_timeout_s\)",
+                         p.stdout), p.stdout[-3000:]
+        assert re.search(rf"job {job} holds 4 CPUs on \S+; its running steps: {job}\.\d+ blocker \(2 CPUs",
+                         p.stdout), p.stdout[-3000:]
+        assert took < 60, took
+        # ours are gone; the blocker (not ours) is still there
+        wait_until(lambda: "areal." not in steps_of(job), 30, "the run's steps gone")
+        assert "blocker" in steps_of(job)
+        pids = reported_pids(run_dir)
+        wait_until(lambda: not [q for q in pids if alive(q)], 30, "the run's processes gone")
+    finally:
+        blocker.kill()
+        subprocess.run(["scancel", job], timeout=30)
+    wait_until(lambda: not jobs_named(name).strip(), 30, "the allocation released")
+
+
+# ---- placement and the batch script (no Slurm needed) -------------------------------------------------------------
+
+
+def cfg(*overrides: str):
+    return load_config(None, ["launcher=slurm", *overrides])
+
+
+def test_paper_split_two_nodes_of_eight_gpus():
+    c = cfg("server.backend=sglang", "server.num_servers=12", "server.host=0.0.0.0", "server.api_key=k",
+            "slurm.gpus_per_node=8", "train.nnodes=2", "train.nproc=2", "slurm.nodes=2")
+    p = place(c, ["g1", "g2"], controller_node="g1")
+    assert p.server_nodes == ["g1"] * 6 + ["g2"] * 6 and p.trainer_nodes == ["g1", "g2"]
+    assert p.needs("g1") == p.needs("g2") == (6 * 2 + 2 * 2, 8)
+    with pytest.raises(ConfigError, match=r"^slurm.gpus_per_node: the steps on g1 need 9 GPUs"):
+        place(cfg("server.backend=sglang", "server.num_servers=14", "server.host=0.0.0.0", "server.api_key=k",
+                  "slurm.gpus_per_node=8", "train.nnodes=2", "train.nproc=2"), ["g1", "g2"], controller_node="g1")
+
+
+@pytest.mark.parametrize("overrides,nodes,key", [
+    (["train.nnodes=2"], ["a"], "train.nnodes"),
+    (["server.num_servers=2"], ["a", "b"], "server.host"),  # server1 on b, bound to loopback
+    (["server.num_servers=3", "slurm.servers_per_node=1", "server.host=0.0.0.0", "server.api_key=k"], ["a", "b"],
+     "slurm.servers_per_node"),
+    (["server.num_servers=2", "server.host=0.0.0.0"], ["a", "b"], "server.api_key"),
+    (["server.backend=sglang"], ["a"], "slurm.gpus_per_node"),
+    (["train.cuda_visible_devices='1'"], ["a"], "train.cuda_visible_devices"),
+    (["train.torchrun_args=[--standalone]"], ["a"], "train.torchrun_args"),
+    (["slurm.nodes=3"], ["a", "b"], "slurm.nodes"),
+])
+def test_impossible_layouts_name_the_key(overrides, nodes, key):
+    with pytest.raises(ConfigError) as e:
+        place(cfg(*overrides), nodes, controller_node="a")
+    assert str(e.value).startswith(key + ":"), str(e.value)
+
+
+def test_allocation_too_small_names_the_cpus():
+    p = place(cfg("server.num_servers=2", "server.torch_threads=2"), ["a"], controller_node="a")
+    with pytest.raises(ConfigError, match=r"^slurm.cpus_per_server: the steps on a need 8 CPUs .* holds 4"):
+        check_allocation(p, Allocation("7", ["a"], {"a": 4}, "a"))
+    check_allocation(p, Allocation("7", ["a"], {"a": 8}, "a"))
+
+
+def test_batch_script_asks_for_what_the_steps_need(tmp_path):
+    c = cfg(f"run_dir={tmp_path / 'r'}", "slurm.partition=gpu", "slurm.gpus_per_node=8", "slurm.time_limit=2:00:00",
+            "server.num_servers=4", "server.host=0.0.0.0", "server.api_key=k", "train.nnodes=2",
+            "slurm.sbatch_args=[--exclusive]",
+            "slurm.setup=[module load cuda]")
+    script = render_sbatch(c, config_path="configs/default.yaml", overrides=["launcher=slurm", "slurm.detach=true"],
+                           cwd=str(tmp_path), python="/venv/bin/python")
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for want in ("--nodes=2", "--gres=gpu:8", "--partition=gpu", "--time=0-02:00:00", "--exclusive",
+                 "--cpus-per-task=8", f"--output={tmp_path / 'r'}/logs/slurm-%j.out"):  # 2 servers x 2 + 2 + 2
+        assert f"#SBATCH {want}" in lines, (want, script)
+    assert "module load cuda" in lines and f"cd {tmp_path}" in lines
+    assert lines[-1] == f"exec /venv/bin/python -m areal_async.run --config {tmp_path}/configs/default.yaml " \
+                        "launcher=slurm"
+    assert "slurm.detach" not in script  # the job itself never detaches
+
+
+def test_print_sbatch_prints_a_script_and_submits_nothing(tmp_path):
+    p = cli(["launcher=slurm", f"run_dir={tmp_path / 'p'}", "--print-sbatch"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=areal-p\n")
+    assert "exec " in p.stdout and "launcher=slurm" in p.stdout.splitlines()[-1]
+    p = cli([f"run_dir={tmp_path / 'p'}", "--print-sbatch"], timeout=60)
+    assert p.returncode == 2 and "needs launcher=slurm" in p.stderr
+
+
+def test_slurm_helpers():
+    assert expand_counts("16") == [16] and expand_counts("8(x2),4") == [8, 8, 4]
+    assert classify_reason("PartitionNodeLimit") == "cannot_start"
+    assert classify_reason("Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority "
+                           "partitions") == "nodes_unavailable"
+    assert classify_reason("ReqNodeNotAvail, UnavailableNodes:n1") == "nodes_unavailable"
+    assert classify_reason("Resources") == classify_reason("Priority") == "wait"
+    with pytest.raises(ConfigError, match="^launcher: slurm runs inside an allocation"):
+        Allocation.current({})
+
+
+def test_launch_modules_import_no_torch():
+    mods = ["areal_async.launch.slurm", "areal_async.launch.sbatch", "areal_async.launch.registry",
+            "areal_async.launch.step"]
+    code = ("import json, sys\nfor m in sys.argv[1:]: __import__(m)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))")
+    p = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == []

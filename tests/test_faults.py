@@ -100,9 +100,10 @@ def test_broadcast_sync_re_forms_its_group_around_a_restarted_server(tiny_ckpt, 
         run.kill()
     s = assert_nothing_lost(run_dir, steps)
     assert s["recovery"]["by_event"] == {"server_exited": 1}
-    out = run.output()
-    assert "weight broadcast group weight_update_group_2 formed" in out  # without server1
-    assert "weight broadcast group weight_update_group_3 formed" in out  # with it again
+    with open(os.path.join(run_dir, "run.log")) as f:
+        log = f.read()
+    assert "weight-update group weight_update_group_2: trainer rank 0 and 1 server(s)" in log  # without server1
+    assert "weight-update group weight_update_group_3: trainer rank 0 and 2 server(s)" in log  # with it again
 
 
 def test_killed_trainer_rank_rolls_the_run_back_to_its_checkpoint(tiny_ckpt, run_dir):

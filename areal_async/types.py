@@ -205,6 +205,8 @@ class BroadcastResult(msgspec.Struct, kw_only=True):
     buckets: list[WeightSpec]  # the order in which buckets are broadcast
     seconds: float
     num_bytes: int
+    held_peak_bytes: int = 0  # most bytes of gathered full tensors trainer rank 0 held at once (about one bucket)
+    memory_peak_bytes: int = 0  # rank 0's peak memory above its level at the start (CUDA allocator, or host RSS)
 
 
 class Empty(msgspec.Struct):
@@ -217,3 +219,4 @@ class TrainerInfo(msgspec.Struct, kw_only=True):
     version: int
     device: str
     num_params: int
+    host: str = ""  # an address of this rank's host the inference servers can reach (the broadcast rendezvous)

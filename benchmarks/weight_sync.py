@@ -14,6 +14,11 @@ from the same checkpoint; the controller side (`TrainerGroup`, `InferenceClient`
 Each measurement is the median of --repeats runs; seconds per GB divide by the fp32 weight bytes. CPU, gloo,
 loopback: the numbers describe this machine's memory and disk bandwidth, not NVLink/NCCL.
 
+Memory of trainer rank 0 during a broadcast (`BroadcastResult`): `held` = the most bytes of gathered full tensors it
+held at once (it waits for each bucket to be received before gathering the next, so this is the largest bucket,
+against the whole model before), `peak` = its peak memory above its level at the start of the broadcast (the
+process's RSS high-water mark on CPU, the CUDA allocator's peak on CUDA).
+
     python benchmarks/weight_sync.py --out /tmp/weight_sync.json [--quick] [--sizes 256,1024] [--nproc 1]
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import secrets
@@ -44,7 +50,7 @@ SHAPES = {
 async def _measure(model_dir: str, work: str, args: argparse.Namespace) -> dict:
     from areal_async.inference.client import InferenceClient
     from areal_async.inference.server import start_server
-    from areal_async.launch import Processes, free_port
+    from areal_async.launch import Processes
     from areal_async.train.client import TrainerGroup
 
     secret = secrets.token_bytes(32)
@@ -59,7 +65,7 @@ async def _measure(model_dir: str, work: str, args: argparse.Namespace) -> dict:
         client = InferenceClient([server.url])
         plan = await group.weight_plan(args.bucket_mb << 20)
         gb = plan.num_bytes / 1e9
-        publish, load, bcast, bcast_trainer = [], [], [], []
+        publish, load, bcast, bcast_trainer, held, peak = [], [], [], [], [], []
         root = os.path.join(work, "weights")
         for i in range(args.repeats):
             t0 = time.perf_counter()
@@ -70,18 +76,24 @@ async def _measure(model_dir: str, work: str, args: argparse.Namespace) -> dict:
             publish.append(t1 - t0)
             load.append(t2 - t1)
         t0 = time.perf_counter()
-        await group.init_broadcast_group(client, "127.0.0.1", free_port(), num_server_ranks=1, backend="gloo")
+        await group.init_broadcast_group(client, num_server_ranks=1, backend="gloo")
         init_s = time.perf_counter() - t0
         for i in range(args.repeats):
             t0 = time.perf_counter()
             res = await group.broadcast_weights(client, 100 + i, bucket_bytes=args.bucket_mb << 20)
             bcast.append(time.perf_counter() - t0)
             bcast_trainer.append(res.seconds)
+            held.append(res.held_peak_bytes)
+            peak.append(res.memory_peak_bytes)
         med = statistics.median
         row = {
             "weights_gb": gb, "num_buckets": len(plan.buckets), "nproc": args.nproc,
             "publish_s": med(publish), "load_s": med(load), "disk_total_s": med(publish) + med(load),
             "broadcast_s": med(bcast), "broadcast_trainer_s": med(bcast_trainer), "broadcast_init_s": init_s,
+            # rank 0 during a broadcast: the most gathered bytes it held at once (bounded by the largest bucket),
+            # and its peak memory above the level at the start (host RSS high-water mark here, on CPU)
+            "largest_bucket_gb": max(sum(math.prod(sh) * 4 for sh in b.shapes) for b in plan.buckets) / 1e9,
+            "held_peak_gb": max(held) / 1e9, "memory_peak_gb": max(peak) / 1e9,
         }
         for key in ("publish_s", "load_s", "disk_total_s", "broadcast_s"):
             row[key[:-2] + "_s_per_gb"] = row[key] / gb
@@ -143,7 +155,9 @@ def main() -> None:
         json.dump(out, f, indent=2)
     cols = [("weights_gb", "GB", "{:.3f}"), ("publish_s", "publish s", "{:.2f}"), ("load_s", "load s", "{:.2f}"),
             ("disk_total_s_per_gb", "disk s/GB", "{:.2f}"), ("broadcast_s", "bcast s", "{:.2f}"),
-            ("broadcast_s_per_gb", "bcast s/GB", "{:.2f}"), ("broadcast_speedup_vs_disk", "bcast x", "{:.2f}")]
+            ("broadcast_s_per_gb", "bcast s/GB", "{:.2f}"), ("broadcast_speedup_vs_disk", "bcast x", "{:.2f}"),
+            ("largest_bucket_gb", "bucket GB", "{:.3f}"), ("held_peak_gb", "held GB", "{:.3f}"),
+            ("memory_peak_gb", "peak GB", "{:.3f}")]
     print("".join(f"{title:>12}" for _, title, _ in cols))
     for row in rows:
         print("".join(f"{fmt.format(row[key]):>12}" for key, _, fmt in cols))

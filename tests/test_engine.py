@@ -542,7 +542,7 @@ async def test_cached_prompt_pages_are_evicted_when_pages_run_short(make_engine,
     prompts = [engine.encode(f"{i}: " + "pq" * 30)[:40] for i in range(6)]
     alone = [(await run(engine, req(f"a{i}", p, max_new_tokens=40, temperature=0.0, ignore_eos=True)))[0]
              for i, p in enumerate(prompts)]
-    assert len(engine._prefix_pages) < 2 * len(prompts)  # the first prompts' pages were evicted
+    assert engine.pages.num_registered < 2 * len(prompts)  # the first prompts' pages were evicted
     pairs = [p for p in prompts for _ in range(2)]
     results = await asyncio.gather(*[run(engine, req(f"b{i}", p, max_new_tokens=40, temperature=0.0,
                                                      ignore_eos=True)) for i, p in enumerate(pairs)])
@@ -579,3 +579,15 @@ async def test_priority_requests_are_admitted_first(make_engine, lively_ckpt):
                                                               ("top", 5), ("low3", 0)]]
     await asyncio.gather(first, *tasks)
     assert order == ["running", "top", "eval1", "eval2", "low1", "low2", "low3"]
+
+
+def test_auto_device_names_the_current_cuda_device(monkeypatch):
+    """A weight-update group and torch.cuda.set_device need an indexed device; "auto" must give one."""
+    from areal_async.inference.engine import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("auto") == torch.device("cuda", 3) and resolve_device("auto").index == 3
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)

@@ -142,7 +142,7 @@ async def test_in_place_pause_one_response_two_versions(tiny_ckpt, tiny_ckpt_b):
                 break
             await asyncio.sleep(0.005)
         await client.pause(mode="in_place")
-        await client.update_weights_from_disk(tiny_ckpt_b, 1)
+        await client.update_weights_from_disk(tiny_ckpt_b, 1, flush_cache=False)  # in place: keep the KV
         await client.resume()
         res = await task
         await observer

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from areal_async.config import LossConfig
-from areal_async.train.losses import entropy_from_logits, kl_penalty, ppo_actor_loss
+from areal_async.train.losses import (LOSS_STAT_KEYS, actor_loss, entropy_from_logits, kl_penalty, loss_normalizer,
+                                      ppo_actor_loss, summarize_loss_stats)
 
 LN = math.log
 
@@ -101,13 +102,14 @@ def test_importance_weight_hand_values_and_cap_modes():
 
 def test_gspo_sequence_ratio_hand_values():
     # sequences {t0, t1} and {t2, t3}: each mean log-ratio is (ln 1.5 + ln 0.5) / 2, s = sqrt(0.75) = 0.866,
-    # inside [0.8, 1.2]. Seq 0 (A=+1): 2 * -0.866; seq 1 (A=-2): 2 * 1.732 -> total 2 * 0.866.
+    # inside [0.8, 1.2]. GSPO's sequence mean: seq 0 (A=+1) contributes -s, seq 1 (A=-2) 2 s; normalizer = number
+    # of sequences (1 here, to read the sum) -> s. The old token mean gave 2 * -s + 2 * 2 s = 2 s.
     seq_ids = torch.tensor([0, 0, 1, 1, 1])
     loss, st = ppo_actor_loss(LOGP, PROX, PROX, ADV, MASK, cfg(ratio_level="sequence"), normalizer=1.0,
                               seq_ids=seq_ids)
     s = math.sqrt(0.75)
-    assert loss.item() == pytest.approx(2 * s, abs=1e-5)
-    assert st["clipped_count"].item() == 0
+    assert loss.item() == pytest.approx(s, abs=1e-5)
+    assert st["clipped_count"].item() == 0 and st["seq_count"].item() == 2
     assert st["ratio_sum"].item() == pytest.approx(4 * s, abs=1e-5)
     # A sequence ratio outside the clip range clips every token of the sequence
     logp = PROX + torch.tensor([LN(1.5), LN(1.5), 0.0, 0.0, 0.0])
@@ -117,10 +119,68 @@ def test_gspo_sequence_ratio_hand_values():
     lp = LOGP.clone().requires_grad_(True)
     loss, _ = ppo_actor_loss(lp, PROX, PROX, ADV, MASK, cfg(ratio_level="sequence"), normalizer=1.0, seq_ids=seq_ids)
     loss.backward()
-    # seq 0: loss = -2 s, d/dlogp_t = -2 * s / 2 = -s; seq 1: loss = 4 s -> 4 s / 2 = 2 s; masked token: 0
-    assert lp.grad.tolist() == pytest.approx([-s, -s, 2 * s, 2 * s, 0.0], abs=1e-5)
+    # seq 0: loss = -s, d/dlogp_t = -s / 2; seq 1: loss = 2 s -> 2 s / 2 = s; masked token: 0
+    assert lp.grad.tolist() == pytest.approx([-s / 2, -s / 2, s, s, 0.0], abs=1e-5)
     with pytest.raises(ValueError, match="seq_ids"):
         ppo_actor_loss(LOGP, PROX, PROX, ADV, MASK, cfg(ratio_level="sequence"), normalizer=1.0)
+
+
+def test_gspo_weighs_every_sequence_equally_whatever_its_length():
+    """The GSPO paper's objective is a mean over sequences: a 1-token and a 9-token answer with the same ratio and
+    advantage contribute the same, and the loss equals the plain mean of per-sequence terms."""
+    lens = [1, 9]
+    seq_ids = torch.repeat_interleave(torch.arange(2), torch.tensor(lens))
+    n = sum(lens)
+    prox = torch.full((n,), -1.0)
+    logp = prox + LN(1.1)  # s = 1.1 in every sequence, inside the clip range
+    adv = torch.tensor([1.0] * lens[0] + [-1.0] * lens[1])
+    loss, st = ppo_actor_loss(logp, prox, prox, adv, torch.ones(n), cfg(ratio_level="sequence"), normalizer=2.0,
+                              seq_ids=seq_ids)
+    # per sequence: -A s = -1.1 and +1.1; the mean over sequences is 0 (a token mean would give 8 * 1.1 / 10)
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)
+    one, _ = ppo_actor_loss(logp[:1], prox[:1], prox[:1], adv[:1], torch.ones(1), cfg(ratio_level="sequence"),
+                            normalizer=1.0, seq_ids=seq_ids[:1])
+    nine, _ = ppo_actor_loss(logp[1:], prox[1:], prox[1:], adv[1:], torch.ones(9), cfg(ratio_level="sequence"),
+                             normalizer=1.0, seq_ids=seq_ids[1:] - 1)
+    assert one.item() == pytest.approx(-1.1, abs=1e-6) and nine.item() == pytest.approx(1.1, abs=1e-6)
+    assert loss_normalizer(cfg(ratio_level="sequence")) == "seqs" and loss_normalizer(cfg()) == "tokens"
+
+
+def test_kl_penalty_skips_tokens_the_importance_cap_dropped():
+    """actor_loss's KL term weighs tokens exactly as the policy term does: a token over the cap (mask mode)
+    contributes neither, in "clamp" mode it contributes to both."""
+    behav = PROX.clone()
+    behav[0] = PROX[0] - LN(10.0)  # w0 = 10 > cap 5: t0 is dropped in mask mode
+    ref = LOGP - torch.tensor([LN(3.0), LN(1.2), 0.0, LN(0.5), 7.0])  # log r = ln 3, ln 1.2, 0, ln 0.5; t4 masked
+    k1 = torch.tensor([LN(3.0), LN(1.2), 0.0, LN(0.5)])
+    c = cfg(behav_imp_weight_cap=5.0, kl_coef=0.5, kl_estimator="k1")
+    base, _ = ppo_actor_loss(LOGP, PROX, behav, ADV, MASK, c, normalizer=4.0)
+    loss, st = actor_loss(LOGP, PROX, behav, ADV, MASK, c, normalizer=4.0, ref_logp=ref)
+    kept_kl = float(k1[1:].sum())  # t0 excluded
+    assert st["capped_count"].item() == 1
+    assert st["kl_ref_sum"].item() == pytest.approx(kept_kl, abs=1e-6)
+    assert loss.item() == pytest.approx(base.item() + 0.5 * kept_kl / 4.0, abs=1e-6)
+    # the gradient of the KL term never reaches the dropped token
+    lp = LOGP.clone().requires_grad_(True)
+    actor_loss(lp, PROX, behav, ADV, MASK, c, normalizer=4.0, ref_logp=ref)[0].backward()
+    assert lp.grad[0].item() == 0.0 and lp.grad[4].item() == 0.0
+    clamp = cfg(behav_imp_weight_cap=5.0, behav_imp_weight_mode="clamp", kl_coef=0.5, kl_estimator="k1")
+    _, st = actor_loss(LOGP, PROX, behav, ADV, MASK, clamp, normalizer=4.0, ref_logp=ref)
+    assert st["kl_ref_sum"].item() == pytest.approx(float(k1.sum()), abs=1e-6)
+
+
+def test_actor_loss_entropy_and_summary():
+    ent = torch.tensor([1.0, 2.0, 3.0, 4.0, 100.0])  # the masked token's entropy never counts
+    c = cfg(entropy_coef=0.1)
+    base, _ = ppo_actor_loss(LOGP, PROX, PROX, ADV, MASK, c, normalizer=4.0)
+    loss, st = actor_loss(LOGP, PROX, PROX, ADV, MASK, c, normalizer=4.0, entropy=ent)
+    assert st["entropy_sum"].item() == 10.0
+    assert loss.item() == pytest.approx(base.item() - 0.1 * 10.0 / 4.0, abs=1e-6)
+    assert set(st) == set(LOSS_STAT_KEYS)
+    summary = summarize_loss_stats({k: float(v) for k, v in st.items()}, c, response_tokens=4.0)
+    assert summary["pg_loss"] == pytest.approx(2.9 / 4.0, abs=1e-5)
+    assert summary["entropy"] == pytest.approx(2.5) and summary["clip_frac"] == pytest.approx(0.5)
+    assert "kl_ref" not in summary  # no KL term configured
 
 
 def test_importance_weight_and_prox_carry_no_gradient():

@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 
 from areal_async.config import load_config
-from areal_async.launch import LocalLauncher, free_port
+from areal_async.launch import LocalLauncher
 from areal_async.train.client import TrainerGroup
 from areal_async.types import Trajectory
 
@@ -198,7 +198,7 @@ async def test_two_nodes_equal_one_node_of_two_processes(trained):
 async def test_broadcast_from_the_two_node_job_equals_disk_load(runs, trained):
     two, one = runs["two_nodes"], runs["one_node"]
     before = await server_logprobs(two.cluster.servers[0].url)
-    await two.group.init_broadcast_group(two.client, two.cluster.trainers.master_address, free_port(),
+    await two.group.init_broadcast_group(two.client, master_address=two.cluster.trainers.master_address,
                                          num_server_ranks=1, backend="gloo")
     await two.group.broadcast_weights(two.client, two.group.version, bucket_bytes=64 << 10)
     await one.client.update_weights_from_disk(trained["published"]["one_node"][-1], one.group.version)

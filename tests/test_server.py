@@ -172,8 +172,8 @@ async def test_greedy_is_deterministic_and_shaped(server, http):
     assert len(a["output_ids"]) == 12 and a["text"] == server.engine.decode(a["output_ids"])
     m = a["meta_info"]
     assert set(m) == {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
-                      "e2e_latency"}
-    assert m["finish_reason"] == {"type": "length", "length": 12}
+                      "weight_version_spans", "e2e_latency"}
+    assert m["finish_reason"] == {"type": "length", "length": 12} and m["weight_version_spans"] == [[0, "0"]]
     assert m["prompt_tokens"] == 5 and m["completion_tokens"] == 12 and m["weight_version"] == "0"
     assert isinstance(m["e2e_latency"], float) and m["id"] != b["meta_info"]["id"]
     by_ids = await generate(http, {"input_ids": server.engine.encode("12+7="),

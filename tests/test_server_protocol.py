@@ -459,3 +459,23 @@ def test_priority_per_request_or_per_item(tok):
         gen(tok, {"text": ["a", "b"], "priority": [1]})
     with pytest.raises(P.ProtocolError):
         gen(tok, {"text": "a", "priority": "high"})
+
+
+def test_weight_version_spans_mark_where_the_version_changed(tok):
+    acc = P.Accumulator(_req(tok), tok)
+    assert acc.meta_info()["weight_version_spans"] == []  # no output yet
+    chunks = [EngineChunk(rid="r1", new_ids=ids, new_logprobs=[], weight_version=v)
+              for ids, v in [([], "3"), ([5, 6], "3"), ([7], "3"), ([], "4"), ([8, 9, 10], "4"), ([11], "5")]]
+    seen = []
+    for ch in chunks:
+        acc.add(ch)
+        seen.append(acc.generate_response()["meta_info"]["weight_version_spans"])
+    # an empty chunk never opens a span; the same version continues the last one; offsets index output_ids
+    assert seen == [[], [[0, "3"]], [[0, "3"]], [[0, "3"]], [[0, "3"], [3, "4"]], [[0, "3"], [3, "4"], [6, "5"]]]
+    assert acc.output_ids == [5, 6, 7, 8, 9, 10, 11]
+    acc.add(EngineChunk(rid="r1", new_ids=[], new_logprobs=[], weight_version="6",
+                        finish_reason={"type": "abort", "message": "x"}))
+    meta = acc.meta_info()
+    assert meta["weight_version"] == "6" and meta["weight_version_spans"][-1] == [6, "5"]
+    meta["weight_version_spans"][0][1] = "changed"  # the response holds copies
+    assert acc.meta_info()["weight_version_spans"][0] == [0, "3"]

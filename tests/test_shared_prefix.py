@@ -182,3 +182,47 @@ def test_family_packer_min_micro_batches_and_bad_input():
         pack_family_micro_batches([4, 4], [0], [1, 1], 100)
     with pytest.raises(ValueError, match="max_tokens"):
         pack_family_micro_batches([4], [0], [1], 0)
+
+
+def test_auto_layout_shares_prompts_only_where_it_pays(tiny_ckpt):
+    """Per step, the prefix layout is taken when its padded slots are at most PREFIX_SLOT_RATIO of padded rows':
+    long shared prompts with answers of similar length share; short prompts whose answers differ a lot in length
+    (every family padded to its longest answer) run as sorted rows; prompts that share nothing run as rows."""
+    import transformers
+
+    from areal_async.train.layouts import PREFIX_SLOT_RATIO, select_layout
+    from areal_async.train.shard import decode_shard
+    from areal_async.types import Trajectory, pack_trajectories
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    choice = select_layout(model, "auto")
+    assert choice.name == "prefix" and choice.plain.name == "rows"
+    rng = np.random.default_rng(0)
+
+    def shard(prompt_len, answer_lens, shared=True):
+        trajs = []
+        for g, lens in enumerate(answer_lens):
+            prompt = rng.integers(2, 90, prompt_len).tolist()
+            for r in lens:
+                p = prompt if shared else rng.integers(2, 90, prompt_len).tolist()
+                n = prompt_len + r
+                trajs.append(Trajectory(input_ids=p + rng.integers(2, 90, r).tolist(),
+                                        loss_mask=[0] * prompt_len + [1] * r, logprobs=[0.0] * n, versions=[0] * n,
+                                        reward=0.0, group_id=g, prompt_len=prompt_len))
+        batch = pack_trajectories(trajs, 0, sum(t.response_len for t in trajs), len(trajs))
+        return decode_shard(batch, 100, torch.device("cpu"))
+
+    def chosen(s):
+        candidate, costs = choice.plan(s, 256)
+        return choice.for_step(candidate, costs).name, costs
+
+    name, (saved, pre, rows) = chosen(shard(40, [[20, 22, 21, 19]] * 4))
+    assert name == "prefix" and saved == 4 * 3 * 40 and pre <= PREFIX_SLOT_RATIO * rows
+    name, (saved, pre, rows) = chosen(shard(4, [[2, 60, 3, 58]] * 4))
+    assert name == "rows" and saved > 0 and pre > PREFIX_SLOT_RATIO * rows
+    name, (saved, _, _) = chosen(shard(20, [[20, 22, 21, 19]] * 2, shared=False))
+    assert name == "rows" and saved == 0
+    # a configured "prefix" shares whenever something is shared, paying or not
+    forced = select_layout(model, "prefix")
+    costly = shard(4, [[2, 60, 3, 58]] * 4)
+    assert forced.for_step(*forced.plan(costly, 256)).name == "prefix"

@@ -26,6 +26,7 @@ import pytest_asyncio
 from areal_async.launch import Processes
 from areal_async.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.client import TrainerError, TrainerGroup, split_by_rank
+from areal_async.train.errors import BatchError, PeerBatchError, kind_of
 from areal_async.train.packing import pack_micro_batches
 from areal_async.types import Array, Trajectory, TrainStepRequest, TrainStepResult, pack_trajectories
 
@@ -34,7 +35,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest
 # k=2 minibatches, several micro-batches per minibatch, global batch norm, the importance-weight cap in play, an lr
 # large enough that one step moves the weights far beyond the comparison tolerances, and a warmup, so that a
 # resumed run must restore the schedule too (lr x0.5 at step 1, x1 at step 2).
-CFG = {"ppo_minibatches": 2, "micro_batch_tokens": 40, "advantage": {"batch_norm": True},
+# Pinned to the CPU (fp32 numerics are compared against transformers), also on a GPU host.
+CFG = {"device": "cpu", "ppo_minibatches": 2, "micro_batch_tokens": 40, "advantage": {"batch_norm": True},
        "loss": {"behav_imp_weight_cap": 5.0, "eps_clip": 0.2},
        "optim": {"lr": 1e-3, "grad_clip": 0.05, "eps": 1e-8, "schedule": "cosine", "warmup_steps": 2,
                  "total_steps": 6, "min_lr_ratio": 0.1}}
@@ -396,6 +398,9 @@ async def test_bad_batches_are_rejected_on_every_rank(trained, jobs):
     assert all(isinstance(r, RpcError) and r.remote_type.endswith("BatchError") for r in results), results
     assert "token ids must be in [0, 100)" in results[1].remote_message
     assert "another trainer rank" in results[0].remote_message
+    # the kinds travel as types: rank 1 found the problem, rank 0 only heard of it
+    assert kind_of(results[1].remote_type) is BatchError
+    assert kind_of(results[0].remote_type) is PeerBatchError
 
     # a wrong dtype on the wire (rank 0 only), and a batch for another policy version
     n0 = len(reqs[0].batch.input_ids.to_numpy())
@@ -408,7 +413,7 @@ async def test_bad_batches_are_rejected_on_every_rank(trained, jobs):
     assert isinstance(results[1], RpcError)
     with pytest.raises(TrainerError, match="policy_version") as info:
         await group.train_step(good, v + 5)
-    assert info.value.bad_input
+    assert info.value.bad_input and info.value.kind is BatchError  # both ranks found it: a first-hand error
     assert [i.version for i in await group.info()] == [v, v]
     ok = await group.train_step(good, v)  # still in step after all that
     assert ok.version == v + 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import secrets
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from areal_async.launch import Processes, free_port
+from areal_async.launch import Processes
 from areal_async.train.client import TrainerError, TrainerGroup
 from areal_async.types import Trajectory
 
@@ -25,7 +26,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest
 # The loss options ride along on this job (a torchrun start costs seconds): the behaviour logprobs stand in for the
 # proximal ones, plus an entropy bonus and a KL penalty to the frozen initial policy.
 ENTROPY_COEF, KL_COEF = 0.01, 0.1
-CFG = {"micro_batch_tokens": 64, "optim": {"lr": 1e-3},
+# pinned to the CPU: fp32 logprobs are compared, also on a GPU host
+CFG = {"device": "cpu", "micro_batch_tokens": 64, "optim": {"lr": 1e-3},
        "loss": {"prox_logp": "behav", "entropy_coef": ENTROPY_COEF, "kl_coef": KL_COEF}}
 PROBES = [[3, 17, 42, 8, 64, 23, 5, 90, 31], [50, 2, 77, 13, 13, 60]]  # token sequences whose logprobs we compare
 
@@ -160,14 +162,35 @@ async def test_broadcast_into_embedded_server(setup):
     group, client, root = setup["group"], setup["client"], setup["root"]
     await group.train_step(make_batch(setup["rng"], group.version), group.version)
     reference = hf_logprobs((await group.publish(group.version, str(root / "pub"))).path)
-    before, _ = await server_logprobs(setup["server"].url)
-    assert max_gap(before, reference) > 1e-3  # the server still has the previous version
+    before, label = await server_logprobs(setup["server"].url)
+    assert max_gap(before, reference) > 1e-3 and label != str(group.version)  # the server has an older version
 
-    await group.init_broadcast_group(client, "127.0.0.1", free_port(), num_server_ranks=1, backend="gloo")
+    # no address or port given: rank 0 reports its own (127.0.0.1 for a trainer serving loopback) and binds a
+    # free port for the store
+    assert (await group.info())[0].host == "127.0.0.1"
+    endpoint = await group.init_broadcast_group(client, num_server_ranks=1, backend="gloo")
+    assert endpoint.address == "127.0.0.1" and endpoint.port > 0
     plan = await group.weight_plan(bucket_bytes=64 << 10)
-    result = await group.broadcast_weights(client, group.version, bucket_bytes=64 << 10)
+    calls = []
+    receive = client.update_weights_from_distributed
+
+    async def spy(names, dtypes, shapes, version, **kw):
+        calls.append((version, kw["flush_cache"]))
+        assert (await server_logprobs(setup["server"].url))[1] == label  # still labelled as before
+        return await receive(names, dtypes, shapes, version, **kw)
+
+    client.update_weights_from_distributed = spy
+    try:
+        result = await group.broadcast_weights(client, group.version, bucket_bytes=64 << 10)
+    finally:
+        del client.update_weights_from_distributed
     assert len(result.buckets) == len(plan.buckets) > 1
     assert result.num_bytes == plan.num_bytes
+    # only the last bucket carries the version and the flush: no bucket in between is labelled v+1
+    assert calls == [(None, False)] * (len(plan.buckets) - 1) + [(group.version, True)]
+    # rank 0 held about one bucket of gathered tensors at a time, not the whole model
+    biggest = max(sum(math.prod(s) * 4 for s in b.shapes) for b in plan.buckets)
+    assert result.held_peak_bytes == biggest < plan.num_bytes
     assert "lm_head.weight" not in {n for b in plan.buckets for n in b.names}
     got, version = await server_logprobs(setup["server"].url)
     assert version == str(group.version)

@@ -19,7 +19,9 @@ import numpy as np
 
 # AdamW with eps=1 and lr=1 makes the first update about the gradient itself (|g| << eps), so comparing weights
 # compares gradients; no clipping, so nothing hides a difference. Small micro-batches: several per rank.
-BASE_CFG = {"micro_batch_tokens": 64, "loss": {"behav_imp_weight_cap": 5.0, "eps_clip": 0.2},
+# CPU numerics are compared (fp32): pinned to the CPU, also on a GPU host (where "auto" would mean CUDA and bf16, with
+# both ranks on one device).
+BASE_CFG = {"device": "cpu", "micro_batch_tokens": 64, "loss": {"behav_imp_weight_cap": 5.0, "eps_clip": 0.2},
             "optim": {"lr": 1.0, "eps": 1.0, "grad_clip": 0.0, "weight_decay": 0.0}}
 ENT_KL = {"entropy_coef": 0.2, "kl_coef": 0.1}  # entropy in the loss, and the frozen reference model's pass
 VARIANTS = {  # name -> (ppo_minibatches, layout, fold_prox, extra loss settings)
@@ -38,18 +40,18 @@ VARIANTS = {  # name -> (ppo_minibatches, layout, fold_prox, extra loss settings
 
 
 def make_trajectories(vocab: int):
-    """5 groups of 4 (2 ranks: 2 groups on one, 3 on the other) with shared prompts, responses of 2-30 tokens;
-    behaviour logprobs around log(1/V) with a few far below (the importance-weight cap masks them); rewards varying
-    within groups."""
+    """5 groups of 4 (2 ranks: 2 groups on one, 3 on the other) with shared prompts of 12-19 tokens, responses of
+    2-20 tokens; behaviour logprobs around log(1/V) with a few far below (the importance-weight cap masks them);
+    rewards varying within groups."""
     from areal_async.types import Trajectory
 
     rng = np.random.default_rng(5)
     trajs = []
     for g in range(5):
-        p_len = int(rng.integers(3, 9))
+        p_len = int(rng.integers(12, 20))  # prompts long enough that sharing them pays (train/layouts.py)
         prompt = rng.integers(2, vocab, p_len).tolist()
         for _ in range(4):
-            r_len = int(rng.integers(2, 31))
+            r_len = int(rng.integers(2, 21))
             behav = (np.log(1.0 / vocab) + rng.normal(0.0, 0.3, r_len) - 3.0 * (rng.random(r_len) < 0.1)).tolist()
             trajs.append(Trajectory(input_ids=prompt + rng.integers(2, vocab, r_len).tolist(),
                                     loss_mask=[0] * p_len + [1] * r_len, logprobs=[0.0] * p_len + behav,
@@ -69,7 +71,7 @@ def main(model: str, out_dir: str) -> None:
     from areal_async.types import pack_trajectories
 
     torch.set_num_threads(1)
-    device = init_distributed("auto")
+    device = init_distributed("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict[str, dict] = {}
     for name, (k, layout, fold, loss) in VARIANTS.items():
@@ -84,7 +86,7 @@ def main(model: str, out_dir: str) -> None:
         if rank == 0:
             np.savez(os.path.join(out_dir, f"{name}.npz"),
                      **{n: t.detach().float().numpy() for n, t in weights.items()})
-            results[name] = {"stats": stats, "layout": engine.layout, "step_layout": engine._step_layout,
+            results[name] = {"stats": stats, "layout": engine.layout, "step_layout": engine.last_step_layout,
                              "shard_seqs": len(shard)}
         del engine, weights
     if rank == 0:

@@ -329,16 +329,18 @@ class InferenceClient:
                                                              servers=servers, check_success=True))
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              version: int, *, group_name: str = "weight_update_group",
+                                              version: int | None, *, group_name: str = "weight_update_group",
                                               flush_cache: bool = True, abort_all_requests: bool = False
                                               ) -> dict[str, Any]:
         """Every reachable server receives the named tensors by broadcast from the trainer (which broadcasts while
-        this is pending) and tags them `version`. A server that fails leaves rotation (it may hold a mix of
-        versions) until `load_weights` or the `weight_source` hook brings it to the current weights. Raises
-        `AdminError` only when every reachable server failed."""
+        this is pending) and tags them `version` (None, for every bucket but the last: no label is sent and the
+        servers keep theirs). A server that fails a bucket leaves rotation (it may hold a mix of versions) until
+        `load_weights` or the `weight_source` hook brings it to the current weights. Raises `AdminError` only when
+        every reachable server failed."""
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
-                   "weight_version": str(version)}
+                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if version is not None:  # None (every bucket but the last): the servers keep their label
+            payload["weight_version"] = str(version)
         return await self._fleet.distributed(payload, version)
 
     async def flush_cache(self) -> dict[str, Any]:

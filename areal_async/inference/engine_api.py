@@ -57,12 +57,14 @@ class EngineChunk(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     cached_tokens: int = 0
-    weight_version: str = "default"  # the weights that made these tokens
+    weight_version: str = "default"  # the weights that made these tokens (chunks never straddle a swap)
 
 
 class Engine(Protocol):
     """An asyncio-facing engine. Generation runs off the event loop; every method here is safe to call from it.
-    Pause, abort and weight loads take effect at the next step boundary."""
+    Pause and abort take effect at the next step boundary. A weight swap (disk or broadcast) waits until no request
+    is running, unless generation is paused: then it happens at once, and requests paused in place continue on
+    their KV cache under the new weights (flush_cache=True is refused while they hold KV)."""
 
     weight_version: str
     model_path: str

@@ -78,6 +78,8 @@ class Fleet:
         # url -> version whose label that server carries without holding all of its weights (a failed bucket of a
         # broadcast relabels the buckets it did receive): its /model_info cannot be trusted for that version
         self._tainted: dict[str, int] = {}
+        # servers that failed a bucket of the broadcast in progress (buckets before the last carry no version)
+        self._partial_failed: set[str] = set()
         pool.ready_check = self.ready
 
     def _lock(self, url: str) -> asyncio.Lock:
@@ -273,13 +275,22 @@ class Fleet:
         self._settle("update_weight_version", servers, results, version)
         return results
 
-    async def distributed(self, payload: dict, version: int) -> dict[str, Any]:
-        if self.target is None or self.target.version != version or self.target.path is not None:
-            self.target = WeightTarget(version, None)
+    async def distributed(self, payload: dict, version: int | None) -> dict[str, Any]:
+        """One bucket of a broadcast. Buckets before the last carry no version (`None`): nothing is relabelled yet,
+        and a server that fails one is remembered and treated as failed (tainted) when the last bucket settles."""
         servers = self.reachable()
         results = await self._fan(servers, "/update_weights_from_distributed", payload)
         if servers and all(isinstance(r, BaseException) for r in results.values()):
             detail = "; ".join(f"{u}: {r}" for u, r in results.items())
             raise AdminError(f"update_weights_from_distributed failed on every server: {detail}", results)
+        if version is None:
+            self._partial_failed.update(u for u, r in results.items() if isinstance(r, BaseException))
+            return results
+        if self.target is None or self.target.version != version or self.target.path is not None:
+            self.target = WeightTarget(version, None)
+        failed_earlier, self._partial_failed = self._partial_failed, set()
+        for url in failed_earlier:  # holds a mix of versions whatever the last bucket did
+            if url in results and not isinstance(results[url], BaseException):
+                results[url] = AdminError(f"{url}: an earlier bucket of this broadcast failed", {})
         self._settle("update_weights_from_distributed", servers, results, version, taints=True)
         return results

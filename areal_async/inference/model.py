@@ -2,11 +2,13 @@
 
 One forward pass serves a whole engine step: the tokens of every scheduled request are concatenated into one flat
 batch `[N]` (no padding), so embeddings, projections and MLPs run as single matmuls over all requests. Only attention
-needs per-request structure; it reads keys and values from a paged KV cache (`KVCache`) and runs as one batched SDPA
-per *attention group*: requests padded to the same number of new tokens and keys (decode rows have one new token
-each; prefill chunks have many). Keeping decode rows apart means a long prefill chunk never pads them, and large
-decode batches are further split by cache length so one long request does not make every row attend over its
-length.
+needs per-request structure; it reads keys and values from a paged KV cache (`KVCache`) per *attention group*.
+Decode rows (one new token each) on CPU form one group that a small C kernel serves straight from the pages, each
+key read once, no padding (cpu_attention.py). Prefill chunks, and decode rows where the kernel is not used (CUDA,
+half precision, no C compiler), gather their pages into a padded batch and run one SDPA with an additive mask;
+such decode rows are split by cache length so one long request does not make every row attend over its length.
+Query heads that share a kv head are folded into the query axis, so SDPA sees plain multi-head attention (its
+`enable_gqa` flag would send CUDA to the slow math kernel).
 
 The family differs in a few switches, all read from config.json (`ModelSpec.from_hf_config`): Qwen2 has a bias on
 q/k/v, Qwen3 RMS-normalises q and k per head before RoPE, Llama may have biases everywhere (`attention_bias`,
@@ -25,6 +27,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from areal_async.inference import cpu_attention
 
 # Hugging Face `architectures[0]` -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -199,26 +203,25 @@ class KVCache:
         self.kv = torch.zeros((spec.num_layers, self.num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim),
                               device=device, dtype=dtype)
 
-    @property
-    def usable_pages(self) -> int:
-        return self.num_pages - 1
-
 
 @dataclass
 class AttnGroup:
-    """Requests that share one padded attention call. Their new tokens are `flat[start:end]`, request-major."""
+    """Requests that share one attention call. Their new tokens are `flat[start:end]`, request-major.
+
+    Two kinds: a *paged decode* group (one new token per request, read straight from the pages by the CPU kernel:
+    `table` and `lens`, no padding) and a *padded* group (gathered pages and an additive mask, for prefill chunks
+    and wherever the kernel is not used)."""
 
     start: int
     end: int
     q_len: int  # padded number of new tokens per request (1 for decode)
-    page_idx: torch.Tensor  # [B * P] long: every request's pages in order, padded with page 0
-    bias: torch.Tensor  # [B, 1, q_len, P * page_size] additive mask: 0 where key j is visible to query i, else -inf
+    batch: int
+    page_idx: torch.Tensor | None = None  # [B * P] long: every request's pages in order, padded with page 0
+    bias: torch.Tensor | None = None  # [B, 1, q_len, P * page_size] additive mask: 0 where key j is visible, else -inf
     q_index: torch.Tensor | None = None  # [B * q_len] long: flat index of each padded query (q_len > 1)
     valid: torch.Tensor | None = None  # [B * q_len] bool: which padded queries are real (q_len > 1)
-
-    @property
-    def batch(self) -> int:
-        return self.bias.shape[0]
+    table: torch.Tensor | None = None  # [B, P] long: pages of each request (paged decode)
+    lens: torch.Tensor | None = None  # [B] long: keys each request attends to (paged decode)
 
 
 @dataclass
@@ -238,15 +241,21 @@ SeqChunk = tuple[list[int], int, list[int], int]
 
 
 def build_step_batch(seqs: list[SeqChunk], page_table: torch.Tensor, page_size: int, device: torch.device,
-                     logits_rows: list[list[int]], dtype: torch.dtype = torch.float32) -> StepBatch:
+                     logits_rows: list[list[int]], dtype: torch.dtype = torch.float32,
+                     paged_decode: bool = False) -> StepBatch:
     """Build the tensors of one step on the host and move them once.
 
     `page_table` [rows, max_pages] (host, long) holds each request's pages. `logits_rows[b]` lists offsets into
-    `seqs[b]`'s new tokens whose next-token logits are wanted. Requests with one new token form the decode group;
-    the rest form a prefill group, padded to its longest chunk. Host work is kept to a few list passes and one
-    tensor per kind of data: at small batch sizes a step's cost is mostly fixed overhead.
+    `seqs[b]`'s new tokens whose next-token logits are wanted. Requests with one new token form the decode group
+    (one paged group with `paged_decode`, else padded groups bucketed by length); the rest form a prefill group,
+    padded to its longest chunk. Host work is kept to a few list passes and one tensor per kind of data: at small
+    batch sizes a step's cost is mostly fixed overhead.
     """
-    decode_groups = _length_buckets([b for b, s in enumerate(seqs) if len(s[0]) == 1], [s[1] for s in seqs])
+    decode_rows = [b for b, s in enumerate(seqs) if len(s[0]) == 1]
+    if paged_decode:
+        decode_groups = [decode_rows] if decode_rows else []
+    else:
+        decode_groups = _length_buckets(decode_rows, [s[1] for s in seqs])
     decode = [b for g in decode_groups for b in g]
     prefill = [b for b, s in enumerate(seqs) if len(s[0]) > 1]
     ids: list[int] = []
@@ -275,7 +284,7 @@ def build_step_batch(seqs: list[SeqChunk], page_table: torch.Tensor, page_size: 
     flat = torch.tensor([ids, pos, slots], dtype=torch.long).to(device)  # [3, N]
     logits_idx = [flat_start[b] + r for b in range(len(seqs)) for r in logits_rows[b]]
     groups = []
-    for members in [*decode_groups, prefill]:
+    for gi, members in enumerate([*decode_groups, prefill]):
         if not members:
             continue
         q_lens = [len(seqs[b][0]) for b in members]
@@ -284,7 +293,13 @@ def build_step_batch(seqs: list[SeqChunk], page_table: torch.Tensor, page_size: 
         q_len = max(q_lens)
         n_pages = -(-max(kv_lens) // page_size)
         meta = torch.tensor([[seqs[b][3] for b in members], kv_lens, starts])  # [3, B]: table rows, kv lens, starts
-        page_idx = page_table.index_select(0, meta[0])[:, :n_pages].reshape(-1)  # [B * P]
+        table = page_table.index_select(0, meta[0])[:, :n_pages]  # [B, P]
+        g = AttnGroup(start=flat_start[members[0]], end=flat_start[members[-1]] + q_lens[-1], q_len=q_len,
+                      batch=len(members))
+        if paged_decode and gi < len(decode_groups):
+            g.table, g.lens = table.to(device), meta[1].to(device)
+            groups.append(g)
+            continue
         key_pos = torch.arange(n_pages * page_size)  # [S]
         if q_len == 1:
             hidden = (key_pos[None, :] >= meta[1][:, None])[:, None, None, :]  # [B, 1, 1, S]
@@ -293,9 +308,8 @@ def build_step_batch(seqs: list[SeqChunk], page_table: torch.Tensor, page_size: 
             # causal; a padded query (i >= its q_len) sees exactly the request's keys, so no row is all -inf
             hidden = (key_pos[None, None, :] > q_pos[:, :, None]) | (key_pos[None, None, :] >= meta[1][:, None, None])
             hidden = hidden[:, None]  # [B, 1, Q, S]
-        bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
-        g = AttnGroup(start=flat_start[members[0]], end=flat_start[members[-1]] + q_lens[-1], q_len=q_len,
-                      page_idx=page_idx.to(device), bias=bias.to(device))
+        g.bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf")).to(device)
+        g.page_idx = table.reshape(-1).to(device)
         if q_len > 1:
             q_lens_t = torch.tensor(q_lens)
             offs = torch.arange(q_len)[None, :]
@@ -418,6 +432,11 @@ class DecoderModel:
         self._rope_mul = torch.tensor([self.scale] * h + [1.0] * hkv + [0.0] * hkv, dtype=dtype,
                                       device=self.device)[:, None]  # [H + 2Hkv, 1]
         self._cos_add = torch.tensor([0.0] * (h + hkv) + [1.0] * hkv, dtype=dtype, device=self.device)[:, None]
+        # decode attention straight from the pages on CPU when the kernel builds (else gather + SDPA)
+        self._kernel = None
+        if self.device.type == "cpu" and cpu_attention.supports(h, hkv, spec.head_dim, dtype):
+            self._kernel = cpu_attention.load()
+        self.paged_decode = self._kernel is not None
 
     @torch.inference_mode()
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -468,17 +487,29 @@ class DecoderModel:
         """q [N, H, D] (already scaled); kv_pages [num_pages, page_size, 2Hkv, D] -> [N, H * D]."""
         spec = self.spec
         h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        rep = h // hkv
         outs = []
         for g in groups:
             b = g.batch
+            if g.table is not None:  # one token per request, read straight from the pages (cpu_attention.py)
+                out = cpu_attention.paged_decode_attention(self._kernel, q[g.start:g.end], kv_pages, g.table, g.lens,
+                                                           hkv)  # [B, H, D]
+                outs.append(out.view(b, h * d))
+                continue
             kv = kv_pages.index_select(0, g.page_idx).view(b, -1, 2 * hkv, d).transpose(1, 2)  # [B, 2Hkv, S, D]
             if g.q_index is None:
-                qg = q[g.start:g.end].unsqueeze(2)  # [B, H, 1, D]
+                qg = q[g.start:g.end].view(b, 1, h, d)  # [B, 1, H, D]
             else:
-                qg = q.index_select(0, g.q_index).view(b, g.q_len, h, d).transpose(1, 2)  # [B, H, Q, D]
-            out = F.scaled_dot_product_attention(qg, kv[:, :hkv], kv[:, hkv:], attn_mask=g.bias, scale=1.0,
-                                                 enable_gqa=hkv != h)  # [B, H, Q, D]
-            out = out.transpose(1, 2).reshape(b * g.q_len, h * d)
+                qg = q.index_select(0, g.q_index).view(b, g.q_len, h, d)  # [B, Q, H, D]
+            # Grouped queries: the `rep` query heads that share a kv head ride along the query axis, so SDPA runs
+            # plain attention over Hkv heads. (SDPA's enable_gqa would send CUDA to its slow math kernel.)
+            qg = qg.view(b, g.q_len, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, rep * g.q_len, d)
+            mask = g.bias  # [B, 1, Q, S]; with Q == 1 it broadcasts over the grouped rows
+            if rep > 1 and g.q_len > 1:
+                mask = mask[:, :, None].expand(b, 1, rep, g.q_len, mask.shape[-1]).reshape(b, 1, rep * g.q_len, -1)
+            out = F.scaled_dot_product_attention(qg, kv[:, :hkv], kv[:, hkv:], attn_mask=mask,
+                                                 scale=1.0)  # [B, Hkv, rep * Q, D]
+            out = out.view(b, hkv, rep, g.q_len, d).permute(0, 3, 1, 2, 4).reshape(b * g.q_len, h * d)
             if g.valid is not None:
                 out = out[g.valid]
             outs.append(out)
@@ -499,5 +530,6 @@ class DecoderModel:
             seqs.append((list(s), 0, pages, row))
             next_page += c
         rows = [list(range(len(s))) for s in sequences]
-        logits = self.forward(build_step_batch(seqs, table, page_size, self.device, rows, self.dtype), cache)
+        batch = build_step_batch(seqs, table, page_size, self.device, rows, self.dtype, self.paged_decode)
+        logits = self.forward(batch, cache)
         return list(logits.split([len(s) for s in sequences]))

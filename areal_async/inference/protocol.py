@@ -2,9 +2,10 @@
 
 Why a module of its own: every rule about what a client may send and what it gets back lives here, testable without
 a model, a socket or torch. server.py only moves bytes between this module and the engine. Field names, defaults
-and shapes follow SGLang (see /work/shared/reference/sglang_http.md); the OpenAI endpoints follow OpenAI's wire
-format, with SGLang's and vLLM's extras (`rid`, `top_k`, `return_token_ids`, `metadata.weight_version`); those live
-in openai_protocol.py, which builds on the shared parts here (limits, sampling checks, `Accumulator`).
+and shapes follow SGLang 0.5's HTTP server (its `GenerateReqInput` and `SamplingParams`); the OpenAI endpoints
+follow OpenAI's wire format, with SGLang's and vLLM's extras (`rid`, `top_k`, `return_token_ids`,
+`metadata.weight_version`); those live in openai_protocol.py, which builds on the shared parts here (limits,
+sampling checks, `Accumulator`).
 
 Bodies are decoded by msgspec into typed structs, so a wrong type is a 400 naming the JSON path; unknown keys are
 ignored, as SGLang does. Range checks mirror SGLang's `SamplingParams.verify`.
@@ -297,6 +298,11 @@ def stop_hold(text: str, stops: list[str]) -> int:
 class Accumulator:
     """Folds one engine request's chunks (new tokens each) into SGLang's cumulative view of it.
 
+    Besides SGLang's fields, `meta_info.weight_version_spans` says which weights made which output tokens:
+    `[[offset, version], ...]`, offsets into this response's `output_ids`, ascending, the first at 0, a new entry
+    wherever the version changed (an in-flight weight update), empty while there is no output. Token i was made by
+    the version of the last span with offset <= i. `weight_version` stays SGLang's: the server's version now.
+
     While unfinished, the text grows incrementally (only a short window of recent ids is decoded per call, so a
     long stream costs linear, not quadratic, time) and a trailing partial character or a possible stop-string
     prefix is withheld, which keeps each streamed text a prefix of the final one. The final text is one full
@@ -316,7 +322,9 @@ class Accumulator:
         self.finish_reason: dict | None = None
         self.prompt_tokens = len(req.input_ids)
         self.cached_tokens = 0
-        self.weight_version = ""
+        self.weight_version = ""  # the server's version as of the last chunk (SGLang's meta_info.weight_version)
+        # [offset into output_ids, version] where the version of the weights that made the tokens changes
+        self.version_spans: list[list] = []
         self.e2e_latency = 0.0
         self._tok_text: dict[int, str] = {}
         # incremental detokenisation: text of output_ids[:_read] is _text; ids from _prefix on are re-decoded
@@ -333,6 +341,8 @@ class Accumulator:
         return self.finish_reason is not None
 
     def add(self, ch: EngineChunk) -> None:
+        if ch.new_ids and (not self.version_spans or self.version_spans[-1][1] != ch.weight_version):
+            self.version_spans.append([len(self.output_ids), ch.weight_version])
         self.output_ids.extend(ch.new_ids)
         self.logprobs.extend(ch.new_logprobs)
         self.top_logprobs.extend(ch.new_top_logprobs)
@@ -409,6 +419,7 @@ class Accumulator:
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.cached_tokens,
             "weight_version": self.weight_version,
+            "weight_version_spans": [list(span) for span in self.version_spans],
             "e2e_latency": self.e2e_latency if self.finished else time.perf_counter() - self.started,
         }
         req = self.req

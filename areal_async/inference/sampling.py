@@ -67,9 +67,17 @@ def sample(logits: torch.Tensor, rows: list[RowParams], generator: torch.Generat
 
     Returns (tokens [B] long, logprobs [B] fp32, optional (top values [B, k], top ids [B, k]))."""
     device = logits.device
-    temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=device)  # [B]
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)  # [B, V]
     greedy = [r.greedy for r in rows]
+    if all(greedy) and top_logprobs_num == 0:
+        # two passes over the vocabulary and no [B, V] temporaries: log_softmax(x)[t] = x[t] - logsumexp(x)
+        tokens = logits.argmax(dim=-1)
+        return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1), None
+    if all(g or r.temperature == 1.0 for g, r in zip(greedy, rows)):
+        scaled = logits
+    else:
+        temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=device)  # [B]
+        scaled = logits / temps[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
     if all(greedy):
         tokens = logits.argmax(dim=-1)
     else:

@@ -1,8 +1,9 @@
 """The embedded inference server: SGLang's HTTP protocol over an `Engine` (aiohttp).
 
 Why embedded: on a laptop or a CPU box there is no SGLang, yet the controller, the client and the tests must talk to
-the very protocol they will meet on GPUs. This server answers the same requests with the same shapes (see
-/work/shared/reference/sglang_http.md), so a real SGLang server can replace it without the client noticing.
+the very protocol they will meet on GPUs. This server answers the same requests with the same shapes (SGLang
+0.5's native endpoints: /generate, pause and weight control, info), so a real SGLang server can replace it without
+the client noticing.
 
 Parsing, validation and response shapes are in protocol.py and openai_protocol.py (pure functions); this module
 only moves bytes between HTTP and the engine, and owns three pieces of server state: readiness (503 while starting

@@ -128,36 +128,39 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[in
             raise WeightError(f"{where}: {name} contains NaN or Inf")
 
 
+def eos_token_ids(model_path: str, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer (a model may have several)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        p = os.path.join(model_path, name)
+        if os.path.exists(p):
+            with open(p) as f:
+                value = json.load(f).get("eos_token_id")
+            ids.extend(value if isinstance(value, list) else [value] if value is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))
+
+
 # ---- receiving weights by broadcast (the server side of SGLang's distributed weight update) -------------------
 
 
 def init_custom_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                      device: torch.device, timeout_s: float = 600.0):
-    """Create a process group that is not the default group of this process, the way SGLang's
-    `init_custom_process_group` does, so a trainer written for SGLang talks to us unchanged.
+                      device: torch.device | str, timeout_s: float = 600.0):
+    """Join the trainer's weight-update group as `rank` (> 0), the way SGLang's `init_custom_process_group` does,
+    so a trainer written for SGLang talks to us unchanged (areal_async/custom_group.py holds the shared c10d setup).
 
-    The trainer (rank 0) hosts a TCPStore at `init_method` (`tcp://host:port`); every rank wraps it in
-    `PrefixStore(group_name)` and builds the backend on it. Works whether or not this process has a default group.
-    """
-    from datetime import timedelta
+    The trainer (rank 0) hosts a TCPStore at `init_method` (`tcp://host:port`). `device` may lack an index ("cuda"
+    from an "auto" device): it is taken as the current CUDA device."""
+    from areal_async.custom_group import connect_store, new_custom_group
 
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"unsupported backend {backend!r}; use gloo (CPU) or nccl (CUDA)")
     if not 0 < rank < world_size:
         raise ValueError(f"rank {rank} is not a receiving rank of a group of {world_size} (rank 0 is the trainer)")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = dist.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
-                                           timeout=timeout)
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == rank, for broadcast(src=0)
-    return pg
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unsupported backend {backend!r}; use gloo (CPU) or nccl (CUDA)")
+    store = connect_store(init_method, rank, world_size, timeout_s)
+    return new_custom_group(backend, store, world_size=world_size, rank=rank, group_name=group_name, device=device,
+                            timeout_s=timeout_s)
 
 
 def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[list[int]],

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from areal_async.launch.api import ClusterEvent, EventHandler, ServerJoined, ServerLeft, end_run_on_failure
-from areal_async.launch.processes import free_port
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -267,10 +266,12 @@ class ElasticBroadcastSync:
             raise RuntimeError("no inference server is reachable to form a weight-update group with")
         self.generation += 1
         name = f"weight_update_group_{self.generation}"
+        # rank 0 hosts the group's store on a port it binds itself; the address is the launcher's view of where
+        # the servers reach rank 0 (the same host's address for a local run, the trainer node's under Slurm)
         await self.trainers.init_broadcast_group(
-            _Members(self.client, members), self.master_address, free_port(),
-            num_server_ranks=self.ranks_per_server * len(members), ranks_per_server=self.ranks_per_server,
-            group_name=name, backend=self.backend)
+            _Members(self.client, members), num_server_ranks=self.ranks_per_server * len(members),
+            master_address=self.master_address, ranks_per_server=self.ranks_per_server, group_name=name,
+            backend=self.backend)
         old, self.group_name, self.members = self.group_name, name, members
         log.info("weight-update group %s: trainer rank 0 and %d server(s)", name, len(members))
         if old is not None:

@@ -28,6 +28,7 @@ from areal_async.launch.api import (ClusterEvent, EventHandler, ProcessExited, S
 from areal_async.launch.fleet import JoinFile, join_file
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
 from areal_async.launch.registry import SECRET_ENV, Registry
+from areal_async.netaddr import host_address
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -205,7 +206,9 @@ class ExternalLauncher:
         procs = Processes(cfg.run_dir)
         registry = None
         try:
-            trainers, registry = await _start_trainers(procs, cfg, model_path, trainer_resume, _my_address())
+            # the external servers reach trainer rank 0 (the broadcast store) at this host's routable address,
+            # not at gethostbyname(gethostname()), which is often 127.0.1.1 (netaddr.py)
+            trainers, registry = await _start_trainers(procs, cfg, model_path, trainer_resume, host_address())
             await procs.wait_healthy(list(cfg.server.urls), cfg.server.startup_timeout_s, cfg.server.api_key)
         except BaseException:
             await _stop(procs, registry)
@@ -295,7 +298,8 @@ async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, r
 
 
 def _my_address() -> str:
-    """An address of this host that external servers can reach (for the broadcast rendezvous)."""
+    """This host's address as torchrun's c10d rendezvous recognises it (it hosts the store only when the endpoint
+    resolves to its own host name), also used for the registry the ranks report to."""
     return socket.gethostbyname(socket.gethostname())
 
 

@@ -8,11 +8,14 @@ out of FSDP is an all-gather among the trainers.
 Choreography (driven by the controller, see `TrainerGroup.broadcast_weights` in train/client.py):
 
     1. controller: `weight_plan(bucket_bytes)` from trainer rank 0 -> buckets of (names, dtypes, shapes)
-    2. controller, concurrently: trainer `init_broadcast` and every server's /init_weights_update_group
+    2. controller: `open_broadcast` -> rank 0 hosts the group's TCPStore (a free port unless one is given) and
+       reports where; then concurrently trainer `init_broadcast` and every server's /init_weights_update_group
        (each side blocks in the rendezvous until the other arrives); done once
     3. controller, concurrently: trainer `broadcast(version)`, and for each bucket in order, every server's
        /update_weights_from_distributed(bucket) -- the trainer broadcasts the bucket's tensors one by one, in the
-       announced order, while that HTTP call is pending; the server returns once it has them all
+       announced order, while that HTTP call is pending; the server returns once it has them all. Only the last
+       bucket carries the version and the cache flush (a server labels nothing v+1 before it has all of v+1);
+       the controller pauses generation around the whole update, so no request runs on half-updated weights.
 
 Tensors go one `broadcast` per tensor, in the checkpoint's dtype, exactly as SGLang receives them; buckets only bound
 how much a server allocates per HTTP call. The plan is a pure function of the model and `bucket_bytes`, so the
@@ -23,12 +26,14 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from areal_async.custom_group import new_custom_group, open_store
+from areal_async.train.dist import agree
+from areal_async.train.errors import BroadcastError
 from areal_async.train.publish import iter_full_tensors
 from areal_async.types import BroadcastResult, InitBroadcastRequest, WeightSpec
 
@@ -77,65 +82,137 @@ class WeightBroadcaster:
         self.timeout_s = timeout_s
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.devices: dict[str, torch.device] = {}
+        self.stores: dict[str, tuple[dist.TCPStore, int]] = {}  # group name -> (store rank 0 hosts, its port)
+
+    def open_store(self, group_name: str, world_size: int, host: str, port: int) -> int:
+        """Rank 0: host the rendezvous store of group `group_name` on `port` (0: a free port, bound here, so no
+        other process can take it between now and the servers' connect). Returns the port; 0 on other ranks."""
+        if dist.get_rank() != 0:
+            return 0
+        self.close(group_name)
+        store = open_store(host, port, world_size, self.timeout_s)
+        self.stores[group_name] = (store, int(store.port))
+        return int(store.port)
 
     def init_group(self, req: InitBroadcastRequest, device: torch.device) -> None:
-        """Rank 0: host the store and join group `req.group_name` as rank 0 (blocks until the servers join).
-        Other trainer ranks: nothing. Re-initialising a name replaces the old group."""
+        """Rank 0: join group `req.group_name` as rank 0 on the store `open_store` made (or, for a request with a
+        port and no open store, on a store made now); blocks until the servers join. Other trainer ranks:
+        nothing. Re-initialising a name replaces the old group."""
         if req.world_size < 2:
-            raise ValueError(f"world_size must be >= 2 (the trainer plus at least one server rank), "
-                             f"got {req.world_size}")
+            raise BroadcastError(f"world_size must be >= 2 (the trainer plus at least one server rank), "
+                                 f"got {req.world_size}")
         if req.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {req.backend!r}")
+            raise BroadcastError(f"backend must be 'gloo' or 'nccl', got {req.backend!r}")
         if req.backend == "nccl" and device.type != "cuda":
-            raise ValueError("backend 'nccl' needs the trainer on CUDA; use 'gloo' on CPU")
+            raise BroadcastError("backend 'nccl' needs the trainer on CUDA; use 'gloo' on CPU")
         if dist.get_rank() != 0:
             return
-        self.close(req.group_name)
-        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
-
-        timeout = timedelta(seconds=self.timeout_s)
-        # The store is created here rather than through a tcp:// rendezvous: under torchrun
-        # (TORCHELASTIC_USE_AGENT_STORE) that rendezvous would make even rank 0 a client and nobody would host it.
-        store = dist.TCPStore(host_name=req.master_address, port=req.master_port, world_size=req.world_size,
-                              is_master=True, timeout=timeout, multi_tenant=True)
-        # SGLang's server side prefixes the store with the group name; the keys must meet.
-        store = PrefixStore(req.group_name, store)
-        pg, _ = _new_process_group_helper(req.world_size, 0, [], req.backend, store, group_name=req.group_name,
-                                          timeout=timeout)
-        _world.pg_group_ranks[pg] = {i: i for i in range(req.world_size)}
+        held = self.stores.get(req.group_name)
+        if held is None or held[1] != req.master_port:
+            if req.master_port == 0:
+                raise BroadcastError(f"group {req.group_name!r}: master_port 0 needs open_broadcast first")
+            self.open_store(req.group_name, req.world_size, req.master_address, req.master_port)
+        store, _ = self.stores[req.group_name]
+        if req.group_name in self.groups:  # a group of the same name on another store: leave it first
+            self._destroy(self.groups.pop(req.group_name))
+        pg = new_custom_group(req.backend, store, world_size=req.world_size, rank=0, group_name=req.group_name,
+                              device=device, timeout_s=self.timeout_s)
         self.groups[req.group_name] = pg
         self.devices[req.group_name] = device if req.backend == "nccl" else torch.device("cpu")
 
     def broadcast(self, model: nn.Module, *, group_name: str, skip: set[str], dtype: torch.dtype,
                   bucket_bytes: int) -> BroadcastResult:
-        """Collective among the trainers; rank 0 also broadcasts each full tensor to the group."""
+        """Collective among the trainers; rank 0 also broadcasts each full tensor to the group.
+
+        Rank 0 waits for each bucket's broadcasts to complete before it gathers the next bucket: the servers take
+        one bucket per HTTP call, so without the wait rank 0 would run ahead and hold every gathered tensor
+        (the whole model, in the checkpoint dtype) on its device until the servers caught up."""
         t0 = time.perf_counter()
         rank = dist.get_rank()
         pg = self.groups.get(group_name)
         missing = rank == 0 and pg is None
-        from areal_async.train.engine import any_rank
-
-        if any_rank(missing):
-            raise RuntimeError(f"no weight-update group {group_name!r} on trainer rank 0: call init_broadcast first")
+        agree(BroadcastError(f"no weight-update group {group_name!r} on trainer rank 0: call init_broadcast first")
+              if missing else None, BroadcastError, "the weight broadcast could not start")
         buckets = plan_buckets(model, skip=skip, dtype=dtype, bucket_bytes=bucket_bytes)
-        num_bytes = 0
+        bucket_of = {name: i for i, spec in enumerate(buckets) for name in spec.names}
         send_device = self.devices.get(group_name, torch.device("cpu"))
+        meter = _MemoryMeter(send_device)
+        pending: list[tuple[dist.Work, torch.Tensor]] = []
+        current, num_bytes, held, held_peak = 0, 0, 0, 0
         for name, tensor in iter_full_tensors(model, skip=skip, dtype=dtype, to_cpu=send_device.type == "cpu"):
             if tensor is None:
                 continue
+            if bucket_of[name] != current:
+                _complete(pending, send_device)
+                current, held = bucket_of[name], 0
             tensor = tensor.to(send_device)
-            dist.broadcast(tensor, group=pg, group_src=0)
-            num_bytes += tensor.numel() * tensor.element_size()
-        return BroadcastResult(buckets=buckets, seconds=time.perf_counter() - t0, num_bytes=num_bytes)
+            pending.append((dist.broadcast(tensor, group=pg, group_src=0, async_op=True), tensor))
+            size = tensor.numel() * tensor.element_size()
+            num_bytes += size
+            held += size
+            held_peak = max(held_peak, held)
+        _complete(pending, send_device)
+        return BroadcastResult(buckets=buckets, seconds=time.perf_counter() - t0, num_bytes=num_bytes,
+                               held_peak_bytes=held_peak, memory_peak_bytes=meter.peak())
 
     def close(self, group_name: str | None = None) -> None:
-        """Leave one group (or all)."""
-        names = [group_name] if group_name is not None else list(self.groups)
+        """Leave one group (or all) and stop hosting its store."""
+        names = [group_name] if group_name is not None else list(set(self.groups) | set(self.stores))
         for name in names:
             pg = self.groups.pop(name, None)
             self.devices.pop(name, None)
+            self.stores.pop(name, None)
             if pg is not None:
-                try:
-                    dist.destroy_process_group(pg)
-                except Exception:  # a group whose peers are gone may refuse a clean teardown
-                    pass
+                self._destroy(pg)
+
+    @staticmethod
+    def _destroy(pg: dist.ProcessGroup) -> None:
+        try:
+            dist.destroy_process_group(pg)
+        except Exception:  # a group whose peers are gone may refuse a clean teardown
+            pass
+
+
+def _complete(pending: list[tuple[dist.Work, torch.Tensor]], device: torch.device) -> None:
+    """Wait until every broadcast in `pending` has finished on the device, then drop the tensors. For NCCL,
+    `Work.wait()` only makes the current stream wait; synchronising that stream is what bounds the host."""
+    for work, _ in pending:
+        work.wait()
+    if device.type == "cuda" and pending:
+        torch.cuda.current_stream(device).synchronize()
+    pending.clear()
+
+
+class _MemoryMeter:
+    """Peak memory above the level at the start, during one broadcast: the CUDA allocator's peak on CUDA, the
+    process's resident-set high-water mark on Linux CPU (reset through /proc/self/clear_refs); 0 where neither
+    can be read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.start = torch.cuda.memory_allocated(device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self.start = _status_kib("VmRSS") << 10
+        except OSError:
+            self.start = -1
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return max(torch.cuda.max_memory_allocated(self.device) - self.start, 0)
+        if self.start < 0:
+            return 0
+        return max((_status_kib("VmHWM") << 10) - self.start, 0)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")

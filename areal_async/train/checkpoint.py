@@ -27,16 +27,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from areal_async.train.engine import any_rank
+from areal_async.train.dist import agree
+from areal_async.train.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_trainer_state", "CheckpointError", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 _STATE_FILE = "trainer_state.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be restored; the message says why."""
 
 
 def _rank() -> int:
@@ -117,8 +114,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         state = read_trainer_state(path)
     except CheckpointError as e:
         error = e
-    if any_rank(error is not None):
-        raise error or CheckpointError(f"{path}: another trainer rank could not read the checkpoint")
+    agree(error, CheckpointError, f"{path} could not be read")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     target = {"model": model_sd, "optim": optim_sd}
     try:

@@ -18,7 +18,8 @@ import os
 from typing import Any, Protocol, TypeVar
 
 from areal_async.rpc import RpcAuthError, RpcClient, RpcError
-from areal_async.train.messages import WeightPlan, WeightPlanRequest
+from areal_async.train.errors import BatchError, PeerFailure, TrainerFailure, kind_of
+from areal_async.train.messages import BroadcastEndpoint, OpenBroadcastRequest, WeightPlan, WeightPlanRequest
 from areal_async.train.packing import balance_across_ranks
 from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequest, CheckpointResult, Empty,
                                InitBroadcastRequest, PublishRequest, PublishResult, TrainerInfo, Trajectory,
@@ -31,7 +32,8 @@ _ERROR_GRACE_S = 10.0  # after one rank fails, how long the others get to report
 
 
 class TrainerError(RuntimeError):
-    """A trainer call failed; `rank` says where, `cause` is the RpcError / ConnectionError / TimeoutError."""
+    """A trainer call failed; `rank` says where, `cause` is the RpcError / ConnectionError / TimeoutError, and
+    `kind` the trainer's error type (train/errors.py) when the rank raised one of ours, else None."""
 
     def __init__(self, method: str, rank: int, cause: BaseException) -> None:
         what = f"{cause.remote_type}: {cause.remote_message}" if isinstance(cause, RpcError) else repr(cause)
@@ -39,11 +41,22 @@ class TrainerError(RuntimeError):
         self.method = method
         self.rank = rank
         self.cause = cause
+        self.kind: type[TrainerFailure] | None = _kind(cause)
 
     @property
     def bad_input(self) -> bool:
         """The trainer rejected the batch (nothing was trained): the caller's data is at fault."""
-        return isinstance(self.cause, RpcError) and self.cause.remote_type.endswith("BatchError")
+        return self.kind is not None and issubclass(self.kind, BatchError)
+
+
+def _kind(exc: BaseException) -> type[TrainerFailure] | None:
+    return kind_of(exc.remote_type) if isinstance(exc, RpcError) else None
+
+
+def _secondhand(exc: BaseException) -> bool:
+    """The rank only heard that another rank failed (a Peer* error): not where the problem is."""
+    kind = _kind(exc)
+    return kind is not None and issubclass(kind, PeerFailure)
 
 
 class WeightReceivers(Protocol):
@@ -54,8 +67,9 @@ class WeightReceivers(Protocol):
                                         backend: str = ...) -> Any: ...
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              version: int, *, group_name: str = ..., flush_cache: bool = ...,
+                                              version: int | None, *, group_name: str = ..., flush_cache: bool = ...,
                                               abort_all_requests: bool = ...) -> Any: ...
+    # version None: the bucket carries no weight_version (the server keeps its label until the last bucket)
 
 
 def validate_trajectories(trajs: list[Trajectory]) -> None:
@@ -146,7 +160,7 @@ class TrainerGroup:
                     and t.exception() is not None]
         if failures:
             # the rank that found the problem rather than one that only heard about it
-            primary = [f for f in failures if "another trainer rank" not in str(f[1])] or failures
+            primary = [f for f in failures if not _secondhand(f[1])] or failures
             rank, exc = primary[0]
             raise TrainerError(method, rank, exc) from exc
         return [t.result() for t in tasks]
@@ -209,30 +223,49 @@ class TrainerGroup:
         async with self._lock:
             return (await self._call("broadcast", req, BroadcastResult))[0]
 
-    async def init_broadcast_group(self, servers: WeightReceivers, master_address: str, master_port: int, *,
-                                   num_server_ranks: int, ranks_per_server: int | list[int] = 1,
-                                   group_name: str = "weight_update_group", backend: str = "nccl") -> None:
-        """Trainer rank 0 and every server rank form one group: both sides' rendezvous run concurrently.
-        `master_address:master_port` must be reachable from the servers and free on trainer rank 0's host."""
-        req = InitBroadcastRequest(master_address=master_address, master_port=master_port,
-                                   world_size=1 + num_server_ranks, group_name=group_name, backend=backend)
+    async def open_broadcast(self, req: OpenBroadcastRequest) -> BroadcastEndpoint:
+        """Trainer rank 0 hosts the group's rendezvous store and says where (its TrainerInfo.host, the port)."""
+        async with self._lock:
+            return (await self._call("open_broadcast", req, BroadcastEndpoint, ranks=[0]))[0]
+
+    async def init_broadcast_group(self, servers: WeightReceivers, *, num_server_ranks: int,
+                                   ranks_per_server: int | list[int] = 1, master_address: str | None = None,
+                                   master_port: int | None = None, group_name: str = "weight_update_group",
+                                   backend: str = "nccl") -> BroadcastEndpoint:
+        """Trainer rank 0 and every server rank form one group: rank 0 hosts the store first, then both sides'
+        rendezvous run concurrently. The address defaults to the one rank 0 reports (TrainerInfo.host: loopback
+        for a trainer serving 127.0.0.1, a routable address for one on all interfaces, or AREAL_TRAINER_ADDRESS),
+        the port to a free one rank 0 binds; pass either to override (the address must reach rank 0's host from
+        every server). Returns where the group met."""
+        world_size = 1 + num_server_ranks
+        endpoint = await self.open_broadcast(OpenBroadcastRequest(group_name=group_name, world_size=world_size,
+                                                                  port=master_port or 0))
+        address = master_address or endpoint.address
+        req = InitBroadcastRequest(master_address=address, master_port=endpoint.port, world_size=world_size,
+                                   group_name=group_name, backend=backend)
         await _both(self.init_broadcast(req),
-                    servers.init_weights_update_group(master_address, master_port, ranks_per_server=ranks_per_server,
+                    servers.init_weights_update_group(address, endpoint.port, ranks_per_server=ranks_per_server,
                                                       group_name=group_name, backend=backend))
+        return BroadcastEndpoint(address=address, port=endpoint.port)
 
     async def broadcast_weights(self, servers: WeightReceivers, version: int, *,
                                 group_name: str = "weight_update_group", bucket_bytes: int = 256 << 20,
                                 flush_cache: bool = True) -> BroadcastResult:
         """Send the current weights to every server as `version`: one trainer broadcast, and per bucket one
-        /update_weights_from_distributed fan-out, in the order the trainer sends them."""
+        /update_weights_from_distributed fan-out, in the order the trainer sends them. Only the last bucket carries
+        `version` and `flush_cache`, so no server labels weights v+1 (or drops its cache) before it has all of
+        them; pause generation around the call, or requests between buckets run on a mix of v and v+1."""
         plan = self._broadcast_plan.get((group_name, bucket_bytes))
         if plan is None:  # the layout never changes: ask once per (group, bucket size)
             plan = self._broadcast_plan[(group_name, bucket_bytes)] = await self.weight_plan(bucket_bytes)
 
         async def receive() -> None:
-            for spec in plan.buckets:
-                await servers.update_weights_from_distributed(spec.names, spec.dtypes, spec.shapes, version,
-                                                              group_name=group_name, flush_cache=flush_cache)
+            last = len(plan.buckets) - 1
+            for i, spec in enumerate(plan.buckets):
+                await servers.update_weights_from_distributed(spec.names, spec.dtypes, spec.shapes,
+                                                              version if i == last else None,
+                                                              group_name=group_name,
+                                                              flush_cache=flush_cache and i == last)
 
         req = BroadcastRequest(version=version, group_name=group_name, bucket_bytes=bucket_bytes)
         result, _ = await _both(self.broadcast(req), receive())

@@ -21,9 +21,9 @@ and 0 at each sequence's first token. entropy[t] is the entropy of that same nex
 tokens). Logits are divided by the sampling temperature first, as the inference server did for the behaviour
 logprobs.
 
-Memory: the model's logits [N, V] (model dtype) are the one full-vocab tensor. The fp32 log-softmax runs over
-chunks of tokens, and under autograd each chunk is checkpointed, so no [N, V] fp32 copy is ever kept for backward;
-the chunk is recomputed there instead (cheap next to the model).
+Memory: the logits of a micro-batch are never materialised whole. The model runs with its LM head turned into
+the identity and `train/lm_head.py` applies the head to chunks of `chunk_tokens` rows (fp32 log-softmax, entropy,
+and a backward that recomputes each chunk), so the full-vocab tensors are [chunk_tokens, V] at a time.
 """
 
 from __future__ import annotations
@@ -32,16 +32,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
-
-from areal_async.train.losses import entropy_from_logits
+from areal_async.train.lm_head import DEFAULT_CHUNK_TOKENS, forward_features, logprobs_from_logits, token_logprobs
 
 __all__ = ["packed_forward_logprobs", "rows_forward_logprobs", "pad_forward_logprobs", "needs_dense_packing_mask",
            "seq_ids_from_lens", "position_ids_from_lens", "broadcast_to_tokens", "block_causal_mask",
            "logprobs_from_logits", "model_device"]
-
-DEFAULT_CHUNK_TOKENS = 1024
-
 
 def _lens_tensor(seq_lens: Tensor | Sequence[int], device: torch.device | None = None) -> Tensor:
     lens = torch.as_tensor(seq_lens, dtype=torch.long, device=device)
@@ -80,52 +75,6 @@ def block_causal_mask(seq_lens: Tensor | Sequence[int], device: torch.device | N
     n = ids.numel()
     causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
     return (causal & (ids[:, None] == ids[None, :]))[None, None]
-
-
-def _chunk_logp(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    z = logits.float() / temperature  # [C, V] fp32, transient
-    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
-
-
-def _chunk_logp_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    z = logits.float() / temperature
-    lp = z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
-    return lp, entropy_from_logits(z)
-
-
-def logprobs_from_logits(logits: Tensor, targets: Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,
-                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, entropy_grad: bool = True
-                         ) -> tuple[Tensor, Tensor | None]:
-    """log softmax(logits / T)[targets] (and entropy) row by row, in fp32 chunks. [M, V], [M] -> [M], [M] | None.
-
-    `entropy_grad=False`: the entropy is only a statistic; it is computed without autograd (no graph, and no
-    recomputation of it inside the checkpointed chunks during backward)."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    lps: list[Tensor] = []
-    ents: list[Tensor] = []
-    for s in range(0, logits.shape[0], chunk_tokens):
-        lg, tg = logits[s:s + chunk_tokens], targets[s:s + chunk_tokens]
-        if compute_entropy and (entropy_grad or not grad):
-            lp, ent = (checkpoint(_chunk_logp_entropy, lg, tg, temperature, use_reentrant=False) if grad
-                       else _chunk_logp_entropy(lg, tg, temperature))
-            ents.append(ent)
-        else:
-            lp = (checkpoint(_chunk_logp, lg, tg, temperature, use_reentrant=False) if grad
-                  else _chunk_logp(lg, tg, temperature))
-            if compute_entropy:
-                with torch.no_grad():
-                    ents.append(entropy_from_logits(lg.detach().float() / temperature))
-        lps.append(lp)
-    # No rows (a micro-batch of one-token sequences): still return a tensor attached to the graph, so backward runs
-    # through the model like on every other rank (FSDP collectives must match) and just yields zero gradients.
-    empty = logits.float().sum(-1)  # [0]
-    logp = torch.cat(lps) if lps else empty
-    entropy = (torch.cat(ents) if ents else empty.clone()) if compute_entropy else None
-    return logp, entropy
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -183,10 +132,11 @@ def packed_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens:
     kwargs: dict = {"input_ids": ids[None], "position_ids": pos[None], "use_cache": False}
     if explicit_mask:
         kwargs["attention_mask"] = _explicit_attention_mask(model, lens, device)
-    logits = model(**kwargs).logits[0]  # [N, V]
+    out, head = forward_features(model, **kwargs)
+    feats = out.logits[0]  # [N, H] (hidden states; [N, V] logits for a model without a plain head)
     # Row t predicts token t + 1; rows that would predict the next sequence's first token are zeroed below.
-    lp, ent = logprobs_from_logits(logits[:-1], ids[1:], temperature=temperature, compute_entropy=compute_entropy,
-                                   chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)  # [N - 1]
+    lp, ent = token_logprobs(feats[:-1], ids[1:], head, temperature=temperature, compute_entropy=compute_entropy,
+                             chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)  # [N - 1]
     is_first = pos == 0  # [N]
     zero = lp.new_zeros(1)
     logp = torch.where(is_first, 0.0, torch.cat([zero, lp]))
@@ -228,14 +178,14 @@ def rows_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: T
     rows = torch.full((b, width), pad_id, dtype=torch.long, device=device)
     rows[valid] = ids  # row-major order of the valid slots == concatenation order
     # No attention_mask and default positions: transformers gives sdpa is_causal=True (flash kernel, no mask).
-    logits = model(input_ids=rows, use_cache=False).logits  # [B, L, V]
-    vocab = logits.shape[-1]
+    out, head = forward_features(model, input_ids=rows, use_cache=False)
+    feats = out.logits  # [B, L, H] ([B, L, V] without a plain head)
     # Every slot predicts the slot after it in its row (the last column predicts padding); the flat view needs no
-    # copy of the logits, and the few padding rows cost their log-softmax only.
+    # copy, and the few padding rows cost their head and log-softmax only.
     targets = torch.cat([rows[:, 1:], rows.new_full((b, 1), pad_id)], dim=1)  # [B, L]
-    lp, ent = logprobs_from_logits(logits.reshape(b * width, vocab), targets.reshape(-1), temperature=temperature,
-                                   compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
-                                   entropy_grad=entropy_grad)  # [B * L]
+    lp, ent = token_logprobs(feats.reshape(b * width, feats.shape[-1]), targets.reshape(-1), head,
+                             temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
+                             entropy_grad=entropy_grad)  # [B * L]
 
     def to_flat(x: Tensor) -> Tensor:  # slot t's value belongs to token t + 1; 0 at each first token
         shifted = torch.cat([x.new_zeros(b, 1), x.reshape(b, width)[:, :-1]], dim=1)  # [B, L]

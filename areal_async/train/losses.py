@@ -11,9 +11,16 @@ and the off-policy gap between pi_behav and pi_prox is corrected by a detached i
 With pi_prox == pi_behav, w == 1 and this is standard PPO. The ratio math runs in fp32 whatever the input dtype:
 exp of a bf16 log-difference loses the few percent the clip is about.
 
-Stats convention (so the worker can all-reduce them without knowing each one): every stat is a detached fp32
-scalar tensor; keys ending in `_max` reduce with MAX, all others (`*_sum`, `*_count`) with SUM. Means are formed
-after the reduction, e.g. clip fraction = clipped_count / used_token_count.
+Normalisation: with `ratio_level="token"` the loss is a mean over every trained token of the global batch (each
+micro-batch's sum divided by the global token count). With `ratio_level="sequence"` (GSPO) it is the paper's
+sequence mean: a sequence's tokens share one ratio, their terms are averaged within the sequence, and the global
+count of trained sequences divides the sum, so every sequence weighs the same whatever its length (a token mean
+would weigh a sequence by its length). `loss_normalizer` says which count the caller passes.
+
+Stats convention (so the engine can all-reduce them without knowing each one): every stat is a detached fp32
+scalar tensor; keys ending in `_max` reduce with MAX, all others (`*_sum`, `*_count`) with SUM. `LOSS_STAT_KEYS`
+lists them (a rank with nothing to train must still reduce the same vector) and `summarize_loss_stats` turns the
+reduced sums into the reported means, e.g. clip fraction = clipped_count / used_token_count.
 """
 
 from __future__ import annotations
@@ -25,13 +32,24 @@ from torch import Tensor
 
 from areal_async.config import LossConfig
 
-__all__ = ["ppo_actor_loss", "kl_penalty", "entropy_from_logits"]
+__all__ = ["ppo_actor_loss", "actor_loss", "kl_penalty", "entropy_from_logits", "loss_normalizer", "LOSS_STAT_KEYS",
+           "summarize_loss_stats"]
 
 KLEstimator = Literal["k1", "k2", "k3"]
 
 # exp() of a log-ratio beyond this overflows fp32 long before it means anything; clamping keeps one broken token
 # from turning the whole micro-batch into inf/nan.
 _MAX_LOG_RATIO = 20.0
+
+LOSS_STAT_KEYS = ("token_count", "used_token_count", "seq_count", "clipped_count", "dual_clipped_count",
+                  "capped_count", "imp_weight_sum", "imp_weight_max", "ratio_sum", "approx_kl_sum", "pg_loss_sum",
+                  "kl_ref_sum", "entropy_sum")
+
+
+def loss_normalizer(cfg: LossConfig) -> str:
+    """Which global count divides the loss: "tokens" (trained tokens) or "seqs" (sequences with a trained token,
+    GSPO's sequence mean)."""
+    return "seqs" if cfg.ratio_level == "sequence" else "tokens"
 
 
 def _check_flat(name: str, t: Tensor, n: int) -> None:
@@ -59,11 +77,20 @@ def ppo_actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantag
 
     `cfg.decoupled=False` is naive PPO: prox := behav and w := 1, the trust region centred on the behaviour
     policy. `cfg.ratio_level="sequence"` is GSPO: each sequence's ratio is exp(mean over its trained tokens of
-    logp - prox_logp), broadcast to its tokens; `seq_ids` [N] (each token's sequence index, 0-based) is required.
-    Each token still contributes one term, so under the token-mean normalizer a sequence weighs by its length.
+    logp - prox_logp), broadcast to its tokens; `seq_ids` [N] (each token's sequence index, 0-based) is required,
+    each sequence's terms are averaged over its trained tokens, and `normalizer` is then the global number of
+    trained sequences (the paper's sequence mean; see the module docstring).
 
     Returns (loss, stats); `prox_logp` and `behav_logp` never receive gradient.
     """
+    loss, stats, _ = _ppo(logp, prox_logp, behav_logp, advantages, mask, cfg, normalizer=normalizer, seq_ids=seq_ids)
+    return loss, stats
+
+
+def _ppo(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig,
+         *, normalizer: float, seq_ids: Tensor | None) -> tuple[Tensor, dict, Tensor]:
+    """`ppo_actor_loss`, plus the per-token weight [N] of everything else in the loss: 1 / normalizer on the tokens
+    the importance-weight cap kept (divided by the sequence's trained tokens for GSPO), 0 elsewhere."""
     if logp.dim() != 1:
         raise ValueError(f"logp must be a flat [N] tensor, got shape {tuple(logp.shape)}")
     n = logp.shape[0]
@@ -102,8 +129,15 @@ def ppo_actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantag
     keepf = keep.float()
 
     log_ratio = torch.where(keep, logp32 - prox, 0.0)  # [N]
+    per_seq = torch.ones_like(mf)  # [N] 1 / trained tokens of the token's sequence (GSPO), else 1
+    seq_count = torch.zeros((), device=logp.device)
     if sequence_level:
-        log_ratio = _segment_mean(log_ratio, keepf, seq_ids.long())
+        sid = seq_ids.long()
+        log_ratio = _segment_mean(log_ratio, keepf, sid)
+        num = int(sid.max().item()) + 1 if sid.numel() else 0
+        trained = torch.zeros(num, dtype=mf.dtype, device=mf.device).index_add(0, sid, mf)  # [S]
+        per_seq = 1.0 / trained.clamp(min=1.0)[sid]
+        seq_count = (trained > 0).float().sum()
     ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [N]
 
     eps_low = cfg.eps_clip
@@ -118,7 +152,7 @@ def ppo_actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantag
         dual_clipped = keep & (adv < 0) & (pg > bound)
         pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
 
-    per_token = pg * w.detach() * keepf  # [N]
+    per_token = pg * w.detach() * keepf * per_seq  # [N]
     loss = per_token.sum() / normalizer
 
     with torch.no_grad():
@@ -128,6 +162,7 @@ def ppo_actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantag
         stats = {
             "token_count": mf.sum(),
             "used_token_count": keepf.sum(),
+            "seq_count": seq_count,
             "clipped_count": clipped.float().sum(),
             "dual_clipped_count": dual_clipped.float().sum(),
             "capped_count": over_cap.float().sum(),
@@ -137,7 +172,61 @@ def ppo_actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantag
             "approx_kl_sum": (kl_tok * keepf).sum(),
             "pg_loss_sum": per_token.detach().sum(),
         }
-    return loss, {k: v.detach().float() for k, v in stats.items()}
+    return loss, {k: v.detach().float() for k, v in stats.items()}, keepf * per_seq / normalizer
+
+
+def actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
+               cfg: LossConfig, *, normalizer: float, seq_ids: Tensor | None = None, ref_logp: Tensor | None = None,
+               entropy: Tensor | None = None) -> tuple[Tensor, dict]:
+    """The whole policy objective of one micro-batch: `ppo_actor_loss`, plus `cfg.kl_coef` x the KL to the frozen
+    reference (`ref_logp` [N]) and minus `cfg.entropy_coef` x the entropy (`entropy` [N], with gradient when the
+    coefficient is not 0; without one it is only measured).
+
+    The KL term weighs each token as the policy term does: tokens the importance-weight cap dropped are left out
+    (their off-policy gap is too large to trust; training them towards the reference would still move the policy
+    on exactly the tokens the cap protects), and GSPO's sequence mean applies to it too. The entropy bonus covers
+    every trained token. Returns (loss, stats) with every key of `LOSS_STAT_KEYS`."""
+    loss, stats, weight = _ppo(logp, prox_logp, behav_logp, advantages, mask, cfg, normalizer=normalizer,
+                               seq_ids=seq_ids)
+    zero = torch.zeros((), device=logp.device)
+    stats["kl_ref_sum"], stats["entropy_sum"] = zero, zero
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, mask, cfg.kl_estimator)  # [N], 0 outside the mask
+        kl_term = (kl * weight).sum()  # already normalised
+        loss = loss + cfg.kl_coef * kl_term
+        stats["kl_ref_sum"] = (kl_term * normalizer).detach().float()  # summarised over the same normaliser
+    if entropy is not None:
+        ent_sum = (entropy.float() * mask.float()).sum()
+        if cfg.entropy_coef != 0.0:
+            loss = loss - cfg.entropy_coef * ent_sum / normalizer
+        stats["entropy_sum"] = ent_sum.detach().float()
+    return loss, stats
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else 0.0
+
+
+def summarize_loss_stats(r: dict[str, float], cfg: LossConfig, *, response_tokens: float) -> dict[str, float]:
+    """The loss's reported figures from its reduced stat sums (`LOSS_STAT_KEYS`, summed over micro-batches and
+    ranks). `pg_loss` and `kl_ref` are divided by the loss's own normaliser (tokens, or GSPO's sequences), the
+    token fractions by the token counts, `entropy` by `response_tokens`."""
+    tok, used = r.get("token_count", 0.0), r.get("used_token_count", 0.0)
+    norm = r.get("seq_count", 0.0) if loss_normalizer(cfg) == "seqs" else response_tokens
+    out = {
+        "pg_loss": _ratio(r.get("pg_loss_sum", 0.0), norm),
+        "clip_frac": _ratio(r.get("clipped_count", 0.0), used),
+        "dual_clip_frac": _ratio(r.get("dual_clipped_count", 0.0), used),
+        "imp_weight_mean": _ratio(r.get("imp_weight_sum", 0.0), tok),
+        "imp_weight_max": max(r.get("imp_weight_max", 0.0), 0.0),
+        "imp_weight_masked_frac": _ratio(r.get("capped_count", 0.0), tok),
+        "ratio_mean": _ratio(r.get("ratio_sum", 0.0), used),
+        "approx_kl": _ratio(r.get("approx_kl_sum", 0.0), used),
+        "entropy": _ratio(r.get("entropy_sum", 0.0), response_tokens),
+    }
+    if cfg.kl_coef != 0.0:
+        out["kl_ref"] = _ratio(r.get("kl_ref_sum", 0.0), norm)
+    return out
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: KLEstimator = "k3") -> Tensor:

@@ -10,7 +10,7 @@ import msgspec
 
 from areal_async.types import WeightSpec
 
-__all__ = ["WeightPlanRequest", "WeightPlan", "METHODS"]
+__all__ = ["WeightPlanRequest", "WeightPlan", "OpenBroadcastRequest", "BroadcastEndpoint"]
 
 
 class WeightPlanRequest(msgspec.Struct, kw_only=True):
@@ -24,6 +24,16 @@ class WeightPlan(msgspec.Struct, kw_only=True):
     num_bytes: int  # total bytes the broadcast will send
 
 
-# RPC method names served by every trainer rank (areal_async/train/worker.py).
-METHODS = ("info", "train_step", "publish", "save_checkpoint", "load_checkpoint", "weight_plan", "init_broadcast",
-           "broadcast", "shutdown")
+class OpenBroadcastRequest(msgspec.Struct, kw_only=True):
+    """Ask trainer rank 0 to host the rendezvous store of a weight-update group before anyone joins it."""
+
+    group_name: str
+    world_size: int  # 1 + total inference ranks
+    port: int = 0  # 0: a free port, bound by rank 0 (no race with other processes)
+
+
+class BroadcastEndpoint(msgspec.Struct, kw_only=True):
+    """Where the servers meet trainer rank 0: its reachable address (TrainerInfo.host) and the store's port."""
+
+    address: str
+    port: int

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from areal_async.train.engine import any_rank
+from areal_async.train.dist import any_rank
+from areal_async.train.errors import PeerPublishError, PublishError
 from areal_async.types import PublishResult
 
 __all__ = ["publish_hf", "iter_full_tensors", "version_dir", "list_versions", "DEFAULT_MAX_SHARD_BYTES"]
@@ -142,6 +143,9 @@ def _copy_model_files(source_dir: str, dest: str) -> None:
     template, custom code."""
     for name in sorted(os.listdir(source_dir)):
         src = os.path.join(source_dir, name)
+        if os.path.isdir(src) and name == "additional_chat_templates":  # named templates (transformers 5 layout)
+            shutil.copytree(src, os.path.join(dest, name), dirs_exist_ok=True)
+            continue
         if not os.path.isfile(src) or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
             continue
         shutil.copyfile(src, os.path.join(dest, name))
@@ -162,8 +166,9 @@ def publish_hf(model: nn.Module, *, source_dir: str, root: str, version: int, ke
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> PublishResult:
     """Write `root/v<version>` atomically (collective; rank 0 writes) and keep only the newest `keep` versions.
 
-    An error on rank 0 (disk full, permissions) is raised on every rank, after every rank has finished its part
-    of the gathers, so no rank is left waiting in a collective."""
+    An error on rank 0 (disk full, permissions) is raised on every rank (`PublishError` there, `PeerPublishError`
+    on the others), after every rank has finished its part of the gathers, so no rank is left waiting in a
+    collective."""
     if version < 0:
         raise ValueError(f"version must be >= 0, got {version}")
     if keep < 1:
@@ -206,9 +211,9 @@ def publish_hf(model: nn.Module, *, source_dir: str, root: str, version: int, ke
     failed = any_rank(error is not None)  # also the barrier after rank 0's rename
     if rank == 0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"publishing version {version} to {root} failed: {type(error).__name__}: {error}") \
+        raise PublishError(f"publishing version {version} to {root} failed: {type(error).__name__}: {error}") \
             from error
     if failed:
-        raise RuntimeError(f"publishing version {version} to {root} failed on trainer rank 0 (see its error)")
+        raise PeerPublishError(f"publishing version {version} to {root} failed on trainer rank 0 (see its error)")
     return PublishResult(path=os.path.abspath(final), seconds=time.perf_counter() - t0, num_bytes=num_bytes)
 

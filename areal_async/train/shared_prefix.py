@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from areal_async.train.logprobs import DEFAULT_CHUNK_TOKENS, logprobs_from_logits, model_device
+from areal_async.train.lm_head import DEFAULT_CHUNK_TOKENS, forward_features, token_logprobs
+from areal_async.train.logprobs import model_device
 
 __all__ = ["plan_families", "supports_shared_prefix", "shared_prefix_forward_logprobs", "shared_prefix_savings"]
 
@@ -190,8 +191,8 @@ def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, se
     suffix_ids, _ = rows(starts + pre_t, lens_t - pre_t, r_max)  # [S, R]
 
     # pass 1: each family's prefix once; right padding needs no mask under causal attention
-    out = model(input_ids=prefix_ids, use_cache=True)
-    logits_p = out.logits  # [F, P, V]
+    out, head = forward_features(model, input_ids=prefix_ids, use_cache=True)
+    logits_p = out.logits  # [F, P, H] the head's inputs ([F, P, V] logits for a model without a plain head)
     cache = _output_cache(out)
     if cache is None:
         raise RuntimeError(f"{type(model).__name__} returned no key/value cache; use the rows layout")
@@ -205,16 +206,16 @@ def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, se
     allowed = (see_prefix | see_suffix[None]).unsqueeze(1)  # [S, 1, R, P + R]
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     if impl == "eager":  # eager attention adds the mask to the scores
-        dtype = logits_p.dtype
+        dtype = logits_p.dtype  # the compute dtype (hidden states or logits alike)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     else:
         mask = allowed
     positions = pre_t[:, None] + q_pos[None, :]  # [S, R]
-    out = model(input_ids=suffix_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                **{_cache_kwarg(model): cache})
-    logits_s = out.logits  # [S, R, V]
+    out, head = forward_features(model, input_ids=suffix_ids, attention_mask=mask, position_ids=positions,
+                                 use_cache=True, **{_cache_kwarg(model): cache})
+    logits_s = out.logits  # [S, R, H] ([S, R, V])
     del out, cache
-    vocab = logits_s.shape[-1]
+    width = logits_s.shape[-1]
 
     # next-token logprobs of three kinds of rows: prefix row t -> prefix token t + 1, the prefix's last row ->
     # each member's first suffix token, suffix row t -> suffix token t + 1 (the last column of a row predicts
@@ -222,13 +223,13 @@ def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, se
     kw = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
               entropy_grad=entropy_grad)
     pad_col_p = prefix_ids.new_full((n_fam, 1), pad_id)
-    lp_p, ent_p = logprobs_from_logits(logits_p.reshape(n_fam * p_max, vocab),
-                                       torch.cat([prefix_ids[:, 1:], pad_col_p], 1).reshape(-1), **kw)  # [F * P]
-    boundary = logits_p[row_t, pre_t - 1]  # [S, V]
-    lp_b, ent_b = logprobs_from_logits(boundary, suffix_ids[:, 0], **kw)  # [S]
+    lp_p, ent_p = token_logprobs(logits_p.reshape(n_fam * p_max, width),
+                                 torch.cat([prefix_ids[:, 1:], pad_col_p], 1).reshape(-1), head, **kw)  # [F * P]
+    boundary = logits_p[row_t, pre_t - 1]  # [S, H]
+    lp_b, ent_b = token_logprobs(boundary, suffix_ids[:, 0], head, **kw)  # [S]
     pad_col_s = suffix_ids.new_full((n_seq, 1), pad_id)
-    lp_s, ent_s = logprobs_from_logits(logits_s.reshape(n_seq * r_max, vocab),
-                                       torch.cat([suffix_ids[:, 1:], pad_col_s], 1).reshape(-1), **kw)  # [S * R]
+    lp_s, ent_s = token_logprobs(logits_s.reshape(n_seq * r_max, width),
+                                 torch.cat([suffix_ids[:, 1:], pad_col_s], 1).reshape(-1), head, **kw)  # [S * R]
 
     # where each output token's value lives in cat([0, lp_p, lp_b, lp_s]); prefix slots repeat across members,
     # so their gradients add up in the shared rows

@@ -15,6 +15,11 @@ Devices: `TrainConfig.device` "auto" is this rank's CUDA device (LOCAL_RANK) wit
 Multi-node: use torchrun's own rendezvous (`--nnodes --rdzv-backend c10d --rdzv-endpoint ...` in
 `TrainConfig.torchrun_args`), a run dir on a filesystem every node and the controller share, and `--rpc-host` set to
 an address of this node the controller can reach (the default 127.0.0.1 only serves a controller on the same host).
+Rank 0 reports the address inference servers should use for the broadcast rendezvous (TrainerInfo.host, see
+`advertised_address`; override with AREAL_TRAINER_ADDRESS).
+
+Broadcast weight sync (`TrainConfig.weight_sync`): the rank sets NCCL_CUMEM_ENABLE=0 unless the environment sets it,
+as SGLang does for its own processes; NCCL peers that disagree on it fail their same-node p2p setup.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import MutableMapping
 
 import msgspec
 
 from areal_async.config import ConfigError, TrainConfig, from_dict
-from areal_async.train.messages import WeightPlan, WeightPlanRequest
+from areal_async.train.messages import BroadcastEndpoint, OpenBroadcastRequest, WeightPlan, WeightPlanRequest
 from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequest, CheckpointResult, Empty,
                                InitBroadcastRequest, PublishRequest, PublishResult, TrainerInfo, TrainStepRequest,
                                TrainStepResult)
@@ -70,8 +76,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--resume", default=None, help="a checkpoint directory written by save_checkpoint")
     p.add_argument("--rpc-host", default="127.0.0.1", help="interface the RPC server listens on")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature of the rollouts: logprobs are computed at the same temperature")
     p.add_argument("--orphan-timeout", type=float, default=120.0,
                    help="exit when the controller has been disconnected this many seconds")
     p.add_argument("--connect-timeout", type=float, default=3600.0,
@@ -93,11 +97,13 @@ def _write_atomic(path: str, data: dict) -> None:
 
 
 class TrainerService:
-    """The RPC methods of one rank (names in train/messages.py METHODS)."""
+    """The RPC methods of one rank. `host` is the address this rank reports (TrainerInfo.host, see
+    `advertised_address`)."""
 
-    def __init__(self, engine, server) -> None:
+    def __init__(self, engine, server, host: str = "127.0.0.1") -> None:
         self.engine = engine
         self.server = server
+        self.host = host
 
     def register(self) -> None:
         s = self.server
@@ -107,12 +113,13 @@ class TrainerService:
         s.register("save_checkpoint", self.save_checkpoint, CheckpointRequest, blocking=True)
         s.register("load_checkpoint", self.load_checkpoint, CheckpointRequest, blocking=True)
         s.register("weight_plan", self.weight_plan, WeightPlanRequest, blocking=True)
+        s.register("open_broadcast", self.open_broadcast, OpenBroadcastRequest, blocking=True)
         s.register("init_broadcast", self.init_broadcast, InitBroadcastRequest, blocking=True)
         s.register("broadcast", self.broadcast, BroadcastRequest, blocking=True)
         s.register("shutdown", self.shutdown, Empty, blocking=True)
 
     def info(self, _: Empty) -> TrainerInfo:
-        return self.engine.info()
+        return msgspec.structs.replace(self.engine.info(), host=self.host)
 
     def train_step(self, req: TrainStepRequest) -> TrainStepResult:
         version, stats = self.engine.train_step(req.batch)
@@ -135,6 +142,10 @@ class TrainerService:
         buckets = self.engine.weight_plan(req.bucket_bytes)
         return WeightPlan(buckets=buckets, num_bytes=sum(spec_bytes(b) for b in buckets))
 
+    def open_broadcast(self, req: OpenBroadcastRequest) -> BroadcastEndpoint:
+        port = self.engine.open_broadcast(req.group_name, req.world_size, self.host, req.port)
+        return BroadcastEndpoint(address=self.host, port=port)
+
     def init_broadcast(self, req: InitBroadcastRequest) -> Empty:
         self.engine.init_broadcast(req)
         return Empty()
@@ -147,9 +158,25 @@ class TrainerService:
         return Empty()
 
 
-def _num_clients(server) -> int:
-    """Authenticated connections to this rank's RPC server."""
-    return server.num_clients
+def nccl_environment(cfg: TrainConfig, environ: MutableMapping[str, str]) -> None:
+    """Broadcast sync: NCCL_CUMEM_ENABLE=0 unless set. SGLang runs its processes with it; an NCCL peer with the
+    default (cuMem on) fails the same-node p2p setup of the weight-update group ("p2p.cc ... invalid argument")."""
+    if cfg.weight_sync == "broadcast":
+        environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+
+
+def advertised_address(rpc_host: str) -> str:
+    """The address this rank reports for the broadcast rendezvous: AREAL_TRAINER_ADDRESS when set; else the RPC
+    interface when it is a specific one (127.0.0.1 by default: a single-host run stays on loopback); else, for a
+    wildcard interface (0.0.0.0, ::), an address of this host other hosts can reach (train/dist.py)."""
+    from areal_async.train.dist import ADDRESS_ENV, host_address
+
+    override = os.environ.get(ADDRESS_ENV, "").strip()
+    if override:
+        return override
+    if rpc_host in ("", "0.0.0.0", "::"):
+        return host_address()
+    return rpc_host
 
 
 async def _watchdog(server, args: argparse.Namespace, parent: int, stop) -> None:
@@ -162,7 +189,7 @@ async def _watchdog(server, args: argparse.Namespace, parent: int, stop) -> None
         if os.getppid() != parent:
             stop(f"parent process {parent} exited", 1)
             return
-        if _num_clients(server) > 0:
+        if server.num_clients > 0:
             ever_connected, last_seen = True, now
         elif ever_connected and now - last_seen > args.orphan_timeout:
             stop(f"the controller has been disconnected for {args.orphan_timeout:.0f}s", 1)
@@ -178,7 +205,7 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
     from areal_async.rpc import RpcServer
 
     server = RpcServer(secret, name=f"trainer-rank{engine.rank}")
-    service = TrainerService(engine, server)
+    service = TrainerService(engine, server, host=advertised_address(args.rpc_host))
     service.register()
     loop = asyncio.get_running_loop()
 
@@ -258,13 +285,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from areal_async.train.engine import TrainEngine, init_distributed
 
+    nccl_environment(cfg, os.environ)  # before the first communicator: NCCL reads it then
     device = init_distributed(cfg.device)
     if device.type == "cpu":
         import torch
 
         torch.set_num_threads(cfg.torch_threads)  # ranks share the host's cores
-    engine = TrainEngine(args.model, cfg, seed=args.seed, temperature=args.temperature, device=device,
-                         broadcast_timeout_s=args.broadcast_timeout)
+    engine = TrainEngine(args.model, cfg, seed=args.seed, device=device, broadcast_timeout_s=args.broadcast_timeout)
     if args.resume:
         engine.load_checkpoint(args.resume)
         log.info("resumed from %s at version %d", args.resume, engine.version)

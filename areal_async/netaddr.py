@@ -1,0 +1,59 @@
+"""A routable address of this host, found without sending anything: torch-free, for the launcher and the trainers.
+
+Why not `gethostbyname(gethostname())`: on Debian-style hosts that is 127.0.1.1 (from /etc/hosts), which only this
+host reaches, so a weight-broadcast rendezvous or a registry address built from it fails from any other node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+__all__ = ["ADDRESS_ENV", "host_address"]
+
+ADDRESS_ENV = "AREAL_TRAINER_ADDRESS"  # override of the address this host advertises (e.g. TrainerInfo.host)
+
+
+def host_address() -> str:
+    """An address of this host that processes on other hosts can reach: `AREAL_TRAINER_ADDRESS` when set, else
+    the IPv4 address of the interface that carries the default route (Linux), else a non-loopback address the
+    host name resolves to, else 127.0.0.1.
+
+    `gethostbyname(gethostname())` alone is often 127.0.1.1 (Debian's /etc/hosts), which only this host reaches.
+    Nothing is sent anywhere to find out."""
+    override = os.environ.get(ADDRESS_ENV, "").strip()
+    if override:
+        return override
+    addr = _default_route_address()
+    if addr:
+        return addr
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for info in infos:
+        ip = str(info[4][0])
+        if not ip.startswith("127."):
+            return ip
+    return "127.0.0.1"
+
+
+def _default_route_address() -> str | None:
+    """IPv4 address of the default route's interface, from /proc/net/route and SIOCGIFADDR; None elsewhere."""
+    try:
+        with open("/proc/net/route") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+    except OSError:
+        return None
+    ifaces = [r[0] for r in rows if len(r) > 3 and r[1] == "00000000" and int(r[3], 16) & 0x2]  # RTF_GATEWAY
+    for iface in ifaces:
+        try:
+            import fcntl
+            import struct
+
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))  # SIOCGIFADDR
+            return socket.inet_ntoa(packed[20:24])
+        except (OSError, ImportError):
+            continue
+    return None

@@ -1,0 +1,241 @@
+"""Per-token logprobs straight from the last hidden states: the LM head runs chunk by chunk, so the [N, V] logits
+of a micro-batch never exist at once (32k tokens x 152k vocab is 10 GB in bf16, 20 GB as fp32), in forward or
+backward.
+
+`forward_features` runs the model with its output embedding (lm_head) turned into the identity, so `.logits` of
+the output holds the hidden states [.., H] the head would have multiplied; `token_logprobs` then applies the head to
+chunks of `chunk_tokens` rows inside one autograd Function:
+
+    forward   per chunk: z = (h W^T + b) / T in fp32 -> logp[target] = z[target] - logsumexp(z), entropy
+    backward  per chunk: recompute z, p = softmax(z); dlogp/dz = onehot - p, dH/dz = -p (z - E_p[z]);
+              dh = dz W / T, dW += dz^T h / T (accumulated in fp32)
+
+so memory beyond the model is a few [chunk, V] fp32 buffers, and the head's matmul runs once forward and twice
+backward (the recompute plus the two gradient products), as with checkpointing but without keeping any chunk.
+
+Models whose logits are more than `h W^T + b` (Gemma's final soft-capping, Cohere's logit scale, Granite's logit
+scaling) keep the model's own logits (`forward_features` returns head None) and go through `logprobs_from_logits`,
+still chunked for the fp32 part.
+
+Under FSDP2 the head's weight is read after the forward, when the root's parameters are unsharded (the root stays
+unsharded until backward), so its gradient lands in the unsharded parameter that FSDP reduce-scatters after
+backward; an empty micro-batch still gives the weight a (zero) gradient, so every rank reduces the same tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from areal_async.train.losses import entropy_from_logits
+
+__all__ = ["LMHead", "forward_features", "token_logprobs", "logprobs_from_hidden", "logprobs_from_logits",
+           "DEFAULT_CHUNK_TOKENS"]
+
+DEFAULT_CHUNK_TOKENS = 1024
+# config attributes that change logits after the head's matmul (a value other than these disables the hidden path)
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": (None,), "logit_scale": (None, 1.0), "logits_scaling": (None, 1.0),
+                     "output_multiplier_scale": (None, 1.0)}
+
+
+@dataclass
+class LMHead:
+    weight: Tensor  # [V, H]
+    bias: Tensor | None  # [V]
+
+
+def _head_module(model: nn.Module) -> nn.Linear | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        return None
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        for attr, neutral in _LOGIT_TRANSFORMS.items():
+            if getattr(text, attr, None) not in neutral:
+                return None
+    return head
+
+
+@contextlib.contextmanager
+def _identity_head(head: nn.Linear) -> Iterator[None]:
+    # instance attribute, shadows Linear.forward; a copy, not a view: FSDP2 hooks the output for its backward
+    head.forward = torch.clone  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def forward_features(model: nn.Module, **kwargs) -> tuple[object, LMHead | None]:
+    """`model(**kwargs)` whose `.logits` are the head's inputs [.., H] (with the head returned), or, for a model
+    without a plain linear head, the real logits [.., V] (head None)."""
+    head = _head_module(model)
+    if head is None:
+        return model(**kwargs), None
+    with _identity_head(head):
+        out = model(**kwargs)
+    weight = head.weight  # read now: under FSDP2 the root's gathered (unsharded) parameter
+    if type(weight).__name__ == "DTensor":
+        raise RuntimeError("the LM head's weight is still sharded after the forward: the root FSDP module must "
+                           "keep its parameters gathered after forward (fully_shard's default for the root)")
+    return out, LMHead(weight, head.bias)
+
+
+def token_logprobs(features: Tensor, targets: Tensor, head: LMHead | None, *, temperature: float = 1.0,
+                   compute_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                   entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+    """log softmax(logits / T)[targets] and the entropy, from `forward_features`'s output rows. [M, H|V], [M] ->
+    [M] fp32, [M] fp32 | None."""
+    if head is None:
+        return logprobs_from_logits(features, targets, temperature=temperature, compute_entropy=compute_entropy,
+                                    chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)
+    return logprobs_from_hidden(features, head, targets, temperature=temperature, compute_entropy=compute_entropy,
+                                chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)
+
+
+def _check(temperature: float, chunk_tokens: int) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+
+
+def logprobs_from_hidden(hidden: Tensor, head: LMHead, targets: Tensor, *, temperature: float = 1.0,
+                         compute_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                         entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Chunked LM head + log-softmax (see the module docstring). [M, H], [M] -> [M], [M] | None (fp32).
+    `entropy_grad=False`: the entropy is a statistic only (no gradient flows through it)."""
+    _check(temperature, chunk_tokens)
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [M, H] and targets [M], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
+    bias = head.bias if head.bias is not None else hidden.new_zeros(0)
+    lp, ent = _ChunkedHead.apply(hidden, head.weight, bias, targets, float(temperature), int(chunk_tokens),
+                                 bool(compute_entropy), bool(entropy_grad))
+    return lp, (ent if compute_entropy else None)
+
+
+def _chunk_z(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """(h W^T + b) / T for one chunk, as a fresh fp32 tensor the caller may overwrite. [C, V]"""
+    z = F.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """Element-wise work runs in place on the chunk's one [C, V] buffer (plus one for the probabilities where the
+    entropy needs them): on a CPU these passes over C x V floats cost a sizeable part of the matmuls beside them."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, temperature: float,
+                chunk: int, want_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+        m = hidden.shape[0]
+        b = bias if bias.numel() else None
+        lp = torch.empty(m, dtype=torch.float32, device=hidden.device)  # [M]
+        lse = torch.empty_like(lp)  # [M], kept for backward
+        ent = torch.empty_like(lp) if want_entropy else lp.new_zeros(0)
+        for s in range(0, m, chunk):
+            z = _chunk_z(hidden[s:s + chunk], weight, b, temperature)  # [C, V]
+            lse_c = torch.logsumexp(z, dim=-1)  # [C]
+            lse[s:s + chunk] = lse_c
+            lp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse_c
+            if want_entropy:  # H = -sum p log p; logits from a matmul are finite, so p log p is too
+                logp = z.sub_(lse_c[:, None])
+                ent[s:s + chunk] = -torch.linalg.vecdot(torch.exp(logp), logp)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, want_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        b = bias if bias.numel() else None
+        m = hidden.shape[0]
+        if g_lp is None:
+            g_lp = lse.new_zeros(m)
+        use_ent = ctx.entropy_grad and g_ent is not None
+        grad_h = torch.empty_like(hidden) if need_h else None  # [M, H]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # [V, H]
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and b is not None \
+            else None
+        for s in range(0, m, chunk):
+            h = hidden[s:s + chunk]  # [C, H]
+            g = g_lp[s:s + chunk, None].float()  # [C, 1]
+            logp = _chunk_z(h, weight, b, t).sub_(lse[s:s + chunk, None])  # [C, V]
+            if use_ent:
+                # dlogp/dz = onehot - p; dH/dz = -p (z - E_p[z]) = -p (logp + H). Together:
+                # dz = onehot g - p (g + g_ent (logp + H))
+                p = torch.exp(logp)
+                coef = logp.add_(ent[s:s + chunk, None]).mul_(g_ent[s:s + chunk, None].float()).add_(g)
+                dz = p.mul_(coef).neg_()
+            else:
+                dz = logp.exp_().mul_(-g)  # -p g
+            dz.scatter_add_(1, targets[s:s + chunk, None], g)
+            if t != 1.0:
+                dz.div_(t)  # through z = logits / T
+            dz = dz.to(weight.dtype)
+            if grad_h is not None:
+                torch.mm(dz, weight, out=grad_h[s:s + chunk])
+            if grad_w is not None:
+                if weight.dtype == torch.float32:
+                    grad_w.addmm_(dz.t(), h)
+                else:
+                    grad_w += (dz.t() @ h).float()
+            if grad_b is not None:
+                grad_b += dz.float().sum(0)
+        return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None)
+
+
+def logprobs_from_logits(logits: Tensor, targets: Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,
+                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, entropy_grad: bool = True
+                         ) -> tuple[Tensor, Tensor | None]:
+    """log softmax(logits / T)[targets] (and entropy) from full logits, in fp32 chunks. [M, V], [M] -> [M],
+    [M] | None. Each chunk is checkpointed under autograd (its fp32 copy is recomputed in backward, not kept).
+    `entropy_grad=False`: the entropy is only a statistic; it is computed without autograd."""
+    from torch.utils.checkpoint import checkpoint
+
+    _check(temperature, chunk_tokens)
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    lps: list[Tensor] = []
+    ents: list[Tensor] = []
+    # split, not slicing: one backward node for all chunks, instead of a full-size zero gradient per chunk
+    for lg, tg in zip(logits.split(chunk_tokens), targets.split(chunk_tokens)):
+        if compute_entropy and (entropy_grad or not grad):
+            lp, ent = (checkpoint(_chunk_logp_entropy, lg, tg, temperature, use_reentrant=False) if grad
+                       else _chunk_logp_entropy(lg, tg, temperature))
+            ents.append(ent)
+        else:
+            lp = (checkpoint(_chunk_logp, lg, tg, temperature, use_reentrant=False) if grad
+                  else _chunk_logp(lg, tg, temperature))
+            if compute_entropy:
+                with torch.no_grad():
+                    ents.append(entropy_from_logits(lg.detach().float() / temperature))
+        lps.append(lp)
+    if not lps:  # no rows: still a tensor attached to the graph, so backward runs through the model like on every
+        # other rank (FSDP collectives must match) and just yields zero gradients; [0] elements, no copy
+        empty = logits.sum(-1).float()  # [0]
+        return empty, (empty.detach().clone() if compute_entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if compute_entropy else None)
+
+
+def _chunk_logp(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    z = logits.float() / temperature  # [C, V] fp32, transient
+    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def _chunk_logp_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    z = logits.float() / temperature
+    lp = z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return lp, entropy_from_logits(z)

@@ -1,0 +1,83 @@
+"""The chunked LM head (train/lm_head.py) computes what the unchunked head does: logprobs, entropy and the
+gradients to the hidden states, the head's weight and bias, for chunk sizes that do and do not divide the rows, at
+a temperature, with the entropy in the loss or only measured; an empty micro-batch still gives the weight a
+(zero) gradient; a model with logit soft-capping keeps its own logits. CPU, fp64/fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areal_async.train.lm_head import LMHead, _head_module, forward_features, logprobs_from_hidden
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _reference(hidden, weight, bias, targets, temperature):
+    z = (hidden @ weight.T + bias) / temperature  # [M, V], the whole thing at once
+    logp = torch.log_softmax(z, -1)
+    lp = logp.gather(-1, targets[:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_chunked_head_matches_unchunked_values_and_gradients(chunk, entropy_grad):
+    g = torch.Generator().manual_seed(chunk)
+    m, h, v, temp = 23, 8, 41, 0.7
+    hidden = torch.randn(m, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * 0.5
+    bias = torch.randn(v, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, v, (m,), generator=g)
+    g_lp = torch.randn(m, generator=g, dtype=torch.float64)
+    g_ent = torch.randn(m, generator=g, dtype=torch.float64)
+
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    lp, ent = logprobs_from_hidden(leaves[0], LMHead(leaves[1], leaves[2]), targets, temperature=temp,
+                                   compute_entropy=True, chunk_tokens=chunk, entropy_grad=entropy_grad)
+    objective = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
+    objective.backward()
+
+    ref_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    ref_lp, ref_ent = _reference(*ref_leaves, targets, temp)
+    ((ref_lp * g_lp).sum() + ((ref_ent * g_ent).sum() if entropy_grad else 0.0)).backward()
+
+    assert lp.dtype == torch.float32  # logprobs are fp32 whatever the model dtype
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-5, rtol=1e-5)
+    assert ent.requires_grad == entropy_grad
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_rows_give_the_weight_a_zero_gradient():
+    """A rank whose micro-batch has no scored row must still produce a gradient for the head's weight, or FSDP's
+    reduce-scatter would see different tensors on different ranks."""
+    weight = torch.randn(11, 4, requires_grad=True)
+    hidden = torch.randn(0, 4, requires_grad=True)
+    lp, ent = logprobs_from_hidden(hidden, LMHead(weight, None), torch.zeros(0, dtype=torch.long),
+                                   compute_entropy=True)
+    assert lp.shape == (0,) and ent is not None and ent.shape == (0,)
+    (lp.sum() * 0.0).backward()
+    assert weight.grad is not None and torch.count_nonzero(weight.grad) == 0
+
+
+def test_forward_features_returns_hidden_states_and_the_head(tiny_ckpt):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    ids = torch.tensor([[3, 17, 42, 8, 64]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]  # [T, V]
+        out, head = forward_features(model, input_ids=ids)
+    assert head is not None and head.weight is model.get_output_embeddings().weight
+    feats = out.logits[0]
+    assert feats.shape == (5, model.config.hidden_size)
+    torch.testing.assert_close(feats @ head.weight.T, logits, atol=1e-5, rtol=1e-5)
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size  # the head is restored afterwards
+
+    model.config.final_logit_softcapping = 30.0  # logits that are more than h W^T: the model's own are kept
+    assert _head_module(model) is None
+    out, head = forward_features(model, input_ids=ids)
+    assert head is None and out.logits.shape[-1] == model.config.vocab_size

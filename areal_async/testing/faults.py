@@ -5,6 +5,7 @@ benchmarks/faults.py. No torch here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from areal_async.rollout import ledger
 
@@ -101,6 +102,22 @@ class RunProcess:
     def trainer_rank_pid(self, rank: int = 0) -> int:
         with open(os.path.join(self.run_dir, "trainer", f"rank{rank}.json")) as f:
             return int(json.load(f)["pid"])
+
+    def log_count(self, text: str) -> int:
+        """How often `text` appears in the run's log (e.g. "server1 healthy at": once per start)."""
+        with open(os.path.join(self.run_dir, "run.log")) as f:
+            return f.read().count(text)
+
+    @contextlib.contextmanager
+    def training_frozen(self, rank: int = 0) -> Iterator[None]:
+        """SIGSTOP a trainer rank for the duration (SIGCONT after): the run makes no step meanwhile, so a short
+        run cannot end before a recovery it is waiting for, however fast this machine is today."""
+        pid = self.trainer_rank_pid(rank)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            signal_pid(pid, signal.SIGCONT)
 
     # ---- ending -------------------------------------------------------------------------------------------------
 

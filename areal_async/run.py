@@ -462,15 +462,18 @@ async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: Bas
     return target, weights, ckpt is not None
 
 
-async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: BaseException) -> str:
-    """No server is left: save a checkpoint (the step in progress finished) and say how to resume."""
+async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: Any) -> str:
+    """No server is left: save a checkpoint when the step in progress finished (a training loop that had to be
+    cancelled may have left the trainer a step ahead), and say how to resume."""
     try:
+        if not why.stopped_cleanly:
+            raise RuntimeError("the training loop did not stop by itself")
         path = await asyncio.wait_for(ctrl.save_checkpoint(), 600)
         where = f"checkpoint v{ctrl.state.version} ({path}) saved: a rerun with the same run_dir resumes from it"
     except Exception as e:
         found = load_state(ctrl.run_dir)
-        where = (f"saving a checkpoint failed ({type(e).__name__}: {e}); the last one (v{found[0].version}, "
-                 f"{found[1]}) resumes the run" if found else f"saving a checkpoint failed ({e}) and there is none")
+        where = (f"no checkpoint saved now ({type(e).__name__}: {e}); the last one (v{found[0].version}, "
+                 f"{found[1]}) resumes the run" if found else f"no checkpoint saved now ({e}), and there is none")
     ctrl.finish(completed=False)
     session.controller = None
     return f"{why}; the run stops: {where}"

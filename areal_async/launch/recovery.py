@@ -68,7 +68,11 @@ class TrainerLost(RuntimeError):
 
 
 class NoServerServing(RuntimeError):
-    """No inference server has been serving for `recovery.no_server_timeout_s`."""
+    """No inference server has been serving for `recovery.no_server_timeout_s`. `stopped_cleanly`: the training
+    loop ended on its own after the step in progress (so the trainer and controller agree on the version and a
+    checkpoint can be saved), rather than being cancelled."""
+
+    stopped_cleanly = False
 
 
 class RunStopped(RuntimeError):
@@ -299,6 +303,7 @@ class RunRecovery:
                 if isinstance(failure, NoServerServing) and stop is not None:
                     await stop(failure)
                     await asyncio.wait({task}, timeout=stop_grace_s)
+                    failure.stopped_cleanly = task.done()
                 if not task.done():
                     task.cancel()
                 with contextlib.suppress(BaseException):
@@ -310,7 +315,7 @@ class RunRecovery:
                 return task.result()
             if isinstance(exc, TrainerError) and not exc.bad_input:
                 raise TrainerLost(str(exc)) from exc
-            if self._failure is not None:  # the body broke because of what the watch reported
+            if self._failure is not None and not self._stale(self._failure):  # broke over what the watch saw
                 failure = self._failure
                 self._take(failure)
                 raise failure from exc

@@ -278,9 +278,11 @@ def test_sync_mode_never_trains_stale_tokens(tiny_ckpt, tmp_path):
 
 
 def test_crashed_trainer_ends_the_run_cleanly(tiny_ckpt, tmp_path):
+    """Without trainer restarts (recovery.max_trainer_restarts=0; tests/test_faults.py covers the restarts)."""
     run_dir = str(tmp_path / "crash")
     proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", f"model.path={tiny_ckpt}",
-                             f"run_dir={run_dir}", "total_steps=10000", "schedule.eval_every=0", *COMMON],
+                             f"run_dir={run_dir}", "total_steps=10000", "schedule.eval_every=0",
+                             "recovery.max_trainer_restarts=0", *COMMON],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180

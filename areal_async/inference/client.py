@@ -314,12 +314,13 @@ class InferenceClient:
 
     async def init_weights_update_group(self, master_address: str, master_port: int, *,
                                         ranks_per_server: int | list[int] = 1,
-                                        group_name: str = "weight_update_group", backend: str = "nccl"
-                                        ) -> dict[str, Any]:
-        """Every server joins the trainer's broadcast group. The trainer is rank 0; server i's ranks start after
-        the ranks of servers 0..i-1 (`ranks_per_server` = each server's tensor-parallel size). The calls block
-        until the trainer joins too, so they run concurrently; the trainer must join while this is pending."""
-        urls = self.urls
+                                        group_name: str = "weight_update_group", backend: str = "nccl",
+                                        urls: list[str] | None = None) -> dict[str, Any]:
+        """Every server (or those in `urls`: a group re-formed after a server was lost) joins the trainer's
+        broadcast group. The trainer is rank 0; server i's ranks start after the ranks of servers 0..i-1
+        (`ranks_per_server` = each server's tensor-parallel size). The calls block until the trainer joins too, so
+        they run concurrently; the trainer must join while this is pending."""
+        urls = self.urls if urls is None else [u.rstrip("/") for u in urls]
         per = [ranks_per_server] * len(urls) if isinstance(ranks_per_server, int) else list(ranks_per_server)
         if len(per) != len(urls) or min(per) < 1:
             raise ValueError("ranks_per_server must be >= 1 for each server")
@@ -330,7 +331,9 @@ class InferenceClient:
             return {"master_address": master_address, "master_port": master_port, "rank_offset": offsets[i],
                     "world_size": world_size, "group_name": group_name, "backend": backend}
 
-        results = await self._pool.fanout("POST", "/init_weights_update_group", payload, check_success=True)
+        servers = [self._pool.router.servers[u] for u in urls]
+        results = await self._pool.fanout("POST", "/init_weights_update_group", payload, servers=servers,
+                                          check_success=True)
         self._groups[group_name] = [u for u, r in results.items() if not isinstance(r, BaseException)]
         return self._raise_if_failed("init_weights_update_group", results)
 

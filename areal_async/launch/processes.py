@@ -225,17 +225,20 @@ class Processes:
         return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 
     async def wait_healthy(self, servers: list[Child] | list[str], timeout_s: float, api_key: str | None = None,
-                           ) -> None:
+                           *, only: bool = False) -> None:
         """Poll GET /health of every server (children, or plain URLs of servers started elsewhere) until each
         answers 200. Fails fast, with the log tail, as soon as ANY child of this set exits: a trainer that dies
-        while the servers load must not leave the launch waiting for them."""
+        while the servers load must not leave the launch waiting for them. With `only` (a server restarted while
+        the run goes on), only the given children count, and other children's exits stay for the watch."""
         deadline = time.monotonic() + timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         pending: list[tuple[str, str]] = [(s.name, s.url or "") if isinstance(s, Child) else (s, s)
                                           for s in servers]
+        mine = [s for s in servers if isinstance(s, Child)]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while pending:
-                for child in self.exited():
+                for child in ([c for c in mine if c.proc.poll() is not None] if only else self.exited()):
+                    child.reported = True
                     raise ChildFailed(child.describe_exit())
                 pending = [(name, url or _url_from_log(self, name)) for name, url in pending]
                 for name, url in list(pending):
@@ -289,6 +292,23 @@ class Processes:
             for child in self.exited():
                 raise ChildFailed(child.describe_exit())
             await asyncio.sleep(interval_s)
+
+    def stop(self, child: Child, grace_s: float = 10.0) -> None:
+        """Stop one child on purpose (a hung server, a trainer job being replaced): SIGTERM its process group, then
+        SIGKILL after `grace_s` (0: at once; a SIGSTOPped process only obeys SIGKILL), and forget it. Its exit is
+        never reported by `exited()`. Blocking: call it off the event loop."""
+        child.expected_exit = True
+        if child.proc.poll() is None and grace_s > 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.proc.pid, signal.SIGKILL)  # grandchildren (torchrun's workers) too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=10)
+        if child in self.children:
+            self.children.remove(child)  # its pid may be reused: shutdown must not signal that group later
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child's process group, wait up to grace_s, then SIGKILL what is left."""

@@ -508,6 +508,47 @@ class SlurmConfig(_Section):
         _check(self.node_timeout_s > 0, _key(prefix, "node_timeout_s"), "must be > 0")
 
 
+class RecoveryConfig(_Section):
+    """What a run does when a part of it fails (launch/recovery.py): dead and hung servers are restarted and caught
+    up to the current weights, a dead trainer rolls the run back to its last checkpoint, and only "no server left
+    serving" or spent retries end it, with a resumable checkpoint."""
+
+    enabled: bool = True
+    """false: any dead server or trainer ends the run at once, with its log tail."""
+    max_server_restarts: int = 3
+    """Restarts of one server within server_restart_window_s; beyond that it stays out of the run."""
+    server_restart_window_s: float = 3600.0
+    """The window max_server_restarts counts over (a server that fails once a day is restarted every time)."""
+    restart_backoff_s: float = 1.0
+    """Wait before restarting a server or the trainers; doubled for every earlier restart in the window."""
+    restart_backoff_max_s: float = 60.0
+    """Cap of that wait."""
+    unhealthy_restart_s: float = 120.0
+    """A launched server that is alive but out of rotation (hung, answering errors, failing its weight loads) or
+    silent on /health for this long is killed and restarted; 0: never."""
+    health_interval_s: float = 2.0
+    """How often the recovery watchdog probes every launched server's /health."""
+    health_timeout_s: float = 5.0
+    """A probe unanswered within this counts as silent."""
+    no_server_timeout_s: float = 600.0
+    """The run stops (with a resumable checkpoint) when no server has been serving for this long."""
+    max_trainer_restarts: int = 2
+    """Restarts of the trainer job per run, each rolling the run back to the last checkpoint; when they are spent
+    the run stops and its last checkpoint resumes it."""
+    keep_checkpoints: int = 2
+    """Resumable checkpoints kept in run_dir/checkpoints (older ones go once a newer one is complete); 0: all."""
+
+    def validate(self, prefix: str = "") -> None:
+        for name in ("max_server_restarts", "max_trainer_restarts", "keep_checkpoints"):
+            _check(getattr(self, name) >= 0, _key(prefix, name), "must be >= 0")
+        for name in ("server_restart_window_s", "health_interval_s", "health_timeout_s", "no_server_timeout_s"):
+            _check(getattr(self, name) > 0, _key(prefix, name), "must be > 0")
+        for name in ("restart_backoff_s", "unhealthy_restart_s"):
+            _check(getattr(self, name) >= 0, _key(prefix, name), "must be >= 0")
+        _check(self.restart_backoff_max_s >= self.restart_backoff_s, _key(prefix, "restart_backoff_max_s"),
+               "must be >= restart_backoff_s")
+
+
 def _sampling_temperature(t: float) -> float:
     return t if t > 1e-6 else 1.0
 
@@ -540,6 +581,8 @@ class RunConfig(_Section):
     slurm: as srun steps of a Slurm job (the slurm section)."""
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
     """launcher=slurm."""
+    recovery: RecoveryConfig = msgspec.field(default_factory=RecoveryConfig)
+    """Fault recovery: restarting servers and trainers, rolling back to checkpoints."""
 
     def __post_init__(self) -> None:
         # the derived fields (see the module docstring); copies, so a section shared by two configs stays put
@@ -549,7 +592,7 @@ class RunConfig(_Section):
 
     def validate(self, prefix: str = "") -> None:
         _check(bool(self.run_dir), _key(prefix, "run_dir"), "must not be empty")
-        for name in ("data", "server", "schedule", "rollout", "train", "eval", "slurm"):
+        for name in ("data", "server", "schedule", "rollout", "train", "eval", "slurm", "recovery"):
             getattr(self, name).validate(_key(prefix, name))
 
 

@@ -28,7 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["new_custom_group", "open_store", "connect_store", "unbound_default_group", "concrete_device"]
+__all__ = ["new_custom_group", "open_store", "connect_store", "unbound_default_group", "concrete_device",
+           "bind_cuda", "device_uuid"]
 
 
 def concrete_device(device: torch.device | str) -> torch.device:
@@ -37,6 +38,25 @@ def concrete_device(device: torch.device | str) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def bind_cuda(device: torch.device) -> None:
+    """Make `device` this thread's current CUDA device (the current device is per thread); no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(concrete_device(device))
+
+
+def device_uuid(device: torch.device | str) -> str:
+    """The physical identity of a CUDA device ("" for CPU): the same GPU gives the same string in every process,
+    whatever CUDA_VISIBLE_DEVICES renumbered. Two members of one NCCL group on one GPU fail ("Duplicate GPU"),
+    so the controller compares the trainer's and the servers' before it picks the broadcast's backend."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return ""
+    try:
+        return str(torch.cuda.get_device_properties(concrete_device(dev)).uuid)
+    except (AttributeError, RuntimeError, AssertionError):  # an old torch, or no CUDA
+        return ""
 
 
 @contextlib.contextmanager

@@ -48,9 +48,10 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def cut_back(path: str, version: int) -> None:
+def cut_back(path: str, version: int, keep_kinds: tuple[str, ...] = ("recovery",)) -> None:
     """Keep only the records of steps <= `version` (a resume from a checkpoint at that version: the records a killed
-    run wrote after it would otherwise appear twice). A torn last line is dropped. Atomic."""
+    run wrote after it would otherwise appear twice), and every record of `keep_kinds` (what happened to the run
+    stays true after it goes back). A torn last line is dropped. Atomic."""
     if not os.path.exists(path):
         return
     kept = []
@@ -60,7 +61,7 @@ def cut_back(path: str, version: int) -> None:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 break
-            if rec.get("step", 0) <= version:
+            if rec.get("step", 0) <= version or rec.get("kind") in keep_kinds:
                 kept.append(json.dumps(rec) + "\n")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import importlib.util
 import json
 import logging
@@ -30,8 +31,8 @@ import msgspec
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config_help import describe
-from areal_async.launch import (Cluster, ElasticBroadcastSync, Launcher, failure_policy, interrupt_on_sigterm,
-                                launcher_for, supervise)
+from areal_async.launch import (ChildFailed, Cluster, ElasticBroadcastSync, Launcher, failure_policy,
+                                interrupt_on_sigterm, launcher_for, supervise)
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
 from areal_async.rollout.weight_sync import DiskSync, WeightSync
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
@@ -80,6 +81,9 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     `workflow` replaces the one `rollout.workflow` names: a Workflow, or a factory `f(cfg, tokenizer, score)`."""
     cfg = msgspec.structs.replace(cfg)  # re-derives the derived fields of a config built in Python
     cfg.validate()
+    from areal_async.launch.placement import plan_placement
+
+    plan_placement(cfg)  # the GPU layout and SGLang's arguments, checked on this host (launch/placement.py)
     model_path = resolve_model(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
@@ -178,30 +182,41 @@ def _build_workflow(cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn, given:
 
 def open_run_dir(plan: RunPlan) -> RunState:
     """Resume (cut the run's records back to the checkpoint) or start over (set older records aside)."""
-    from areal_async.metrics import cut_back, keep_aside
-    from areal_async.rollout.ledger import FILE_NAME, truncate
+    from areal_async.launch.recovery import LOG_FILE
+    from areal_async.metrics import keep_aside
+    from areal_async.rollout.ledger import FILE_NAME
 
     run_dir = plan.cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
     if not plan.cfg.resume and os.path.isdir(os.path.join(run_dir, "checkpoints")):
         shutil.rmtree(os.path.join(run_dir, "checkpoints"))
-    metrics, ledger = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, FILE_NAME)
     if plan.resumed:
         state, ckpt = plan.resumed
-        cut_back(metrics, state.version)
-        truncate(ledger, state.version)
+        rewind_records(run_dir, state.version)
         log.info("resuming from %s at version %d (next draw %d, %d to draw again)", ckpt, state.version,
                  state.data_position, len(state.pending))
     else:
         state = RunState()
-        for path in (metrics, ledger):
-            kept = keep_aside(path)
+        for name in ("metrics.jsonl", FILE_NAME, LOG_FILE):
+            kept = keep_aside(os.path.join(run_dir, name))
             if kept:
-                log.info("a new run in %s: the previous %s is kept as %s", run_dir, os.path.basename(path),
-                         os.path.basename(kept))
+                log.info("a new run in %s: the previous %s is kept as %s", run_dir, name, os.path.basename(kept))
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(to_dict(plan.cfg), f, indent=2)
     return state
+
+
+def rewind_records(run_dir: str, version: int) -> None:
+    """Bring the run's records back to a checkpoint at `version` (a resume, or a rollback after the trainers
+    failed): metrics.jsonl and trained_index.jsonl lose what came after it (so the ledger invariant holds over the
+    final file), and later checkpoints and published weights go. Close the files' writers first."""
+    from areal_async.metrics import cut_back
+    from areal_async.rollout.controller import discard_after
+    from areal_async.rollout.ledger import FILE_NAME, truncate
+
+    cut_back(os.path.join(run_dir, "metrics.jsonl"), version)
+    truncate(os.path.join(run_dir, FILE_NAME), version)
+    discard_after(run_dir, version)
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
@@ -216,12 +231,20 @@ class Session:
     client: Any = None
     trainers: Any = None
     controller: AsyncRLController | None = None
+    recovery: Any = None  # the RunRecovery policy, when recovery.enabled (set by failure_policy)
+    recovery_log: Any = None  # RecoveryLog: every fault and what was done
+
+    def log_metrics(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        if self.logger is not None:
+            self.logger.log(kind, step, values)
 
     async def close(self) -> None:
         """Close what is open, trainers first (they exit on request); each part once."""
         ctrl, trainers, client, rewards, logger = (self.controller, self.trainers, self.client, self.rewards,
                                                    self.logger)
         self.controller = self.trainers = self.client = self.rewards = self.logger = None
+        if self.recovery is not None:
+            await self.recovery.close()
         if ctrl is not None:
             ctrl.finish(completed=False)  # closes the ledger file (its end line was written by a normal finish)
         if trainers is not None:
@@ -240,66 +263,247 @@ async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = 
     the one `server.backend` picks (`launch.launcher_for`)."""
     from areal_async.metrics import MetricsLogger
 
+    from areal_async.launch.recovery import RecoveryLog, RunLock, RunStopped
+
     plan = prepare(cfg, workflow)
     session = Session(rewards=plan.rewards)
     cluster: Cluster | None = None
+    lock = RunLock(plan.cfg.run_dir)
+    ended = "failed"
     try:
+        try:
+            crashed = lock.acquire()
+        except RuntimeError as e:
+            raise ConfigError(f"run_dir: {e}") from None
         state = open_run_dir(plan)
         session.logger = MetricsLogger(plan.cfg.run_dir)
+        session.recovery_log = rlog = RecoveryLog(plan.cfg.run_dir)
+        rlog.metrics = session.log_metrics
+        rlog.version = lambda: session.controller.state.version if session.controller else state.version
+        if crashed is not None:
+            _record_controller_restart(rlog, crashed, plan)
         launcher = launcher or launcher_for(plan.cfg)
         cluster = await launcher.launch(plan.cfg, model_path=plan.model_path, trainer_resume=plan.trainer_resume)
-        return await supervise(train(plan, state, cluster, session), cluster,
-                               failure_policy(plan.cfg, cluster, session))
+        try:
+            out = await supervise(train(plan, state, cluster, session), cluster,
+                                  failure_policy(plan.cfg, cluster, session))
+        except RunStopped as e:
+            _write_stopped(plan.cfg.run_dir, str(e), rlog)
+            raise
+        ended = "stopped"
+        return out
     finally:
         await session.close()
         if cluster is not None:
             await cluster.shutdown()
+        lock.release(ended)
+
+
+def _record_controller_restart(rlog: Any, crashed: dict[str, Any], plan: RunPlan) -> None:
+    started = crashed.get("started")
+    when = time.strftime("%H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    what = f"the controller (pid {crashed.get('pid', '?')}, started {when}) ended without stopping (killed?)"
+    rlog.record("fault", "controller_exited", "controller", what, "rerun with the same run_dir")
+    if plan.resumed:
+        st, ckpt = plan.resumed
+        rlog.record("recovered", "controller_resumed", "controller", f"resumed from {ckpt}",
+                    f"version {st.version}, next draw {st.data_position}, {len(st.pending)} draws to draw again; "
+                    "records after the checkpoint cut back")
+    else:
+        rlog.record("recovered", "controller_resumed", "controller", "no checkpoint yet", "started over")
+
+
+def _write_stopped(run_dir: str, why: str, rlog: Any) -> None:
+    """summary.json of a run that stopped before its end: why, and what recovery did."""
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump({"completed": False, "stopped": why, "recovery": rlog.summary()}, f, indent=2)
 
 
 async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Session) -> dict[str, Any]:
-    """The RL run on a launched cluster: connect, bring the servers to the run's version, train, save, report."""
+    """The RL run on a launched cluster: connect, bring the servers to the run's version, train, save, report.
+
+    Under a recovery policy the training runs in segments: when the trainer job fails, `roll_back` restarts it
+    from the last checkpoint, the controller starts again from that checkpoint's state, and the run goes on."""
     from areal_async.inference.client import InferenceClient
-    from areal_async.rollout.ledger import FILE_NAME, SampleLedger
-    from areal_async.rollout.samples import SampleStream
-    from areal_async.train.client import TrainerGroup
+    from areal_async.launch.recovery import NoServerServing, RunStopped, TrainerLost
 
     cfg, t0 = plan.cfg, time.monotonic()
-    tr = cluster.trainers
-    session.trainers = trainers = await TrainerGroup.connect(tr.rendezvous_dir, tr.world_size, tr.secret,
-                                                             timeout=cfg.train.connect_timeout_s)
+    rec = session.recovery
+    launch_state = copy.deepcopy(state)
+    session.trainers = trainers = await connect_trainers(cluster, cfg)
     urls = [s.url for s in cluster.servers]
-    session.client = client = InferenceClient(urls, api_key=cfg.server.api_key)
+    rc = cfg.recovery
+    # with recovery, requests wait for a server as long as the run does (no_server_timeout_s) before failing
+    session.client = client = InferenceClient(
+        urls, api_key=cfg.server.api_key, health_timeout_s=rc.health_timeout_s,
+        **({"unavailable_timeout_s": rc.no_server_timeout_s} if rc.enabled else {}))
     weights = await connect_weights(plan, trainers, client, cluster)
+    if rec is not None:
+        rec.attach(client)
     if plan.resumed:  # the servers start from the base model: bring them to the resumed version
         await weights.prepare(state.version)
         await weights.apply(state.version, flush_cache=True)
-    log.info("servers %s and %d trainer rank(s) ready in %.1fs", urls, tr.world_size, time.monotonic() - t0)
-    session.controller = ctrl = AsyncRLController(
-        cfg.schedule, client, trainers, plan.workflow, SampleStream(plan.train_samples, seed=cfg.seed), cfg.run_dir,
-        weights=weights, evaluator=make_evaluator(plan, client) if plan.eval_samples else None,
-        logger=session.logger, state=state, ledger=SampleLedger(os.path.join(cfg.run_dir, FILE_NAME)),
-        busy_probe=lambda: _server_busy_s(urls, cfg.server.api_key))
-    state = await ctrl.run()
-    await ctrl.save_checkpoint()
+    log.info("servers %s and %d trainer rank(s) ready in %.1fs", urls, tr_world(cluster), time.monotonic() - t0)
+    checkpointed = plan.resumed is not None
+    while True:
+        session.controller = ctrl = make_controller(plan, state, session, weights, checkpointed)
+        segment_t0, segment_wall0 = time.monotonic(), state.wall_s
+        try:
+            state = await (rec.guard(run_and_save(ctrl), stop=ctrl.request_stop) if rec is not None
+                           else run_and_save(ctrl))
+            break
+        except TrainerLost as lost:
+            state, weights, checkpointed = await roll_back(plan, cluster, session, lost, launch_state, weights)
+            # wall time counts what the run really spent, the steps it now trains again and the recovery included
+            state.wall_s = segment_wall0 + time.monotonic() - segment_t0
+        except NoServerServing as e:
+            raise RunStopped(await _stop_without_servers(ctrl, session, e)) from e
     ctrl.finish(completed=True)
     final = await _copy_final(ctrl, cfg.run_dir)
-    summary = summarize(plan, ctrl, state, num_servers=len(urls), final_checkpoint=final)
+    summary = summarize(plan, ctrl, state, num_servers=len(urls), final_checkpoint=final,
+                        recovery=session.recovery_log.summary() if session.recovery_log else None)
     write_outputs(cfg.run_dir, summary, session.logger)
     return summary
 
 
-async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cluster) -> WeightSync:
-    """The weight transport `train.weight_sync` names; broadcast first joins trainer rank 0 and every server rank
-    into one torch.distributed group (nccl on CUDA, gloo on CPU)."""
+def tr_world(cluster: Cluster) -> int:
+    return cluster.trainers.world_size
+
+
+async def connect_trainers(cluster: Cluster, cfg: RunConfig) -> Any:
+    from areal_async.train.client import TrainerGroup
+
+    tr = cluster.trainers
+    return await TrainerGroup.connect(tr.rendezvous_dir, tr.world_size, tr.secret, timeout=cfg.train.connect_timeout_s)
+
+
+def make_controller(plan: RunPlan, state: RunState, session: Session, weights: WeightSync,
+                    checkpointed: bool) -> AsyncRLController:
+    from areal_async.rollout.ledger import FILE_NAME, SampleLedger
+    from areal_async.rollout.samples import SampleStream
+
+    cfg, client = plan.cfg, session.client
+    urls, api_key = list(client.urls), cfg.server.api_key
+    return AsyncRLController(
+        cfg.schedule, client, session.trainers, plan.workflow, SampleStream(plan.train_samples, seed=cfg.seed),
+        cfg.run_dir, weights=weights, evaluator=make_evaluator(plan, client) if plan.eval_samples else None,
+        logger=session.logger, state=state, ledger=SampleLedger(os.path.join(cfg.run_dir, FILE_NAME)),
+        busy_probe=lambda: _server_busy_s(urls, api_key), keep_checkpoints=cfg.recovery.keep_checkpoints,
+        checkpointed=checkpointed)
+
+
+async def run_and_save(ctrl: AsyncRLController) -> RunState:
+    state = await ctrl.run()
+    await ctrl.save_checkpoint()
+    return state
+
+
+async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException,
+                    launch_state: RunState, weights: WeightSync) -> tuple[RunState, WeightSync, bool]:
+    """The trainer job failed: restart it from the last checkpoint (or the base model when there is none yet),
+    bring the controller state, the sample ledger, metrics.jsonl and the servers' weights back to that version,
+    and return (state, weight sync, whether the state is a checkpoint's). Raises `RunStopped` once
+    `recovery.max_trainer_restarts` are spent: the last checkpoint then resumes the run."""
+    from areal_async.launch.recovery import RunStopped, TrainerLost
+    from areal_async.metrics import MetricsLogger
+    from areal_async.rollout.controller import rollback_target
+    from areal_async.train.client import TrainerError
+
+    cfg, rec, rlog = plan.cfg, session.recovery, session.recovery_log
+    ctrl = session.controller
+    failed_at = ctrl.state.version if ctrl is not None else launch_state.version
+    base_accuracy = ctrl.state.base_accuracy if ctrl is not None else None
+    if ctrl is not None:
+        ctrl.finish(completed=False)  # closes its ledger file before the file is cut back
+        session.controller = None
+    t_lost = time.monotonic()
+    while True:
+        target, ckpt = rollback_target(cfg.run_dir, launch_state)
+        where = f"checkpoint v{target.version} ({ckpt})" if ckpt else "the base model (no checkpoint yet)"
+        delay = rec.trainer_restart_delay()
+        if delay is None:
+            resume = (f"its last checkpoint (v{target.version}, {ckpt}) resumes it: run the same command again"
+                      if ckpt else "no checkpoint was saved, so a rerun starts over")
+            rlog.record("fault", "trainer_failed", "trainer", str(lost), "no restart left", version=failed_at)
+            rlog.record("gave_up", "trainer_restarts_spent", "trainer",
+                        f"{rec.trainer_restarts} restart(s) spent (recovery.max_trainer_restarts)",
+                        "the run stops; " + resume, version=failed_at)
+            raise RunStopped(f"the trainer job failed ({str(lost).splitlines()[0]}) and its restarts are spent "
+                             f"(recovery.max_trainer_restarts={cfg.recovery.max_trainer_restarts}); {resume}")
+        rlog.record("fault", "trainer_failed", "trainer", str(lost),
+                    f"restart {rec.trainer_restarts} of {cfg.recovery.max_trainer_restarts} in {delay:.1f}s from "
+                    f"{where}", version=failed_at)
+        if session.trainers is not None:
+            with contextlib.suppress(Exception):
+                await session.trainers.close()
+            session.trainers = None
+        await asyncio.sleep(delay)
+        try:
+            await rec.guard(cluster.restart_trainers(os.path.join(ckpt, "trainer") if ckpt else None))
+            session.trainers = await rec.guard(connect_trainers(cluster, cfg))
+            break
+        except NotImplementedError as e:  # e.g. agents started by hand on other nodes
+            rlog.record("gave_up", "trainer_not_restartable", "trainer", str(e), "the run stops", version=failed_at)
+            raise RunStopped(f"the trainer job failed ({str(lost).splitlines()[0]}) and cannot be restarted by "
+                             f"this run ({e}); the last checkpoint resumes it") from e
+        except (TrainerLost, TrainerError, ConnectionError, TimeoutError, ChildFailed) as e:
+            lost = e  # the new job failed too: counts as another restart
+    if target.version == 0 and target.base_accuracy is None:
+        target.base_accuracy = base_accuracy  # the base model's eval is not run twice
+    if session.logger is not None:
+        session.logger.close()
+    rewind_records(cfg.run_dir, target.version)
+    session.logger = MetricsLogger(cfg.run_dir)
+    weights = await connect_weights(plan, session.trainers, session.client, cluster, previous=weights)
+    await weights.prepare(target.version)
+    await weights.apply(target.version, flush_cache=True)
+    held = {u: st["version"] for u, st in session.client.stats()["servers"].items() if st["state"] == "serving"}
+    rlog.record("recovered", "trainer_recovered", "trainer", f"the trainer job failed at version {failed_at}",
+                f"trainers restarted from {where}; controller state, sample ledger, metrics and the servers' "
+                f"weights rolled back to version {target.version}", recover_s=time.monotonic() - t_lost,
+                steps_redone=failed_at - target.version, version=target.version, server_versions=held)
+    return target, weights, ckpt is not None
+
+
+async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: Any) -> str:
+    """No server is left: save a checkpoint when the step in progress finished (a training loop that had to be
+    cancelled may have left the trainer a step ahead), and say how to resume."""
+    try:
+        if not why.stopped_cleanly:
+            raise RuntimeError("the training loop did not stop by itself")
+        path = await asyncio.wait_for(ctrl.save_checkpoint(), 600)
+        where = f"checkpoint v{ctrl.state.version} ({path}) saved: a rerun with the same run_dir resumes from it"
+    except Exception as e:
+        found = load_state(ctrl.run_dir)
+        where = (f"no checkpoint saved now ({type(e).__name__}: {e}); the last one (v{found[0].version}, "
+                 f"{found[1]}) resumes the run" if found else f"no checkpoint saved now ({e}), and there is none")
+    ctrl.finish(completed=False)
+    session.controller = None
+    return f"{why}; the run stops: {where}"
+
+
+async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cluster,
+                          previous: WeightSync | None = None) -> WeightSync:
+    """The weight transport `train.weight_sync` names. Broadcast first joins trainer rank 0 and every server rank
+    into one torch.distributed group (nccl on CUDA, gloo on CPU); the group follows the fleet (servers joining,
+    leaving, dying or restarted make the next update form a new one: launch/fleet.py), and a server that comes back
+    catches up from a checkpoint the trainers publish on demand. `previous`: the transport of a trainer job that
+    was replaced (broadcast keeps counting its groups, whose names the servers will not reuse)."""
     cfg = plan.cfg
     if cfg.train.weight_sync == "disk":
         return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
-    device = (await trainers.info())[0].device
-    per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
-    # the group is formed again, under a new name, at the first update after servers join or leave (launch/fleet.py)
-    sync = ElasticBroadcastSync(trainers, client, cluster.trainers.master_address, ranks_per_server=per_server,
-                                backend="nccl" if device.startswith("cuda") else "gloo", api_key=cfg.server.api_key)
+    if isinstance(previous, ElasticBroadcastSync):
+        sync = previous
+        sync.set_trainers(trainers)
+        sync.master_address = cluster.trainers.master_address
+    else:
+        device = (await trainers.info())[0].device
+        per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
+        sync = ElasticBroadcastSync(trainers, client, cluster.trainers.master_address, ranks_per_server=per_server,
+                                    backend="nccl" if device.startswith("cuda") else "gloo",
+                                    api_key=cfg.server.api_key, catch_up_root=os.path.join(cfg.run_dir, "weights"))
     await sync.form_group()
+    client.weight_source = sync.publish_current
     return sync
 
 
@@ -331,7 +535,7 @@ async def _copy_final(ctrl: AsyncRLController, run_dir: str) -> str | None:
 
 
 def summarize(plan: RunPlan, ctrl: AsyncRLController, state: RunState, *, num_servers: int,
-              final_checkpoint: str | None) -> dict[str, Any]:
+              final_checkpoint: str | None, recovery: dict[str, Any] | None = None) -> dict[str, Any]:
     s = plan.cfg.schedule
     return {
         "mode": s.mode,
@@ -355,6 +559,9 @@ def summarize(plan: RunPlan, ctrl: AsyncRLController, state: RunState, *, num_se
         "evals": ctrl.evals,
         "final_checkpoint": final_checkpoint,
         "model": plan.model_path,
+        "completed": True,
+        # faults and what was done about them, over every controller this run directory had (recoveries.jsonl)
+        "recovery": recovery,
     }
 
 
@@ -404,6 +611,10 @@ def print_summary(s: dict[str, Any]) -> None:
         ("max staleness seen", str(s["max_staleness_seen"])),
         ("final checkpoint", str(s["final_checkpoint"])),
     ]
+    rec = s.get("recovery")
+    if rec and rec.get("faults"):
+        rows.insert(-1, ("faults recovered", f"{rec['recovered']} of {rec['faults']} "
+                                             f"({', '.join(f'{k} {v}' for k, v in sorted(rec['by_event'].items()))})"))
     width = max(len(k) for k, _ in rows)
     print("\n" + "=" * 60)
     for k, v in rows:

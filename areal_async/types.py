@@ -91,6 +91,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
     reward: float
     group_id: int = -1  # samples of one prompt group share it (the rollout manager sets it); advantages are per group
     prompt_len: int = 0  # tokens before the first generated one (for overlong penalties and stats)
+    # free-form; one key is read by the trainer: info["episode_weight"] (EPISODE_WEIGHT_KEY), this sample's weight
+    # in its group's baseline (finite, > 0; 1.0 when absent), set by the agent's per_call export
     info: dict[str, float | int | str | bool] = {}
 
     @property
@@ -98,10 +100,21 @@ class Trajectory(msgspec.Struct, kw_only=True):
         return sum(self.loss_mask)
 
 
-class TrainBatch(msgspec.Struct, kw_only=True):
+EPISODE_WEIGHT_KEY = "episode_weight"
+
+
+def baseline_weight(traj: Trajectory) -> float:
+    """The weight of `traj` in its group's baseline: `info["episode_weight"]`, 1.0 when absent (unchecked; the
+    train client's `validate_trajectories` checks it before anything is sent)."""
+    return float(traj.info.get(EPISODE_WEIGHT_KEY, 1.0))
+
+
+class TrainBatch(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A shard of trajectories for one trainer rank, packed end to end (no padding).
 
-    Groups are never split across ranks, so advantages can be computed locally per group.
+    Groups are never split across ranks, so advantages can be computed locally per group. `baseline_weights` is
+    sent only when some sequence weighs other than 1.0 (omit_defaults: a batch without it encodes exactly as it
+    did before the field existed).
     """
 
     input_ids: Array  # int32 [N] all sequences concatenated
@@ -115,12 +128,17 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     policy_version: int  # the trainer's version before this step (v); tokens are at least v - eta
     global_response_tokens: int  # sum of loss_mask over all ranks' shards: the loss normaliser
     global_num_seqs: int  # number of sequences over all ranks
+    # float32 [B] weight of each sequence in its group's baseline and the batch normalisation (train/advantages.py);
+    # None: every sequence weighs 1.0
+    baseline_weights: Array | None = None
 
 
 def pack_trajectories(trajs: list[Trajectory], policy_version: int, global_response_tokens: int,
                       global_num_seqs: int) -> TrainBatch:
-    """Concatenate trajectories into one `TrainBatch` of flat arrays."""
+    """Concatenate trajectories into one `TrainBatch` of flat arrays; `baseline_weights` only when some
+    trajectory's `baseline_weight` (as float32) is not 1.0."""
     seq_lens = np.array([len(t.input_ids) for t in trajs], dtype=np.int32)
+    weights = np.array([baseline_weight(t) for t in trajs], dtype=np.float32)
 
     def cat(field: str, dtype: str) -> Array:
         flat = np.fromiter((x for t in trajs for x in getattr(t, field)), dtype=dtype, count=int(seq_lens.sum()))
@@ -138,6 +156,7 @@ def pack_trajectories(trajs: list[Trajectory], policy_version: int, global_respo
         policy_version=policy_version,
         global_response_tokens=global_response_tokens,
         global_num_seqs=global_num_seqs,
+        baseline_weights=Array.from_numpy(weights) if bool((weights != 1.0).any()) else None,
     )
 
 
@@ -220,3 +239,4 @@ class TrainerInfo(msgspec.Struct, kw_only=True):
     device: str
     num_params: int
     host: str = ""  # an address of this rank's host the inference servers can reach (the broadcast rendezvous)
+    gpu_uuid: str = ""  # the physical GPU of this rank ("" on CPU): a server on the same GPU cannot join by nccl

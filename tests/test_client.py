@@ -467,7 +467,7 @@ async def test_real_server_greedy_and_many_concurrent(tiny_ckpt):
     from areal_async.inference.server import start_server
 
     prompt = [10, 11, 12, 13, 14]
-    async with await start_server(tiny_ckpt, port=0) as server, fast_client([server.url]) as c:
+    async with await start_server(tiny_ckpt, port=0, device="cpu") as server, fast_client([server.url]) as c:
         one = await c.agenerate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
                                 return_text=True)
         two = await c.agenerate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
@@ -492,8 +492,8 @@ async def test_real_server_greedy_and_many_concurrent(tiny_ckpt):
 async def test_real_servers_routing_and_failover(tiny_ckpt):
     from areal_async.inference.server import start_server
 
-    a = await start_server(tiny_ckpt, port=0)
-    b = await start_server(tiny_ckpt, port=0)
+    a = await start_server(tiny_ckpt, port=0, device="cpu")
+    b = await start_server(tiny_ckpt, port=0, device="cpu")
     restarted = None
     try:
         async with fast_client([a.url, b.url]) as c:
@@ -521,7 +521,7 @@ async def test_real_servers_routing_and_failover(tiny_ckpt):
             assert c.stats()["failovers"] >= 1 and not c.stats()["servers"][a.url]["healthy"]
             assert {r.server for r in results} == {b.url}
 
-            restarted = await start_server(tiny_ckpt, port=port)
+            restarted = await start_server(tiny_ckpt, port=port, device="cpu")
             await _wait_healthy(c, a.url)
             more = await asyncio.gather(*(c.agenerate(p, SamplingParams(max_new_tokens=4)) for p in prompts))
             assert {r.server for r in more} == {a.url, b.url}

@@ -50,7 +50,7 @@ async def start(ckpt: str, tmp_path, name: str, port: int = 0) -> ServerProcess:
     with open(log_path, "w") as log:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "areal_async.serve", "--model", ckpt, "--port", str(port),
-            "--max-total-tokens", "8192", stdout=subprocess.PIPE, stderr=log,
+            "--max-total-tokens", "8192", "--device", "cpu", stdout=subprocess.PIPE, stderr=log,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = (await asyncio.wait_for(proc.stdout.readline(), 240)).decode()
     if not line.startswith(READY_PREFIX):

@@ -25,7 +25,10 @@ pytestmark = pytest.mark.slow
 
 COMMON = ["schedule.batch_size=4", "rollout.group_size=4", "rollout.max_new_tokens=200", "eval.num_prompts=8",
           "eval.max_new_tokens=16", "data.num_train=200", "data.num_eval=8", "train.micro_batch_tokens=1024",
-          "server.max_total_tokens=16384"]
+          "server.max_total_tokens=16384",
+          # the CPU paths and their fp32 numerics on any host (device=auto is CUDA and bf16 where there is a GPU;
+          # tests/test_gpu_e2e.py runs the same on CUDA)
+          "server.device=cpu", "train.device=cpu"]
 
 
 def run_cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -48,6 +51,8 @@ def resolved(lines: list[dict]) -> set[int]:
 
 
 def child_pids(run_dir: str) -> list[int]:
+    """Every process the run started, read while it runs: the launched children from run.log (the server and the
+    torchrun agent) and the trainer ranks from their rank files (grandchildren, removed when a rank exits)."""
     with open(os.path.join(run_dir, "run.log")) as f:
         pids = [int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", f.read())]
     trainer_dir = os.path.join(run_dir, "trainer")
@@ -56,6 +61,14 @@ def child_pids(run_dir: str) -> list[int]:
             if name.endswith(".json"):
                 with open(os.path.join(trainer_dir, name)) as f:
                     pids.append(json.load(f)["pid"])
+    return pids
+
+
+def running_children(run_dir: str, expected: int) -> list[int]:
+    """The run's processes, all `expected` of them alive now: an orphan check over an empty list would pass
+    whatever happened."""
+    pids = child_pids(run_dir)
+    assert len(set(pids)) >= expected and all(alive(p) for p in pids), (pids, [alive(p) for p in pids])
     return pids
 
 
@@ -80,7 +93,8 @@ def wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
 @pytest.fixture(scope="module")
 def async_run(tiny_ckpt, tmp_path_factory) -> str:
     run_dir = str(tmp_path_factory.mktemp("e2e") / "async")
-    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=3", "total_steps=4",
+    # eta=1 over 4 steps: the bound can bite (tokens of version 0 trained at step 4 would be 3 versions stale)
+    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=1", "total_steps=4",
                  "schedule.eval_every=2", "schedule.checkpoint_every=2", "server.max_running_requests=4", *COMMON])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run_dir
@@ -92,13 +106,14 @@ def test_async_run_outputs_and_staleness_bound(async_run):
     for key in ("base_accuracy", "final_accuracy", "wall_s", "mode", "eta", "trained_samples", "max_staleness_seen",
                 "interrupt_mode", "dropped"):
         assert key in s
-    assert s["mode"] == "async" and s["eta"] == 3 and s["steps"] == 4 and s["interrupt_mode"] == "abort"
+    assert s["mode"] == "async" and s["eta"] == 1 and s["steps"] == 4 and s["interrupt_mode"] == "abort"
     assert s["trained_samples"] == 4 * 4 * 4
     train = records(async_run, "train")
     assert [r["version"] for r in train] == [1, 2, 3, 4]
     # every trained token was produced by a policy at most eta versions old (computed from per-token versions)
-    assert all(r["staleness_max"] <= 3 for r in train)
-    assert s["max_staleness_seen"] <= 3
+    assert all(r["staleness_max"] <= 1 for r in train)
+    assert s["max_staleness_seen"] <= 1
+    assert sum(s["staleness_hist"].values()) > 0 and set(map(int, s["staleness_hist"])) <= {0, 1}
     # interruption is real: some trajectories were interrupted and carry tokens of two versions
     assert any(r["interrupted_frac"] > 0 for r in train), train
     assert any(r["multi_version_frac"] > 0 for r in train), train
@@ -118,29 +133,36 @@ def test_async_run_outputs_and_staleness_bound(async_run):
     ledger.check_invariant(lines)
 
 
-def test_resume_continues_version_and_data_position(async_run, tiny_ckpt):
-    with open(os.path.join(async_run, "checkpoints", "latest.json")) as f:
+def test_resume_continues_version_and_data_position(async_run, tiny_ckpt, tmp_path):
+    # a copy: the other tests read the finished run as it is, in any order (its checkpoint path stays absolute)
+    run_dir = str(tmp_path / "resumed")
+    shutil.copytree(async_run, run_dir)
+    with open(os.path.join(run_dir, "checkpoints", "latest.json")) as f:
         before = json.load(f)
     assert before["version"] == 4
     # what the final checkpoint had not seen resolved: what the end line names (written after the checkpoint)
-    end = index_lines(async_run)[-1]
+    end = index_lines(run_dir)[-1]
     assert set(before["pending"]) == resolved([end]) and before["pending"]
-    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={async_run}", "mode=async", "eta=3", "total_steps=6",
+    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=1", "total_steps=6",
                  "schedule.eval_every=0", *COMMON])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "resuming from" in p.stdout
-    train = records(async_run, "train")
+    train = records(run_dir, "train")
     assert [r["version"] for r in train] == [1, 2, 3, 4, 5, 6]
-    assert all(r["staleness_max"] <= 3 for r in train)
-    with open(os.path.join(async_run, "checkpoints", "latest.json")) as f:
+    assert all(r["staleness_max"] <= 1 for r in train)
+    with open(os.path.join(run_dir, "checkpoints", "latest.json")) as f:
         after = json.load(f)
     assert after["version"] == 6
-    assert after["data_position"] > before["data_position"]
     assert after["trained_samples"] == 6 * 16
-    lines = index_lines(async_run)
+    lines = index_lines(run_dir)
     assert [r.get("version") for r in lines[:-1]] == [1, 2, 3, 4, 5, 6]  # the first run's end line was cut
     ledger.check_invariant(lines)
     assert set(before["pending"]) <= resolved(lines[4:])  # drawn again after the resume
+    # the resumed run went on drawing where the first stopped: every draw 0..data_position-1 is accounted for
+    # exactly once over both runs, and it drew fresh samples beyond the first run's
+    assert resolved(lines) == set(range(after["data_position"]))
+    assert after["data_position"] > before["data_position"]
+    assert set(after["pending"]) == resolved([lines[-1]])
 
 
 def test_killed_controller_resumes_with_exact_accounting(tiny_ckpt, tmp_path):
@@ -158,12 +180,13 @@ def test_killed_controller_resumes_with_exact_accounting(tiny_ckpt, tmp_path):
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "no third train step within 180 s"
             time.sleep(0.05)
+        children = running_children(run_dir, 3)  # the server, the torchrun agent, trainer rank 0
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not wait_gone(child_pids(run_dir)), "the controller's children outlived it"
+    assert not wait_gone(children), "the controller's children outlived it"
     with open(os.path.join(run_dir, "checkpoints", "latest.json")) as f:
         ckpt = json.load(f)
     killed = index_lines(run_dir)
@@ -192,7 +215,7 @@ def embedded_server_reports_version_spans(ckpt: str) -> bool:
     from areal_async.inference.server import start_server
 
     async def probe() -> bool:
-        async with await start_server(ckpt, port=0) as server, aiohttp.ClientSession() as s:
+        async with await start_server(ckpt, port=0, device="cpu") as server, aiohttp.ClientSession() as s:
             body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
             async with s.post(server.url + "/generate", json=body) as r:
                 return "weight_version_spans" in (await r.json())["meta_info"]
@@ -255,9 +278,11 @@ def test_sync_mode_never_trains_stale_tokens(tiny_ckpt, tmp_path):
 
 
 def test_crashed_trainer_ends_the_run_cleanly(tiny_ckpt, tmp_path):
+    """Without trainer restarts (recovery.max_trainer_restarts=0; tests/test_faults.py covers the restarts)."""
     run_dir = str(tmp_path / "crash")
     proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", f"model.path={tiny_ckpt}",
-                             f"run_dir={run_dir}", "total_steps=10000", "schedule.eval_every=0", *COMMON],
+                             f"run_dir={run_dir}", "total_steps=10000", "schedule.eval_every=0",
+                             "recovery.max_trainer_restarts=0", *COMMON],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -266,6 +291,7 @@ def test_crashed_trainer_ends_the_run_cleanly(tiny_ckpt, tmp_path):
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "no train step within 180 s"
             time.sleep(0.5)
+        children = running_children(run_dir, 3)  # the server, the torchrun agent, trainer rank 0
         with open(os.path.join(run_dir, "trainer", "rank0.json")) as f:
             os.kill(json.load(f)["pid"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
@@ -274,9 +300,93 @@ def test_crashed_trainer_ends_the_run_cleanly(tiny_ckpt, tmp_path):
             proc.kill()
     assert proc.returncode == 1, out[-3000:]
     assert "trainer" in out and ("exited" in out or "connection" in out.lower()), out[-3000:]
-    time.sleep(1.0)
-    leftovers = [pid for pid in child_pids(run_dir) if alive(pid)]
-    assert not leftovers, f"orphans: {leftovers}"
+    assert not wait_gone(children, timeout=30), "orphans"
+
+
+def served(url: str) -> float:
+    """Seconds of model compute the embedded server at `url` has done (its /server_info busy_s); -1 if down."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/server_info", timeout=5) as r:
+            return float(json.loads(r.read())["busy_s"])
+    except (OSError, ValueError, KeyError):
+        return -1.0
+
+
+def test_waiting_updates_with_two_servers_and_two_trainer_ranks(tiny_ckpt, tmp_path):
+    """schedule.interruptible=false, server.num_servers=2 and train.nproc=2 in one run: every weight update waits
+    on each server for the requests running there (nothing aborted, no response spans two versions), both servers
+    generate, the two ranks train every step, and the staleness bound holds."""
+    run_dir = str(tmp_path / "wait")
+    proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", f"model.path={tiny_ckpt}", f"run_dir={run_dir}",
+                             "mode=async", "eta=1", "total_steps=3", "schedule.eval_every=0",
+                             "schedule.interruptible=false", "server.num_servers=2", "train.nproc=2", *COMMON],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    busy: dict[str, float] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            log_path = os.path.join(run_dir, "run.log")
+            text = open(log_path).read() if os.path.exists(log_path) else ""
+            for url in re.findall(r"server\d healthy at (\S+)", text):
+                busy[url] = max(busy.get(url, 0.0), served(url))
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert len(busy) == 2 and all(b > 0 for b in busy.values()), busy  # both servers generated
+    assert re.search(r"and 2 trainer rank\(s\) ready", out), out[-3000:]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        s = json.load(f)
+    assert s["interrupt_mode"] == "wait" and s["num_servers"] == 2 and s["trained_samples"] == 3 * 4 * 4
+    train = records(run_dir, "train")
+    assert [r["version"] for r in train] == [1, 2, 3]
+    assert all(r["interrupted_frac"] == 0 and r["multi_version_frac"] == 0 for r in train), train
+    assert all(r["staleness_max"] <= 1 for r in train)
+    ledger.check_invariant(index_lines(run_dir))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_signal_stops_the_run_cleanly_and_it_resumes(tiny_ckpt, tmp_path, sig):
+    """Ctrl-C or SIGTERM (a time limit, `kill`) of `python -m areal_async.run` itself with the local launcher: it
+    exits 130 after tearing down, nothing it started keeps running, and the checkpoint it left resumes the run
+    (SIGINT: the rerun finishes with every draw accounted for once)."""
+    run_dir = str(tmp_path / "sig")
+    args = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=1", "total_steps=4",
+            "schedule.eval_every=0", "schedule.checkpoint_every=1", *COMMON]
+    proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    latest = os.path.join(run_dir, "checkpoints", "latest.json")
+    try:
+        deadline = time.monotonic() + 180
+        while not (os.path.exists(latest) and json.load(open(latest))["version"] >= 1):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.1)
+        children = running_children(run_dir, 3)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted; children stopped" in out
+    assert not wait_gone(children, timeout=30), "processes outlived the run"
+    with open(latest) as f:
+        ckpt = json.load(f)
+    assert 1 <= ckpt["version"] < 4 and os.path.isdir(os.path.join(ckpt["checkpoint"], "trainer"))
+    if sig != signal.SIGINT:
+        return
+    p = run_cli(args)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resuming from {ckpt['checkpoint']} at version {ckpt['version']}" in p.stdout
+    lines = index_lines(run_dir)
+    assert [r.get("version") for r in lines[:-1]] == [1, 2, 3, 4] and lines[-1]["end"]
+    ledger.check_invariant(lines)
+    assert set(ckpt["pending"]) <= resolved(lines[ckpt["version"]:])
 
 
 def test_bad_config_names_the_key(tmp_path):

@@ -7,7 +7,6 @@ import asyncio
 import functools
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -384,11 +383,6 @@ async def test_tokenizer_access(make_engine, tiny_ckpt):
     assert args["model_path"] == tiny_ckpt and args["max_total_tokens"] == 65536
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # The trainer side of SGLang's broadcast weight sync, as a trainer written for SGLang does it.
 SENDER = textwrap.dedent("""
@@ -398,9 +392,11 @@ SENDER = textwrap.dedent("""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
     from safetensors.torch import load_file
-    port, path = int(sys.argv[1]), sys.argv[2]
+    path = sys.argv[1]
     timeout = timedelta(seconds=60)
-    store, rank, world = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
+    # the store binds a free port itself and says which (no port picked by the test and bound here later)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout, wait_for_workers=False)
+    print("port", store.port, flush=True)
     store = dist.PrefixStore("wsync", store)
     pg, _ = c10d._new_process_group_helper(2, 0, [], "gloo", store, group_name="wsync", timeout=timeout)
     c10d._world.pg_group_ranks[pg] = {0: 0, 1: 1}
@@ -418,10 +414,12 @@ async def test_weights_from_distributed_broadcast(make_engine, tiny_ckpt, tiny_c
     from safetensors import safe_open
 
     engine = await make_engine(tiny_ckpt, weight_version="0")
-    port = _free_port()
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, str(port), tiny_ckpt_b],
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, tiny_ckpt_b],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        line = await asyncio.to_thread(sender.stdout.readline)
+        assert line.startswith("port "), (line, sender.stderr.read() if sender.poll() is not None else "")
+        port = int(line.split()[1])
         ok, msg = await engine.init_weights_update_group("127.0.0.1", port, 1, 2, "wsync", "gloo")
         assert ok, msg
         with safe_open(os.path.join(tiny_ckpt_b, "model.safetensors"), "pt") as f:
@@ -587,7 +585,13 @@ def test_auto_device_names_the_current_cuda_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda:0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert resolve_device("auto") == torch.device("cuda", 3) and resolve_device("auto").index == 3
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda", 3)  # an index-less device gets the current one
+    with pytest.raises(ValueError, match="sees 4 CUDA device"):  # not a CUDA error at the first allocation
+        resolve_device("cuda:4")

@@ -16,6 +16,7 @@ CONTROLLER_SIDE = [
     "areal_async.run", "areal_async.config", "areal_async.config_help", "areal_async.types", "areal_async.rpc",
     "areal_async.tokenizer", "areal_async.metrics",
     "areal_async.launch", "areal_async.launch.api", "areal_async.launch.local", "areal_async.launch.processes",
+    "areal_async.launch.recovery", "areal_async.testing.faults",
     "areal_async.rollout.controller", "areal_async.rollout.buffer", "areal_async.rollout.rollout",
     "areal_async.rollout.samples", "areal_async.rollout.ledger", "areal_async.rollout.weight_sync",
     "areal_async.rollout.evaluate", "areal_async.rollout.chat", "areal_async.rollout.prompts",

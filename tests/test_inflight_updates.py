@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -129,9 +128,11 @@ SENDER = textwrap.dedent("""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
     from safetensors.torch import load_file
-    port, paths = int(sys.argv[1]), sys.argv[2:]
+    paths = sys.argv[1:]
     timeout = timedelta(seconds=120)
-    store, rank, world = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
+    # the store binds a free port itself and says which (no port picked by the test and bound here later)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout, wait_for_workers=False)
+    print("port", store.port, flush=True)
     store = dist.PrefixStore("inflight", store)
     pg, _ = c10d._new_process_group_helper(2, 0, [], "gloo", store, group_name="inflight", timeout=timeout)
     c10d._world.pg_group_ranks[pg] = {0: 0, 1: 1}
@@ -144,10 +145,11 @@ SENDER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+async def _sender_port(sender: subprocess.Popen) -> int:
+    line = await asyncio.to_thread(sender.stdout.readline)
+    assert line.startswith("port "), (line, sender.stderr.read() if sender.poll() is not None else "")
+    return int(line.split()[1])
 
 
 class Updater:
@@ -161,9 +163,9 @@ class Updater:
         """Broadcast: start the sender with the checkpoints it will send, in order, and join its group."""
         if self.kind != "broadcast":
             return
-        port = _free_port()
-        self.sender = subprocess.Popen([sys.executable, "-c", SENDER, str(port), *[self.ckpts[c] for c in sequence]],
+        self.sender = subprocess.Popen([sys.executable, "-c", SENDER, *[self.ckpts[c] for c in sequence]],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        port = await _sender_port(self.sender)
         status, body = await post(self.http, "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "inflight", "backend": "gloo"})

@@ -56,7 +56,7 @@ async def test_pause_update_resume_mid_generation(tiny_ckpt, tiny_ckpt_b):
 
     from areal_async.inference.server import start_server
 
-    async with await start_server(tiny_ckpt, port=0) as server, InferenceClient([server.url]) as client:
+    async with await start_server(tiny_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         ref = await asyncio.gather(*(client.agenerate(p, greedy()) for p in PROMPTS))  # uninterrupted, on A
         assert all(r.num_interruptions == 0 and r.output_versions == [0] * N_NEW for r in ref)
 
@@ -102,7 +102,7 @@ async def test_pause_update_resume_mid_generation(tiny_ckpt, tiny_ckpt_b):
 async def test_pause_resume_without_update_is_seamless(tiny_ckpt):
     from areal_async.inference.server import start_server
 
-    async with await start_server(tiny_ckpt, port=0) as server, InferenceClient([server.url]) as client:
+    async with await start_server(tiny_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         ref = await client.agenerate(PROMPTS[1], greedy(120))
         task = asyncio.create_task(client.agenerate(PROMPTS[1], greedy(120)))
         seen = [0]
@@ -127,7 +127,7 @@ async def test_in_place_pause_one_response_two_versions(tiny_ckpt, tiny_ckpt_b):
     every token must carry the version that made it, with no interruption on the client's side."""
     from areal_async.inference.server import start_server
 
-    async with await start_server(tiny_ckpt, port=0) as server, InferenceClient([server.url]) as client:
+    async with await start_server(tiny_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         async with aiohttp.ClientSession() as s:
             async with s.post(server.url + "/generate", json={"input_ids": [5, 6], "return_logprob": True,
                                                                "sampling_params": {"max_new_tokens": 1}}) as r:

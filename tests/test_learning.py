@@ -18,7 +18,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["total_steps=10", "schedule.eval_every=10", "schedule.checkpoint_every=0"]
+SHORT = ["total_steps=10", "schedule.eval_every=10", "schedule.checkpoint_every=0",
+         "server.device=cpu", "train.device=cpu"]  # the thresholds below were measured on the CPU paths
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,8 @@ ON_LOOP = pytest.mark.asyncio(loop_scope="module")
 # two minibatches of several micro-batches, global batch norm, a learning rate that moves the weights far beyond
 # the tolerance
 TRAIN = ["train.ppo_minibatches=2", "train.micro_batch_tokens=48", "train.advantage.batch_norm=true",
-         "train.optim.lr=1e-3", "train.loss.behav_imp_weight_cap=null", "server.max_total_tokens=4096"]
+         "train.optim.lr=1e-3", "train.loss.behav_imp_weight_cap=null", "server.max_total_tokens=4096",
+         "train.device=cpu", "server.device=cpu"]  # gloo and fp32 on any host: the two jobs must agree exactly
 STATS = ("loss", "pg_loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "ratio_mean",
          "approx_kl", "entropy", "adv_abs_mean", "reward_mean", "response_tokens", "tokens", "num_seqs",
          "optimizer_steps")

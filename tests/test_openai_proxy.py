@@ -73,7 +73,7 @@ async def stack(agent_ckpt):
     """(proxy, client, server): the real embedded server, the real InferenceClient, the proxy over them."""
     from areal_async.inference.server import start_server
 
-    async with await start_server(agent_ckpt, port=0) as server, InferenceClient([server.url]) as client:
+    async with await start_server(agent_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         # the policy samples greedily here, so the SDK agents (temperature=0) are sampled as they ask
         proxy = OpenAIProxy(client, Tokenizer(agent_ckpt), model_name="tiny-agent",
                             policy=PolicySampling(temperature=0.0))

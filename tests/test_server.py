@@ -33,7 +33,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 async def server(tiny_ckpt):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the machine is shared; the tiny model does not need more
-    srv = await start_server(tiny_ckpt, "127.0.0.1", 0, api_key=KEY, served_model_name="tiny",
+    srv = await start_server(tiny_ckpt, "127.0.0.1", 0, api_key=KEY, device="cpu", served_model_name="tiny",
                              max_total_tokens=16384, max_running_requests=64, weight_version="0")
     yield srv
     await srv.close()
@@ -594,7 +594,7 @@ async def test_openai_chat_with_tools_puts_them_in_the_template(tiny_ckpt, tmp_p
     cfg["chat_template"] = TOOL_TEMPLATE
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    async with await start_server(ckpt, "127.0.0.1", 0, max_total_tokens=4096) as srv:
+    async with await start_server(ckpt, "127.0.0.1", 0, max_total_tokens=4096, device="cpu") as srv:
         client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         msgs = [{"role": "user", "content": "What is 2+3?"}]
         with_tools = await client.chat.completions.create(model="x", messages=msgs, tools=TOOLS, tool_choice="auto",
@@ -638,7 +638,7 @@ async def test_cli_prints_url_and_stops_on_sigterm(tiny_ckpt, tmp_path):
     with open(log_path, "w") as log:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "areal_async.serve", "--model", tiny_ckpt, "--port", "0", "--api-key", "k",
-            "--max-total-tokens", "4096", stdout=subprocess.PIPE, stderr=log,
+            "--max-total-tokens", "4096", "--device", "cpu", stdout=subprocess.PIPE, stderr=log,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 180)).decode()

@@ -34,7 +34,7 @@ START_SLURM = os.path.join(REPO, ".ci", "start_slurm.sh")
 
 SMALL = ["schedule.batch_size=4", "rollout.group_size=4", "eval.num_prompts=8", "eval.max_new_tokens=16",
          "data.num_train=200", "data.num_eval=8", "schedule.eval_every=0", "server.max_total_tokens=16384",
-         "train.micro_batch_tokens=1024"]
+         "train.micro_batch_tokens=1024", "server.device=cpu", "train.device=cpu"]
 
 
 # ---- the cluster ----------------------------------------------------------------------------------------------
@@ -61,8 +61,33 @@ def _why_no_slurm() -> str | None:
     return None
 
 
+def _node_states() -> list[str]:
+    try:
+        p = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return p.stdout.split() if p.returncode == 0 else []
+
+
+def _wait_for_responding_node(timeout: float = 90) -> None:
+    """A node marked not responding ('idle*', after a missed ping on a loaded machine, or after a drain and resume)
+    makes Slurm refuse jobs outright: wait for its slurmd to answer again (restarting slurmd if it is gone) so that
+    each test starts from an idle, responding cluster, as it would on a real one."""
+    deadline = time.monotonic() + timeout
+    restarted = False
+    while time.monotonic() < deadline:
+        states = _node_states()
+        if states and not any(s.endswith("*") for s in states):
+            return
+        if not restarted and os.geteuid() == 0 and subprocess.run(["pgrep", "-x", "slurmd"]).returncode != 0:
+            subprocess.run(["slurmd"], check=False)
+            restarted = True
+        time.sleep(1)
+    pytest.fail(f"the Slurm node does not respond: sinfo states {_node_states()}")
+
+
 @pytest.fixture(scope="module")
-def slurm() -> None:
+def _slurm_cluster() -> None:
     reason = _why_no_slurm()
     if reason is None:
         return
@@ -71,6 +96,11 @@ def slurm() -> None:
         pytest.fail(message)
     warnings.warn(message)
     pytest.skip(message)
+
+
+@pytest.fixture
+def slurm(_slurm_cluster: None) -> None:
+    _wait_for_responding_node()
 
 
 def clean_env() -> dict[str, str]:

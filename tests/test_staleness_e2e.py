@@ -34,7 +34,7 @@ from areal_async.types import SamplingParams, Sample, Trajectory
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
 
 B, GROUP = 2, 2
-CFG = {"micro_batch_tokens": 1024, "optim": {"lr": 1e-4}}
+CFG = {"device": "cpu", "micro_batch_tokens": 1024, "optim": {"lr": 1e-4}}
 SAMPLES = [Sample(id=i, prompt=f"p{i}", answer="") for i in range(64)]
 
 

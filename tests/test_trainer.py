@@ -419,6 +419,83 @@ async def test_bad_batches_are_rejected_on_every_rank(trained, jobs):
     assert ok.version == v + 1
 
 
+def _weighted_advantages(rewards, groups, weights, eps: float = 1e-6) -> np.ndarray:
+    """CFG's advantages written out: per group the weighted mean and weighted population std, then the batch
+    normalised by its weighted mean and std."""
+    r, g, w = (np.asarray(x, dtype=np.float64) for x in (rewards, groups, weights))
+    a = np.zeros_like(r)
+    for k in set(g.tolist()):
+        sel = g == k
+        m = (w[sel] * r[sel]).sum() / w[sel].sum()
+        a[sel] = (r[sel] - m) / (np.sqrt((w[sel] * (r[sel] - m) ** 2).sum() / w[sel].sum()) + eps)
+    m = (w * a).sum() / w.sum()
+    return (a - m) / (np.sqrt((w * (a - m) ** 2).sum() / w.sum()) + eps)
+
+
+async def test_episode_weights_in_a_real_step(trained, jobs, tiny_ckpt):
+    """Agent per_call episodes in a real step on two ranks: group 0 is an episode of 1 call (reward 1) and one of 3
+    calls (reward 0), group 1 an episode of 2 calls (reward 2) and two of 1 call (0 and 1), group 2 an ordinary pair.
+    The advantages the step trained on (adv_abs_mean, grpo + global batch norm) are the hand-computed weighted ones,
+    every episode counted once, across ranks; bad weights are refused by the controller and by the trainers."""
+    group = jobs["B"].group
+    v = group.version
+    rng = random.Random(5)
+    trajs = make_batch(_hf_model(tiny_ckpt), rng, [[(4, 6)] * 4, [(5, 5)] * 4, [(3, 8)] * 2], v)
+    rewards = [1, 0, 0, 0, 2, 2, 0, 1, 0, 2]
+    weights = [1, 1 / 3, 1 / 3, 1 / 3, 1 / 2, 1 / 2, 1, 1, None, None]  # None: no key (an ordinary workflow)
+    trajs = [msgspec.structs.replace(t, reward=float(r), info={} if w is None else {"episode_weight": w})
+             for t, r, w in zip(trajs, rewards, weights)]
+    shards = split_by_rank(trajs, 2)
+    assert all(any("episode_weight" in t.info for t in s) for s in shards)  # both ranks hold weighted groups
+    gids = [t.group_id for t in trajs]
+    want = np.abs(_weighted_advantages(rewards, gids, [1.0 if w is None else w for w in weights])).mean()
+    plain = np.abs(_weighted_advantages(rewards, gids, [1.0] * len(trajs))).mean()
+    assert abs(want - plain) > 0.05  # the check below tells the two apart
+    res = await group.train_step(trajs, v)
+    assert res.version == v + 1 and res.stats["optimizer_steps"] == 2
+    assert res.stats["adv_abs_mean"] == pytest.approx(want, rel=1e-5)
+
+    v += 1
+    bad = [msgspec.structs.replace(trajs[0], info={"episode_weight": float("nan")})] + trajs[1:]
+    with pytest.raises(ValueError, match="trajectory 0: info\\['episode_weight'\\] must be finite and > 0"):
+        await group.train_step(bad, v)
+    # past the controller's check (a hand-built request): a zero weight on rank 1's shard, refused on both ranks
+    total = sum(t.response_len for t in trajs)
+    reqs = [TrainStepRequest(batch=pack_trajectories(s, v, total, len(trajs))) for s in shards]
+    w1 = np.ones(len(shards[1]), dtype=np.float32)
+    w1[-1] = 0.0
+    reqs[1] = TrainStepRequest(batch=msgspec.structs.replace(reqs[1].batch, baseline_weights=Array.from_numpy(w1)))
+    results = await asyncio.gather(*(cl.call("train_step", r, TrainStepResult, timeout=60)
+                                     for cl, r in zip(group.clients, reqs)), return_exceptions=True)
+    assert kind_of(results[1].remote_type) is BatchError and kind_of(results[0].remote_type) is PeerBatchError
+    assert "batch.baseline_weights: every weight must be finite and > 0" in results[1].remote_message
+    assert [i.version for i in await group.info()] == [v, v]
+
+
+async def test_all_weights_one_is_bit_identical(trained, jobs):
+    """From the same checkpoint, one step without weights and one with baseline_weights sent explicitly as all
+    1.0 (what pack_trajectories never sends, so the weighted path itself runs): the same loss, grad norm and
+    advantages, bit for bit, and the same published weights."""
+    a = jobs["A"]
+    group, batch = a.group, trained["batches"][1]
+    outs = []
+    for explicit in (False, True):
+        assert (await group.load_checkpoint(trained["ck1"])).version == 1
+        req = pack_trajectories(batch, 1, sum(t.response_len for t in batch), len(batch))
+        assert req.baseline_weights is None
+        if explicit:
+            req = msgspec.structs.replace(req, baseline_weights=Array.from_numpy(np.ones(len(batch), np.float32)))
+        res = await group.clients[0].call("train_step", TrainStepRequest(batch=req), TrainStepResult, timeout=120)
+        pub = await group.publish(2, str(jobs["root"] / f"pub_ones_{explicit}"))
+        outs.append((res.stats, load_weights(pub.path)))
+    (s0, w0), (s1, w1) = outs
+    for key in ("loss", "grad_norm", "adv_abs_mean", "clip_frac", "imp_weight_mean"):
+        assert s1[key] == s0[key], key
+    assert max_diff(w1, w0) == 0.0
+    assert s0["loss"] == pytest.approx(trained["A"][1].stats["loss"], abs=1e-6)  # the ordinary step 2
+    await group.info()
+
+
 async def test_wrong_secret_is_refused(jobs):
     a = jobs["A"]
     with open(os.path.join(a.run_dir, "trainer", "rank0.json")) as f:

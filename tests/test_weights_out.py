@@ -101,8 +101,9 @@ async def setup(tiny_ckpt, tmp_path_factory):
             watch.result()
         group = connect.result()
         client = InferenceClient([server.url])
+        initial = (await group.save_checkpoint(str(root / "initial"))).path  # version 0, for any test order
         yield {"group": group, "server": server, "client": client, "root": root, "rng": random.Random(5),
-               "base": tiny_ckpt, "child": child}
+               "base": tiny_ckpt, "child": child, "initial": initial}
     finally:
         if group is not None:
             try:
@@ -118,8 +119,10 @@ async def setup(tiny_ckpt, tmp_path_factory):
 
 
 async def test_loss_options_enter_loss_and_stats(setup):
-    """Runs first, so its first step starts from the initial weights: the KL to the reference is then exactly 0."""
+    """From the initial weights (the trainer checkpoint taken before any test ran), the first step's KL to the
+    reference is exactly 0, the second's is not."""
     group = setup["group"]
+    await group.load_checkpoint(setup["initial"])
     assert group.version == 0
     stats = []
     for _ in range(2):

@@ -17,8 +17,11 @@ Export (`to_trajectories`), documented choice:
   call's output and the next call's new output (tool results, user turns, template text) get loss_mask 0;
   the reward is the first call's return G_0.
 - "per_call": one trajectory per call (prompt + output), reward G_i. Always possible. Each carries
-  `info["episode_weight"] = 1 / number of calls`: the weight under which every episode counts once in a group's
-  baseline, however many calls it made (see agent/workflow.py).
+  `info["episode_weight"] = 1 / number of calls` (and `info["episode_calls"]`). The trainer weighs every
+  trajectory by it in its group's baseline (the weighted mean, and the weighted std for grpo; a weighted
+  leave-one-out mean for rloo) and in the optional batch normalisation, so every episode counts once however many
+  calls it made (see agent/workflow.py and train/advantages.py). The loss itself is not weighted: every trained
+  token is one term of it.
 - "auto" (default): concat when legal, else per_call.
 Only trainable episodes export: their calls were sampled at the policy's settings (recorded per call, and copied
 into `info["temperature"]`), the settings the trainer computes logprobs at.
@@ -31,7 +34,7 @@ from typing import Literal
 
 import msgspec
 
-from areal_async.types import Trajectory
+from areal_async.types import EPISODE_WEIGHT_KEY, Trajectory
 
 ExportMode = Literal["auto", "concat", "per_call"]
 
@@ -134,7 +137,7 @@ class Episode:
                     logprobs=[0.0] * n_p + c.output_logprobs, versions=[-1] * n_p + c.output_versions,
                     reward=g[i], group_id=self.group_id, prompt_len=n_p,
                     info={**base_info, "export": "per_call", "call": i, "finish": c.finish_reason,
-                          "episode_calls": len(self.calls), "episode_weight": 1.0 / len(self.calls)}))
+                          "episode_calls": len(self.calls), EPISODE_WEIGHT_KEY: 1.0 / len(self.calls)}))
             return out
         ids: list[int] = []
         mask: list[int] = []

@@ -2,11 +2,15 @@
 proxy, and a prompt's group is `group_size` such episodes. Controller side: no torch.
 
 Baseline and grouping (what the trainer sees): the rollout manager makes the trajectories of one `run` one GRPO
-group, and the group's baseline is the mean reward over its trajectories. The default export ("auto") gives one
-trajectory per episode whenever the proxy kept the episode token-exact (the usual agent loop), so every episode
-counts once. An episode exported "per_call" gives one trajectory per call, so an episode with more calls would
-count more in that mean: each per_call trajectory therefore carries `info["episode_weight"] = 1 / calls` (and
-`info["episode_calls"]`), the weight that makes every episode count once in a weighted group mean.
+group, and the group's baseline is the weighted mean reward over its trajectories. The default export ("auto")
+gives one trajectory per episode whenever the proxy kept the episode token-exact (the usual agent loop), weight
+1.0, so every episode counts once. An episode exported "per_call" gives one trajectory per call, so an episode
+with more calls would count more in a plain mean: each per_call trajectory therefore carries
+`info["episode_weight"] = 1 / calls` (and `info["episode_calls"]`), and the trainer weighs the group's mean (and
+std, for grpo) and the batch normalisation by it (train/advantages.py), so every episode counts once. Example: two
+episodes of a prompt, one of 1 call with reward 1 and one of 3 calls with reward 0: the baseline is 0.5 (the
+mean over episodes), where the plain mean over the 4 trajectories would be 0.25. RLOO leaves out the trajectory
+itself, not the rest of its episode (train/advantages.py `group_advantages`).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ prototype with incremental events measured 0.91x and 1.05x (medians; single roun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any, Literal
@@ -94,6 +95,7 @@ class InferenceClient:
         # for its resubmission (only streaming can keep them: see the module docstring)
         self._counts = {"tokens": 0, "interruptions": 0, "failover_kept_tokens": 0}
         self._asking: set[str] = set()  # servers whose streaming mode is being asked
+        self._groups: dict[str, list[str]] = {}  # weight-update groups this client formed -> the servers in them
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -104,8 +106,14 @@ class InferenceClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def close(self) -> None:
-        """Stop probes and background aborts, wake every waiter (they raise), close the session."""
+    async def close(self, *, group_timeout_s: float = 10.0) -> None:
+        """Leave the weight-update groups this client formed (POST /destroy_weights_update_group on their
+        servers, so a persistent server can join a later run's group), stop probes and background aborts, wake
+        every waiter (they raise), close the session."""
+        if self._groups and not self._pool.closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*(self.destroy_weights_update_group(name)
+                                                        for name in list(self._groups))), group_timeout_s)
         self._resumed.set()
         await self._pool.close()
 
@@ -306,12 +314,13 @@ class InferenceClient:
 
     async def init_weights_update_group(self, master_address: str, master_port: int, *,
                                         ranks_per_server: int | list[int] = 1,
-                                        group_name: str = "weight_update_group", backend: str = "nccl"
-                                        ) -> dict[str, Any]:
-        """Every server joins the trainer's broadcast group. The trainer is rank 0; server i's ranks start after
-        the ranks of servers 0..i-1 (`ranks_per_server` = each server's tensor-parallel size). The calls block
-        until the trainer joins too, so they run concurrently; the trainer must join while this is pending."""
-        urls = self.urls
+                                        group_name: str = "weight_update_group", backend: str = "nccl",
+                                        urls: list[str] | None = None) -> dict[str, Any]:
+        """Every server (or those in `urls`: a group re-formed after a server was lost) joins the trainer's
+        broadcast group. The trainer is rank 0; server i's ranks start after the ranks of servers 0..i-1
+        (`ranks_per_server` = each server's tensor-parallel size). The calls block until the trainer joins too, so
+        they run concurrently; the trainer must join while this is pending."""
+        urls = self.urls if urls is None else [u.rstrip("/") for u in urls]
         per = [ranks_per_server] * len(urls) if isinstance(ranks_per_server, int) else list(ranks_per_server)
         if len(per) != len(urls) or min(per) < 1:
             raise ValueError("ranks_per_server must be >= 1 for each server")
@@ -322,9 +331,41 @@ class InferenceClient:
             return {"master_address": master_address, "master_port": master_port, "rank_offset": offsets[i],
                     "world_size": world_size, "group_name": group_name, "backend": backend}
 
-        return self._raise_if_failed("init_weights_update_group",
-                                     await self._pool.fanout("POST", "/init_weights_update_group", payload,
-                                                             check_success=True))
+        servers = [self._pool.router.servers[u] for u in urls]
+        results = await self._pool.fanout("POST", "/init_weights_update_group", payload, servers=servers,
+                                          check_success=True)
+        self._groups[group_name] = [u for u, r in results.items() if not isinstance(r, BaseException)]
+        return self._raise_if_failed("init_weights_update_group", results)
+
+    async def destroy_weights_update_group(self, group_name: str, urls: list[str] | None = None
+                                           ) -> dict[str, Any]:
+        """The servers leave weight-update group `group_name` (default: those that joined it through this
+        client). A server that no longer has it answers 400 "does not exist" (SGLang's answer): that counts as
+        done. Returns url -> answer or exception; never raises for one server."""
+        targets = self._groups.pop(group_name, None) if urls is None else list(urls)
+        servers = [self._pool.router.servers[u] for u in targets or [] if u in self._pool.router.servers]
+        if not servers:
+            return {}
+        results = await self._pool.fanout("POST", "/destroy_weights_update_group", {"group_name": group_name},
+                                          servers=servers, timeout=self._pool.probe_timeout())
+        return {u: (None if isinstance(r, InferenceError) and r.status == 400 and "not exist" in str(r) else r)
+                for u, r in results.items()}
+
+    async def server_info(self, urls: list[str] | None = None) -> dict[str, Any]:
+        """GET /get_server_info (SGLang: its ServerArgs, e.g. tp_size, dp_size, plus scheduler state) from
+        `urls` (default: every server). Returns url -> dict or exception."""
+        targets = [self._pool.router.servers[u.rstrip("/")] for u in (self.urls if urls is None else urls)]
+        results = await self._pool.fanout("GET", "/get_server_info", servers=targets,
+                                          timeout=self._pool.probe_timeout())
+        for url, r in results.items():  # servers that only know the newer name
+            if isinstance(r, InferenceError) and r.status == 404:
+                try:
+                    status, data = await self._pool.send(self._pool.router.servers[url], "GET", "/server_info",
+                                                          None, timeout=self._pool.probe_timeout())
+                    results[url] = msgspec.json.decode(data) if status == 200 else r
+                except (ConnectionFailed, InferenceError, KeyError, msgspec.DecodeError) as e:
+                    results[url] = e
+        return results
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: int | None, *, group_name: str = "weight_update_group",

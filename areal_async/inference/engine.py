@@ -34,12 +34,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import threading
 import time
 from typing import AsyncIterator, Callable
 
 import torch
 
+from areal_async.custom_group import bind_cuda, device_uuid
 from areal_async.inference.engine_api import EngineChunk, EngineRequest, PauseMode
 from areal_async.inference.model import DecoderModel, KVCache, ModelSpec, UnsupportedModelError
 from areal_async.inference.scheduler import Request, Scheduler, abort_reason, validate_request
@@ -77,12 +79,23 @@ def keep_freed_memory() -> None:
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" is the current CUDA device with its index (a process group and `set_device` need one), else CPU."""
+    """"auto" is the current CUDA device with its index (a process group and `set_device` need one), else CPU.
+    A CUDA device that is not there is a ValueError naming it, not a CUDA error at the first allocation."""
     if device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {device!r}: no CUDA device is visible to this process")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= count:
+            raise ValueError(f"device {device!r}: this process sees {count} CUDA device(s) "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -112,6 +125,7 @@ class AsyncEngine:
         from transformers import AutoTokenizer
 
         self.device = resolve_device(device)
+        bind_cuda(self.device)  # this thread loads the weights; the engine thread binds itself
         self.dtype = resolve_dtype(dtype, self.device)
         if chunked_prefill_size is None:
             # A step's length is the latency of everything that waits for a step boundary (requests joining, the
@@ -141,6 +155,7 @@ class AsyncEngine:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         self._groups: dict[str, object] = {}  # weight-update process groups by name
+        self.gpu_uuid = device_uuid(self.device)  # "" on CPU; the broadcast compares it with the trainer's
 
         # engine-thread state
         self._sched = Scheduler(self.model, self.cache, max_running_requests=max_running_requests,
@@ -360,6 +375,20 @@ class AsyncEngine:
         self._groups[group_name] = group
         return True, f"Succeeded to initialize weight update group {group_name!r}."
 
+    async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        """Leave weight-update group `group_name` (SGLang's /destroy_weights_update_group, same answers): a run
+        that ends, or re-forms its group, frees the communicator here and may reuse the name."""
+        assert self._weights_lock is not None, "engine not started"
+        async with self._weights_lock:  # never in the middle of a bucket's receive
+            group = self._groups.pop(group_name, None)
+            if group is None:
+                return False, "The group to be destroyed does not exist."
+            try:
+                await asyncio.to_thread(_destroy_group, group, True)
+            except Exception as e:
+                return False, f"Failed to destroy custom process group: {type(e).__name__}: {e}."
+        return True, "Succeeded to destroy custom process group."
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, weight_version: str | None,
                                               flush_cache: bool = True) -> tuple[bool, str]:
@@ -411,7 +440,10 @@ class AsyncEngine:
                 "page_size": PAGE_SIZE, "context_length": self.context_len, "random_seed": self.seed,
                 "disable_radix_cache": not self.prefix_cache,
                 "architecture": self.spec.architecture, "weight_version": self.weight_version,
-                "busy_s": self.busy_s}
+                "busy_s": self.busy_s,
+                # SGLang's parallelism fields: a broadcast joins each server as tp_size ranks (one process here)
+                "tp_size": 1, "dp_size": 1, "pp_size": 1, "base_gpu_id": self.device.index or 0,
+                "gpu_uuid": self.gpu_uuid}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
@@ -503,6 +535,9 @@ class AsyncEngine:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        # The CUDA current device is per thread and starts at cuda:0: without this, a server on cuda:3 would
+        # create a context (and allocator state) on cuda:0, which another process may own.
+        bind_cuda(self.device)
         sched = self._sched
         while True:
             with self._cv:
@@ -576,12 +611,14 @@ def _next_version(current: str, given: str | None) -> str:
     return str(int(current) + 1) if current.isdigit() else current
 
 
-def _destroy_group(group) -> None:
+def _destroy_group(group, raise_errors: bool = False) -> None:
     from areal_async.inference.weights import destroy_group
 
     try:
         destroy_group(group)
     except Exception:  # best effort at shutdown
+        if raise_errors:
+            raise
         log.warning("failed to destroy a weight update group", exc_info=True)
 
 

@@ -104,6 +104,10 @@ class Engine(Protocol):
                                               group_name: str, weight_version: str | None,
                                               flush_cache: bool = True) -> tuple[bool, str]: ...
 
+    async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        """Leave the group (False, "The group to be destroyed does not exist." for an unknown name)."""
+        ...
+
     async def set_weight_version(self, version: str) -> None: ...
 
     async def flush_cache(self) -> bool:

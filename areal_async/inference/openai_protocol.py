@@ -16,8 +16,9 @@ from typing import Any, Callable, Literal
 import msgspec
 
 from areal_async.inference.engine_api import EngineRequest, EngineSampling
-from areal_async.inference.protocol import (Limits, ProtocolError, Tokenizer, check_prompt, check_sampling,
-                                           check_unique_rids, decode_body, new_rid, sample_rids, stop_list)
+from areal_async.inference.protocol import (Limits, ProtocolError, Tokenizer, check_prompt, check_request_count,
+                                           check_sampling, check_unique_rids, decode_body, new_rid, sample_rids,
+                                           stop_list)
 
 
 # ---- OpenAI-compatible requests -----------------------------------------------------------------------------------
@@ -149,6 +150,8 @@ def parse_completion(body: bytes, tok: Tokenizer, limits: Limits, *,
         if len(kinds) > 1:
             raise ProtocolError("prompt must be a string, a list of strings, a list of ints or a list of lists of "
                                 "ints, not a mix")
+        if kinds != {int}:
+            check_request_count(len(p))
         if kinds == {str}:
             texts = list(p)
             prompts = [encode(t) for t in texts]
@@ -164,6 +167,7 @@ def parse_completion(body: bytes, tok: Tokenizer, limits: Limits, *,
     echo = bool(c.echo)
     want_lp = c.logprobs is not None
     samplings = [_sampling_from_openai(c, c.max_tokens, len(ids), limits) for ids in prompts]
+    check_request_count(len(prompts) * n)
     rids = _openai_rids(c.rid, len(prompts), n, "cmpl-")
     reqs = [EngineRequest(rid=rids[i * n + j], input_ids=ids, sampling=samplings[i], return_logprob=want_lp,
                           logprob_start_len=0 if (want_lp and echo) else -1,

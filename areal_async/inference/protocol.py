@@ -39,6 +39,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+MAX_REQUESTS_PER_CALL = 4096  # prompts x n of one HTTP call: a bigger ask would only exhaust the server's memory
+
+
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int  # token ids must lie in [0, vocab_size)
@@ -58,6 +61,8 @@ def decode_body(body: bytes, typ: type, *, empty_ok: bool = False) -> Any:
         raise ProtocolError(f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"invalid JSON: {e}") from None
+    except RecursionError:  # msgspec's nesting limit (not a DecodeError)
+        raise ProtocolError("invalid JSON: nested too deeply") from None
 
 
 def new_rid() -> str:
@@ -147,7 +152,7 @@ def check_sampling(s: EngineSampling, prompt_len: int, limits: Limits, *, n: int
     need(-2.0 <= s.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {s.frequency_penalty}")
     need(-2.0 <= s.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {s.presence_penalty}")
     need(0.0 < s.repetition_penalty <= 2.0, "repetition_penalty", f"must be in (0, 2], got {s.repetition_penalty}")
-    need(n >= 1, "n", f"must be >= 1, got {n}")
+    need(1 <= n <= MAX_REQUESTS_PER_CALL, "n", f"must be in [1, {MAX_REQUESTS_PER_CALL}], got {n}")
     need(all(isinstance(x, str) and x for x in s.stop), "stop", "strings must be non-empty")
     bad = next((t for t in s.stop_token_ids if t < 0 or t >= limits.vocab_size), None)
     need(bad is None, "stop_token_ids", f"has id {bad} outside the vocabulary [0, {limits.vocab_size})")
@@ -206,6 +211,7 @@ def parse_generate(body: bytes, tok: Tokenizer, limits: Limits) -> GeneratePlan:
     if g.text is not None:
         batched = isinstance(g.text, list)
         texts = g.text if batched else [g.text]
+        check_request_count(len(texts))
         prompts = [tok.encode(t) for t in texts]
     else:
         ids = g.input_ids
@@ -217,6 +223,7 @@ def parse_generate(body: bytes, tok: Tokenizer, limits: Limits) -> GeneratePlan:
     if batched and not prompts:
         raise ProtocolError("empty batch: `text` / `input_ids` is an empty list")
     size = len(prompts)
+    check_request_count(size)
     for i, p in enumerate(prompts):
         check_prompt(p, limits, f"prompt {i}" if batched else "prompt")
 
@@ -250,6 +257,7 @@ def parse_generate(body: bytes, tok: Tokenizer, limits: Limits) -> GeneratePlan:
         if ret_lp[i] and (top < 0 or top > limits.vocab_size):
             raise ProtocolError(f"top_logprobs_num must be in [0, {limits.vocab_size}], got {top}")
         any_n |= sp.n > 1
+        check_request_count(len(requests) + sp.n)
         for rid in sample_rids(bases[i], sp.n):
             requests.append(EngineRequest(rid=rid, input_ids=p, sampling=s, return_logprob=ret_lp[i],
                                           logprob_start_len=start if ret_lp[i] else -1,
@@ -257,6 +265,12 @@ def parse_generate(body: bytes, tok: Tokenizer, limits: Limits) -> GeneratePlan:
     check_unique_rids([r.rid for r in requests])
     return GeneratePlan(requests=requests, batched=batched or any_n, stream=g.stream,
                         return_text_in_logprobs=g.return_text_in_logprobs)
+
+
+def check_request_count(count: int) -> None:
+    if count > MAX_REQUESTS_PER_CALL:
+        raise ProtocolError(f"one call may ask for at most {MAX_REQUESTS_PER_CALL} generations (prompts x n), "
+                            f"this one asks for {count}")
 
 
 def check_unique_rids(rids: list[str]) -> None:
@@ -459,6 +473,10 @@ class InitGroupIn(msgspec.Struct, kw_only=True):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "nccl"
+
+
+class DestroyGroupIn(msgspec.Struct, kw_only=True):
+    group_name: str = "weight_update_group"
 
 
 class UpdateFromDistributedIn(msgspec.Struct, kw_only=True):

@@ -298,6 +298,11 @@ class SGLangServer:
         return await self._success_call("init_weights_update_group", self.engine.init_weights_update_group(
             g.master_address, g.master_port, g.rank_offset, g.world_size, g.group_name, g.backend))
 
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        g: P.DestroyGroupIn = P.decode_body(await request.read(), P.DestroyGroupIn, empty_ok=True)
+        return await self._success_call("destroy_weights_update_group",
+                                        self.engine.destroy_weights_update_group(g.group_name))
+
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         u: P.UpdateFromDistributedIn = P.decode_body(await request.read(), P.UpdateFromDistributedIn)
         u.check()
@@ -488,6 +493,7 @@ def build_app(engine: Engine, *, api_key: str | None = None, served_model_name: 
     r.add_post("/update_weights_from_disk", srv.update_weights_from_disk)
     r.add_post("/init_weights_update_group", srv.init_weights_update_group)
     r.add_post("/update_weights_from_distributed", srv.update_weights_from_distributed)
+    r.add_post("/destroy_weights_update_group", srv.destroy_weights_update_group)
     r.add_post("/update_weight_version", srv.update_weight_version)
     r.add_get("/health", srv.health)
     r.add_get("/health_generate", srv.health_generate)

@@ -168,7 +168,10 @@ def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[lis
     """Receive each tensor with broadcast(src=0) in the listed order. gloo moves host tensors, nccl device ones."""
     import torch.distributed as dist
 
+    from areal_async.custom_group import bind_cuda
+
     on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    bind_cuda(on)  # this runs in a worker thread, whose current CUDA device is not the engine's
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape in zip(names, dtypes, shapes):
         t = torch.empty(shape, dtype=DTYPES[dtype], device=on)

@@ -16,9 +16,13 @@ update, when the servers are paused anyway): trainer rank 0 and every server the
 go out through it, and the newcomer, now holding the current version, enters rotation. A server that leaves is
 drained (`remove_server`: its requests get `DRAIN_S` to finish, then continue elsewhere from their tokens so far)
 and the next update forms a group without it, so no broadcast ever waits on a server that is gone. The old group is
-destroyed on the servers that can (SGLang's /destroy_weights_update_group); trainer rank 0 keeps its end of it
-until the trainers exit (no RPC drops one group yet). A dead process is still the end of the run (`end_run_on_failure`).
-No torch here.
+destroyed on the servers that can (SGLang's /destroy_weights_update_group, which the embedded server serves too);
+trainer rank 0 keeps its end of it until the trainers exit (no RPC drops one group yet). Group names carry a token
+of the run, so a persistent server that still holds an earlier run's group is never asked to create a name twice;
+the inference client destroys its groups on the servers when it closes, at the end of the run. How many ranks
+each server holds and the backend come from the servers (launch/broadcast_group.py). A server that dies or hangs
+is left out the same way, and the recovery policy (launch/recovery.py) restarts it; with `recovery.enabled=false`
+a dead process ends the run (`end_run_on_failure`). No torch here.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from areal_async.launch.api import ClusterEvent, EventHandler, ServerJoined, ServerLeft, end_run_on_failure
+from areal_async.launch.broadcast_group import plan_group
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -185,19 +191,54 @@ class FleetPolicy:
 
 def failure_policy(cfg: "RunConfig", cluster: Any, session: Any) -> EventHandler:
     """The event handler of a run. `session` holds what a handler acts on (the inference client, the trainer
-    group and the controller, filled in as the run creates them)."""
-    del cfg, cluster
-    return FleetPolicy(session)
+    group and the controller, filled in as the run creates them). Servers join and leave through `FleetPolicy`;
+    with `recovery.enabled` a `RunRecovery` (launch/recovery.py) sees every event first, restarts what died or
+    hangs, and is stored as `session.recovery` (the run trains under its guard); it records what it does in
+    `session.recovery_log` when the session has one."""
+    fleet = FleetPolicy(session)
+    if not cfg.recovery.enabled:
+        return fleet
+    from areal_async.launch.recovery import RecoveryLog, RunRecovery
+
+    policy = RunRecovery(cfg, cluster, getattr(session, "recovery_log", None) or RecoveryLog(cfg.run_dir),
+                         fallback=fleet)
+    with contextlib.suppress(AttributeError):
+        session.recovery = policy
+    return policy
+
+
+class _Members:
+    """The client's two broadcast calls, with the group's membership limited to `urls`."""
+
+    def __init__(self, client: Any, urls: tuple[str, ...]) -> None:
+        self.client = client
+        self.urls = list(urls)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, **kw: Any) -> Any:
+        return await self.client.init_weights_update_group(master_address, master_port, urls=self.urls, **kw)
+
+    async def update_weights_from_distributed(self, *args: Any, **kw: Any) -> Any:
+        return await self.client.update_weights_from_distributed(*args, **kw)
 
 
 class ElasticBroadcastSync:
-    """Broadcast weight sync (trainer rank 0 -> every server) whose group follows the fleet: when the servers the
-    client knows differ from the group's members, the next `apply` first forms a new group under a new name."""
+    """Broadcast weight sync (trainer rank 0 -> every server) whose group follows the fleet: when the servers that
+    should be in it differ from the group's members, the next `apply` first forms a new group under a new name.
+
+    Who should be in it: every server the client knows, except one that is down and was a member (dead, hung or
+    being restarted: a group with it would never form, a broadcast to it fails) and a newcomer that stays down for
+    `settle_s` (it gets one wait). A server that comes back (restarted under its old URL) holds the launch weights:
+    `publish_current`, the client's `weight_source`, has the trainers publish a checkpoint of the version it must
+    hold (when they still hold it), and the next update brings it into a new group anyway. A broadcast that fails
+    (a member died in the middle) forms a new group and sends again, with one trainer rank; with several, the other
+    ranks may be stuck in the FSDP gathers rank 0 left, so it is a trainer failure (`TrainerLost`: the run rolls
+    back). After a trainer restart, `set_trainers`: the new job is in no group."""
 
     latest_checkpoint: str | None = None
 
     def __init__(self, trainers: Any, client: Any, master_address: str, *, ranks_per_server: int, backend: str,
-                 api_key: str | None = None, settle_s: float = 10.0) -> None:
+                 api_key: str | None = None, settle_s: float = 10.0, catch_up_root: str | None = None,
+                 max_attempts: int = 2) -> None:
         self.trainers = trainers
         self.client = client
         self.master_address = master_address
@@ -205,50 +246,99 @@ class ElasticBroadcastSync:
         self.backend = backend
         self.api_key = api_key
         self.settle_s = settle_s  # how long a newcomer not yet probed by the client may hold back a new group
+        self.catch_up_root = catch_up_root  # where publish_current writes (None: no catch-up checkpoints)
+        self.max_attempts = max_attempts
         self.group_name: str | None = None
         self.members: tuple[str, ...] = ()
         self.generation = 0
+        self.run_token = secrets.token_hex(4)
+        self._waited: set[str] = set()  # newcomers that had their wait
+
+    def set_trainers(self, trainers: Any) -> None:
+        self.trainers = trainers
+        self.members = ()
+
+    def _states(self) -> dict[str, str]:
+        return {u: s["state"] for u, s in self.client.stats()["servers"].items()}
+
+    def _targets(self, *, newcomers_down: bool) -> tuple[str, ...]:
+        states = self._states()
+        return tuple(u for u in self.client.urls if states.get(u) != "down"
+                     or (newcomers_down and u not in self.members and u not in self._waited))
 
     async def form_group(self) -> None:
-        members = tuple(self.client.urls)
+        members = self._targets(newcomers_down=False)
+        if not members:
+            raise RuntimeError("no inference server is reachable to form a weight-update group with")
         self.generation += 1
-        name = f"weight_update_group_{self.generation}"
+        # unique per run: a persistent server still holding an earlier run's group (same process, same torch
+        # group registry) refuses a name it has seen
+        name = f"areal-{self.run_token}-{self.generation}"
+        # each server's ranks (its tensor-parallel size) and the backend come from the servers (broadcast_group.py)
+        plan = await plan_group(self.client, list(members), (getattr(self.trainers, "infos", None) or [None])[0],
+                                default_ranks=self.ranks_per_server, backend=self.backend)
         # rank 0 hosts the group's store on a port it binds itself; the address is the launcher's view of where
         # the servers reach rank 0 (the same host's address for a local run, the trainer node's under Slurm)
         await self.trainers.init_broadcast_group(
-            self.client, num_server_ranks=self.ranks_per_server * len(members), master_address=self.master_address,
-            ranks_per_server=self.ranks_per_server, group_name=name, backend=self.backend)
+            _Members(self.client, members), num_server_ranks=plan.num_server_ranks,
+            master_address=self.master_address, ranks_per_server=plan.ranks, group_name=name,
+            backend=plan.backend)
         old, self.group_name, self.members = self.group_name, name, members
-        log.info("weight-update group %s: trainer rank 0 and %d server(s)", name, len(members))
+        log.info("weight-update group %s (%s): trainer rank 0 and %d server(s), %d server rank(s)", name,
+                 plan.backend, len(members), plan.num_server_ranks)
         if old is not None:
             await self._destroy_on_servers(old, members)
 
     async def _members_settled(self) -> None:
-        """Wait (bounded) until no server the client knows is still 'down' (a newcomer not probed yet): every one
-        of them must answer the group's rendezvous."""
+        """Wait (bounded) until no newcomer the client knows is still 'down' (not probed yet): every member must
+        answer the group's rendezvous. A newcomer gets this wait once."""
+        new = [u for u in self._targets(newcomers_down=True) if u not in self.members]
         deadline = time.monotonic() + self.settle_s
         while time.monotonic() < deadline:
-            states = {u: s["state"] for u, s in self.client.stats()["servers"].items()}
-            if all(states.get(u) != "down" for u in self.client.urls):
-                return
+            states = self._states()
+            if all(states.get(u) != "down" for u in new):
+                break
             await asyncio.sleep(0.1)
+        self._waited.update(new)
 
     async def _destroy_on_servers(self, name: str, urls: tuple[str, ...]) -> None:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            for url in urls:
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                    async with s.post(url + "/destroy_weights_update_group", json={"group_name": name},
-                                      headers=headers) as r:
-                        if r.status not in (200, 404):
-                            log.warning("%s could not destroy weight-update group %s: HTTP %d", url, name, r.status)
+        """The servers leave the old group (the client knows who joined it); an unknown name is no failure."""
+        results = await self.client.destroy_weights_update_group(name)
+        for url, r in results.items():
+            if isinstance(r, BaseException):
+                log.warning("%s could not destroy weight-update group %s: %s", url, name, r)
 
     async def prepare(self, version: int) -> None:
         del version
 
     async def apply(self, version: int, *, flush_cache: bool) -> None:
-        if tuple(self.client.urls) != self.members:  # a version boundary after the fleet changed
-            await self._members_settled()
-            await self.form_group()
-        await self.trainers.broadcast_weights(self.client, version, group_name=self.group_name,
-                                              flush_cache=flush_cache)
+        from areal_async.launch.recovery import TrainerLost
+        from areal_async.train.client import TrainerError
+
+        for attempt in range(1, self.max_attempts + 1):
+            if self._targets(newcomers_down=True) != self.members:  # a version boundary after the fleet changed
+                await self._members_settled()
+                await self.form_group()
+            try:
+                await self.trainers.broadcast_weights(self.client, version, group_name=self.group_name,
+                                                      flush_cache=flush_cache)
+                return
+            except TrainerError as e:
+                if e.bad_input:
+                    raise
+                if self.trainers.world_size > 1:
+                    raise TrainerLost(f"the weight broadcast of version {version} failed ({e}); with "
+                                      f"{self.trainers.world_size} trainer ranks the others may be stuck in a "
+                                      "collective") from e
+                if attempt == self.max_attempts:
+                    raise
+                log.warning("weight broadcast of version %d failed (%s): forming a new group and sending again",
+                            version, str(e).splitlines()[0])
+                self.members = ()
+
+    async def publish_current(self, version: int) -> str:
+        """The client's `weight_source`: an HF checkpoint of `version` for a server that came back."""
+        held = self.trainers.version
+        if held != version or self.catch_up_root is None:
+            raise RuntimeError(f"the trainers hold version {held}, not {version} (an update is under way)")
+        return (await self.trainers.publish(version, self.catch_up_root, keep=1)).path

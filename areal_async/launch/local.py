@@ -10,18 +10,23 @@ started by hand elsewhere with the command the launcher logs. Ranks report their
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import secrets
 import shlex
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
+from urllib.parse import urlsplit
 
 import msgspec
 
 from areal_async.config import ConfigError
-from areal_async.launch.api import ClusterEvent, EventHandler, ProcessExited, ServerHandle, TrainerHandle
+from areal_async.launch.api import (ClusterEvent, EventHandler, ProcessExited, ServerHandle, ServerJoined,
+                                    TrainerHandle)
 from areal_async.launch.fleet import JoinFile, join_file
+from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
 from areal_async.launch.registry import SECRET_ENV, Registry
 from areal_async.netaddr import host_address
@@ -34,22 +39,33 @@ log = logging.getLogger(__name__)
 
 
 class LocalCluster:
-    """Children of this process, watched by polling."""
+    """Children of this process, watched by polling. Launched servers and the trainer job can be restarted while
+    the run goes on (the recovery policy, launch/recovery.py, does so): `restart_server`, `stop_server`,
+    `restart_trainers`. A restarted server is announced by `watch` as `ServerJoined` under its old name."""
 
     def __init__(self, processes: Processes, servers: list[ServerHandle], trainers: TrainerHandle,
-                 poll_s: float = 0.5, registry: Registry | None = None, join: JoinFile | None = None) -> None:
+                 poll_s: float = 0.5, registry: Registry | None = None, join: JoinFile | None = None, *,
+                 cfg: "RunConfig | None" = None, model_path: str | None = None,
+                 start_server: Callable[[int, int], Child] | None = None) -> None:
         self.processes = processes
         self.servers = servers
         self.trainers = trainers
         self.poll_s = poll_s
         self.registry = registry  # where the trainer ranks reported (train.rdzv.discovery=registry)
         self.join = join  # run_dir/servers.txt: servers joining and leaving (launch/fleet.py)
+        self._cfg = cfg
+        self._model_path = model_path
+        self._start_server = start_server  # (index, port) -> child; None: the servers are not ours (external)
+        self._joined: list[ServerJoined] = []  # restarted servers, announced by the watch
+        self._fresh_port: set[str] = set()  # servers whose old port failed them: the next start takes a free one
         self._closed = False
 
     async def watch(self, on_event: EventHandler) -> None:
         while True:
             for child in self.processes.exited():
                 await on_event(_exit_event(child))
+            while self._joined:
+                await on_event(self._joined.pop(0))
             if self.join is not None:
                 for event in await self.join.poll():
                     await on_event(event)
@@ -62,10 +78,86 @@ class LocalCluster:
             if self.registry is not None:
                 await self.registry.close()
 
+    # ---- restarting (the recovery policy's side of the cluster) -------------------------------------------------
+
+    def _child(self, name: str) -> Child | None:
+        return next((c for c in reversed(self.processes.children) if c.name == name), None)
+
+    @property
+    def can_restart_servers(self) -> bool:
+        return self._start_server is not None
+
+    def server_alive(self, name: str) -> bool:
+        child = self._child(name)
+        return child is not None and child.proc.poll() is None
+
+    def trainer_pids(self) -> set[int]:
+        """The processes of the current trainer job (its torchrun agents)."""
+        return {c.proc.pid for c in self.processes.children if c.role == "trainer" and not c.expected_exit}
+
+    async def stop_server(self, name: str) -> None:
+        """Kill a launched server (SIGKILL: a hung one may be SIGSTOPped); its exit is not reported as an event."""
+        child = self._child(name)
+        if child is not None:
+            await asyncio.to_thread(self.processes.stop, child, 0)
+
+    async def restart_server(self, name: str) -> ServerHandle:
+        """Start server `name` again (its old process is stopped first if it still runs), on its old port when it
+        can, and return once it answers /health; `ServerJoined` follows from `watch`. Raises `ChildFailed` (with
+        the log tail) when the new process dies or stays unhealthy for `server.startup_timeout_s`."""
+        if self._start_server is None or self._cfg is None:
+            raise NotImplementedError(f"{name} was not started by this cluster: it cannot be restarted")
+        index = next((i for i, s in enumerate(self.servers) if s.name == name), None)
+        if index is None:
+            raise KeyError(f"unknown server {name!r}")
+        old = self._child(name)
+        if old is not None:
+            await asyncio.to_thread(self.processes.stop, old, 0)
+        port = 0 if name in self._fresh_port else (urlsplit(self.servers[index].url).port or 0)
+        child = self._start_server(int(name.removeprefix("server")), port)
+        try:
+            await self.processes.wait_healthy([child], self._cfg.server.startup_timeout_s, self._cfg.server.api_key,
+                                              only=True)
+        except BaseException:
+            self._fresh_port.add(name)  # its port may be taken now
+            await asyncio.to_thread(self.processes.stop, child, 0)
+            raise
+        self._fresh_port.discard(name)
+        handle = ServerHandle(name, child.url or "")
+        self.servers[index] = handle
+        self._joined.append(ServerJoined(name, handle.url))
+        return handle
+
+    async def restart_trainers(self, resume: str | None) -> TrainerHandle:
+        """Replace the trainer job: the old one is stopped (SIGTERM, then SIGKILL), its rank files removed, and a new
+        job starts from the trainer checkpoint `resume` (None: the base model), with a new RPC secret and registry.
+        Returns how to reach it (the ranks may still be loading). Agents started by hand elsewhere
+        (train.rdzv.local_agents) cannot be restarted from here: NotImplementedError."""
+        if self._cfg is None or self._model_path is None:
+            raise NotImplementedError("this cluster cannot restart its trainers")
+        t = self._cfg.train
+        if (t.rdzv.local_agents or t.nnodes) < t.nnodes:
+            raise NotImplementedError("trainer agents started by hand elsewhere (train.rdzv.local_agents) cannot be "
+                                      "restarted by this run")
+        for old in [c for c in self.processes.children if c.role == "trainer"]:
+            await asyncio.to_thread(self.processes.stop, old, 10.0)
+        if self.registry is not None:
+            await self.registry.close()
+            self.registry = None
+        rank_dir = os.path.join(self._cfg.run_dir, "trainer")
+        if os.path.isdir(rank_dir):
+            for entry in os.listdir(rank_dir):
+                if entry.endswith(".json"):
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(rank_dir, entry))
+        self.trainers, self.registry = await _start_trainers(self.processes, self._cfg, self._model_path, resume,
+                                                             self.trainers.master_address)
+        return self.trainers
+
 
 def _exit_event(child: Child) -> ClusterEvent:
     return ProcessExited(role=child.role, name=child.name, exit_code=child.proc.poll(), log_path=child.log_path,
-                         log_tail=tail(child.log_path), url=child.url)
+                         log_tail=tail(child.log_path), url=child.url, pid=child.proc.pid)
 
 
 class LocalLauncher:
@@ -83,24 +175,33 @@ class LocalLauncher:
             await _stop(procs, registry)
             raise
         handles = [ServerHandle(c.name, c.url or "") for c in servers]
-        return LocalCluster(procs, handles, trainers, registry=registry, join=joins(cfg, handles))
+        return LocalCluster(procs, handles, trainers, registry=registry, join=joins(cfg, handles), cfg=cfg,
+                            model_path=model_path, start_server=functools.partial(_start_server, procs, cfg,
+                                                                                  model_path))
 
     @staticmethod
     def _start_servers(procs: Processes, cfg: "RunConfig", model_path: str) -> list[Child]:
         srv = cfg.server
-        out = []
-        for i in range(srv.num_servers):
-            port = srv.port + i if srv.port else 0
-            if srv.backend == "embedded":
-                out.append(procs.start_embedded_server(
-                    i, model_path, host=srv.host, port=port, device=srv.device,
-                    max_total_tokens=srv.max_total_tokens, max_running_requests=srv.max_running_requests,
-                    api_key=srv.api_key, torch_threads=srv.torch_threads, prefix_cache=srv.prefix_cache))
-            else:
-                out.append(procs.start_sglang_server(
-                    i, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=srv.extra_args,
-                    base_gpu_id=srv.base_gpu_id, gpus_per_server=srv.gpus_per_server))
-        return out
+        place = plan_placement(cfg)  # each server's GPU (launch/placement.py)
+        return [_start_server(procs, cfg, model_path, i, srv.port + i if srv.port else 0, place)
+                for i in range(srv.num_servers)]
+
+
+def _start_server(procs: Processes, cfg: "RunConfig", model_path: str, index: int, port: int,
+                  place: "Placement | None" = None) -> Child:
+    """Server `index` as `server.backend` asks (at launch, and again when the recovery policy restarts it, on the
+    same GPU: the placement is a function of the config and the host's GPUs)."""
+    srv = cfg.server
+    place = place or plan_placement(cfg)
+    if srv.backend == "embedded":
+        return procs.start_embedded_server(
+            index, model_path, host=srv.host, port=port, device=place.server_devices[index],
+            max_total_tokens=srv.max_total_tokens, max_running_requests=srv.max_running_requests,
+            api_key=srv.api_key, torch_threads=srv.torch_threads, prefix_cache=srv.prefix_cache,
+            cuda_visible_devices=place.server_visible[index])
+    return procs.start_sglang_server(
+        index, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=srv.extra_args,
+        base_gpu_id=srv.base_gpu_id, gpus_per_server=srv.gpus_per_server)
 
 
 class ExternalLauncher:
@@ -119,7 +220,8 @@ class ExternalLauncher:
             await _stop(procs, registry)
             raise
         servers = [ServerHandle(f"server{i}", url.rstrip("/")) for i, url in enumerate(cfg.server.urls)]
-        return LocalCluster(procs, servers, trainers, registry=registry, join=joins(cfg, servers))
+        return LocalCluster(procs, servers, trainers, registry=registry, join=joins(cfg, servers), cfg=cfg,
+                            model_path=model_path)
 
 
 def joins(cfg: "RunConfig", launched: list[ServerHandle]) -> JoinFile:
@@ -165,6 +267,7 @@ async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, r
     """One torchrun agent (train.nnodes=1), or the agents of a c10d job of train.nnodes nodes started here (all of
     them, or node ranks below train.rdzv.local_agents; the command for the others is logged)."""
     t = cfg.train
+    gpus = plan_placement(cfg).trainer_visible  # per agent here: its GPUs (launch/placement.py)
     secret = run_secret(cfg)
     here = t.rdzv.local_agents or t.nnodes
     remote = here < t.nnodes  # ranks elsewhere must reach the registry and the rendezvous
@@ -179,14 +282,14 @@ async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, r
     try:
         if t.nnodes == 1:
             procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
-                                 torchrun_args=t.torchrun_args, cuda_visible_devices=t.cuda_visible_devices, env=env)
+                                 torchrun_args=t.torchrun_args, cuda_visible_devices=gpus[0], env=env)
         else:
             endpoint = t.rdzv.endpoint or f"{_my_address() if remote else '127.0.0.1'}:{free_port()}"
             rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=secrets.token_hex(4),
                              timeout_s=t.rdzv.timeout_s)
             for node in range(here):
                 procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
-                                     torchrun_args=rdzv, cuda_visible_devices=t.cuda_visible_devices,
+                                     torchrun_args=rdzv, cuda_visible_devices=gpus[node],
                                      name=f"trainer{node}", env=env)
             if remote:
                 cmd = trainer_cmd(**common, run_dir=cfg.run_dir, torchrun_args=rdzv, rpc_host="0.0.0.0")

@@ -43,6 +43,7 @@ class Child:
     url: str | None = None  # servers: the base URL they serve
     expected_exit: bool = False  # set by shutdown(): an exit from now on is no failure
     reported: bool = False  # its unexpected exit was handed out by exited()
+    log_offset: int = 0  # where this process's part of its (appended-to) log starts
 
     def describe_exit(self) -> str:
         return (f"{self.name} exited with code {self.proc.poll()}; log tail ({self.log_path}):\n"
@@ -63,6 +64,29 @@ def tail(path: str, lines: int = 40) -> str:
             return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
     except OSError:
         return "<no log>"
+
+
+def _url_from_log(procs: "Processes", name: str) -> str:
+    """The URL a child started on port 0 printed in its ready line (serve.py's READY_PREFIX); "" until then.
+    Found, it becomes the child's `url`."""
+    from areal_async.serve import READY_PREFIX
+
+    child = next((c for c in procs.children if c.name == name), None)
+    if child is None:
+        return ""
+    if child.url:
+        return child.url
+    try:
+        with open(child.log_path, "rb") as f:
+            f.seek(child.log_offset)  # a restarted server appends to the log of the one before
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith(READY_PREFIX):
+            child.url = line[len(READY_PREFIX):].strip()
+            return child.url
+    return ""
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -110,11 +134,17 @@ def embedded_server_cmd(model: str, *, host: str, port: str, device: str, max_to
 
 
 def sglang_server_cmd(model: str, *, host: str, port: str, api_key: str | None, extra_args: list[str],
-                      base_gpu_id: int = 0) -> list[str]:
+                      base_gpu_id: int = 0, tp_size: int = 1) -> list[str]:
+    """`tp_size` (server.gpus_per_server) becomes --tp-size: without it SGLang runs tp 1 on the first of the
+    server's GPUs, and the weight broadcast would count ranks the server does not have."""
+    from areal_async.launch.placement import sglang_flag
+
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", port,
            *extra_args]
-    if "--base-gpu-id" not in extra_args:
+    if sglang_flag(extra_args, "--base-gpu-id") is None:
         cmd += ["--base-gpu-id", str(base_gpu_id)]
+    if tp_size > 1 and sglang_flag(extra_args, "--tp-size", "--tp", "--tensor-parallel-size") is None:
+        cmd += ["--tp-size", str(tp_size)]
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd
@@ -155,6 +185,7 @@ class Processes:
         """Start `cmd` with this environment plus `env`, minus the variables named in `unset`."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         out = open(log_path, "ab")
+        offset = out.tell()
         out.write(f"$ {' '.join(cmd)}\n".encode())
         out.flush()
         inherited = {k: v for k, v in os.environ.items() if k not in unset}
@@ -164,7 +195,7 @@ class Processes:
                                     env=full_env, start_new_session=True, preexec_fn=_child_setup)
         finally:
             out.close()
-        child = Child(name, proc, log_path, role=role, url=url)
+        child = Child(name, proc, log_path, role=role, url=url, log_offset=offset)
         self.children.append(child)
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return child
@@ -173,35 +204,46 @@ class Processes:
 
     def start_embedded_server(self, index: int, model: str, *, host: str, port: int, device: str,
                               max_total_tokens: int, max_running_requests: int, api_key: str | None,
-                              torch_threads: int, weight_version: int = 0, prefix_cache: bool = True) -> Child:
-        port = port or free_port(host)
+                              torch_threads: int, weight_version: int = 0, prefix_cache: bool = True,
+                              cuda_visible_devices: str | None = None) -> Child:
+        """Port 0: the server binds a free port itself and prints it in its ready line (serve.py); its `url` is
+        filled in from its log by `wait_healthy` (no port picked here and bound there later, which another
+        process could take in between)."""
         cmd = embedded_server_cmd(model, host=host, port=str(port), device=device, max_total_tokens=max_total_tokens,
                                   max_running_requests=max_running_requests, api_key=api_key,
                                   weight_version=weight_version, prefix_cache=prefix_cache)
-        return self.spawn(f"server{index}", cmd, thread_env(torch_threads), role="server",
-                          url=f"http://{host}:{port}")
+        env = thread_env(torch_threads)
+        if cuda_visible_devices is not None:  # launch/placement.py: this server's GPU
+            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        return self.spawn(f"server{index}", cmd, env, role="server", url=f"http://{host}:{port}" if port else None)
 
     def start_sglang_server(self, index: int, model: str, *, host: str, port: int, api_key: str | None,
                             extra_args: list[str], base_gpu_id: int = 0, gpus_per_server: int = 1) -> Child:
-        port = port or free_port(host)
+        port = port or free_port(host)  # SGLang needs its port on the command line
         cmd = sglang_server_cmd(model, host=host, port=str(port), api_key=api_key, extra_args=extra_args,
-                                base_gpu_id=base_gpu_id + index * gpus_per_server)
+                                base_gpu_id=base_gpu_id + index * gpus_per_server, tp_size=gpus_per_server)
         return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 
     async def wait_healthy(self, servers: list[Child] | list[str], timeout_s: float, api_key: str | None = None,
-                           ) -> None:
+                           *, only: bool = False) -> None:
         """Poll GET /health of every server (children, or plain URLs of servers started elsewhere) until each
         answers 200. Fails fast, with the log tail, as soon as ANY child of this set exits: a trainer that dies
-        while the servers load must not leave the launch waiting for them."""
+        while the servers load must not leave the launch waiting for them. With `only` (a server restarted while
+        the run goes on), only the given children count, and other children's exits stay for the watch."""
         deadline = time.monotonic() + timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         pending: list[tuple[str, str]] = [(s.name, s.url or "") if isinstance(s, Child) else (s, s)
                                           for s in servers]
+        mine = [s for s in servers if isinstance(s, Child)]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while pending:
-                for child in self.exited():
+                for child in ([c for c in mine if c.proc.poll() is not None] if only else self.exited()):
+                    child.reported = True
                     raise ChildFailed(child.describe_exit())
+                pending = [(name, url or _url_from_log(self, name)) for name, url in pending]
                 for name, url in list(pending):
+                    if not url:  # a server on port 0 that has not printed its ready line yet
+                        continue
                     with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
                         async with session.get(url + "/health", headers=headers) as r:
                             if r.status == 200:
@@ -250,6 +292,23 @@ class Processes:
             for child in self.exited():
                 raise ChildFailed(child.describe_exit())
             await asyncio.sleep(interval_s)
+
+    def stop(self, child: Child, grace_s: float = 10.0) -> None:
+        """Stop one child on purpose (a hung server, a trainer job being replaced): SIGTERM its process group, then
+        SIGKILL after `grace_s` (0: at once; a SIGSTOPped process only obeys SIGKILL), and forget it. Its exit is
+        never reported by `exited()`. Blocking: call it off the event loop."""
+        child.expected_exit = True
+        if child.proc.poll() is None and grace_s > 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.proc.pid, signal.SIGKILL)  # grandchildren (torchrun's workers) too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=10)
+        if child in self.children:
+            self.children.remove(child)  # its pid may be reused: shutdown must not signal that group later
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child's process group, wait up to grace_s, then SIGKILL what is left."""

@@ -495,7 +495,8 @@ class SlurmLauncher:
                                           prefix_cache=srv.prefix_cache)
             else:
                 cmd = sglang_server_cmd(model_path, host=srv.host, port=port, api_key=srv.api_key,
-                                        extra_args=srv.extra_args, base_gpu_id=0)
+                                        extra_args=srv.extra_args, base_gpu_id=0,
+                                        tp_size=srv.gpus_per_server)
             step = [sys.executable, "-m", "areal_async.launch.step", "--name", f"server{i}", "--host", srv.host,
                     "--port", str(srv.port + i if srv.port else 0), "--"]
             env = {**thread_env(srv.torch_threads), "AREAL_RPC_SECRET": secret.hex(), **cluster.registry.env()}

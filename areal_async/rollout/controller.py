@@ -32,9 +32,11 @@ and consume batches with `buffer.get_batch()`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Awaitable, Callable, Protocol
@@ -50,8 +52,8 @@ from areal_async.types import CheckpointResult, PublishResult, TrainStepResult, 
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncRLController", "RunState", "ScheduleConfig", "Trainer", "InferenceAdmin", "load_state",
-           "save_state"]
+__all__ = ["AsyncRLController", "RunState", "ScheduleConfig", "Trainer", "InferenceAdmin", "discard_after",
+           "load_state", "prune_checkpoints", "rollback_target", "save_state"]
 
 
 class Trainer(Protocol):
@@ -93,9 +95,12 @@ class AsyncRLController:
                  stream: SampleStream, run_dir: str, *, weights: WeightSync | None = None,
                  evaluator: Evaluator | None = None, logger: Any = None, state: RunState | None = None,
                  ledger: SampleLedger | None = None,
-                 busy_probe: Callable[[], Awaitable[float | None]] | None = None) -> None:
+                 busy_probe: Callable[[], Awaitable[float | None]] | None = None, keep_checkpoints: int = 0,
+                 checkpointed: bool = False) -> None:
         """`weights` defaults to disk sync under `run_dir/weights`; `ledger` to one without a file (the run passes
-        one that writes trained_index.jsonl); `busy_probe` reads the servers' cumulative compute seconds."""
+        one that writes trained_index.jsonl); `busy_probe` reads the servers' cumulative compute seconds.
+        `keep_checkpoints`: complete checkpoints kept (0: all); `checkpointed`: `state` is what the checkpoint at
+        its version holds (a resume or a rollback), so saving again at that version rewrites only our state."""
         schedule.validate("schedule")
         self.cfg = schedule
         self.client = client
@@ -123,6 +128,8 @@ class AsyncRLController:
         self.evals: list[dict[str, float]] = []
         self._eval_due = False  # a periodic eval waits for the next batch, then runs beside that train step
         self._eval_task: asyncio.Task | None = None
+        self.keep_checkpoints = keep_checkpoints
+        self._saved_version: int | None = self.state.version if checkpointed else None
 
     # ---- the schedule -------------------------------------------------------------------------------------------
 
@@ -292,15 +299,30 @@ class AsyncRLController:
 
     async def save_checkpoint(self) -> str:
         """Trainer state through the trainer's own checkpoint, then the controller state beside it (atomically): the
-        version, the next fresh draw and the draws not yet resolved in trained_index.jsonl."""
+        version, the next fresh draw and the draws not yet resolved in trained_index.jsonl. Then older checkpoints
+        beyond `keep_checkpoints` go.
+
+        Atomic as a whole: `latest.json` moves to the new checkpoint only once both parts are on disk, so a kill at
+        any moment leaves the previous one usable. A second save at the same version (the last step's periodic
+        save and the final one) does not write the trainer part again: rewriting a complete trainer checkpoint in
+        place is the one step that could leave the latest checkpoint without it."""
         st = self.state
         path = os.path.join(self.run_dir, "checkpoints", f"v{st.version}")
-        await self.trainer.save_checkpoint(os.path.join(path, "trainer"))
+        trainer_dir = os.path.join(path, "trainer")
+        if self._saved_version != st.version or not os.path.isdir(trainer_dir):
+            await self.trainer.save_checkpoint(trainer_dir)
         st.data_position = self.stream.position
         # redraws queued by a resume and not handed out yet are unresolved too
         st.pending = sorted(set(self.ledger.pending()) | set(self.stream.pending_redraws))
         save_state(self.run_dir, st, path)
+        self._saved_version = st.version
+        prune_checkpoints(self.run_dir, self.keep_checkpoints)
         return path
+
+    async def request_stop(self, reason: BaseException) -> None:
+        """Stop after the step in progress (whose batch the trainer may already hold): the next wait for a batch
+        raises `reason`, so the trainer's version and the controller's agree and a checkpoint can follow."""
+        await self.buffer.close(reason)
 
     def finish(self, *, completed: bool) -> None:
         """Close the ledger; after a normal stop (`completed`) its end line names what was left unfinished (redraws
@@ -346,3 +368,52 @@ def load_state(run_dir: str) -> tuple[RunState, str] | None:
     ckpt = data.pop("checkpoint")
     known = {f.name for f in fields(RunState)}
     return RunState(**{k: v for k, v in data.items() if k in known}), ckpt
+
+
+# ---- checkpoints on disk ------------------------------------------------------------------------------------------
+
+
+def _version_dirs(root: str) -> dict[int, str]:
+    """`v<k>` subdirectories of `root` by version."""
+    out: dict[int, str] = {}
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith("v") and name[1:].isdigit():
+                out[int(name[1:])] = os.path.join(root, name)
+    return out
+
+
+def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
+    """Keep the newest `keep` complete checkpoints (0: all) and the one latest.json names; remove older complete
+    ones and every incomplete one (a save that was killed). Call only between saves. Returns what was removed."""
+    root = os.path.join(run_dir, "checkpoints")
+    latest = load_state(run_dir)
+    current = os.path.abspath(latest[1]) if latest else None
+    dirs = _version_dirs(root)
+    complete = sorted(v for v, d in dirs.items() if os.path.isfile(os.path.join(d, "controller.json")))
+    kept = set(complete[-keep:]) if keep > 0 else set(complete)
+    removed = []
+    for v, d in dirs.items():
+        if v in kept or os.path.abspath(d) == current:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def discard_after(run_dir: str, version: int) -> None:
+    """A rollback or a resume to `version`: checkpoints and published weights of later versions belong to steps
+    that will be trained again, differently; remove them so nothing can load them (or keep them from pruning)."""
+    for root in (os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "weights")):
+        for v, d in _version_dirs(root).items():
+            if v > version:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def rollback_target(run_dir: str, launch_state: RunState) -> tuple[RunState, str | None]:
+    """Where a run goes back to when its trainers fail: the latest complete checkpoint and its directory, or
+    without one the state the run was launched with (and no directory: the trainers start from the base model)."""
+    found = load_state(run_dir)
+    if found is not None:
+        return found
+    return RunState(**{f.name: copy.deepcopy(getattr(launch_state, f.name)) for f in fields(RunState)}), None

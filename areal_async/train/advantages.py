@@ -6,6 +6,15 @@ Groups are never split across trainer ranks, so everything here is rank-local ex
 whose mean/std the worker may all-reduce: `normalization_moments` + `mean_std_from_moments` +
 `batch_normalize_with`. Statistics are computed in float64 (rewards are few; precision is free) and returned in the
 input's floating dtype.
+
+Baseline weights (optional, [B], finite and > 0): how much each sequence counts in its group's statistics. The agent
+path's per_call export turns an episode of k calls into k trajectories of weight 1/k (agent/episode.py), so that
+every episode counts once in its group's baseline however many calls it made; an unweighted mean would let the
+episodes with more calls set the baseline. Only the ratios of weights within a group (and, for the batch
+normalisation, across the batch) matter. Weights shape the baseline only, never the loss: every trained token is
+still a term of the token-mean loss. Without weights every sequence weighs 1.0, and the weighted formulas with all
+weights 1.0 run exactly the same float operations as the unweighted ones (x * 1.0 is x, a sum of ones is the
+count), so the advantages are bit-identical.
 """
 
 from __future__ import annotations
@@ -58,46 +67,80 @@ def shape_rewards(rewards: Tensor, cfg: AdvantageConfig, response_lens: Tensor |
     return out.to(r.dtype)
 
 
-def group_advantages(rewards: Tensor, group_ids: Tensor, estimator: Estimator = "grpo", eps: float = 1e-6) -> Tensor:
+def _weights(weights: Tensor | list | None, like: Tensor) -> Tensor:
+    """The baseline weights as float64 on `like`'s device, ones where none were given. [B]"""
+    if weights is None:
+        return torch.ones(like.shape, dtype=torch.float64, device=like.device)
+    w = torch.as_tensor(weights, device=like.device).double()
+    if w.shape != like.shape:
+        raise ValueError(f"weights shape {tuple(w.shape)} != rewards shape {tuple(like.shape)}")
+    if w.numel() and not bool((torch.isfinite(w) & (w > 0)).all()):
+        raise ValueError("weights must be finite and > 0")
+    return w
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, estimator: Estimator = "grpo", eps: float = 1e-6, *,
+                     weights: Tensor | None = None) -> Tensor:
     """Group-relative advantages. [B] -> [B].
 
-    grpo: (r - mean_g) / (std_g + eps) with the population std; drgrpo: r - mean_g (Dr.GRPO drops the std, which
-    over-weights near-uniform groups); rloo: r - mean of the other members of the group. A group of one sample
-    has no baseline and gets 0 under every estimator. Group ids may be any integers, in any order.
+    With w_i the baseline weight of sample i (1.0 without `weights`) and W_g the sum of the weights of group g:
+    grpo: (r - mean_g) / (std_g + eps), mean_g = sum w r / W_g and std_g the weighted population std,
+    sqrt(sum w (r - mean_g)^2 / W_g); drgrpo: r - mean_g (Dr.GRPO drops the std, which over-weights
+    near-uniform groups); rloo: r_i - (sum_g w r - w_i r_i) / (W_g - w_i), the weighted mean of the group with
+    this one sample left out. RLOO leaves out the sample, not its episode: a per_call trajectory's baseline still
+    holds the other calls of its own episode (at their weights), since the trainer does not know which calls
+    share an episode; with one trajectory per episode (concat export, every other workflow) it is exact
+    leave-one-out. A group of one sample has no baseline and gets 0 under every estimator (a group is its
+    trajectories here, so one episode of several calls is compared call against call, as without weights).
+    Group ids may be any integers, in any order.
     """
     r = _as_float(rewards, "rewards")
     gid = torch.as_tensor(group_ids, device=r.device)
     if gid.shape != r.shape:
         raise ValueError(f"group_ids shape {tuple(gid.shape)} != rewards shape {tuple(r.shape)}")
+    w = _weights(weights, r)  # [B] float64
     if r.numel() == 0:
         return r.clone()
     _, inv = torch.unique(gid, return_inverse=True)  # [B] dense group index
     num_groups = int(inv.max().item()) + 1
     x = r.double()
-    count = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add(0, inv, torch.ones_like(x))
-    total = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add(0, inv, x)
-    n = count[inv]  # [B] size of each sample's group
-    mean = (total / count)[inv]
+    xw = x * w  # [B]
+
+    def per_group(v: Tensor) -> Tensor:  # [B] -> [G] sums
+        return torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add(0, inv, v)
+
+    n = per_group(torch.ones_like(x))[inv]  # [B] size of each sample's group
+    wsum = per_group(w)  # [G]
+    total = per_group(xw)  # [G]
+    mean = (total / wsum)[inv]  # [B]
     if estimator == "grpo":
-        sq = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add(0, inv, (x - mean).square())
-        std = (sq / count).sqrt()[inv]
+        std = (per_group(w * (x - mean).square()) / wsum).sqrt()[inv]
         adv = (x - mean) / (std + eps)
     elif estimator == "drgrpo":
         adv = x - mean
     elif estimator == "rloo":
-        others = (total[inv] - x) / (n - 1).clamp(min=1.0)
-        adv = torch.where(n > 1, x - others, 0.0)
+        rest = wsum[inv] - w  # [B] weight of the others; > 0 in a group of two or more (all 1.0: n - 1 >= 1)
+        others = (total[inv] - xw) / torch.where(rest > 0, rest, 1.0)
+        adv = torch.where((n > 1) & (rest > 0), x - others, 0.0)
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected 'grpo', 'drgrpo' or 'rloo'")
     adv = torch.where(n > 1, adv, 0.0)
     return adv.to(r.dtype)
 
 
-def normalization_moments(adv: Tensor) -> Tensor:
-    """(count, sum, sum of squares) of `adv` as a float64 [3] tensor: all-reduce it with SUM across ranks."""
+def normalization_moments(adv: Tensor, weights: Tensor | None = None) -> Tensor:
+    """(total weight, weighted sum, weighted sum of squares) of `adv` as a float64 [3] tensor: all-reduce it with
+    SUM across ranks. Without weights: (count, sum, sum of squares).
+
+    The batch normalisation takes the same baseline weights as the group baseline: the unweighted batch mean
+    would shift the advantages back toward the unweighted baseline. One group of two episodes, one call with
+    reward 1 and three calls with reward 0, has weighted drgrpo advantages +0.5 and -0.5 x3; their unweighted
+    mean is -0.25, and subtracting it gives r - 0.25, exactly what the unweighted group mean gives. Weighted, the
+    batch statistics are over episodes, as the group statistics are.
+    """
     x = _as_float(adv, "adv").double()
-    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), x.sum(),
-                        x.square().sum()])
+    w = _weights(weights, x)
+    return torch.stack([w.sum(), (w * x).sum(), (w * x.square()).sum()])
 
 
 def mean_std_from_moments(moments: Tensor) -> tuple[float, float]:
@@ -115,22 +158,26 @@ def batch_normalize_with(adv: Tensor, mean: float | Tensor, std: float | Tensor,
     return ((a.double() - mean) / (std + eps)).to(a.dtype)
 
 
-def batch_normalize(adv: Tensor, eps: float = 1e-6) -> Tensor:
-    """(adv - mean) / (std + eps) over this batch, population std. [B] -> [B]."""
-    mean, std = mean_std_from_moments(normalization_moments(adv))
+def batch_normalize(adv: Tensor, eps: float = 1e-6, *, weights: Tensor | None = None) -> Tensor:
+    """(adv - mean) / (std + eps) over this batch, population std, weighted by `weights` (see
+    `normalization_moments`). [B] -> [B]."""
+    mean, std = mean_std_from_moments(normalization_moments(adv, weights))
     return batch_normalize_with(adv, mean, std, eps)
 
 
 def compute_advantages(rewards: Tensor, group_ids: Tensor, cfg: AdvantageConfig, response_lens: Tensor | None = None,
-                       *, batch_stats: tuple[float, float] | None = None, eps: float = 1e-6) -> Tensor:
+                       *, batch_stats: tuple[float, float] | None = None, eps: float = 1e-6,
+                       weights: Tensor | None = None) -> Tensor:
     """The whole chain for one rank's sequences: shape, group baseline, then batch-normalise if `cfg.batch_norm`.
 
-    `batch_stats` (mean, std) replaces the local statistics of the last step; a multi-rank worker computes the
-    group advantages first, all-reduces `normalization_moments`, and passes the global pair here (or calls the
-    pieces itself). [B] -> [B].
+    `weights` are the baseline weights (module docstring), used by the group baseline and the local batch
+    statistics. `batch_stats` (mean, std) replaces the local statistics of the last step; a multi-rank worker
+    computes the group advantages first, all-reduces `normalization_moments` (weighted alike), and passes the
+    global pair here (or calls the pieces itself). [B] -> [B].
     """
     shaped = shape_rewards(rewards, cfg, response_lens)
-    adv = group_advantages(shaped, group_ids, cfg.estimator, eps)
+    adv = group_advantages(shaped, group_ids, cfg.estimator, eps, weights=weights)
     if cfg.batch_norm:
-        adv = batch_normalize(adv, eps) if batch_stats is None else batch_normalize_with(adv, *batch_stats, eps=eps)
+        adv = (batch_normalize(adv, eps, weights=weights) if batch_stats is None
+               else batch_normalize_with(adv, *batch_stats, eps=eps))
     return adv

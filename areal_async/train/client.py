@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from typing import Any, Protocol, TypeVar
 
@@ -21,14 +22,16 @@ from areal_async.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.errors import BatchError, PeerFailure, TrainerFailure, kind_of
 from areal_async.train.messages import BroadcastEndpoint, OpenBroadcastRequest, WeightPlan, WeightPlanRequest
 from areal_async.train.packing import balance_across_ranks
-from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequest, CheckpointResult, Empty,
-                               InitBroadcastRequest, PublishRequest, PublishResult, TrainerInfo, Trajectory,
-                               TrainStepRequest, TrainStepResult, pack_trajectories)
+from areal_async.types import (EPISODE_WEIGHT_KEY, BroadcastRequest, BroadcastResult, CheckpointRequest,
+                               CheckpointResult, Empty, InitBroadcastRequest, PublishRequest, PublishResult,
+                               TrainerInfo, Trajectory, TrainStepRequest, TrainStepResult, pack_trajectories)
 
 __all__ = ["TrainerGroup", "TrainerError", "WeightReceivers", "split_by_rank", "validate_trajectories"]
 
 T = TypeVar("T")
 _ERROR_GRACE_S = 10.0  # after one rank fails, how long the others get to report their own error
+# the baseline weight travels as float32: outside its normal range it would arrive as 0, a subnormal or inf
+_WEIGHT_MIN, _WEIGHT_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38
 
 
 class TrainerError(RuntimeError):
@@ -73,7 +76,8 @@ class WeightReceivers(Protocol):
 
 
 def validate_trajectories(trajs: list[Trajectory]) -> None:
-    """Shape checks before anything is sent: a clear ValueError naming the trajectory, nothing trained."""
+    """Shape checks (and the baseline weight, when given) before anything is sent: a clear ValueError naming the
+    trajectory, nothing trained."""
     if not trajs:
         raise ValueError("train_step needs at least one trajectory")
     for i, t in enumerate(trajs):
@@ -85,8 +89,22 @@ def validate_trajectories(trajs: list[Trajectory]) -> None:
                 raise ValueError(f"trajectory {i}: len({field})={len(getattr(t, field))} != len(input_ids)={n}")
         if t.loss_mask[0]:
             raise ValueError(f"trajectory {i}: loss_mask[0] must be 0 (the first token has no context)")
+        if EPISODE_WEIGHT_KEY in t.info:
+            _check_weight(i, t.info[EPISODE_WEIGHT_KEY])
     if sum(t.response_len for t in trajs) == 0:
         raise ValueError("no trajectory has a trainable token (loss_mask is all 0)")
+
+
+def _check_weight(i: int, w: object) -> None:
+    """info["episode_weight"] is the trajectory's weight in its group's baseline (train/advantages.py)."""
+    where = f"trajectory {i}: info[{EPISODE_WEIGHT_KEY!r}]"
+    if isinstance(w, bool) or not isinstance(w, (int, float)):
+        raise ValueError(f"{where} must be a number, got {type(w).__name__} {w!r}")
+    if not math.isfinite(w) or w <= 0:
+        raise ValueError(f"{where} must be finite and > 0, got {w!r}")
+    if not _WEIGHT_MIN <= w <= _WEIGHT_MAX:
+        raise ValueError(f"{where}={w!r} is outside the float32 range [{_WEIGHT_MIN:.3g}, {_WEIGHT_MAX:.3g}] "
+                         "it travels in")
 
 
 def split_by_rank(trajs: list[Trajectory], world_size: int) -> list[list[Trajectory]]:

@@ -11,6 +11,7 @@ The train step (see `train_step`), for the shard of groups this rank owns:
     prox logprobs with the weights before the step (no grad)     <- skipped when loss.prox_logp == "behav", and
                                                                     folded into the training forward when k == 1
     shaped rewards -> group advantages (groups are whole here) -> optional batch norm with all-reduced moments
+                      (both weighted by the batch's baseline_weights when it has them: train/advantages.py)
     for each of k minibatches (one optimizer step each):
         micro-batches under micro_batch_tokens (train/layouts.py), the same count on every rank (empty ones pad)
         loss = sum over tokens / the minibatch's global count (train/losses.py)  -> backward (grads accumulate)
@@ -120,6 +121,9 @@ class TrainEngine:
         self._broadcast_timeout_s = broadcast_timeout_s
         self._broadcaster = None  # train/broadcast.py's WeightBroadcaster, made on first use
         self.bind_device()
+        from areal_async.custom_group import device_uuid
+
+        self._gpu_uuid = device_uuid(self.device)
         torch.manual_seed(seed + self.rank)
 
         mp = cfg.mixed_precision
@@ -257,12 +261,16 @@ class TrainEngine:
         return _Step(shard, layout, num_seqs, saved, fold, shard.seq_of_token())
 
     def _token_advantages(self, shard: Shard, stats: StatSums) -> Tensor:
-        """Shaped rewards -> group baseline -> optional global batch norm, broadcast to the trained tokens. [N]"""
+        """Shaped rewards -> group baseline -> optional global batch norm, broadcast to the trained tokens. [N]
+
+        The baseline weights (None: all 1.0) weigh each sequence in its group's statistics and in the batch
+        moments, so a per_call agent episode counts once however many calls it made (train/advantages.py)."""
         acfg = self.cfg.advantage
+        weights = shard.baseline_weights  # [B] | None
         shaped = shape_rewards(shard.rewards, acfg, shard.response_lens)  # [B]
-        adv = group_advantages(shaped, shard.group_ids, acfg.estimator)  # [B]
+        adv = group_advantages(shaped, shard.group_ids, acfg.estimator, weights=weights)  # [B]
         if acfg.batch_norm:
-            moments = normalization_moments(adv)  # [3] float64
+            moments = normalization_moments(adv, weights)  # [3] float64
             if self.world_size > 1:
                 dist.all_reduce(moments)
             adv = batch_normalize_with(adv, *mean_std_from_moments(moments))
@@ -346,7 +354,7 @@ class TrainEngine:
 
     def info(self) -> TrainerInfo:
         return TrainerInfo(rank=self.rank, world_size=self.world_size, version=self.version, device=str(self.device),
-                           num_params=self.num_params)
+                           num_params=self.num_params, gpu_uuid=self._gpu_uuid)
 
     def weight_plan(self, bucket_bytes: int) -> list[WeightSpec]:
         """How `broadcast` buckets the weights: names, dtypes, shapes in send order (local, no collective)."""

@@ -30,6 +30,7 @@ class Shard:
     group_ids: Tensor  # [B] int64
     response_lens: Tensor  # [B] float32
     host_ids: np.ndarray  # [N] int64, the input ids on the host (planning the shared-prefix layout)
+    baseline_weights: Tensor | None = None  # [B] float32, finite and > 0; None: every sequence weighs 1.0
 
     @property
     def num_seqs(self) -> int:
@@ -88,6 +89,7 @@ def decode_shard(batch: TrainBatch, vocab_size: int, device: torch.device) -> Sh
     if n_seq and mask[starts].any():
         raise BatchError("batch.loss_mask: the first token of a sequence cannot be trained (no context)")
     response_lens = np.add.reduceat(mask.astype(np.float32), starts) if n_seq else np.zeros(0, np.float32)
+    weights = _baseline_weights(batch.baseline_weights, n_seq)
     return Shard(
         input_ids=torch.from_numpy(ids.astype(np.int64)).to(device),
         seq_lens=seq_lens.tolist(),
@@ -99,4 +101,27 @@ def decode_shard(batch: TrainBatch, vocab_size: int, device: torch.device) -> Sh
         group_ids=torch.from_numpy(arrays["group_ids"].copy()).to(device),
         response_lens=torch.from_numpy(response_lens.astype(np.float32)).to(device),
         host_ids=ids.astype(np.int64),
+        baseline_weights=None if weights is None else torch.from_numpy(weights.copy()).to(device),
     )
+
+
+def _baseline_weights(a: Array | None, n_seq: int) -> np.ndarray | None:
+    """The optional per-sequence baseline weights, checked like the other arrays: float32 [B], finite, > 0 (a
+    zero weight would leave a group without a baseline, a negative one flip it)."""
+    if a is None:
+        return None
+    if a.dtype != "float32":
+        raise BatchError(f"batch.baseline_weights: dtype must be float32, got {a.dtype!r}")
+    if len(a.shape) != 1:
+        raise BatchError(f"batch.baseline_weights: must be 1-d, got shape {a.shape}")
+    try:
+        w = a.to_numpy()
+    except ValueError as e:
+        raise BatchError(f"batch.baseline_weights: {e}") from None
+    if w.shape[0] != n_seq:
+        raise BatchError(f"batch.baseline_weights: length {w.shape[0]} != {n_seq} (number of sequences)")
+    bad = ~(np.isfinite(w) & (w > 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise BatchError(f"batch.baseline_weights: every weight must be finite and > 0, sequence {i} has {w[i]}")
+    return w

@@ -19,38 +19,28 @@ temperature the trainer computes logprobs at) is `rollout.temperature` (1.0 for 
 something else in a run config is an error.
 
 Every field is documented by the string literal under it (config_help.py reads those for `--help`).
-Leaf module: imports nothing of the package and never torch.
+Sections of where processes live and what happens when they die are in config_cluster.py, YAML files and
+overrides as dicts in config_files.py, the shared pieces in config_base.py. Never torch.
 """
 
 from __future__ import annotations
 
-import copy
-import os
 from typing import Any, Literal
 
 import msgspec
-import yaml
+
+from areal_async.config_base import ConfigError, Section, check, key_of
+from areal_async.config_cluster import RecoveryConfig, RendezvousConfig, SlurmConfig
+from areal_async.config_files import ALIASES, apply_overrides, lookup, read_yaml
+
+# re-exported: the public names of the config live here
+__all__ = ["ConfigError", "RunConfig", "ModelConfig", "DataConfig", "ServerConfig", "ScheduleConfig",
+           "MultiTurnConfig", "RolloutConfig", "LossConfig", "AdvantageConfig", "OptimConfig", "TrainConfig",
+           "EvalConfig", "RendezvousConfig", "SlurmConfig", "RecoveryConfig", "ALIASES", "MOVED", "DERIVED",
+           "apply_overrides", "read_yaml", "from_dict", "load_config", "to_dict"]
 
 
-class ConfigError(ValueError):
-    """A config problem; the message starts with the offending key."""
-
-
-class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    def validate(self, prefix: str = "") -> None:  # overridden where there is something to check
-        del prefix
-
-
-def _key(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _check(cond: bool, key: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: {msg}")
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Which base model to start from."""
 
     path: str = "tiny"
@@ -61,7 +51,7 @@ class ModelConfig(_Section):
     """Weights' dtype on the servers; auto: fp32 on CPU, bf16 on CUDA."""
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Prompt source: the synthetic task, or a JSONL/Parquet file of {prompt, answer} records."""
 
     name: str = "arith"
@@ -87,15 +77,15 @@ class DataConfig(_Section):
     {require_isolation: true, budget_s: 30, memory_mb: 512}."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(bool(self.name), _key(prefix, "name"), "must not be empty")
-        _check(self.num_train >= 1, _key(prefix, "num_train"), "must be >= 1")
-        _check(self.num_eval >= 0, _key(prefix, "num_eval"), "must be >= 0")
-        _check(bool(self.reward), _key(prefix, "reward"), "must not be empty")
+        check(bool(self.name), key_of(prefix, "name"), "must not be empty")
+        check(self.num_train >= 1, key_of(prefix, "num_train"), "must be >= 1")
+        check(self.num_eval >= 0, key_of(prefix, "num_eval"), "must be >= 0")
+        check(bool(self.reward), key_of(prefix, "reward"), "must not be empty")
         clash = sorted(set(self.reward_options) & {"completion", "answer", "prompt", "fn_spec", "timeout_s"})
-        _check(not clash, _key(prefix, "reward_options"), f"{clash} are the reward call's own arguments")
+        check(not clash, key_of(prefix, "reward_options"), f"{clash} are the reward call's own arguments")
 
 
-class ServerConfig(_Section):
+class ServerConfig(Section):
     """Inference servers: embedded (our CPU/GPU server), sglang (launched), or external URLs."""
 
     backend: Literal["embedded", "sglang", "external"] = "embedded"
@@ -131,19 +121,19 @@ class ServerConfig(_Section):
     servers pass --disable-radix-cache in extra_args instead)."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.num_servers >= 1, _key(prefix, "num_servers"), "must be >= 1")
-        _check(self.backend != "external" or bool(self.urls), _key(prefix, "urls"), "required when backend=external")
-        _check(all(u.startswith(("http://", "https://")) for u in self.urls), _key(prefix, "urls"),
+        check(self.num_servers >= 1, key_of(prefix, "num_servers"), "must be >= 1")
+        check(self.backend != "external" or bool(self.urls), key_of(prefix, "urls"), "required when backend=external")
+        check(all(u.startswith(("http://", "https://")) for u in self.urls), key_of(prefix, "urls"),
                "every URL must start with http:// or https://")
-        _check(0 <= self.port <= 65535, _key(prefix, "port"), "must be in 0..65535")
-        _check(self.max_total_tokens > 0, _key(prefix, "max_total_tokens"), "must be > 0")
-        _check(self.max_running_requests >= 1, _key(prefix, "max_running_requests"), "must be >= 1")
-        _check(self.gpus_per_server >= 1, _key(prefix, "gpus_per_server"), "must be >= 1")
-        _check(self.startup_timeout_s > 0, _key(prefix, "startup_timeout_s"), "must be > 0")
-        _check(self.torch_threads >= 1, _key(prefix, "torch_threads"), "must be >= 1")
+        check(0 <= self.port <= 65535, key_of(prefix, "port"), "must be in 0..65535")
+        check(self.max_total_tokens > 0, key_of(prefix, "max_total_tokens"), "must be > 0")
+        check(self.max_running_requests >= 1, key_of(prefix, "max_running_requests"), "must be >= 1")
+        check(self.gpus_per_server >= 1, key_of(prefix, "gpus_per_server"), "must be >= 1")
+        check(self.startup_timeout_s > 0, key_of(prefix, "startup_timeout_s"), "must be > 0")
+        check(self.torch_threads >= 1, key_of(prefix, "torch_threads"), "must be >= 1")
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     """The asynchronous schedule (rollout/controller.py takes this section as it is).
 
     Embedders build it directly (`ScheduleConfig(batch_size=8, total_steps=100)`); the controller validates it."""
@@ -175,15 +165,15 @@ class ScheduleConfig(_Section):
     """Stop the run when this many prompt groups in a row fail (raise or come back aborted)."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.batch_size >= 1, _key(prefix, "batch_size"), "must be >= 1")
-        _check(self.eta is None or self.eta >= 0, _key(prefix, "eta"), "must be >= 0 or null")
-        _check(self.max_concurrent_groups >= 1, _key(prefix, "max_concurrent_groups"), "must be >= 1")
-        _check(self.total_steps >= 1, _key(prefix, "total_steps"), "must be >= 1")
-        _check(self.max_wall_s is None or self.max_wall_s > 0, _key(prefix, "max_wall_s"), "must be > 0 or null")
-        _check(self.eval_every >= 0, _key(prefix, "eval_every"), "must be >= 0")
-        _check(self.checkpoint_every >= 0, _key(prefix, "checkpoint_every"), "must be >= 0")
-        _check(self.max_consecutive_failures >= 1, _key(prefix, "max_consecutive_failures"), "must be >= 1")
-        _check(self.interruptible or self.interrupt_mode == "abort", _key(prefix, "interrupt_mode"),
+        check(self.batch_size >= 1, key_of(prefix, "batch_size"), "must be >= 1")
+        check(self.eta is None or self.eta >= 0, key_of(prefix, "eta"), "must be >= 0 or null")
+        check(self.max_concurrent_groups >= 1, key_of(prefix, "max_concurrent_groups"), "must be >= 1")
+        check(self.total_steps >= 1, key_of(prefix, "total_steps"), "must be >= 1")
+        check(self.max_wall_s is None or self.max_wall_s > 0, key_of(prefix, "max_wall_s"), "must be > 0 or null")
+        check(self.eval_every >= 0, key_of(prefix, "eval_every"), "must be >= 0")
+        check(self.checkpoint_every >= 0, key_of(prefix, "checkpoint_every"), "must be >= 0")
+        check(self.max_consecutive_failures >= 1, key_of(prefix, "max_consecutive_failures"), "must be >= 1")
+        check(self.interruptible or self.interrupt_mode == "abort", key_of(prefix, "interrupt_mode"),
                "in_place needs interruptible=true (with interruptible=false the update waits for requests)")
 
     @property
@@ -191,7 +181,7 @@ class ScheduleConfig(_Section):
         return 0 if self.mode == "sync" else self.eta
 
 
-class MultiTurnConfig(_Section):
+class MultiTurnConfig(Section):
     """Options of the multi_turn workflow (rollout/workflows/multi_turn.py)."""
 
     max_turns: int = 2
@@ -208,17 +198,17 @@ class MultiTurnConfig(_Section):
     """A turn cut off by max_new_tokens ends the episode with this reward; null: pass it to the environment."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.max_turns >= 1, _key(prefix, "max_turns"), "must be >= 1")
-        _check(self.max_total_tokens >= 2, _key(prefix, "max_total_tokens"), "must be >= 2")
-        _check(self.retry_discount >= 0, _key(prefix, "retry_discount"), "must be >= 0")
+        check(self.max_turns >= 1, key_of(prefix, "max_turns"), "must be >= 1")
+        check(self.max_total_tokens >= 2, key_of(prefix, "max_total_tokens"), "must be >= 2")
+        check(self.retry_discount >= 0, key_of(prefix, "retry_discount"), "must be >= 0")
         try:
             self.feedback.format(prompt="", answer_text="")
         except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(f"{_key(prefix, 'feedback')}: only {{prompt}} and {{answer_text}} may be filled in "
+            raise ConfigError(f"{key_of(prefix, 'feedback')}: only {{prompt}} and {{answer_text}} may be filled in "
                               f"({type(e).__name__}: {e})") from None
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """How one prompt becomes a group of trajectories: the workflow and its sampling."""
 
     group_size: int = 8
@@ -240,17 +230,17 @@ class RolloutConfig(_Section):
     """Options of workflow=multi_turn."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.group_size >= 1, _key(prefix, "group_size"), "must be >= 1")
-        _check(self.max_new_tokens >= 1, _key(prefix, "max_new_tokens"), "must be >= 1")
-        _check(self.temperature >= 0, _key(prefix, "temperature"), "must be >= 0")
-        _check(0 < self.top_p <= 1, _key(prefix, "top_p"), "must be in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 1, _key(prefix, "top_k"), "must be -1 or >= 1")
-        _check(self.reward_timeout_s > 0, _key(prefix, "reward_timeout_s"), "must be > 0")
-        _check(bool(self.workflow), _key(prefix, "workflow"), "must not be empty")
-        self.multi_turn.validate(_key(prefix, "multi_turn"))
+        check(self.group_size >= 1, key_of(prefix, "group_size"), "must be >= 1")
+        check(self.max_new_tokens >= 1, key_of(prefix, "max_new_tokens"), "must be >= 1")
+        check(self.temperature >= 0, key_of(prefix, "temperature"), "must be >= 0")
+        check(0 < self.top_p <= 1, key_of(prefix, "top_p"), "must be in (0, 1]")
+        check(self.top_k == -1 or self.top_k >= 1, key_of(prefix, "top_k"), "must be -1 or >= 1")
+        check(self.reward_timeout_s > 0, key_of(prefix, "reward_timeout_s"), "must be > 0")
+        check(bool(self.workflow), key_of(prefix, "workflow"), "must not be empty")
+        self.multi_turn.validate(key_of(prefix, "multi_turn"))
 
 
-class LossConfig(_Section):
+class LossConfig(Section):
     """Decoupled PPO and its variants (train/losses.py)."""
 
     eps_clip: float = 0.2
@@ -280,16 +270,16 @@ class LossConfig(_Section):
     """Weight of an entropy bonus (subtracted from the loss); 0: off."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.eps_clip > 0, _key(prefix, "eps_clip"), "must be > 0")
-        _check(self.eps_clip_high is None or self.eps_clip_high > 0, _key(prefix, "eps_clip_high"),
+        check(self.eps_clip > 0, key_of(prefix, "eps_clip"), "must be > 0")
+        check(self.eps_clip_high is None or self.eps_clip_high > 0, key_of(prefix, "eps_clip_high"),
                "must be > 0 or null")
-        _check(self.dual_clip is None or self.dual_clip > 1, _key(prefix, "dual_clip"), "must be > 1")
-        _check(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1,
-               _key(prefix, "behav_imp_weight_cap"), "must be > 1 or null")
-        _check(self.kl_coef >= 0, _key(prefix, "kl_coef"), "must be >= 0")
+        check(self.dual_clip is None or self.dual_clip > 1, key_of(prefix, "dual_clip"), "must be > 1")
+        check(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1,
+               key_of(prefix, "behav_imp_weight_cap"), "must be > 1 or null")
+        check(self.kl_coef >= 0, key_of(prefix, "kl_coef"), "must be >= 0")
 
 
-class AdvantageConfig(_Section):
+class AdvantageConfig(Section):
     """Reward shaping and group-relative advantages (train/advantages.py)."""
 
     estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
@@ -310,16 +300,16 @@ class AdvantageConfig(_Section):
     """The full overlong penalty (subtracted from the reward)."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.reward_clip > 0, _key(prefix, "reward_clip"), "must be > 0")
-        _check(self.overlong_max_len is None or self.overlong_max_len >= 1, _key(prefix, "overlong_max_len"),
+        check(self.reward_clip > 0, key_of(prefix, "reward_clip"), "must be > 0")
+        check(self.overlong_max_len is None or self.overlong_max_len >= 1, key_of(prefix, "overlong_max_len"),
                "must be >= 1 or null")
-        _check(self.overlong_cache_len >= 0, _key(prefix, "overlong_cache_len"), "must be >= 0")
-        _check(self.overlong_max_len is None or self.overlong_cache_len <= self.overlong_max_len,
-               _key(prefix, "overlong_cache_len"), "must be <= overlong_max_len")
-        _check(self.overlong_factor >= 0, _key(prefix, "overlong_factor"), "must be >= 0")
+        check(self.overlong_cache_len >= 0, key_of(prefix, "overlong_cache_len"), "must be >= 0")
+        check(self.overlong_max_len is None or self.overlong_cache_len <= self.overlong_max_len,
+               key_of(prefix, "overlong_cache_len"), "must be <= overlong_max_len")
+        check(self.overlong_factor >= 0, key_of(prefix, "overlong_factor"), "must be >= 0")
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW and its learning-rate schedule."""
 
     lr: float = 1e-4
@@ -344,39 +334,14 @@ class OptimConfig(_Section):
     """Gradients are clipped to this global norm; 0: no clipping."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.lr > 0, _key(prefix, "lr"), "must be > 0")
-        _check(self.warmup_steps >= 0, _key(prefix, "warmup_steps"), "must be >= 0")
-        _check(self.total_steps >= 1, _key(prefix, "total_steps"), "must be >= 1")
-        _check(0 <= self.min_lr_ratio <= 1, _key(prefix, "min_lr_ratio"), "must be in [0, 1]")
-        _check(self.grad_clip >= 0, _key(prefix, "grad_clip"), "must be >= 0")
+        check(self.lr > 0, key_of(prefix, "lr"), "must be > 0")
+        check(self.warmup_steps >= 0, key_of(prefix, "warmup_steps"), "must be >= 0")
+        check(self.total_steps >= 1, key_of(prefix, "total_steps"), "must be >= 1")
+        check(0 <= self.min_lr_ratio <= 1, key_of(prefix, "min_lr_ratio"), "must be in [0, 1]")
+        check(self.grad_clip >= 0, key_of(prefix, "grad_clip"), "must be >= 0")
 
 
-class RendezvousConfig(_Section):
-    """How the ranks of a multi-node trainer job meet (c10d), and how the controller finds every rank."""
-
-    endpoint: str | None = None
-    """host:port of the c10d rendezvous; null: the launcher picks one (here, or on the first trainer node)."""
-    timeout_s: float = 300.0
-    """How long the torchrun agents wait for all train.nnodes of them to join before the job fails."""
-    discovery: Literal["registry", "files"] = "registry"
-    """registry: each rank reports its address to an authenticated endpoint on the controller (no shared
-    filesystem); files: ranks write run_dir/trainer/rank<r>.json (run_dir shared with every trainer node)."""
-    local_agents: int | None = None
-    """launcher=local: agents started here (node ranks 0..local_agents-1); null: all. The launcher logs the
-    command that starts the others by hand."""
-
-    def validate(self, prefix: str = "") -> None:
-        _check(self.endpoint is None or _is_host_port(self.endpoint), _key(prefix, "endpoint"), "must be host:port")
-        _check(self.timeout_s > 0, _key(prefix, "timeout_s"), "must be > 0")
-        _check(self.local_agents is None or self.local_agents >= 1, _key(prefix, "local_agents"), "must be >= 1")
-
-
-def _is_host_port(text: str) -> bool:
-    host, _, port = text.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
-
-
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """FSDP2 trainer processes launched by torchrun (train/worker.py reads this section as JSON)."""
 
     nproc: int = 1
@@ -422,25 +387,25 @@ class TrainConfig(_Section):
     """The optimizer."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.nproc >= 1, _key(prefix, "nproc"), "must be >= 1")
-        _check(self.nnodes >= 1, _key(prefix, "nnodes"), "must be >= 1")
-        _check(self.nnodes == 1 or not self.torchrun_args, _key(prefix, "torchrun_args"),
+        check(self.nproc >= 1, key_of(prefix, "nproc"), "must be >= 1")
+        check(self.nnodes >= 1, key_of(prefix, "nnodes"), "must be >= 1")
+        check(self.nnodes == 1 or not self.torchrun_args, key_of(prefix, "torchrun_args"),
                "give the rendezvous either by hand here or through train.nnodes and train.rdzv, not both")
-        self.rdzv.validate(_key(prefix, "rdzv"))
-        _check(self.rdzv.local_agents is None or self.rdzv.local_agents <= self.nnodes,
-               _key(prefix, "rdzv.local_agents"), f"must be <= train.nnodes ({self.nnodes})")
-        _check(self.ppo_minibatches >= 1, _key(prefix, "ppo_minibatches"), "must be >= 1")
-        _check(self.micro_batch_tokens >= 16, _key(prefix, "micro_batch_tokens"), "must be >= 16")
-        _check(self.keep_versions >= 1, _key(prefix, "keep_versions"), "must be >= 1")
-        _check(self.torch_threads >= 1, _key(prefix, "torch_threads"), "must be >= 1")
-        _check(self.temperature > 0, _key(prefix, "temperature"), "must be > 0")
-        _check(self.connect_timeout_s > 0, _key(prefix, "connect_timeout_s"), "must be > 0")
-        self.loss.validate(_key(prefix, "loss"))
-        self.advantage.validate(_key(prefix, "advantage"))
-        self.optim.validate(_key(prefix, "optim"))
+        self.rdzv.validate(key_of(prefix, "rdzv"))
+        check(self.rdzv.local_agents is None or self.rdzv.local_agents <= self.nnodes,
+               key_of(prefix, "rdzv.local_agents"), f"must be <= train.nnodes ({self.nnodes})")
+        check(self.ppo_minibatches >= 1, key_of(prefix, "ppo_minibatches"), "must be >= 1")
+        check(self.micro_batch_tokens >= 16, key_of(prefix, "micro_batch_tokens"), "must be >= 16")
+        check(self.keep_versions >= 1, key_of(prefix, "keep_versions"), "must be >= 1")
+        check(self.torch_threads >= 1, key_of(prefix, "torch_threads"), "must be >= 1")
+        check(self.temperature > 0, key_of(prefix, "temperature"), "must be > 0")
+        check(self.connect_timeout_s > 0, key_of(prefix, "connect_timeout_s"), "must be > 0")
+        self.loss.validate(key_of(prefix, "loss"))
+        self.advantage.validate(key_of(prefix, "advantage"))
+        self.optim.validate(key_of(prefix, "optim"))
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """Held-out evaluation: greedy decoding through the same servers (its timing is schedule.eval_every)."""
 
     num_prompts: int = 200
@@ -452,108 +417,15 @@ class EvalConfig(_Section):
     rollouts is not stuck behind them; unset for sglang/external (SGLang needs --enable-priority-scheduling)."""
 
     def validate(self, prefix: str = "") -> None:
-        _check(self.num_prompts >= 0, _key(prefix, "num_prompts"), "must be >= 0")
-        _check(self.max_new_tokens >= 1, _key(prefix, "max_new_tokens"), "must be >= 1")
-
-
-class SlurmConfig(_Section):
-    """launcher=slurm: servers and trainers as srun steps of one Slurm job (launch/slurm.py, docs/cluster.md).
-    Outside an allocation the run is submitted as a batch job whose first node runs the controller."""
-
-    partition: str | None = None
-    """Partition of the submitted job; null: the cluster's default."""
-    account: str | None = None
-    """Account the submitted job is charged to; null: your default."""
-    time_limit: str | int | None = None
-    """Wall-clock limit of the submitted job, as sbatch --time takes it ("1-00:00:00") or in seconds (YAML reads
-    an unquoted 2:00:00 as 7200); null: the partition's default."""
-    nodes: int | None = None
-    """Nodes of the submitted job; null: train.nnodes, or more if servers_per_node needs more."""
-    gpus_per_node: int = 0
-    """GPUs per node; a server step takes server.gpus_per_server (embedded: 1), a trainer rank 1. 0: CPU only."""
-    servers_per_node: int | None = None
-    """Server steps per node; null: server.num_servers spread evenly over the job's nodes."""
-    cpus_per_server: int | None = None
-    """CPUs of each server step; null: server.torch_threads + 1."""
-    cpus_per_trainer: int | None = None
-    """CPUs per trainer rank; null: train.torch_threads + 1."""
-    controller_cpus: int = 2
-    """CPUs the submitted job adds on its first node for the controller (workflows, rewards)."""
-    controller_address: str | None = None
-    """Address the steps reach the controller at; null: the route to the job's nodes (loopback on one node)."""
-    sbatch_args: list[str] = []
-    """More #SBATCH options for the submitted job (e.g. ["--exclusive", "--qos=high"])."""
-    srun_args: list[str] = []
-    """More options for every srun step."""
-    setup: list[str] = []
-    """Shell lines the batch script runs before the controller (e.g. ["module load cuda/12.4"])."""
-    queue_timeout_s: float | None = None
-    """Cancel a submitted job not started after this many seconds; null: wait for the queue. A job Slurm says
-    cannot start as asked (a partition limit, bad constraints) fails at once either way."""
-    node_timeout_s: float = 120.0
-    """How long the run waits on nodes that do not come up: a step Slurm does not create (its node busy, down or
-    not answering) or a submitted job held by down or drained nodes fails after this."""
-    detach: bool = False
-    """Outside an allocation: submit the job and return; false: follow its log, cancel it on Ctrl-C."""
-
-    def validate(self, prefix: str = "") -> None:
-        for name in ("nodes", "servers_per_node", "cpus_per_server", "cpus_per_trainer", "controller_cpus"):
-            value = getattr(self, name)
-            _check(value is None or value >= 1, _key(prefix, name), "must be >= 1")
-        _check(self.gpus_per_node >= 0, _key(prefix, "gpus_per_node"), "must be >= 0")
-        _check(not isinstance(self.time_limit, int) or self.time_limit > 0, _key(prefix, "time_limit"),
-               "must be > 0 seconds")
-        _check(self.queue_timeout_s is None or self.queue_timeout_s > 0, _key(prefix, "queue_timeout_s"),
-               "must be > 0 or null")
-        _check(self.node_timeout_s > 0, _key(prefix, "node_timeout_s"), "must be > 0")
-
-
-class RecoveryConfig(_Section):
-    """What a run does when a part of it fails (launch/recovery.py): dead and hung servers are restarted and caught
-    up to the current weights, a dead trainer rolls the run back to its last checkpoint, and only "no server left
-    serving" or spent retries end it, with a resumable checkpoint."""
-
-    enabled: bool = True
-    """false: any dead server or trainer ends the run at once, with its log tail."""
-    max_server_restarts: int = 3
-    """Restarts of one server within server_restart_window_s; beyond that it stays out of the run."""
-    server_restart_window_s: float = 3600.0
-    """The window max_server_restarts counts over (a server that fails once a day is restarted every time)."""
-    restart_backoff_s: float = 1.0
-    """Wait before restarting a server or the trainers; doubled for every earlier restart in the window."""
-    restart_backoff_max_s: float = 60.0
-    """Cap of that wait."""
-    unhealthy_restart_s: float = 120.0
-    """A launched server that is alive but out of rotation (hung, answering errors, failing its weight loads) or
-    silent on /health for this long is killed and restarted; 0: never."""
-    health_interval_s: float = 2.0
-    """How often the recovery watchdog probes every launched server's /health."""
-    health_timeout_s: float = 5.0
-    """A probe unanswered within this counts as silent."""
-    no_server_timeout_s: float = 600.0
-    """The run stops (with a resumable checkpoint) when no server has been serving for this long."""
-    max_trainer_restarts: int = 2
-    """Restarts of the trainer job per run, each rolling the run back to the last checkpoint; when they are spent
-    the run stops and its last checkpoint resumes it."""
-    keep_checkpoints: int = 2
-    """Resumable checkpoints kept in run_dir/checkpoints (older ones go once a newer one is complete); 0: all."""
-
-    def validate(self, prefix: str = "") -> None:
-        for name in ("max_server_restarts", "max_trainer_restarts", "keep_checkpoints"):
-            _check(getattr(self, name) >= 0, _key(prefix, name), "must be >= 0")
-        for name in ("server_restart_window_s", "health_interval_s", "health_timeout_s", "no_server_timeout_s"):
-            _check(getattr(self, name) > 0, _key(prefix, name), "must be > 0")
-        for name in ("restart_backoff_s", "unhealthy_restart_s"):
-            _check(getattr(self, name) >= 0, _key(prefix, name), "must be >= 0")
-        _check(self.restart_backoff_max_s >= self.restart_backoff_s, _key(prefix, "restart_backoff_max_s"),
-               "must be >= restart_backoff_s")
+        check(self.num_prompts >= 0, key_of(prefix, "num_prompts"), "must be >= 0")
+        check(self.max_new_tokens >= 1, key_of(prefix, "max_new_tokens"), "must be >= 1")
 
 
 def _sampling_temperature(t: float) -> float:
     return t if t > 1e-6 else 1.0
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """Top level of `python -m areal_async.run`."""
 
     run_dir: str = "runs/default"
@@ -591,16 +463,12 @@ class RunConfig(_Section):
                                              temperature=_sampling_temperature(self.rollout.temperature))
 
     def validate(self, prefix: str = "") -> None:
-        _check(bool(self.run_dir), _key(prefix, "run_dir"), "must not be empty")
+        check(bool(self.run_dir), key_of(prefix, "run_dir"), "must not be empty")
         for name in ("data", "server", "schedule", "rollout", "train", "eval", "slurm", "recovery"):
-            getattr(self, name).validate(_key(prefix, name))
+            getattr(self, name).validate(key_of(prefix, name))
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
-
-# short override names (command line only; files use the full keys)
-ALIASES = {"mode": "schedule.mode", "eta": "schedule.eta", "steps": "schedule.total_steps",
-           "total_steps": "schedule.total_steps"}
 
 # keys that moved: an old config gets an error that names the new place
 MOVED = {
@@ -623,52 +491,16 @@ DERIVED = {
 }
 
 
-def _parse_value(text: str) -> Any:
-    """Parse the right side of `key=value` as YAML, so `eta=4`, `urls=[a,b]` and `eta=null` do the right thing."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set dotted keys (`train.optim.lr=1e-5`) in a nested dict (a copy). Short names in `ALIASES` are expanded."""
-    raw = copy.deepcopy(raw)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"{item}: overrides are key=value")
-        key, _, value = item.partition("=")
-        key = ALIASES.get(key.strip(), key.strip())
-        node = raw
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"{'.'.join(parts[:i + 1])}: is not a section")
-            node = nxt
-        node[parts[-1]] = _parse_value(value)
-    return raw
-
-
-def _lookup(raw: dict[str, Any], key: str) -> tuple[bool, Any]:
-    node: Any = raw
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
-
-
 def _check_moved(raw: dict[str, Any]) -> None:
     for old, new in MOVED.items():
-        if _lookup(raw, old)[0]:
+        if lookup(raw, old)[0]:
             raise ConfigError(f"{old}: moved to {new}")
 
 
 def _check_derived(raw: dict[str, Any], cfg: RunConfig) -> None:
     """A derived key may be given only with the value it would get anyway (a saved config.json has them)."""
     for key, (source, how) in DERIVED.items():
-        given, value = _lookup(raw, key)
+        given, value = lookup(raw, key)
         if not given:
             continue
         node: Any = cfg
@@ -688,7 +520,7 @@ def _format_validation_error(e: msgspec.ValidationError) -> ConfigError:
         where = where.rstrip("`").lstrip(".")
     if msg.startswith("Object contains unknown field"):
         field = msg.split("`")[1]
-        return ConfigError(f"{_key(where, field)}: unknown key")
+        return ConfigError(f"{key_of(where, field)}: unknown key")
     return ConfigError(f"{where or '<root>'}: {msg}")
 
 
@@ -709,36 +541,6 @@ def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = RunConfig) -> Any
     if validate is not None:
         validate("")
     return cfg
-
-
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A config file as a nested dict, with its `base:` chain merged in (the base first, this file on top)."""
-    real = os.path.realpath(path)
-    if real in _seen:
-        raise ConfigError(f"{path}: base: includes form a cycle ({' -> '.join(_seen + (real,))})")
-    if not os.path.exists(path):
-        raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        try:
-            loaded = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    base = loaded.pop("base", None)
-    if base is None:
-        return loaded
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: base: must be a file name")
-    base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-    return _deep_merge(read_yaml(base_path, _seen + (real,)), loaded)
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None,

@@ -1,7 +1,7 @@
 """Every config key with its default and documentation (`python -m areal_async.run --help`).
 
-The documentation of a field is the string literal under it in config.py (an attribute docstring, as Sphinx reads
-them); it is read from the module's source, so it works from an installed copy too. tests/test_config.py checks that
+The documentation of a field is the string literal under it in config.py or config_cluster.py (an attribute
+docstring, as Sphinx reads them); it is read from the modules' source, so it works from an installed copy too. tests/test_config.py checks that
 no field goes without one. No torch here.
 """
 
@@ -15,15 +15,15 @@ from typing import Any, Iterator
 import msgspec
 import yaml
 
-from areal_async import config
+from areal_async import config, config_cluster
 
 
 @functools.lru_cache(maxsize=1)
 def _field_docs() -> dict[tuple[str, str], str]:
-    """(class name, field) -> the string literal under the field in config.py."""
-    tree = ast.parse(inspect.getsource(config))
+    """(class name, field) -> the string literal under the field in the modules that define sections."""
     docs: dict[tuple[str, str], str] = {}
-    for node in tree.body:
+    nodes = [n for m in (config, config_cluster) for n in ast.parse(inspect.getsource(m)).body]
+    for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
         for stmt, nxt in zip(node.body, node.body[1:]):

@@ -7,8 +7,8 @@ or dropped), TensorBoard events, progress.png, logs/, checkpoints/, the final HF
 directory with a checkpoint is resumed (resume=false starts over).
 
 The shape of a run: `prepare` checks everything that can be checked (config, model, tokenizer and chat template,
-dataset, reward, workflow) before anything starts; a `Launcher` starts the servers and trainers (launch/); the
-training runs under `supervise`, which hands every process event to the failure policy; teardown always runs.
+dataset, reward, workflow) before anything starts (run_plan.py); a `Launcher` starts the servers and trainers (launch/); the
+training runs under `supervise`, which hands every process event to the failure policy; teardown always runs; run_report.py writes the summary.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import copy
-import importlib.util
 import json
 import logging
 import os
@@ -25,9 +24,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-import msgspec
+from typing import Any
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config_help import describe
@@ -35,149 +32,10 @@ from areal_async.launch import (ChildFailed, Cluster, ElasticBroadcastSync, Laun
                                 interrupt_on_sigterm, launcher_for, supervise)
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
 from areal_async.rollout.weight_sync import DiskSync, WeightSync
-from areal_async.rollout.workflow_api import ScoreFn, Workflow
-from areal_async.tokenizer import Tokenizer, check_tokenizer
-from areal_async.types import Sample
+from areal_async.run_plan import RunPlan, make_score, prepare, resolve_model  # noqa: F401 (public here too)
+from areal_async.run_report import print_summary, server_busy_s, summarize, write_outputs  # noqa: F401
 
 log = logging.getLogger("areal_async.run")
-
-
-# ---- before launch: everything that can be checked --------------------------------------------------------------
-
-
-@dataclass
-class RunPlan:
-    """A checked run, ready to launch."""
-
-    cfg: RunConfig
-    model_path: str
-    tokenizer: Tokenizer
-    train_samples: list[Sample]
-    eval_samples: list[Sample]
-    rewards: Any  # the RewardRunner behind `score` (closed with the run)
-    score: ScoreFn
-    workflow: Workflow
-    resumed: tuple[RunState, str] | None  # (state, checkpoint directory)
-
-    @property
-    def trainer_resume(self) -> str | None:
-        return os.path.join(self.resumed[1], "trainer") if self.resumed else None
-
-
-def resolve_model(cfg: RunConfig) -> str:
-    """`model.path` as an HF directory: built-in names and GGUF files are built or converted (in a subprocess, so
-    this process never imports torch) and cached; see areal_async.model_store."""
-    from areal_async.model_store import ModelPathError, resolve_model_path
-
-    try:
-        return resolve_model_path(cfg.model.path)
-    except ModelPathError as e:
-        raise ConfigError(f"model.path: {e}") from None
-
-
-def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
-    """Validate `cfg` and build what the run needs before launch; every problem is a ConfigError naming its key.
-
-    `workflow` replaces the one `rollout.workflow` names: a Workflow, or a factory `f(cfg, tokenizer, score)`."""
-    cfg = msgspec.structs.replace(cfg)  # re-derives the derived fields of a config built in Python
-    cfg.validate()
-    from areal_async.launch.placement import plan_placement
-
-    plan_placement(cfg)  # the GPU layout and SGLang's arguments, checked on this host (launch/placement.py)
-    model_path = resolve_model(cfg)
-    if not os.path.isfile(os.path.join(model_path, "config.json")):
-        raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
-    try:  # the tokenizer files, an EOS token, ids within the model's vocabulary (the template: below)
-        tokenizer = check_tokenizer(model_path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: cannot use the tokenizer of {model_path}: {e}") from None
-    from areal_async.tasks.datasets import load_samples
-
-    try:
-        train_samples, eval_samples = load_samples(cfg.data)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.name: {e}") from None
-    if not train_samples:
-        raise ConfigError(f"data.name: {cfg.data.name} has no training samples")
-    _check_chat_template(cfg, tokenizer, train_samples + eval_samples)
-    _check_reward(cfg.data.reward)
-    from areal_async.rewards.runner import RewardRunner
-
-    rewards = RewardRunner()
-    score = make_score(rewards, cfg.data.reward, cfg.rollout.reward_timeout_s, cfg.data.reward_options)
-    wf = _build_workflow(cfg, tokenizer, score, workflow)  # the runner starts its workers on first use only
-    if cfg.schedule.interrupt_mode == "in_place" and cfg.server.backend != "embedded":
-        log.warning("schedule.interrupt_mode=in_place: SGLang stamps a whole response with its last weight version, "
-                    "so tokens made before an update are labelled newer than they are (the staleness bound holds; "
-                    "the staleness statistics undercount)")
-    resumed = load_state(cfg.run_dir) if cfg.resume else None
-    return RunPlan(cfg, model_path, tokenizer, train_samples, eval_samples[: cfg.eval.num_prompts], rewards, score,
-                   wf, resumed)
-
-
-def _check_chat_template(cfg: RunConfig, tokenizer: Tokenizer, samples: list[Sample]) -> None:
-    key = None
-    if cfg.data.apply_chat_template:
-        key = "data.apply_chat_template"
-    elif any(s.messages is not None for s in samples):
-        key = f"data.name ({cfg.data.name} has chat-message prompts)"
-    elif cfg.rollout.workflow == "multi_turn" and cfg.rollout.multi_turn.chat:
-        key = "rollout.multi_turn.chat"
-    if key is None:
-        return
-    from areal_async.rollout.chat import ChatTokens
-
-    try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True)
-        if cfg.rollout.workflow == "multi_turn":  # feedback turns are appended as rendered deltas
-            ChatTokens(tokenizer).delta_ids([{"role": "user", "content": "again"}])
-    except Exception as e:  # a missing template, or one that fails to render (raise_exception, syntax)
-        raise ConfigError(f"{key}: the chat template of {tokenizer.path} does not render: "
-                          f"{type(e).__name__}: {e}") from None
-
-
-def _check_reward(spec: str) -> None:
-    from areal_async.rewards.registry import resolve
-
-    try:
-        target = resolve(spec).target
-    except (KeyError, ValueError) as e:
-        raise ConfigError(f"data.reward: {e.args[0] if e.args else e}") from None
-    module = target.partition(":")[0]
-    try:  # find, do not import: rewards run in worker processes and may pull heavy packages
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise ConfigError(f"data.reward: module {module!r} of {target!r} is not importable")
-
-
-_RESERVED_META = frozenset({"fn_spec", "completion", "answer", "prompt", "timeout_s"})  # RewardRunner.score's own
-
-
-def make_score(rewards: Any, reward: str, timeout_s: float, options: Mapping[str, Any] | None = None) -> ScoreFn:
-    """The configured reward as a ScoreFn, run off the loop by the reward runner. `options` (data.reward_options)
-    and then the sample's meta are passed on as keywords, except keys that would collide with the runner's own
-    arguments (such as a record's extra "prompt")."""
-    base = dict(options or {})
-
-    async def score(completion: str, answer: str, prompt: str = "",
-                    meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]:
-        extra = {k: v for k, v in {**base, **(meta or {})}.items() if k not in _RESERVED_META}
-        return await rewards.score(reward, completion, answer, prompt=prompt, timeout_s=timeout_s, **extra)
-
-    return score
-
-
-def _build_workflow(cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn, given: Any) -> Workflow:
-    from areal_async.rollout.workflows import build_workflow
-
-    if given is None:
-        return build_workflow(cfg, tokenizer, score)
-    wf = given if hasattr(given, "run") else given(cfg, tokenizer, score)
-    if not hasattr(wf, "run"):
-        raise ConfigError(f"workflow: the factory returned {type(wf).__name__}, not a workflow")
-    return wf
 
 
 def open_run_dir(plan: RunPlan) -> RunState:
@@ -388,7 +246,7 @@ def make_controller(plan: RunPlan, state: RunState, session: Session, weights: W
         cfg.schedule, client, session.trainers, plan.workflow, SampleStream(plan.train_samples, seed=cfg.seed),
         cfg.run_dir, weights=weights, evaluator=make_evaluator(plan, client) if plan.eval_samples else None,
         logger=session.logger, state=state, ledger=SampleLedger(os.path.join(cfg.run_dir, FILE_NAME)),
-        busy_probe=lambda: _server_busy_s(urls, api_key), keep_checkpoints=cfg.recovery.keep_checkpoints,
+        busy_probe=lambda: server_busy_s(urls, api_key), keep_checkpoints=cfg.recovery.keep_checkpoints,
         checkpointed=checkpointed)
 
 
@@ -532,94 +390,6 @@ async def _copy_final(ctrl: AsyncRLController, run_dir: str) -> str | None:
         shutil.rmtree(final_dir)
     shutil.copytree(src, final_dir)
     return final_dir
-
-
-def summarize(plan: RunPlan, ctrl: AsyncRLController, state: RunState, *, num_servers: int,
-              final_checkpoint: str | None, recovery: dict[str, Any] | None = None) -> dict[str, Any]:
-    s = plan.cfg.schedule
-    return {
-        "mode": s.mode,
-        "eta": s.effective_eta,
-        "interruptible": s.interruptible,
-        "interrupt_mode": ctrl.interrupt,
-        "base_accuracy": state.base_accuracy,
-        "final_accuracy": ctrl.evals[-1]["accuracy"] if ctrl.evals else None,
-        "wall_s": state.wall_s,
-        "steps": state.version,
-        "trained_samples": state.trained_samples,
-        "trained_samples_per_s": state.trained_samples / max(state.wall_s, 1e-9),
-        "max_staleness_seen": state.max_staleness_seen,
-        "staleness_hist": state.staleness_hist,
-        "rollout": ctrl.rollout.stats.__dict__,
-        "dropped": dict(ctrl.ledger.drop_counts),
-        "timings": ctrl.timings,
-        # compute seconds summed over servers during the training loop (embedded servers report it)
-        "server_busy_s": ctrl.timings.get("server_busy_s"),
-        "num_servers": num_servers,
-        "evals": ctrl.evals,
-        "final_checkpoint": final_checkpoint,
-        "model": plan.model_path,
-        "completed": True,
-        # faults and what was done about them, over every controller this run directory had (recoveries.jsonl)
-        "recovery": recovery,
-    }
-
-
-def write_outputs(run_dir: str, summary: dict[str, Any], logger: Any) -> None:
-    from areal_async.metrics import plot_run
-
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    logger.close()
-    plot_run(run_dir)
-    print_summary(summary)
-
-
-async def _server_busy_s(urls: list[str], api_key: str | None) -> float | None:
-    """Seconds the servers spent computing (the embedded engine reports `busy_s` in /server_info; others don't)."""
-    import aiohttp
-
-    total = 0.0
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-            for url in urls:
-                async with http.get(url + "/server_info", headers=headers) as r:
-                    busy = (await r.json()).get("busy_s")
-                    if busy is None:
-                        return None
-                    total += float(busy)
-    except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
-        return None
-    return total
-
-
-def print_summary(s: dict[str, Any]) -> None:
-    def pct(x: float | None) -> str:
-        return "n/a" if x is None else f"{100 * x:.1f}%"
-
-    gain = (None if s["base_accuracy"] is None or s["final_accuracy"] is None
-            else s["final_accuracy"] - s["base_accuracy"])
-    rows = [
-        ("mode", f"{s['mode']} (eta={s['eta']}, in-flight updates: {s['interrupt_mode']})"),
-        ("held-out accuracy", f"{pct(s['base_accuracy'])} -> {pct(s['final_accuracy'])}"
-                              + (f"  ({100 * gain:+.1f} pts)" if gain is not None else "")),
-        ("train steps", str(s["steps"])),
-        ("trained samples", f"{s['trained_samples']}  ({s['trained_samples_per_s']:.1f}/s)"),
-        ("dropped groups", ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"),
-        ("wall time", f"{s['wall_s']:.1f} s"),
-        ("max staleness seen", str(s["max_staleness_seen"])),
-        ("final checkpoint", str(s["final_checkpoint"])),
-    ]
-    rec = s.get("recovery")
-    if rec and rec.get("faults"):
-        rows.insert(-1, ("faults recovered", f"{rec['recovered']} of {rec['faults']} "
-                                             f"({', '.join(f'{k} {v}' for k, v in sorted(rec['by_event'].items()))})"))
-    width = max(len(k) for k, _ in rows)
-    print("\n" + "=" * 60)
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
-    print("=" * 60)
 
 
 # ---- the command line -------------------------------------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""Before launch: everything about a run that can be checked is checked, and built, here (`prepare`): the config,
+the GPU layout, the model directory, the tokenizer and its chat template, the dataset, the reward and the workflow.
+A problem is a ConfigError naming its key, so nothing is started for a run that cannot work. No torch here (the
+model is built or converted in a subprocess, areal_async.model_store).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import msgspec
+
+from areal_async.config import ConfigError, RunConfig
+from areal_async.rollout.controller import RunState, load_state
+from areal_async.rollout.workflow_api import ScoreFn, Workflow
+from areal_async.tokenizer import Tokenizer, check_tokenizer
+from areal_async.types import Sample
+
+log = logging.getLogger("areal_async.run")
+
+__all__ = ["RunPlan", "resolve_model", "prepare", "make_score"]
+
+
+@dataclass
+class RunPlan:
+    """A checked run, ready to launch."""
+
+    cfg: RunConfig
+    model_path: str
+    tokenizer: Tokenizer
+    train_samples: list[Sample]
+    eval_samples: list[Sample]
+    rewards: Any  # the RewardRunner behind `score` (closed with the run)
+    score: ScoreFn
+    workflow: Workflow
+    resumed: tuple[RunState, str] | None  # (state, checkpoint directory)
+
+    @property
+    def trainer_resume(self) -> str | None:
+        return os.path.join(self.resumed[1], "trainer") if self.resumed else None
+
+
+def resolve_model(cfg: RunConfig) -> str:
+    """`model.path` as an HF directory: built-in names and GGUF files are built or converted (in a subprocess, so
+    this process never imports torch) and cached; see areal_async.model_store."""
+    from areal_async.model_store import ModelPathError, resolve_model_path
+
+    try:
+        return resolve_model_path(cfg.model.path)
+    except ModelPathError as e:
+        raise ConfigError(f"model.path: {e}") from None
+
+
+def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
+    """Validate `cfg` and build what the run needs before launch; every problem is a ConfigError naming its key.
+
+    `workflow` replaces the one `rollout.workflow` names: a Workflow, or a factory `f(cfg, tokenizer, score)`."""
+    cfg = msgspec.structs.replace(cfg)  # re-derives the derived fields of a config built in Python
+    cfg.validate()
+    from areal_async.launch.placement import plan_placement
+
+    plan_placement(cfg)  # the GPU layout and SGLang's arguments, checked on this host (launch/placement.py)
+    model_path = resolve_model(cfg)
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
+    try:  # the tokenizer files, an EOS token, ids within the model's vocabulary (the template: below)
+        tokenizer = check_tokenizer(model_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot use the tokenizer of {model_path}: {e}") from None
+    from areal_async.tasks.datasets import load_samples
+
+    try:
+        train_samples, eval_samples = load_samples(cfg.data)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.name: {e}") from None
+    if not train_samples:
+        raise ConfigError(f"data.name: {cfg.data.name} has no training samples")
+    _check_chat_template(cfg, tokenizer, train_samples + eval_samples)
+    _check_reward(cfg.data.reward)
+    from areal_async.rewards.runner import RewardRunner
+
+    rewards = RewardRunner()
+    score = make_score(rewards, cfg.data.reward, cfg.rollout.reward_timeout_s, cfg.data.reward_options)
+    wf = _build_workflow(cfg, tokenizer, score, workflow)  # the runner starts its workers on first use only
+    if cfg.schedule.interrupt_mode == "in_place" and cfg.server.backend != "embedded":
+        log.warning("schedule.interrupt_mode=in_place: SGLang stamps a whole response with its last weight version, "
+                    "so tokens made before an update are labelled newer than they are (the staleness bound holds; "
+                    "the staleness statistics undercount)")
+    resumed = load_state(cfg.run_dir) if cfg.resume else None
+    return RunPlan(cfg, model_path, tokenizer, train_samples, eval_samples[: cfg.eval.num_prompts], rewards, score,
+                   wf, resumed)
+
+
+def _check_chat_template(cfg: RunConfig, tokenizer: Tokenizer, samples: list[Sample]) -> None:
+    key = None
+    if cfg.data.apply_chat_template:
+        key = "data.apply_chat_template"
+    elif any(s.messages is not None for s in samples):
+        key = f"data.name ({cfg.data.name} has chat-message prompts)"
+    elif cfg.rollout.workflow == "multi_turn" and cfg.rollout.multi_turn.chat:
+        key = "rollout.multi_turn.chat"
+    if key is None:
+        return
+    from areal_async.rollout.chat import ChatTokens
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True)
+        if cfg.rollout.workflow == "multi_turn":  # feedback turns are appended as rendered deltas
+            ChatTokens(tokenizer).delta_ids([{"role": "user", "content": "again"}])
+    except Exception as e:  # a missing template, or one that fails to render (raise_exception, syntax)
+        raise ConfigError(f"{key}: the chat template of {tokenizer.path} does not render: "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def _check_reward(spec: str) -> None:
+    from areal_async.rewards.registry import resolve
+
+    try:
+        target = resolve(spec).target
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"data.reward: {e.args[0] if e.args else e}") from None
+    module = target.partition(":")[0]
+    try:  # find, do not import: rewards run in worker processes and may pull heavy packages
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"data.reward: module {module!r} of {target!r} is not importable")
+
+
+_RESERVED_META = frozenset({"fn_spec", "completion", "answer", "prompt", "timeout_s"})  # RewardRunner.score's own
+
+
+def make_score(rewards: Any, reward: str, timeout_s: float, options: Mapping[str, Any] | None = None) -> ScoreFn:
+    """The configured reward as a ScoreFn, run off the loop by the reward runner. `options` (data.reward_options)
+    and then the sample's meta are passed on as keywords, except keys that would collide with the runner's own
+    arguments (such as a record's extra "prompt")."""
+    base = dict(options or {})
+
+    async def score(completion: str, answer: str, prompt: str = "",
+                    meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]:
+        extra = {k: v for k, v in {**base, **(meta or {})}.items() if k not in _RESERVED_META}
+        return await rewards.score(reward, completion, answer, prompt=prompt, timeout_s=timeout_s, **extra)
+
+    return score
+
+
+def _build_workflow(cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn, given: Any) -> Workflow:
+    from areal_async.rollout.workflows import build_workflow
+
+    if given is None:
+        return build_workflow(cfg, tokenizer, score)
+    wf = given if hasattr(given, "run") else given(cfg, tokenizer, score)
+    if not hasattr(wf, "run"):
+        raise ConfigError(f"workflow: the factory returned {type(wf).__name__}, not a workflow")
+    return wf

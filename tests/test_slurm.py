@@ -175,7 +175,8 @@ def run_dir_and_name(tmp_path, label: str) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def submitted_run(slurm, tmp_path_factory):
+def submitted_run(_slurm_cluster, tmp_path_factory):
+    _wait_for_responding_node()
     run_dir, name = run_dir_and_name(tmp_path_factory.mktemp("slurm"), "e2e")
     t0 = time.monotonic()
     # --mem-per-cpu: the job exports SLURM_MEM_PER_CPU, which the steps' srun must not inherit next to its --mem=0

@@ -241,6 +241,7 @@ class RunRecovery:
         self._failure: BaseException | None = None
         self._failed: asyncio.Event | None = None
         self._none_since: float | None = None
+        self.guarded = False  # set by the first guard(): from then on a trainer exit is a fault to recover from
 
     @property
     def can_restart_servers(self) -> bool:
@@ -260,11 +261,13 @@ class RunRecovery:
             await self._admit(event.name, event.url)
         elif isinstance(event, ProcessExited) and event.role == "server" and event.name in self._urls:
             self._spawn(self._recover_server(event.name, "server_exited", event.describe(), time.monotonic()))
-        elif isinstance(event, ProcessExited) and event.role == "trainer" and self.can_restart_trainers:
+        elif (isinstance(event, ProcessExited) and event.role == "trainer" and self.can_restart_trainers
+              and self.guarded):  # before anything ran under the guard, a trainer exit is a failed launch (below)
             if event.pid is not None and event.pid not in self.cluster.trainer_pids():
                 return  # a job that was already replaced
             self.fail(TrainerLost(f"the trainer job exited: {event.describe()}", pid=event.pid))
-        else:  # servers joining and leaving, processes we cannot restart
+        else:  # servers joining and leaving, processes we cannot restart, a trainer job that never came up (a
+            # missing node, a bad checkpoint: restarting it would fail the same way) ends the run with its log tail
             await self.fallback(event)
 
     def fail(self, exc: BaseException) -> None:
@@ -287,6 +290,7 @@ class RunRecovery:
         the step it is in, so the trainer state stays checkpointable), wait `stop_grace_s`, then raise it."""
         from areal_async.train.client import TrainerError
 
+        self.guarded = True
         task = asyncio.ensure_future(body)
         waiter = asyncio.ensure_future(self._event().wait())
         try:

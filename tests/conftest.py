@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -25,6 +28,38 @@ def tiny_ckpt_b(tmp_path_factory) -> str:
 def tiny_ckpts_all_archs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("archs")
     return {a: make_tiny_checkpoint(str(root / a), a, seed=0) for a in ("qwen2", "qwen3", "llama")}
+
+
+_prebuild: subprocess.Popen | None = None
+
+
+def pytest_sessionstart(session):
+    """On a machine without the default base model (a fresh clone in CI), start building it now, in the
+    background, on the core the first tests leave idle: whichever test needs it first (model.path=tiny) waits on
+    the cache's lock instead of building it from scratch. Only for a whole-suite run; a run that selects
+    tests (files, -k, -m, node ids) builds it when, and if, a test needs it."""
+    global _prebuild
+    root = str(session.config.rootpath)
+    whole = {os.path.realpath(root), os.path.realpath(os.path.join(root, "tests"))}
+    if session.config.getoption("keyword") or session.config.getoption("markexpr") or any(
+            os.path.realpath(a) not in whole for a in session.config.args):
+        return
+    from areal_async.tasks.base_model import cached_path, is_built
+
+    if is_built(cached_path()):
+        return
+    log = open(os.path.join(session.config.rootpath, ".pytest_base_model.log"), "w")
+    _prebuild = subprocess.Popen([sys.executable, "-m", "areal_async.tasks.base_model"], stdout=log,
+                                 stderr=subprocess.STDOUT)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _prebuild is not None and _prebuild.poll() is None:  # no test needed it after all: stop it (SIGINT, so
+        _prebuild.send_signal(signal.SIGINT)               # that it removes its temporary directory)
+        try:
+            _prebuild.wait(30)
+        except subprocess.TimeoutExpired:
+            _prebuild.kill()
 
 
 def pytest_collection_modifyitems(config, items):

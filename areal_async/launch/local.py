@@ -28,7 +28,7 @@ from areal_async.launch.api import (ClusterEvent, EventHandler, ProcessExited, S
 from areal_async.launch.fleet import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
-from areal_async.launch.registry import SECRET_ENV, Registry
+from areal_async.launch.registry import Registry, read_secret
 from areal_async.netaddr import host_address
 
 if TYPE_CHECKING:
@@ -242,24 +242,13 @@ def run_secret(cfg: "RunConfig") -> bytes:
     t = cfg.train
     if t.nnodes > 1 and (t.rdzv.local_agents or t.nnodes) < t.nnodes:
         try:
-            return read_secret_env()
+            return read_secret()
         except ValueError as e:
             raise ConfigError(f"train.rdzv.local_agents: agents started by hand need the run's RPC secret: {e}; "
                               f"export the same AREAL_RPC_SECRET here and on their nodes") from None
     return os.urandom(32)
 
 
-def read_secret_env() -> bytes:
-    raw = os.environ.get(SECRET_ENV, "")
-    if not raw:
-        raise ValueError(f"{SECRET_ENV} is not set")
-    try:
-        secret = bytes.fromhex(raw.strip())
-    except ValueError:
-        raise ValueError(f"{SECRET_ENV} is not hex") from None
-    if len(secret) < 16:
-        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes (32 hex digits)")
-    return secret
 
 
 async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, resume: str | None,

@@ -34,6 +34,21 @@ REGISTRY_ENV = "AREAL_REGISTRY"
 SECRET_ENV = "AREAL_RPC_SECRET"
 
 
+def read_secret() -> bytes:
+    """The run's shared RPC secret from AREAL_RPC_SECRET (hex, at least 16 bytes): what trainer ranks, Slurm steps
+    and agents started by hand authenticate with. Raises ValueError saying what is wrong."""
+    raw = os.environ.get(SECRET_ENV, "")
+    if not raw:
+        raise ValueError(f"{SECRET_ENV} is not set")
+    try:
+        secret = bytes.fromhex(raw.strip())
+    except ValueError:
+        raise ValueError(f"{SECRET_ENV} is not hex") from None
+    if len(secret) < 16:
+        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes (32 hex digits), got {len(secret)}")
+    return secret
+
+
 class Registration(msgspec.Struct, forbid_unknown_fields=True):
     kind: Literal["rank", "step"]
     name: str  # "rank3", "server0"

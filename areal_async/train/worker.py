@@ -38,6 +38,7 @@ from collections.abc import MutableMapping
 import msgspec
 
 from areal_async.config import ConfigError, TrainConfig, from_dict
+from areal_async.launch.registry import read_secret
 from areal_async.train.messages import BroadcastEndpoint, OpenBroadcastRequest, WeightPlan, WeightPlanRequest
 from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequest, CheckpointResult, Empty,
                                InitBroadcastRequest, PublishRequest, PublishResult, TrainerInfo, TrainStepRequest,
@@ -45,7 +46,6 @@ from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequ
 
 log = logging.getLogger("areal_async.train.worker")
 
-SECRET_ENV = "AREAL_RPC_SECRET"
 _TEARDOWN_TIMEOUT_S = 30.0  # a barrier that has not completed by then means the other ranks are gone
 _STOP_GRACE_S = 60.0  # after an unrequested stop (signal, orphan), how long a running call may take to finish
 
@@ -54,18 +54,6 @@ def rank_file(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, "trainer", f"rank{rank}.json")
 
 
-def read_secret() -> bytes:
-    """The shared RPC secret from AREAL_RPC_SECRET (hex). Raises ValueError with what is wrong."""
-    raw = os.environ.get(SECRET_ENV)
-    if not raw:
-        raise ValueError(f"{SECRET_ENV} is not set: the controller passes the RPC secret (hex) in the environment")
-    try:
-        secret = bytes.fromhex(raw.strip())
-    except ValueError:
-        raise ValueError(f"{SECRET_ENV} is not valid hex") from None
-    if len(secret) < 16:
-        raise ValueError(f"{SECRET_ENV} must hold at least 16 bytes (32 hex digits), got {len(secret)}")
-    return secret
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,16 +72,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="timeout of collectives in the weight-broadcast group")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
-
-
-def _write_atomic(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class TrainerService:
@@ -277,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s trainer[{rank}] %(levelname)s %(name)s: %(message)s")
     try:
-        secret = read_secret()
+        try:
+            secret = read_secret()
+        except ValueError as e:
+            raise ValueError(f"{e} (the launcher passes the run's RPC secret in the environment)") from None
         cfg = from_dict(json.loads(args.config_json), TrainConfig)
     except (ValueError, ConfigError, msgspec.ValidationError) as e:  # json.JSONDecodeError is a ValueError
         log.error("bad arguments: %s", e)

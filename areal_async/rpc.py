@@ -483,7 +483,10 @@ class _Session:
 class RpcServer:
     """Serves registered handlers to authenticated clients on any number of TCP and Unix listeners."""
 
-    def __init__(self, secret: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, name: str = "rpc") -> None:
+    def __init__(self, secret: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, name: str = "rpc",
+                 blocking_initializer: Callable[[], None] | None = None) -> None:
+        """`blocking_initializer` runs once in the worker thread of blocking handlers before its first call (a
+        trainer sets that thread's torch threads there: it is the one that computes)."""
         _check_secret(secret)
         if max_frame_bytes < _HANDSHAKE_MAX_FRAME:
             raise ValueError(f"max_frame_bytes must be at least {_HANDSHAKE_MAX_FRAME}, got {max_frame_bytes}")
@@ -497,6 +500,7 @@ class RpcServer:
         self._sessions: set[_Session] = set()
         self._tasks: set[asyncio.Task] = set()
         self._executor: ThreadPoolExecutor | None = None
+        self._blocking_initializer = blocking_initializer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._stop_requested = False
@@ -520,7 +524,8 @@ class RpcServer:
         decoder = msgspec.msgpack.Decoder(request_type)  # raises now for types msgspec cannot decode
         self._handlers[method] = _Handler(handler, decoder, request_type, blocking)
         if blocking and self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-blocking")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-blocking",
+                                                initializer=self._blocking_initializer)
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()

@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+
+from areal_async.torch_threads import one_thread_until_set
 
 READY_PREFIX = "areal_async server ready at "
 
@@ -36,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="compute every prompt in full (no sharing of prompt pages between requests), as in SGLang")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the engine (default: OMP_NUM_THREADS, else every CPU this process may use)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -52,7 +57,7 @@ async def serve(args: argparse.Namespace) -> None:
         args.model, args.host, args.port, args.api_key, served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests, weight_version=str(args.weight_version), seed=args.seed,
-        prefix_cache=not args.disable_radix_cache)
+        prefix_cache=not args.disable_radix_cache, threads=args.threads)
     try:
         print(f"{READY_PREFIX}{server.url}", flush=True)
         await stop.wait()
@@ -61,8 +66,23 @@ async def serve(args: argparse.Namespace) -> None:
         await server.close()
 
 
+def engine_threads(requested: int | None) -> int:
+    """The engine's thread count: --threads, else OMP_NUM_THREADS, else the CPUs this process may run on."""
+    if requested is not None:
+        if requested < 1:
+            raise SystemExit(f"--threads must be >= 1, got {requested}")
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.threads = engine_threads(args.threads)
+    # before torch loads: only the engine thread, which sets its own count, will hold OpenMP workers
+    one_thread_until_set()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

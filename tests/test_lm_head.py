@@ -23,7 +23,8 @@ def _reference(hidden, weight, bias, targets, temperature):
 
 @pytest.mark.parametrize("chunk", [1, 4, 7, 64])
 @pytest.mark.parametrize("entropy_grad", [True, False])
-def test_chunked_head_matches_unchunked_values_and_gradients(chunk, entropy_grad):
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 30])  # backward recomputes the logits / reuses forward's
+def test_chunked_head_matches_unchunked_values_and_gradients(chunk, entropy_grad, keep_bytes):
     g = torch.Generator().manual_seed(chunk)
     m, h, v, temp = 23, 8, 41, 0.7
     hidden = torch.randn(m, h, generator=g, dtype=torch.float64)
@@ -35,7 +36,8 @@ def test_chunked_head_matches_unchunked_values_and_gradients(chunk, entropy_grad
 
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     lp, ent = logprobs_from_hidden(leaves[0], LMHead(leaves[1], leaves[2]), targets, temperature=temp,
-                                   compute_entropy=True, chunk_tokens=chunk, entropy_grad=entropy_grad)
+                                   compute_entropy=True, chunk_tokens=chunk, entropy_grad=entropy_grad,
+                                   keep_bytes=keep_bytes)
     objective = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
     objective.backward()
 
@@ -49,6 +51,24 @@ def test_chunked_head_matches_unchunked_values_and_gradients(chunk, entropy_grad
     assert ent.requires_grad == entropy_grad
     for got, want in zip(leaves, ref_leaves):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_kept_logprobs_give_the_same_gradients_without_entropy_and_on_a_second_backward():
+    g = torch.Generator().manual_seed(3)
+    m, h, v = 19, 8, 37
+    hidden, weight = torch.randn(m, h, generator=g), torch.randn(v, h, generator=g) * 0.5
+    targets = torch.randint(0, v, (m,), generator=g)
+    grads = []
+    for keep_bytes in (0, 1 << 30):
+        hd, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, _ = logprobs_from_hidden(hd, LMHead(w, None), targets, chunk_tokens=5, keep_bytes=keep_bytes)
+        lp.sum().backward(retain_graph=True)
+        first = (hd.grad.clone(), w.grad.clone())
+        hd.grad, w.grad = None, None
+        lp.sum().backward()  # the kept buffers were used up in place: this one must recompute, not reuse them
+        torch.testing.assert_close((hd.grad, w.grad), first)
+        grads.append(first)
+    torch.testing.assert_close(grads[0], grads[1])
 
 
 def test_empty_rows_give_the_weight_a_zero_gradient():

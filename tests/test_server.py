@@ -630,6 +630,17 @@ async def test_64_concurrent_requests_all_complete(server, http):
 # ---- the CLI ------------------------------------------------------------------------------------------------------
 
 
+def test_engine_threads_come_from_the_flag_then_omp_num_threads(monkeypatch):
+    from areal_async.serve import engine_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert engine_threads(5) == 5 and engine_threads(None) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert engine_threads(None) == len(os.sched_getaffinity(0))
+    with pytest.raises(SystemExit, match="--threads"):
+        engine_threads(0)
+
+
 @pytest.mark.slow
 async def test_cli_prints_url_and_stops_on_sigterm(tiny_ckpt, tmp_path):
     from areal_async.serve import READY_PREFIX
@@ -639,7 +650,7 @@ async def test_cli_prints_url_and_stops_on_sigterm(tiny_ckpt, tmp_path):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "areal_async.serve", "--model", tiny_ckpt, "--port", "0", "--api-key", "k",
             "--max-total-tokens", "4096", "--device", "cpu", stdout=subprocess.PIPE, stderr=log,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            env={**os.environ, "OMP_NUM_THREADS": "2"})
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 180)).decode()
         assert line.startswith(READY_PREFIX), (line, log_path.read_text())
@@ -651,6 +662,10 @@ async def test_cli_prints_url_and_stops_on_sigterm(tiny_ckpt, tmp_path):
             async with s.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}},
                               headers={"Authorization": "Bearer k"}) as r:
                 assert r.status == 200 and len((await r.json())["output_ids"]) >= 1
+            async with s.get("/get_server_info", headers={"Authorization": "Bearer k"}) as r:
+                # the engine computes with the launcher's OMP_NUM_THREADS, though the process runs with 1
+                # everywhere else (inference/torch_threads.py)
+                assert (await r.json())["torch_threads"] == 2
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0, log_path.read_text()
     finally:

@@ -45,6 +45,7 @@ from areal_async.custom_group import bind_cuda, device_uuid
 from areal_async.inference.engine_api import EngineChunk, EngineRequest, PauseMode
 from areal_async.inference.model import DecoderModel, KVCache, ModelSpec, UnsupportedModelError
 from areal_async.inference.scheduler import Request, Scheduler, abort_reason, validate_request
+from areal_async.torch_threads import single_torch_thread, to_side_thread
 from areal_async.inference.weights import DTYPES, WeightError, check_tensors, eos_token_ids, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class AsyncEngine:
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_total_tokens: int = 65536,
                  max_running_requests: int = 256, weight_version: str = "0", seed: int = 0,
-                 chunked_prefill_size: int | None = None, prefix_cache: bool = True):
+                 chunked_prefill_size: int | None = None, prefix_cache: bool = True, threads: int | None = None):
         from transformers import AutoTokenizer
 
         self.device = resolve_device(device)
@@ -142,18 +143,20 @@ class AsyncEngine:
         self.chunked_prefill_size = chunked_prefill_size
         self.prefix_cache = prefix_cache  # share full prompt pages between requests (scheduler.py)
         self.seed = seed
-        spec, tensors = load_checkpoint(model_path)
-        self.spec: ModelSpec = spec
-        self.model = DecoderModel(spec, self.device, self.dtype)
-        self.model.load_tensors(tensors)
-        del tensors
-        self.context_len = spec.max_position_embeddings
-        self.vocab_size = spec.vocab_size
-        self.cache = KVCache(spec, max_total_tokens, PAGE_SIZE, self.device, self.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self._eos_ids = eos_token_ids(model_path, self.tokenizer)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
+        self.threads = threads or torch.get_num_threads()  # the engine thread's count (areal_async/torch_threads.py)
+        with single_torch_thread():  # built here, stepped in the engine thread: only that one runs an OpenMP team
+            spec, tensors = load_checkpoint(model_path)
+            self.spec: ModelSpec = spec
+            self.model = DecoderModel(spec, self.device, self.dtype)
+            self.model.load_tensors(tensors)
+            del tensors
+            self.context_len = spec.max_position_embeddings
+            self.vocab_size = spec.vocab_size
+            self.cache = KVCache(spec, max_total_tokens, PAGE_SIZE, self.device, self.dtype)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self._eos_ids = eos_token_ids(model_path, self.tokenizer)
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
         self._groups: dict[str, object] = {}  # weight-update process groups by name
         self.gpu_uuid = device_uuid(self.device)  # "" on CPU; the broadcast compares it with the trainer's
 
@@ -345,7 +348,7 @@ class AsyncEngine:
             if refusal is not None:
                 return False, refusal, 0
             try:
-                _, tensors = await asyncio.to_thread(load_checkpoint, model_path, self.spec)
+                _, tensors = await to_side_thread(load_checkpoint, model_path, self.spec)
             except (WeightError, UnsupportedModelError, OSError) as e:
                 return False, f"failed to load weights from {model_path}: {e}", 0
 
@@ -409,11 +412,12 @@ class AsyncEngine:
             try:
                 # Receive everything first, even names we will reject or a swap we will refuse: the trainer's
                 # broadcasts must all be matched.
-                tensors = await asyncio.to_thread(receive_tensors, group, names, dtypes, shapes, self.device)
+                tensors = await to_side_thread(receive_tensors, group, names, dtypes, shapes, self.device)
                 expected = self.spec.param_shapes()
                 if self.spec.tie_word_embeddings and "lm_head.weight" in tensors:
                     expected = {**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}
-                check_tensors(tensors, expected, where="update_weights_from_distributed", require_all=False)
+                with single_torch_thread():  # on the event loop's thread
+                    check_tensors(tensors, expected, where="update_weights_from_distributed", require_all=False)
             except Exception as e:
                 return False, f"failed to update weights from distributed: {type(e).__name__}: {e}"
             try:
@@ -440,7 +444,7 @@ class AsyncEngine:
                 "page_size": PAGE_SIZE, "context_length": self.context_len, "random_seed": self.seed,
                 "disable_radix_cache": not self.prefix_cache,
                 "architecture": self.spec.architecture, "weight_version": self.weight_version,
-                "busy_s": self.busy_s,
+                "busy_s": self.busy_s, "torch_threads": self.threads,
                 # SGLang's parallelism fields: a broadcast joins each server as tp_size ranks (one process here)
                 "tp_size": 1, "dp_size": 1, "pp_size": 1, "base_gpu_id": self.device.index or 0,
                 "gpu_uuid": self.gpu_uuid}
@@ -535,6 +539,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        torch.set_num_threads(self.threads)
         # The CUDA current device is per thread and starts at cuda:0: without this, a server on cuda:3 would
         # create a context (and allocator state) on cuda:0, which another process may own.
         bind_cuda(self.device)

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from areal_async.inference import cpu_attention
+from areal_async.inference import cpu_attention, cpu_elementwise, cpu_gemm
 
 # Hugging Face `architectures[0]` -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -401,7 +401,10 @@ class DecoderModel:
 
     Speed notes (CPU decode is bound by per-op overhead, so the op count per layer matters): RoPE is applied to the
     whole fused q|k|v row at once with tables that leave v unchanged and fold the softmax scale into q; the k|v
-    half is then stored with a single `index_copy_`; residual adds are fused into `addmm`."""
+    half is then stored with a single `index_copy_`; residual adds are fused into `addmm`. On CPU in fp32, C kernels
+    take over where torch is slow at decode sizes (each falls back to torch where it cannot be built): decode
+    attention (cpu_attention.py), matmuls of 3-24 rows with the residual added in place (cpu_gemm.py), RMSNorm and
+    SiLU-gating (cpu_elementwise.py)."""
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.spec = spec
@@ -437,6 +440,10 @@ class DecoderModel:
         if self.device.type == "cpu" and cpu_attention.supports(h, hkv, spec.head_dim, dtype):
             self._kernel = cpu_attention.load()
         self.paged_decode = self._kernel is not None
+        # matmuls of 3-24 rows (decode steps with few requests left) through cpu_gemm.py where it builds
+        self._gemm = cpu_gemm.load() if self.device.type == "cpu" and dtype == torch.float32 else None
+        # one-pass RMSNorm, SiLU-gating and greedy sampling (cpu_elementwise.py; the scheduler samples with it)
+        self.elementwise = cpu_elementwise.load() if self.device.type == "cpu" and dtype == torch.float32 else None
 
     @torch.inference_mode()
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -464,8 +471,8 @@ class DecoderModel:
         sin = self.sin[batch.positions][:, None, :] * self._rope_mul
         half, i = d // 2, spec.intermediate_size
         for li, layer in enumerate(self.layers):
-            hs = F.rms_norm(x, (spec.hidden_size,), layer.ln1, eps)
-            qkv = F.linear(hs, layer.qkv_w, layer.qkv_b).view(n, h + 2 * hkv, d)  # [N, H + 2Hkv, D]
+            hs = self._rms_norm(x, layer.ln1, eps)
+            qkv = self._linear(hs, layer.qkv_w, layer.qkv_b).view(n, h + 2 * hkv, d)  # [N, H + 2Hkv, D]
             if layer.qk_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
                 qk = F.rms_norm(qkv[:, :h + hkv], (d,), None, eps) * layer.qk_norm
                 qkv = torch.cat((qk, qkv[:, h + hkv:]), dim=1)
@@ -473,15 +480,38 @@ class DecoderModel:
             kv_pages = cache.kv[li]  # [pages, page_size, 2Hkv, D]
             kv_pages.view(-1, 2 * hkv, d).index_copy_(0, batch.write_slots, qkv[:, h:])
             attn = self._attention(qkv[:, :h], kv_pages, batch.groups)  # [N, H D]
-            x = _linear_add(x, attn, layer.o_w, layer.o_b)
-            hs = F.rms_norm(x, (spec.hidden_size,), layer.ln2, eps)
-            gate_up = F.linear(hs, layer.gate_up_w, layer.gate_up_b)  # [N, 2I]
-            act = F.silu(gate_up[:, :i]).mul_(gate_up[:, i:])
-            x = _linear_add(x, act, layer.down_w, layer.down_b)
+            x = self._linear_add(x, attn, layer.o_w, layer.o_b)
+            hs = self._rms_norm(x, layer.ln2, eps)
+            gate_up = self._linear(hs, layer.gate_up_w, layer.gate_up_b)  # [N, 2I]
+            if self.elementwise is not None:
+                act = self.elementwise.silu_mul(gate_up)  # [N, I]
+            else:
+                act = F.silu(gate_up[:, :i]).mul_(gate_up[:, i:])
+            x = self._linear_add(x, act, layer.down_w, layer.down_b)
             if interrupt is not None and interrupt():
                 raise StepInterrupted
-        x = F.rms_norm(x[batch.logits_idx], (spec.hidden_size,), self.norm, eps)  # [M, hidden]
-        return F.linear(x, self.lm_head).float()  # [M, V]
+        x = self._rms_norm(x[batch.logits_idx], self.norm, eps)  # [M, hidden]
+        return self._linear(x, self.lm_head).float()  # [M, V]
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [N, hidden] -> [N, hidden]."""
+        if self.elementwise is not None:
+            return self.elementwise.rms_norm(x, weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ w.T (+ b) -> [M, N]."""
+        if self._gemm is not None and cpu_gemm.applies(x, w):
+            return cpu_gemm.linear(self._gemm, x, w, b)
+        return F.linear(x, w, b)
+
+    def _linear_add(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """x + inp @ w.T (+ b) for the residual connections; the kernel adds into x in place (x is this pass's own
+        residual stream)."""
+        if self._gemm is not None and cpu_gemm.applies(inp, w) and x.is_contiguous():
+            return cpu_gemm.linear(self._gemm, inp, w, b, add_to=x)
+        return _linear_add(x, inp, w, b)
 
     def _attention(self, q: torch.Tensor, kv_pages: torch.Tensor, groups: list[AttnGroup]) -> torch.Tensor:
         """q [N, H, D] (already scaled); kv_pages [num_pages, page_size, 2Hkv, D] -> [N, H * D]."""

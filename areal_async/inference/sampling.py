@@ -13,8 +13,12 @@ its own generator, so its samples do not depend on which other requests share th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from areal_async.inference.cpu_elementwise import Kernels
 
 GREEDY_EPS = 1e-6
 
@@ -62,16 +66,21 @@ def process_logits(logits: torch.Tensor, rows: list[RowParams]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[RowParams], generator: torch.Generator | None,
-           top_logprobs_num: int = 0) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """Sample one token per row of logits [B, V] (fp32, already processed).
+           top_logprobs_num: int = 0, kernels: Kernels | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Sample one token per row of logits [B, V] (fp32, already processed). `kernels`: the model's CPU
+    `cpu_elementwise.Kernels`, for greedy rows.
 
     Returns (tokens [B] long, logprobs [B] fp32, optional (top values [B, k], top ids [B, k]))."""
     device = logits.device
     greedy = [r.greedy for r in rows]
     if all(greedy) and top_logprobs_num == 0:
-        # two passes over the vocabulary and no [B, V] temporaries: log_softmax(x)[t] = x[t] - logsumexp(x)
-        tokens = logits.argmax(dim=-1)
-        return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1), None
+        # log_softmax(x)[t] = x[t] - logsumexp(x): no [B, V] temporaries (on CPU one kernel, two passes per row)
+        if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+            tokens, lse = kernels.argmax_logsumexp(logits)
+        else:
+            tokens, lse = logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
+        return tokens, logits.gather(1, tokens[:, None])[:, 0] - lse, None
     if all(g or r.temperature == 1.0 for g, r in zip(greedy, rows)):
         scaled = logits
     else:

@@ -355,7 +355,7 @@ class Scheduler:
             params.append(p)
         lg = process_logits(lg, params)
         k = max(r.req.top_logprobs_num for r, _ in sample_reqs)
-        tokens, lps, top = sample(lg, params, self._generator, k)
+        tokens, lps, top = sample(lg, params, self._generator, k, getattr(self.model, "elementwise", None))
         tokens_l, lps_l = tokens.tolist(), lps.tolist()
         finished: list[Request] = []
         top_l = (top[0].tolist(), top[1].tolist()) if top is not None else None

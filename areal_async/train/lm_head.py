@@ -12,6 +12,9 @@ chunks of `chunk_tokens` rows inside one autograd Function:
 
 so memory beyond the model is a few [chunk, V] fp32 buffers, and the head's matmul runs once forward and twice
 backward (the recompute plus the two gradient products), as with checkpointing but without keeping any chunk.
+Where the whole micro-batch's log-probabilities fit in `keep_bytes` (1 GiB by default: 2,048 tokens of a
+49k vocab are 0.4 GB), forward keeps them and backward skips the recompute, one of the head's three matmuls: for
+SmolLM2-135M, whose head is a fifth of its matmul parameters, that is ~7% of a train step's matmul FLOPs.
 
 Models whose logits are more than `h W^T + b` (Gemma's final soft-capping, Cohere's logit scale, Granite's logit
 scaling) keep the model's own logits (`forward_features` returns head None) and go through `logprobs_from_logits`,
@@ -38,6 +41,7 @@ __all__ = ["LMHead", "forward_features", "token_logprobs", "logprobs_from_hidden
            "DEFAULT_CHUNK_TOKENS"]
 
 DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_KEEP_BYTES = 1 << 30  # forward keeps the [M, V] fp32 log-probabilities for backward up to this size
 # config attributes that change logits after the head's matmul (a value other than these disables the hidden path)
 _LOGIT_TRANSFORMS = {"final_logit_softcapping": (None,), "logit_scale": (None, 1.0), "logits_scaling": (None, 1.0),
                      "output_multiplier_scale": (None, 1.0)}
@@ -90,14 +94,14 @@ def forward_features(model: nn.Module, **kwargs) -> tuple[object, LMHead | None]
 
 def token_logprobs(features: Tensor, targets: Tensor, head: LMHead | None, *, temperature: float = 1.0,
                    compute_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                   entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+                   entropy_grad: bool = True, keep_bytes: int = DEFAULT_KEEP_BYTES) -> tuple[Tensor, Tensor | None]:
     """log softmax(logits / T)[targets] and the entropy, from `forward_features`'s output rows. [M, H|V], [M] ->
     [M] fp32, [M] fp32 | None."""
     if head is None:
         return logprobs_from_logits(features, targets, temperature=temperature, compute_entropy=compute_entropy,
                                     chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)
     return logprobs_from_hidden(features, head, targets, temperature=temperature, compute_entropy=compute_entropy,
-                                chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)
+                                chunk_tokens=chunk_tokens, entropy_grad=entropy_grad, keep_bytes=keep_bytes)
 
 
 def _check(temperature: float, chunk_tokens: int) -> None:
@@ -109,15 +113,19 @@ def _check(temperature: float, chunk_tokens: int) -> None:
 
 def logprobs_from_hidden(hidden: Tensor, head: LMHead, targets: Tensor, *, temperature: float = 1.0,
                          compute_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                         entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+                         entropy_grad: bool = True, keep_bytes: int = DEFAULT_KEEP_BYTES
+                         ) -> tuple[Tensor, Tensor | None]:
     """Chunked LM head + log-softmax (see the module docstring). [M, H], [M] -> [M], [M] | None (fp32).
-    `entropy_grad=False`: the entropy is a statistic only (no gradient flows through it)."""
+    `entropy_grad=False`: the entropy is a statistic only (no gradient flows through it). `keep_bytes`: the
+    largest [M, V] fp32 forward keeps for backward instead of recomputing it (0: always recompute)."""
     _check(temperature, chunk_tokens)
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [M, H] and targets [M], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
     bias = head.bias if head.bias is not None else hidden.new_zeros(0)
+    keep = (torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+            and hidden.shape[0] * head.weight.shape[0] * 4 <= keep_bytes)
     lp, ent = _ChunkedHead.apply(hidden, head.weight, bias, targets, float(temperature), int(chunk_tokens),
-                                 bool(compute_entropy), bool(entropy_grad))
+                                 bool(compute_entropy), bool(entropy_grad), keep)
     return lp, (ent if compute_entropy else None)
 
 
@@ -135,21 +143,26 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, temperature: float,
-                chunk: int, want_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+                chunk: int, want_entropy: bool, entropy_grad: bool, keep: bool) -> tuple[Tensor, Tensor]:
         m = hidden.shape[0]
         b = bias if bias.numel() else None
         lp = torch.empty(m, dtype=torch.float32, device=hidden.device)  # [M]
         lse = torch.empty_like(lp)  # [M], kept for backward
         ent = torch.empty_like(lp) if want_entropy else lp.new_zeros(0)
+        kept: list[Tensor | None] = []  # [C, V] log-probabilities per chunk, when backward is to reuse them
         for s in range(0, m, chunk):
             z = _chunk_z(hidden[s:s + chunk], weight, b, temperature)  # [C, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [C]
             lse[s:s + chunk] = lse_c
             lp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse_c
-            if want_entropy:  # H = -sum p log p; logits from a matmul are finite, so p log p is too
+            if want_entropy or keep:
                 logp = z.sub_(lse_c[:, None])
-                ent[s:s + chunk] = -torch.linalg.vecdot(torch.exp(logp), logp)
+                if want_entropy:  # H = -sum p log p; logits from a matmul are finite, so p log p is too
+                    ent[s:s + chunk] = -torch.linalg.vecdot(torch.exp(logp), logp)
+                if keep:
+                    kept.append(logp)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.kept = kept if keep else None  # intermediate buffers, not inputs or outputs: safe to hold on ctx
         ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, want_entropy and entropy_grad
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(ent)
@@ -169,10 +182,15 @@ class _ChunkedHead(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # [V, H]
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and b is not None \
             else None
-        for s in range(0, m, chunk):
+        kept, ctx.kept = ctx.kept, None  # used up in place below: a second backward recomputes
+        for i, s in enumerate(range(0, m, chunk)):
             h = hidden[s:s + chunk]  # [C, H]
             g = g_lp[s:s + chunk, None].float()  # [C, 1]
-            logp = _chunk_z(h, weight, b, t).sub_(lse[s:s + chunk, None])  # [C, V]
+            if kept is not None:
+                logp = kept[i]  # [C, V]
+                kept[i] = None  # freed as soon as its chunk is done
+            else:
+                logp = _chunk_z(h, weight, b, t).sub_(lse[s:s + chunk, None])  # [C, V]
             if use_ent:
                 # dlogp/dz = onehot - p; dH/dz = -p (z - E_p[z]) = -p (logp + H). Together:
                 # dz = onehot g - p (g + g_ent (logp + H))
@@ -195,7 +213,7 @@ class _ChunkedHead(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += dz.float().sum(0)
         return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
-                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None)
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None, None)
 
 
 def logprobs_from_logits(logits: Tensor, targets: Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,

@@ -39,6 +39,7 @@ import msgspec
 
 from areal_async.config import ConfigError, TrainConfig, from_dict
 from areal_async.launch.registry import read_secret
+from areal_async.torch_threads import one_thread_until_set
 from areal_async.train.messages import BroadcastEndpoint, OpenBroadcastRequest, WeightPlan, WeightPlanRequest
 from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequest, CheckpointResult, Empty,
                                InitBroadcastRequest, PublishRequest, PublishResult, TrainerInfo, TrainStepRequest,
@@ -182,7 +183,15 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
     """Serve until stopped; returns the exit code: 0 after `shutdown` or a signal, 1 when orphaned."""
     from areal_async.rpc import RpcServer
 
-    server = RpcServer(secret, name=f"trainer-rank{engine.rank}")
+    threads = engine.cfg.torch_threads if engine.device.type == "cpu" else None
+
+    def compute_thread() -> None:
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+
+    server = RpcServer(secret, name=f"trainer-rank{engine.rank}", blocking_initializer=compute_thread)
     service = TrainerService(engine, server, host=advertised_address(args.rpc_host))
     service.register()
     loop = asyncio.get_running_loop()
@@ -264,14 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad arguments: %s", e)
         return 2
 
+    # Before torch loads: every thread starts with one torch thread; the RPC worker thread that runs the train steps
+    # sets the rank's count (ranks share the host's cores) and is then the only one holding OpenMP workers
+    # (areal_async/torch_threads.py: a second thread with a team slows every op of the first).
+    one_thread_until_set()
     from areal_async.train.engine import TrainEngine, init_distributed
 
     nccl_environment(cfg, os.environ)  # before the first communicator: NCCL reads it then
     device = init_distributed(cfg.device)
-    if device.type == "cpu":
-        import torch
-
-        torch.set_num_threads(cfg.torch_threads)  # ranks share the host's cores
     engine = TrainEngine(args.model, cfg, seed=args.seed, device=device, broadcast_timeout_s=args.broadcast_timeout)
     if args.resume:
         engine.load_checkpoint(args.resume)

@@ -1,0 +1,91 @@
+"""Compile a small C kernel with the system's C compiler on first use, cache the library, and load it with ctypes.
+
+Why C and not a torch extension: plain C with no torch headers compiles in about a second with whatever `cc` the
+machine has, so the CPU engine's kernels need no build step at install time and no C++ toolchain matching torch's.
+The library is cached under `~/.cache/areal_async/kernels/` (`AREAL_KERNEL_CACHE` elsewhere) keyed by the source,
+the flags, the compiler and the CPU's feature flags: builds use -march=native, and a cluster's nodes often share
+one home directory. OpenMP resolves to the runtime torch has already loaded (the same libgomp soname), so a kernel
+shares torch's threads instead of starting a second pool. Callers treat None (no compiler, a failed build) as
+"use the portable path"; the reason is logged once per kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cache_dir() -> str:
+    return os.environ.get("AREAL_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "areal_async",
+                                                                "kernels")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a library built on one CPU kind can crash with SIGILL on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("flags", "model name", "vendor_id"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return platform.machine() + platform.processor()
+
+
+def _build(name: str, source: str, compiler: str) -> str:
+    key = "\0".join([source, " ".join(FLAGS), compiler, _cpu_signature()])
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out_dir = os.path.join(_cache_dir(), tag)
+    lib = os.path.join(out_dir, f"{name}.so")
+    if os.path.exists(lib):
+        return lib
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # build aside, then rename: concurrent builders are safe
+        src = os.path.join(tmp, f"{name}.c")
+        with open(src, "w") as f:
+            f.write(source)
+        tmp_lib = os.path.join(tmp, f"{name}.so")
+        proc = subprocess.run([compiler, *FLAGS, src, "-o", tmp_lib, "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp_lib, lib)
+    return lib
+
+
+def load_library(name: str, source: str, disable_env: str, what: str) -> ctypes.CDLL | None:
+    """The built library for `source` (built once per process and cached on disk), or None where it cannot be built
+    or `disable_env`=0 turns it off. `what` names the fallback in the log line."""
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        lib = None
+        if os.environ.get(disable_env, "1") == "0":
+            log.info("CPU kernel %s disabled by %s=0", name, disable_env)
+        else:
+            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            try:
+                if compiler is None:
+                    raise RuntimeError("no C compiler found (set CC)")
+                torch.get_num_threads()  # make sure torch's OpenMP runtime is loaded first: the kernel links to it
+                lib = ctypes.CDLL(_build(name, source, compiler))
+            except Exception as e:  # any failure means the portable path, never a dead engine
+                log.warning("CPU kernel %s unavailable (%s); using %s", name, e, what)
+                lib = None
+        _loaded[name] = lib
+        return lib

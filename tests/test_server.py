@@ -630,7 +630,7 @@ async def test_64_concurrent_requests_all_complete(server, http):
 # ---- the CLI ------------------------------------------------------------------------------------------------------
 
 
-def test_engine_threads_come_from_the_flag_then_omp_num_threads(monkeypatch):
+async def test_engine_threads_come_from_the_flag_then_omp_num_threads(monkeypatch):
     from areal_async.serve import engine_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")

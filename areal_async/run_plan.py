@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import msgspec
 
 from areal_async.config import ConfigError, RunConfig
+from areal_async.cpu_features import describe, resolve_mixed_precision
 from areal_async.rollout.controller import RunState, load_state
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
 from areal_async.tokenizer import Tokenizer, check_tokenizer
@@ -63,7 +64,8 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     cfg.validate()
     from areal_async.launch.placement import plan_placement
 
-    plan_placement(cfg)  # the GPU layout and SGLang's arguments, checked on this host (launch/placement.py)
+    placement = plan_placement(cfg)  # the GPU layout and SGLang's arguments, checked here (launch/placement.py)
+    _log_cpu_choices(cfg, bool(placement.gpus))
     model_path = resolve_model(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
@@ -93,6 +95,13 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     resumed = load_state(cfg.run_dir) if cfg.resume else None
     return RunPlan(cfg, model_path, tokenizer, train_samples, eval_samples[: cfg.eval.num_prompts], rewards, score,
                    wf, resumed)
+
+
+def _log_cpu_choices(cfg: RunConfig, has_gpus: bool) -> None:
+    """Say what `auto` settings pick on this CPU and why; the trainer ranks decide the same on their own host."""
+    if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not has_gpus):
+        mp, why = resolve_mixed_precision(cfg.train.mixed_precision, "cpu")
+        log.info("CPU %s: train.mixed_precision=%s -> %s (%s)", describe(), cfg.train.mixed_precision, mp, why)
 
 
 def _check_chat_template(cfg: RunConfig, tokenizer: Tokenizer, samples: list[Sample]) -> None:

@@ -120,3 +120,66 @@ def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
     assert bm.default_cache_dir() == str(tmp_path)
     monkeypatch.delenv("AREAL_CACHE")
     assert bm.default_cache_dir().endswith(os.path.join(".cache", "areal_async"))
+
+
+def test_default_model_is_the_shipped_build_checked_by_its_hash(tmp_path, monkeypatch):
+    from areal_async.model_store import ModelPathError, resolve_model_path
+
+    assert bm.ensure_base_model() == bm.SHIPPED_DIR == resolve_model_path("tiny", str(tmp_path))
+    assert not os.listdir(tmp_path)  # nothing built or cached for the default
+    with open(os.path.join(bm.SHIPPED_DIR, bm.MARKER)) as f:
+        info = json.load(f)
+    assert info["sha256"]["model.safetensors"] == bm.SHIPPED_SHA256 and info["settings"] == bm.BaseModelSpec().__dict__
+    # any other seed or setting is the recipe's, built into the cache
+    assert bm.cached_path(str(tmp_path), seed=1).startswith(str(tmp_path))
+    assert not bm.is_default(1, {}) and not bm.is_default(0, {"sft_steps": 1000}) and bm.is_default(0, {"lr": 1e-3})
+
+    # a damaged copy is refused with a message, never loaded
+    damaged = tmp_path / "damaged"
+    import shutil
+
+    shutil.copytree(bm.SHIPPED_DIR, damaged)
+    with open(damaged / "model.safetensors", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    monkeypatch.setattr(bm, "SHIPPED_DIR", str(damaged))
+    monkeypatch.setattr(bm, "_shipped_ok", None)
+    with pytest.raises(bm.ShippedModelError, match="sha256"):
+        bm.ensure_base_model()
+    with pytest.raises(ModelPathError, match="sha256"):
+        resolve_model_path("tiny", str(tmp_path))
+
+
+def _greedy_accuracy(model_dir: str, out: str) -> float:
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "task_accuracy.py"), "--model", model_dir, "--datasets",
+           "arith", "--reward", "arith", "--num", "200", "--no-chat-template", "--max-new-tokens", "96",
+           "--threads", "1", "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as f:
+        return json.load(f)["results"][0]["accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_recipe_still_yields_a_model_in_the_shipped_band(tmp_path):
+    """The recipe is the shipped model's source: built again (on this CPU; a whole-suite run starts the build in the
+    background at session start), it must land in the band of held-out greedy accuracy that builds have measured
+    across CPU kinds: 16.0% to 39.5% (an Intel with AMX: 25.0%; two AMD EPYCs, AVX2 and AVX-512: 27.5% and
+    39.5%; short runs 16-25%). The band asserted, 10% to 55%, leaves room on both sides; below it the warm-up no
+    longer teaches worked solutions, above it RL loses its headroom. The shipped build itself must still score what
+    its record says, within 3 points (greedy near-ties can break another way on another CPU)."""
+    with open(os.path.join(bm.SHIPPED_DIR, bm.MARKER)) as f:
+        shipped_info = json.load(f)
+    shipped = _greedy_accuracy(bm.ensure_base_model(), str(tmp_path / "shipped.json"))
+    assert abs(shipped - shipped_info["held_out_greedy_accuracy"]) <= 0.03, shipped
+    rebuilt_dir = bm.ensure_base_model(from_recipe=True)
+    assert rebuilt_dir != bm.SHIPPED_DIR and bm.is_built(rebuilt_dir)
+    rebuilt = _greedy_accuracy(rebuilt_dir, str(tmp_path / "rebuilt.json"))
+    assert 0.10 <= rebuilt <= 0.55, rebuilt

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import msgspec
 
 from areal_async.config import ConfigError, RunConfig
-from areal_async.cpu_features import describe, resolve_mixed_precision
+from areal_async.cpu_features import describe, model_hidden_size, resolve_mixed_precision
 from areal_async.rollout.controller import RunState, load_state
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
 from areal_async.tokenizer import Tokenizer, check_tokenizer
@@ -65,7 +65,6 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     from areal_async.launch.placement import plan_placement
 
     placement = plan_placement(cfg)  # the GPU layout and SGLang's arguments, checked here (launch/placement.py)
-    _log_cpu_choices(cfg, bool(placement.gpus))
     model_path = resolve_model(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
@@ -82,6 +81,7 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     if not train_samples:
         raise ConfigError(f"data.name: {cfg.data.name} has no training samples")
     _check_chat_template(cfg, tokenizer, train_samples + eval_samples)
+    _log_cpu_choices(cfg, model_path, bool(placement.gpus))
     _check_reward(cfg.data.reward)
     from areal_async.rewards.runner import RewardRunner
 
@@ -97,10 +97,10 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
                    wf, resumed)
 
 
-def _log_cpu_choices(cfg: RunConfig, has_gpus: bool) -> None:
+def _log_cpu_choices(cfg: RunConfig, model_path: str, has_gpus: bool) -> None:
     """Say what `auto` settings pick on this CPU and why; the trainer ranks decide the same on their own host."""
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not has_gpus):
-        mp, why = resolve_mixed_precision(cfg.train.mixed_precision, "cpu")
+        mp, why = resolve_mixed_precision(cfg.train.mixed_precision, "cpu", model_hidden_size(model_path))
         log.info("CPU %s: train.mixed_precision=%s -> %s (%s)", describe(), cfg.train.mixed_precision, mp, why)
 
 

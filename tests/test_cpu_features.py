@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from areal_async.cpu_features import CpuInfo, cpu_bf16_choice, read_cpu_info, resolve_mixed_precision
+from areal_async.cpu_features import (CpuInfo, cpu_bf16_choice, model_hidden_size, read_cpu_info,
+                                      resolve_mixed_precision)
 
 AMX = CpuInfo("Intel Xeon", "x86_64", frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
 ZEN5 = CpuInfo("AMD EPYC", "x86_64", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
@@ -33,8 +34,22 @@ def test_a_cap_on_torch_wins_over_the_hardware():
 def test_resolve_mixed_precision():
     assert resolve_mixed_precision("fp32", "cuda") == ("fp32", "set in the config")
     assert resolve_mixed_precision("auto", "cuda")[0] == "bf16"
-    assert resolve_mixed_precision("auto", "cpu", AVX2, {})[0] == "fp32"
-    assert resolve_mixed_precision("auto", "cpu", ZEN5, {})[0] == "bf16"
+    assert resolve_mixed_precision("auto", "cpu", 576, AVX2, {})[0] == "fp32"
+    assert resolve_mixed_precision("auto", "cpu", 576, ZEN5, {})[0] == "bf16"
+    assert resolve_mixed_precision("auto", "cpu", None, ZEN5, {})[0] == "bf16"
+    mp, why = resolve_mixed_precision("auto", "cpu", 128, ZEN5, {})  # the tiny default model: not GEMM-bound
+    assert mp == "fp32" and "hidden size 128" in why
+    assert resolve_mixed_precision("bf16", "cpu", 128, AVX2, {})[0] == "bf16"  # an explicit choice is kept
+
+
+def test_hidden_size_from_the_checkpoint(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576}))
+    assert model_hidden_size(str(tmp_path)) == 576
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 2048}}))
+    assert model_hidden_size(str(tmp_path)) == 2048
+    assert model_hidden_size(str(tmp_path / "nowhere")) is None
 
 
 def test_reads_this_machine(tmp_path):

@@ -38,6 +38,7 @@ Sampling temperature: logprobs are computed at `TrainConfig.temperature`, the ro
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from areal_async.config import OptimConfig, TrainConfig
+from areal_async.cpu_features import model_hidden_size, resolve_mixed_precision
 from areal_async.host_memory import keep_freed_memory
 from areal_async.train.advantages import (batch_normalize_with, group_advantages, mean_std_from_moments,
                                           normalization_moments, shape_rewards)
@@ -63,6 +65,7 @@ from areal_async.train.stats import StatSums, StepResult, summarize_step
 from areal_async.types import (BroadcastRequest, BroadcastResult, InitBroadcastRequest, PublishResult, TrainBatch,
                                TrainerInfo, WeightSpec)
 
+log = logging.getLogger(__name__)
 # init_distributed, resolve_device, any_rank and BatchError live in train/dist.py and train/errors.py; they are
 # re-exported here because scripts start an engine with `from areal_async.train.engine import ...`.
 __all__ = ["TrainEngine", "lr_factor", "init_distributed", "resolve_device", "any_rank", "BatchError"]
@@ -129,9 +132,9 @@ class TrainEngine:
         self._gpu_uuid = device_uuid(self.device)
         torch.manual_seed(seed + self.rank)
 
-        mp = cfg.mixed_precision
-        if mp == "auto":
-            mp = "bf16" if self.device.type == "cuda" else "fp32"
+        mp, why = resolve_mixed_precision(cfg.mixed_precision, self.device.type, model_hidden_size(model_path))
+        if self.rank == 0:
+            log.info("train.mixed_precision=%s: %s compute (%s)", cfg.mixed_precision, mp, why)
         self.compute_dtype = torch.bfloat16 if mp == "bf16" else torch.float32
         loaded = load_sharded(model_path, self.device, self.compute_dtype, cfg.activation_checkpointing,
                               trainable=True)

@@ -112,10 +112,10 @@ void paged_decode_attention(const float* q, const float* kv, const int64_t* tabl
 MAX_HEADS, MAX_HEAD_DIM, MAX_PAGE = 128, 256, 64
 
 
-def load():
-    """The kernel as a ctypes function, or None where it cannot be built (cpu_build.py; `AREAL_CPU_ATTENTION=0`
-    turns it off)."""
-    lib = load_library("paged_attention", _SOURCE, "AREAL_CPU_ATTENTION", "gather + SDPA")
+def load(march: str | None = None):
+    """The kernel built for `march` (default: cpu_build.default_march()) as a ctypes function, or None where it
+    cannot be built (cpu_build.py; `AREAL_CPU_ATTENTION=0` turns it off)."""
+    lib = load_library("paged_attention", _SOURCE, "AREAL_CPU_ATTENTION", "gather + SDPA", march)
     if lib is None:
         return None
     return bind(lib, "paged_decode_attention", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7)

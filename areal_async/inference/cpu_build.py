@@ -3,9 +3,11 @@
 Why C and not a torch extension: plain C with no torch headers compiles in about a second with whatever `cc` the
 machine has, so the CPU engine's kernels need no build step at install time and no C++ toolchain matching torch's.
 The library is cached under `~/.cache/areal_async/kernels/` (`AREAL_KERNEL_CACHE` elsewhere) keyed by the source,
-the flags, the compiler and the CPU's feature flags: builds use -march=native, and a cluster's nodes often share
-one home directory. OpenMP resolves to the runtime torch has already loaded (the same libgomp soname), so a kernel
-shares torch's threads instead of starting a second pool. Callers treat None (no compiler, a failed build) as
+the flags, the compiler and (for -march=native) the CPU's feature flags: a cluster's nodes often share one home
+directory. The target is `AREAL_KERNEL_MARCH` (default `native`); `x86-64-v3` (AVX2 + FMA) is the portable
+baseline, and since it runs on every AVX-512 machine too, the tests build and check both targets in one process
+(`load_library(..., march=...)` loads each target's library separately). OpenMP resolves to the runtime torch has
+already loaded (the same libgomp soname), so a kernel shares torch's threads instead of starting a second pool. Callers treat None (no compiler, a failed build) as
 "use the portable path"; the reason is logged once per kernel.
 """
 
@@ -25,7 +27,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared"]  # plus -march=<target>
+MARCH_ENV = "AREAL_KERNEL_MARCH"
+PORTABLE_MARCH = "x86-64-v3"  # AVX2, FMA, BMI2, F16C: every x86 server CPU since ~2015
+_V3_FLAGS = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}  # what -march=x86-64-v3 lets gcc emit (and more)
 
 # exp(x) for the kernels' softmaxes and SiLU: libm's expf does not vectorise without -ffast-math, this does. x is
 # clamped to [-87, 88], x = k ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error < 2e-7),
@@ -54,7 +59,29 @@ static inline float exp_poly(float x) {
 """
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}
+
+
+def default_march() -> str:
+    """The kernels' target: `AREAL_KERNEL_MARCH`, else `native` (this CPU's every extension)."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not all(c.isalnum() or c in "-_." for c in march):
+        raise ValueError(f"{MARCH_ENV}={march!r} is not a -march value")
+    return march
+
+
+def runnable_marches() -> list[str]:
+    """The targets whose code this CPU can run, native first: the ones tests build and check here. The portable
+    baseline is included wherever the CPU has its extensions (any AVX2 + FMA x86 CPU)."""
+    out = ["native"]
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    if _V3_FLAGS <= flags:
+        out.append(PORTABLE_MARCH)
+    return out
 
 
 def _cache_dir() -> str:
@@ -74,8 +101,9 @@ def _cpu_signature() -> str:
         return platform.machine() + platform.processor()
 
 
-def _build(name: str, source: str, compiler: str) -> str:
-    key = "\0".join([source, " ".join(FLAGS), compiler, _cpu_signature()])
+def _build(name: str, source: str, compiler: str, march: str) -> str:
+    flags = [*FLAGS, f"-march={march}"]
+    key = "\0".join([source, " ".join(flags), compiler, _cpu_signature() if march == "native" else march])
     tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     out_dir = os.path.join(_cache_dir(), tag)
     lib = os.path.join(out_dir, f"{name}.so")
@@ -87,7 +115,7 @@ def _build(name: str, source: str, compiler: str) -> str:
         with open(src, "w") as f:
             f.write(source)
         tmp_lib = os.path.join(tmp, f"{name}.so")
-        proc = subprocess.run([compiler, *FLAGS, src, "-o", tmp_lib, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *flags, src, "-o", tmp_lib, "-lm"], capture_output=True, text=True,
                               timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
@@ -103,12 +131,15 @@ def bind(lib: ctypes.CDLL, symbol: str, argtypes: list) -> Callable[..., None]:
     return fn
 
 
-def load_library(name: str, source: str, disable_env: str, what: str) -> ctypes.CDLL | None:
-    """The built library for `source` (built once per process and cached on disk), or None where it cannot be built
-    or `disable_env`=0 turns it off. `what` names the fallback in the log line."""
+def load_library(name: str, source: str, disable_env: str, what: str,
+                 march: str | None = None) -> ctypes.CDLL | None:
+    """The built library for `source` and target `march` (default: `default_march()`; built once per process and
+    target, cached on disk), or None where it cannot be built or `disable_env`=0 turns it off. `what` names the
+    fallback in the log line. Two targets of one kernel are two separate libraries, both loadable at once."""
+    march = march or default_march()
     with _lock:
-        if name in _loaded:
-            return _loaded[name]
+        if (name, march) in _loaded:
+            return _loaded[(name, march)]
         lib = None
         if os.environ.get(disable_env, "1") == "0":
             log.info("CPU kernel %s disabled by %s=0", name, disable_env)
@@ -118,9 +149,10 @@ def load_library(name: str, source: str, disable_env: str, what: str) -> ctypes.
                 if compiler is None:
                     raise RuntimeError("no C compiler found (set CC)")
                 torch.get_num_threads()  # make sure torch's OpenMP runtime is loaded first: the kernel links to it
-                lib = ctypes.CDLL(_build(name, source, compiler))
+                # a separate file per target: dlopen returns the already loaded library for the same path
+                lib = ctypes.CDLL(_build(name, source, compiler, march))
             except Exception as e:  # any failure means the portable path, never a dead engine
-                log.warning("CPU kernel %s unavailable (%s); using %s", name, e, what)
+                log.warning("CPU kernel %s (-march=%s) unavailable (%s); using %s", name, march, e, what)
                 lib = None
-        _loaded[name] = lib
+        _loaded[(name, march)] = lib
         return lib

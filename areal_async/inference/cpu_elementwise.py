@@ -50,11 +50,11 @@ void argmax_logsumexp(const float* x, int64_t* idx, float* lse, int64_t rows, in
         int64_t at = 0;
         for (int64_t i = 1; i < n; i++)
             if (xr[i] > mx) { mx = xr[i]; at = i; }
-        float s = 0.f;
+        double s = 0.0;  /* a float sum of 49k terms could err by 49k roundings (3e-3); a double's is nothing */
         #pragma omp simd reduction(+:s)
-        for (int64_t i = 0; i < n; i++) s += exp_poly(xr[i] - mx);
+        for (int64_t i = 0; i < n; i++) s += (double)exp_poly(xr[i] - mx);
         idx[r] = at;
-        lse[r] = mx + logf(s);
+        lse[r] = (float)((double)mx + log(s));
     }
 }
 
@@ -108,7 +108,8 @@ class Kernels:
         return idx, lse
 
 
-def load() -> Kernels | None:
-    """The kernels, or None where they cannot be built (cpu_build.py)."""
-    lib = load_library("elementwise", _SOURCE, "AREAL_CPU_ELEMENTWISE", "torch's rms_norm and silu")
+def load(march: str | None = None) -> Kernels | None:
+    """The kernels built for `march` (default: cpu_build.default_march()), or None where they cannot be built
+    (cpu_build.py)."""
+    lib = load_library("elementwise", _SOURCE, "AREAL_CPU_ELEMENTWISE", "torch's rms_norm and silu", march)
     return Kernels(lib) if lib is not None else None

@@ -78,9 +78,10 @@ void skinny_linear(const float* x, const float* w, const float* bias, const floa
 """
 
 
-def load():
-    """The kernel as a ctypes function, or None where it cannot be built (cpu_build.py)."""
-    lib = load_library("skinny_linear", _SOURCE, "AREAL_CPU_GEMM", "torch's matmul for every batch size")
+def load(march: str | None = None):
+    """The kernel built for `march` (default: cpu_build.default_march()) as a ctypes function, or None where it
+    cannot be built (cpu_build.py)."""
+    lib = load_library("skinny_linear", _SOURCE, "AREAL_CPU_GEMM", "torch's matmul for every batch size", march)
     if lib is None:
         return None
     return bind(lib, "skinny_linear", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from areal_async.train.lm_head import LMHead, _head_module, forward_features, logprobs_from_hidden
+from error_bounds import U32, gamma, logsumexp_bound
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,11 +47,23 @@ def test_chunked_head_matches_unchunked_values_and_gradients(chunk, entropy_grad
     ((ref_lp * g_lp).sum() + ((ref_ent * g_ent).sum() if entropy_grad else 0.0)).backward()
 
     assert lp.dtype == torch.float32  # logprobs are fp32 whatever the model dtype
-    torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-5, rtol=1e-5)
+    # The head's logits are fp64, cast to fp32 (u), divided by the temperature (u); the log-softmax runs in fp32:
+    # each logprob errs by logsumexp_bound plus those two roundings of the logits' magnitude.
+    z = ((hidden @ weight.T + bias) / temp)  # [M, V] fp64
+    spread, zmax = float((z.max(-1).values - z.min(-1).values).max()), float(z.abs().max())
+    eps_lp = logsumexp_bound(v, spread, zmax) + 2 * U32 * zmax
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=eps_lp, rtol=0)
+    # entropy = -sum p logp: each logp off by eps_lp, each p relatively by eps_lp, sum p = 1, sum p |logp| = ent
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=eps_lp * (1 + float(ref_ent.max())), rtol=0)
     assert ent.requires_grad == entropy_grad
+    # the logits' gradient dz [M, V] is fp32: relative eps_lp in each p and logp (plus a few roundings), of size
+    # |g_lp| + |g_ent| (1 + |logp| + ent) per unit of probability; the fp64 matmuls back sum it over V (probabilities:
+    # at most 2 with the one-hot) into hidden, over M rows into the weight and bias
+    eps_dz = eps_lp + 4 * U32
+    dz_mag = float(g_lp.abs().max()) + float(g_ent.abs().max()) * (1 + spread + float(ref_ent.max())) * entropy_grad
+    atol = eps_dz * dz_mag * 2 * max(float(weight.abs().max()), m * float(hidden.abs().max()), m) / temp
     for got, want in zip(leaves, ref_leaves):
-        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.grad, want.grad, atol=atol, rtol=0)
 
 
 def test_kept_logprobs_give_the_same_gradients_without_entropy_and_on_a_second_backward():
@@ -94,7 +107,9 @@ def test_forward_features_returns_hidden_states_and_the_head(tiny_ckpt):
     assert head is not None and head.weight is model.get_output_embeddings().weight
     feats = out.logits[0]
     assert feats.shape == (5, model.config.hidden_size)
-    torch.testing.assert_close(feats @ head.weight.T, logits, atol=1e-5, rtol=1e-5)
+    # the same fp32 dot products of h terms in maybe another order: gamma(h) * sum |f w| apart at most
+    bound = gamma(feats.shape[-1]) * (feats.abs() @ head.weight.abs().T)  # [T, V]
+    assert bool(((feats @ head.weight.T - logits).abs() <= 2 * bound).all())
     assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size  # the head is restored afterwards
 
     model.config.final_logit_softcapping = 30.0  # logits that are more than h W^T: the model's own are kept

@@ -22,6 +22,12 @@ QUESTIONS = ["What is 2 + 3? Reply with just the number.",
              "Name one colour of the rainbow. One word.",
              "Say hello in French."]
 MAX_NEW = 32
+# The server's logprobs must be within 1e-3 of transformers' (the project's target: below it, the PPO ratio's noise
+# is the trainer's own). This is a requirement, not a derived bound: the worst-case first-order bound for 30 layers
+# of hidden 576 (error_bounds.decoder_logit_bound, gamma(K) per matmul) is ~0.1-0.6 and certifies nothing here;
+# the typical error grows like sqrt(K) u instead and was measured at 2.0e-5 to 2.4e-5 on the AMX machine
+# (benchmarks/README.md, inference section), a 40x margin.
+LOGPROB_TARGET = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +115,8 @@ def test_generate_matches_transformers_greedy_tokens_logprobs_and_stop(server, r
         ids = [t[1] for t in meta["output_token_logprobs"]]
         lps = [t[0] for t in meta["output_token_logprobs"]]
         assert ids == ref["ids"], (q, tok.decode(ids), ref["text"])
-        assert max(abs(a - b) for a, b in zip(lps, ref["logprobs"])) < 1e-3
+        # LOGPROB_TARGET: a requirement, not a rounding bound (see its definition)
+        assert max(abs(a - b) for a, b in zip(lps, ref["logprobs"])) < LOGPROB_TARGET
         assert body["text"] == ref["text"]
         if ref["ids"][-1] == im_end:  # transformers stopped at the end of turn: the server must stop there too
             stopped += 1
@@ -131,7 +138,7 @@ def test_chat_completions_answer_as_transformers(server, reference):
         lps = [t["logprob"] for t in choice["logprobs"]["content"]]
         n = len(lps)
         assert n in (len(ref["ids"]), len(ref["ids"]) - 1)  # with or without the end-of-turn token
-        assert max(abs(a - b) for a, b in zip(lps, ref["logprobs"][:n])) < 1e-3
+        assert max(abs(a - b) for a, b in zip(lps, ref["logprobs"][:n])) < LOGPROB_TARGET
         assert body["usage"]["prompt_tokens"] == len(ref["prompt"])
 
 

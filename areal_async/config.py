@@ -466,6 +466,13 @@ class RunConfig(Section):
         check(bool(self.run_dir), key_of(prefix, "run_dir"), "must not be empty")
         for name in ("data", "server", "schedule", "rollout", "train", "eval", "slurm", "recovery"):
             getattr(self, name).validate(key_of(prefix, name))
+        # SGLang takes its writer lock per /update_weights_from_distributed call: unpaused, requests queued behind
+        # one bucket run between buckets on a mix of old and new weights labelled old, and the first bucket waits
+        # for every running request while trainer rank 0's broadcast is already posted (its timeout applies)
+        check(not (self.train.weight_sync == "broadcast" and not self.schedule.interruptible
+                   and self.schedule.mode == "async"), key_of(prefix, "schedule.interruptible"),
+              "false cannot be combined with train.weight_sync=broadcast in async mode (a broadcast is sent bucket "
+              "by bucket and needs the servers paused); use interruptible=true or train.weight_sync=disk")
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------

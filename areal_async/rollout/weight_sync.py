@@ -16,7 +16,9 @@ Three ways to treat requests in flight (`schedule.interruptible` and `schedule.i
   tokens left (PipelineRL's and prime-rl's in-flight updates). Nothing is recomputed, and each response says where
   its version changed (meta_info `weight_version_spans`, read by the client), so per-token versions stay exact.
 - wait (not interruptible): the update is sent without a pause and waits on the server until the requests in flight
-  have finished under the old weights.
+  have finished under the old weights. Disk sync only: a broadcast goes bucket by bucket, and SGLang takes its
+  model-update writer lock per bucket, so unpaused, queued requests would run between buckets on a mix of old and
+  new weights (labelled old). The config refuses the combination; `update_weights` refuses it too.
 
 What real SGLang 0.5.x does with an update while paused in place (read in its tokenizer manager and scheduler):
 `pause_generation(mode="in_place")` only sets the scheduler's `_engine_paused`; the running batch, its KV cache and
@@ -90,6 +92,8 @@ class DiskSync:
 
 
 class BroadcastSync:
+    bucketed = True  # the servers take the weights over several calls: only safe while paused (see above)
+
     def __init__(self, trainer: Broadcaster, servers: Any) -> None:
         self.trainer = trainer
         self.servers = servers
@@ -110,6 +114,9 @@ async def update_weights(sync: WeightSync, servers: PausableServers, version: in
     """`sync.apply(version)` under the in-flight treatment `mode` (see the module docstring). The caller has
     `prepare`d the version already (that part overlaps generation and is timed apart)."""
     if mode == "wait":
+        if getattr(sync, "bucketed", False):
+            raise ValueError("a bucketed (broadcast) weight update needs the servers paused: interruptible=false "
+                             "is for disk sync")
         await sync.apply(version, flush_cache=True)
         return
     await servers.pause(mode)

@@ -78,13 +78,24 @@ def engine_threads(requested: int | None) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def nccl_environment(environ: "os._Environ[str] | dict[str, str]") -> str:
+    """NCCL_CUMEM_ENABLE=0 unless set; returns the value in force. The trainers set the same under broadcast sync
+    (train/worker.py) and SGLang sets it for its own processes: the two ends of the weight-update group must agree,
+    or NCCL's same-node p2p setup fails ("p2p.cc ... invalid argument"). Set before torch loads, because NCCL
+    reads it when the first communicator is created; harmless when the server never joins a group."""
+    environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+    return environ["NCCL_CUMEM_ENABLE"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.threads = engine_threads(args.threads)
+    cumem = nccl_environment(os.environ)
     # before torch loads: only the engine thread, which sets its own count, will hold OpenMP workers
     one_thread_until_set()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger(__name__).info("NCCL_CUMEM_ENABLE=%s", cumem)
     try:
         import uvloop
     except ImportError:

@@ -95,7 +95,8 @@ def test_nccl_broadcast_between_two_processes(tmp_path):
         dist.broadcast(t, group=pg, group_src=0)
         torch.cuda.synchronize()
         print("sent")
-    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "NCCL_CUMEM_ENABLE": "0"})  # both ends as the launcher runs them (serve.py, worker.py)
     try:
         for _ in range(600):
             if port_file.exists() or trainer.poll() is not None:

@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     from areal_async.train.engine import TrainEngine, init_distributed
 
     nccl_environment(cfg, os.environ)  # before the first communicator: NCCL reads it then
+    log.info("NCCL_CUMEM_ENABLE=%s TORCH_NCCL_ASYNC_ERROR_HANDLING=%s", os.environ.get("NCCL_CUMEM_ENABLE", "<unset>"),
+             os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "<unset>"))
     device = init_distributed(cfg.device)
     engine = TrainEngine(args.model, cfg, seed=args.seed, device=device, broadcast_timeout_s=args.broadcast_timeout)
     if args.resume:

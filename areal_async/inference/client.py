@@ -36,9 +36,11 @@ import time
 import uuid
 from typing import Any, Literal
 
+import aiohttp
 import msgspec
 
-from areal_async.inference.fleet import Fleet, WeightSource, WeightTarget, parse_weight_version
+from areal_async.inference.fleet import (IN_PLACE_MIN_SGLANG, Fleet, WeightSource, WeightTarget, in_place_supported,
+                                         parse_weight_version)
 from areal_async.inference.resume import ResumeState, SegmentEnd, SegmentRejected, find_stop, generate_resumable
 from areal_async.inference.routing import ServerState
 from areal_async.inference.sglang_wire import SegmentReader, segment_payload
@@ -90,6 +92,10 @@ class InferenceClient:
         self._resumed.set()
         self._pause_mode: PauseMode = "abort"
         self._active: dict[str, bool] = {}  # rid -> cancelled by abort()
+        # rid -> the rid of its segment on a server now: SGLang aborts by exact rid (TokenizerManager.abort_request
+        # returns early for an rid it does not know), and a resubmission runs under "{rid}-{n}"
+        self._segment_rid: dict[str, str] = {}
+        self._in_place_ok: dict[str, bool] = {}  # url -> its /get_server_info allows pause(mode="in_place")
         self._enc = msgspec.json.Encoder()
         # tokens: received from servers; failover_kept_tokens: received in an attempt that then failed and kept
         # for its resubmission (only streaming can keep them: see the module docstring)
@@ -173,9 +179,9 @@ class InferenceClient:
                     return None  # aborted by the caller, or every token arrived before the server was lost
                 st.begin_segment()
                 reader = SegmentReader(st, url, self._counts)
-                # a resubmission's rid extends the first one, so a prefix abort by rid still reaches it
-                payload = segment_payload(st, rid if sent == 0 else f"{rid}-{sent}", base,
-                                          stream=self._streams_to(url), priority=priority)
+                # each body has its own rid (a server refuses an rid in flight); abort() sends the current one
+                seg_rid = self._segment_rid[rid] = rid if sent == 0 else f"{rid}-{sent}"
+                payload = segment_payload(st, seg_rid, base, stream=self._streams_to(url), priority=priority)
                 sent += 1
                 return self._enc.encode(payload)
 
@@ -200,10 +206,11 @@ class InferenceClient:
             raise InferenceError(f"{e.server}/generate aborted: {e}", status=e.status, url=e.server) from None
         except BaseException:  # cancelled or failed: a server may still be generating for nobody
             if not self._pool.closed:
-                self._pool.spawn(self._abort_everywhere(rid))
+                self._pool.spawn(self._abort_everywhere(self._segment_rid.get(rid, rid)))
             raise
         finally:
             self._active.pop(rid, None)
+            self._segment_rid.pop(rid, None)
             self._counts["interruptions"] += state.interruptions
         return result
 
@@ -257,8 +264,10 @@ class InferenceClient:
         return results
 
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
-        """Abort `rid` (and its resubmissions, which share its prefix) or everything, on every reachable server.
-        The matching `agenerate` calls return finish_reason "abort" with their tokens so far instead of resuming."""
+        """Abort `rid` or everything, on every reachable server. The matching `agenerate` calls return
+        finish_reason "abort" with their tokens so far instead of resuming. For a request of this client the
+        rid sent is that of its segment in flight (a resubmission runs as "{rid}-{n}"; SGLang matches rids
+        exactly); the cancel flag set here keeps it from resubmitting again."""
         if abort_all:
             for k in self._active:
                 self._active[k] = True
@@ -266,24 +275,61 @@ class InferenceClient:
             raise ValueError("give a rid or abort_all=True")
         elif rid in self._active:
             self._active[rid] = True
-        return await self._pool.fanout("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all},
+        sent = "" if abort_all or rid is None else self._segment_rid.get(rid, rid)
+        return await self._pool.fanout("POST", "/abort_request", {"rid": sent, "abort_all": abort_all},
                                        servers=self._reachable())
 
     async def pause(self, mode: PauseMode = "abort") -> dict[str, Any]:
         """Pause every reachable server. With "abort", in-flight requests come back with their partial tokens and
         the matching `agenerate` calls wait for `resume()` before resubmitting. The event is cleared before the
         servers are told, so no aborted answer can slip through as an abort from elsewhere."""
+        if mode == "in_place":
+            await self._check_in_place()
         self._resumed.clear()
+        self._pool.probes_paused = True  # SGLang's /health waits for continue: no hang detection while paused
         self._pause_mode = mode
-        return await self._pool.fanout("POST", "/pause_generation", {"mode": mode}, servers=self._reachable())
+        return await self._pause_call("/pause_generation", {"mode": mode})
 
     async def resume(self) -> dict[str, Any]:
         """Continue every reachable server, then release the waiting `agenerate` calls (even if a server failed:
         a dead server must not hold the rollout hostage)."""
         try:
-            return await self._pool.fanout("POST", "/continue_generation", {}, servers=self._reachable())
+            return await self._pause_call("/continue_generation", {})
         finally:
             self._resumed.set()
+            self._pool.probes_paused = False
+
+    async def _pause_call(self, path: str, payload: dict) -> dict[str, Any]:
+        """pause/continue on every reachable server. The heartbeat leaves these calls alone (while paused it does
+        not probe at all: SGLang's /health waits for continue), so they carry their own bound: a server that
+        does not answer within `max_health_failures` x `health_timeout_s` is hung, as the heartbeat would say."""
+        pool = self._pool
+        bound = aiohttp.ClientTimeout(total=pool.health_timeout_s * max(pool.max_health_failures, 1))
+        servers = self._reachable()
+        results = await pool.fanout("POST", path, payload, servers=servers, admin=True, timeout=bound)
+        for server in servers:
+            r = results.get(server.url)
+            if isinstance(r, InferenceError) and r.status is None and server.state in ("serving", "syncing",
+                                                                                        "draining"):
+                pool.server_failed(server, f"hung: {path} unanswered within {bound.total:g}s")
+        return results
+
+    async def _check_in_place(self) -> None:
+        """Refuse pause(mode="in_place") on a server whose /get_server_info reports an SGLang version older than
+        IN_PLACE_MIN_SGLANG: its pause_generation reads no body, so the mode is ignored and every request in
+        flight would be aborted instead (silently). Asked once per server; a server that does not say is let be."""
+        servers = [s for s in self._reachable() if s.url not in self._in_place_ok]
+        if servers:
+            infos = await self.server_info([s.url for s in servers])
+            for url, info in infos.items():
+                if isinstance(info, BaseException):
+                    continue  # asked again at the next in-place pause
+                self._in_place_ok[url] = in_place_supported(info)
+        old = sorted(u for u, ok in self._in_place_ok.items() if not ok and u in self._pool.router.servers)
+        if old:
+            raise AdminError(f"pause(mode='in_place') needs SGLang >= {'.'.join(map(str, IN_PLACE_MIN_SGLANG))}; "
+                             f"older servers ignore the mode and abort every request: {', '.join(old)} "
+                             "(set schedule.interrupt_mode=abort, or upgrade SGLang)", {})
 
     @property
     def paused(self) -> bool:
@@ -333,7 +379,7 @@ class InferenceClient:
 
         servers = [self._pool.router.servers[u] for u in urls]
         results = await self._pool.fanout("POST", "/init_weights_update_group", payload, servers=servers,
-                                          check_success=True)
+                                          check_success=True, admin=True)
         self._groups[group_name] = [u for u, r in results.items() if not isinstance(r, BaseException)]
         return self._raise_if_failed("init_weights_update_group", results)
 
@@ -347,7 +393,7 @@ class InferenceClient:
         if not servers:
             return {}
         results = await self._pool.fanout("POST", "/destroy_weights_update_group", {"group_name": group_name},
-                                          servers=servers, timeout=self._pool.probe_timeout())
+                                          servers=servers, timeout=self._pool.probe_timeout(), admin=True)
         return {u: (None if isinstance(r, InferenceError) and r.status == 400 and "not exist" in str(r) else r)
                 for u, r in results.items()}
 
@@ -369,18 +415,20 @@ class InferenceClient:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: int | None, *, group_name: str = "weight_update_group",
-                                              flush_cache: bool = True, abort_all_requests: bool = False
-                                              ) -> dict[str, Any]:
+                                              flush_cache: bool = True, abort_all_requests: bool = False,
+                                              urls: list[str] | None = None) -> dict[str, Any]:
         """Every reachable server receives the named tensors by broadcast from the trainer (which broadcasts while
         this is pending) and tags them `version` (None, for every bucket but the last: no label is sent and the
         servers keep theirs). A server that fails a bucket leaves rotation (it may hold a mix of versions) until
         `load_weights` or the `weight_source` hook brings it to the current weights. Raises `AdminError` only when
-        every reachable server failed."""
+        every reachable server failed. `urls`: the group's members (default: the servers that joined
+        `group_name` through this client, else every reachable one)."""
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                    "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         if version is not None:  # None (every bucket but the last): the servers keep their label
             payload["weight_version"] = str(version)
-        return await self._fleet.distributed(payload, version)
+        members = urls if urls is not None else self._groups.get(group_name)
+        return await self._fleet.distributed(payload, version, members)
 
     async def flush_cache(self) -> dict[str, Any]:
         return await self._pool.fanout("POST", "/flush_cache", None, servers=self._reachable())

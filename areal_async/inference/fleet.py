@@ -22,6 +22,7 @@ No torch here.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Any, Awaitable, Callable, NamedTuple
 
@@ -64,6 +65,34 @@ def parse_weight_version(v: Any) -> int:
         return 0
 
 
+# SGLang releases whose /pause_generation reads its body (`mode`); before, every pause aborts. pyproject pins 0.5.6.
+IN_PLACE_MIN_SGLANG = (0, 5, 6)
+
+
+def sglang_version(info: dict) -> tuple[int, ...] | None:
+    """The SGLang release a /get_server_info answer reports (its `version` field), as integers; None for our
+    embedded server (its answer carries `api_key_required`, a field SGLang's ServerArgs does not have) and for an
+    answer without a readable version."""
+    if not isinstance(info, dict) or "api_key_required" in info:
+        return None
+    raw = info.get("version")
+    if not isinstance(raw, str):
+        return None
+    parts: list[int] = []
+    for piece in raw.strip().split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
+
+def in_place_supported(info: dict) -> bool:
+    """False only for a server known to be an SGLang older than IN_PLACE_MIN_SGLANG."""
+    v = sglang_version(info)
+    return v is None or v >= IN_PLACE_MIN_SGLANG
+
+
 class Fleet:
     """The weight side of a `ServerPool`; installs itself as the pool's `ready_check`."""
 
@@ -94,18 +123,27 @@ class Fleet:
 
     # ---- one server ---------------------------------------------------------------------------------------------
 
+    # where a server reports its weight version: the current name, SGLang's older name, and the narrow endpoint
+    VERSION_PATHS = ("/model_info", "/get_model_info", "/get_weight_version")
+
     async def server_version(self, server: ServerState) -> int | None:
-        """The version a server reports in GET /model_info (None when it does not say)."""
-        status, body = await self.pool.send(server, "GET", "/model_info", None, timeout=self.pool.probe_timeout())
-        if status != 200:
-            return None
-        try:
-            info = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            return None
-        if not isinstance(info, dict) or "weight_version" not in info:
-            return None
-        return parse_weight_version(info["weight_version"])
+        """The version a server reports (None when it does not say): GET /model_info, else (404: an older SGLang)
+        /get_model_info, else /get_weight_version. Without the fallbacks an older server would read as "unknown"
+        at every recovery and be reloaded or relabelled each time."""
+        for path in self.VERSION_PATHS:
+            status, body = await self.pool.send(server, "GET", path, None, timeout=self.pool.probe_timeout())
+            if status in (404, 405):
+                continue
+            if status != 200:
+                return None
+            try:
+                info = msgspec.json.decode(body)
+            except msgspec.DecodeError:
+                return None
+            if not isinstance(info, dict) or "weight_version" not in info:
+                return None
+            return parse_weight_version(info["weight_version"])
+        return None
 
     async def _post(self, server: ServerState, path: str, payload: dict) -> tuple[bool, str]:
         """One weight call on one server (counted as a weight load: the heartbeat leaves it alone meanwhile)."""
@@ -275,10 +313,19 @@ class Fleet:
         self._settle("update_weight_version", servers, results, version)
         return results
 
-    async def distributed(self, payload: dict, version: int | None) -> dict[str, Any]:
+    async def distributed(self, payload: dict, version: int | None, urls: list[str] | None = None
+                          ) -> dict[str, Any]:
         """One bucket of a broadcast. Buckets before the last carry no version (`None`): nothing is relabelled yet,
-        and a server that fails one is remembered and treated as failed (tainted) when the last bucket settles."""
-        servers = self.reachable()
+        and a server that fails one is remembered and treated as failed (tainted) when the last bucket settles.
+
+        `urls`: the group's members. Every member must get every bucket, also one marked down meanwhile (its call
+        then fails fast), because the trainer broadcasts to the whole group; a member skipped would leave the
+        trainer's broadcast waiting. None: every reachable server (a group of the whole fleet)."""
+        if urls is None:
+            servers = self.reachable()
+        else:
+            servers = [self.pool.router.servers[u.rstrip("/")] for u in urls
+                       if u.rstrip("/") in self.pool.router.servers]
         results = await self._fan(servers, "/update_weights_from_distributed", payload)
         if servers and all(isinstance(r, BaseException) for r in results.values()):
             detail = "; ".join(f"{u}: {r}" for u, r in results.items())

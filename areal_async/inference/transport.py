@@ -118,6 +118,9 @@ class ServerPool:
         self.weight_load_timeout_s = weight_load_timeout_s
         # runs after /health answers and before a server returns to rotation; False: not yet, probe again later
         self.ready_check: Callable[[ServerState], Awaitable[bool]] | None = None
+        # set while the client holds the fleet paused: SGLang's /health is a one-token generation that waits for
+        # /continue_generation (503 after 20 s), so a paused server would look hung to the heartbeat
+        self.probes_paused = False
         self.closed = False
         self.counts = {"requests": 0, "retries": 0, "failovers": 0, "errors": 0, "servers_lost": 0,
                        "servers_recovered": 0}
@@ -354,6 +357,8 @@ class ServerPool:
     async def _heartbeat_loop(self) -> None:
         while not self.closed:
             await asyncio.sleep(self.probe_interval_s)
+            if self.probes_paused:
+                continue
             for s in list(self.router.servers.values()):
                 if s.state in ("serving", "draining") and s.exchanges > 0 and s.admin_ops == 0 \
                         and s.url not in self._probing:
@@ -512,20 +517,27 @@ class ServerPool:
 
     async def fanout(self, method: str, path: str, payload: dict | Callable[[int, str], dict] | None = None, *,
                      servers: list[ServerState] | None = None, check_success: bool = False,
-                     timeout: aiohttp.ClientTimeout | None = None) -> dict[str, Any]:
+                     timeout: aiohttp.ClientTimeout | None = None, admin: bool = False) -> dict[str, Any]:
         """Send to `servers` (default: every known server, in any state) at once. Returns url -> decoded answer,
-        or the exception. `check_success`: a 200 answer with `"success": false` is an `InferenceError` too."""
+        or the exception. `check_success`: a 200 answer with `"success": false` is an `InferenceError` too.
+        `admin`: the call counts as an admin operation on each server (the heartbeat leaves it alone meanwhile:
+        pause, continue and group calls may legitimately keep a server from answering /health)."""
         enc = msgspec.json.encode
 
         async def one(i: int, server: ServerState) -> Any:
             p = payload(i, server.url) if callable(payload) else payload
             body = None if p is None else enc(p)
+            if admin:
+                server.admin_ops += 1
             try:
                 status, data = await self.send(server, method, path, body, timeout=timeout)
             except ConnectionFailed as e:
                 if server.state in ("serving", "syncing", "draining"):
                     self.server_failed(server, str(e))
                 raise InferenceError(str(e), url=server.url) from e
+            finally:
+                if admin:
+                    server.admin_ops -= 1
             if status != 200:
                 raise InferenceError(f"{server.url}{path} -> HTTP {status}: {error_message(data)}",
                                      status=status, url=server.url)

@@ -53,6 +53,19 @@ class FakeSGLang:
         self.update_ok = True
         self.admin: list[tuple[str, dict]] = []
         self.paused = False
+        # SGLang's own behaviour where our fake is lenient by default:
+        # - sglang_health: /health is SGLang's health_generate, a one-token generation that waits for
+        #   /continue_generation while paused and answers 503 after `health_pause_timeout` s; an in-place pause
+        #   also holds decoding (the scheduler launches no batch)
+        # - exact_abort: /abort_request matches the rid exactly (TokenizerManager.abort_request), not as a prefix
+        # - model_info_path: where the weight version is served ("/get_model_info": SGLang before the rename)
+        # - sglang_version: the `version` /get_server_info reports (None: the field is left out)
+        self.sglang_health = False
+        self.health_pause_timeout = 20.0
+        self.exact_abort = False
+        self.model_info_path = "/model_info"
+        self.sglang_version: str | None = None
+        self.health_calls = 0
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._inflight: dict[str, dict] = {}
@@ -85,6 +98,7 @@ class FakeSGLang:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/model_info", self._model_info)
+        app.router.add_get("/get_model_info", self._model_info)
         app.router.add_get("/get_server_info", self._server_info)
         app.router.add_post("/pause_generation", self._pause)
         app.router.add_post("/continue_generation", self._continue)
@@ -169,6 +183,8 @@ class FakeSGLang:
             while len(out) < sp["max_new_tokens"]:
                 await asyncio.sleep(self.token_delay)
                 await self._hang_if_hung()
+                if self.sglang_health and self.paused and not st["aborted"]:
+                    await self._resumed.wait()  # in place: the request keeps its state and waits
                 if st["aborted"] or (abort_at is not None and len(out) >= abort_at):
                     finish = {"type": "abort", "message": "Abort before prefill" if not out else "aborted",
                               "status_code": None, "err_type": None}
@@ -204,15 +220,26 @@ class FakeSGLang:
 
     async def _health(self, request: web.Request) -> web.Response:
         await self._hang_if_hung()
+        self.health_calls += 1
+        if self.sglang_health and self.paused:
+            try:
+                await asyncio.wait_for(self._resumed.wait(), self.health_pause_timeout)
+            except asyncio.TimeoutError:
+                return web.Response(status=503)
         return web.Response(status=self.health_status)
 
     async def _model_info(self, request: web.Request) -> web.Response:
+        if request.path != self.model_info_path:
+            return self._json({"detail": "Not Found"}, 404)
         return self._json({"model_path": "fake", "tokenizer_path": "fake", "is_generation": True,
                            "weight_version": self.version})
 
     async def _server_info(self, request: web.Request) -> web.Response:
         await self._hang_if_hung()
-        return self._json({"model_path": "fake", "incremental_streaming_output": self.incremental})
+        info = {"model_path": "fake", "incremental_streaming_output": self.incremental}
+        if self.sglang_version is not None:
+            info["version"] = self.sglang_version
+        return self._json(info)
 
     async def _pause(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
@@ -237,7 +264,8 @@ class FakeSGLang:
         body = msgspec.json.decode(await request.read())
         self.admin.append(("abort", body))
         for rid, st in self._inflight.items():
-            if body.get("abort_all") or rid.startswith(body.get("rid", "")):
+            wanted = body.get("rid", "")
+            if body.get("abort_all") or (rid == wanted if self.exact_abort else rid.startswith(wanted)):
                 st["aborted"] = True
         return web.Response(status=200)
 
@@ -259,7 +287,8 @@ class FakeSGLang:
         self.admin.append((request.path, body))
         if not self.dist_ok:
             return self._json({"success": False, "message": "broadcast failed"}, 400)
-        self.version = body["weight_version"]  # as SGLang: the buckets received are relabelled
+        if "weight_version" in body:  # as SGLang: the buckets received are relabelled; no label, the old one
+            self.version = body["weight_version"]
         return self._json({"success": True, "message": "ok"})
 
     async def _update_version(self, request: web.Request) -> web.Response:

@@ -218,7 +218,7 @@ class _Members:
         return await self.client.init_weights_update_group(master_address, master_port, urls=self.urls, **kw)
 
     async def update_weights_from_distributed(self, *args: Any, **kw: Any) -> Any:
-        return await self.client.update_weights_from_distributed(*args, **kw)
+        return await self.client.update_weights_from_distributed(*args, urls=self.urls, **kw)
 
 
 class ElasticBroadcastSync:
@@ -235,6 +235,7 @@ class ElasticBroadcastSync:
     back). After a trainer restart, `set_trainers`: the new job is in no group."""
 
     latest_checkpoint: str | None = None
+    bucketed = True  # rollout/weight_sync.py: never applied without a pause
 
     def __init__(self, trainers: Any, client: Any, master_address: str, *, ranks_per_server: int, backend: str,
                  api_key: str | None = None, settle_s: float = 10.0, catch_up_root: str | None = None,

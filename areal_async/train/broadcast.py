@@ -24,8 +24,11 @@ broadcast recomputes it and returns it for the controller to check.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -89,7 +92,9 @@ class WeightBroadcaster:
         other process can take it between now and the servers' connect). Returns the port; 0 on other ranks."""
         if dist.get_rank() != 0:
             return 0
-        self.close(group_name)
+        # one live group at a time: a group superseded by a fleet change may have a dead peer, and destroying it
+        # at exit could hang the teardown; it is aborted here, while nothing is pending on it
+        self.close()
         store = open_store(host, port, world_size, self.timeout_s)
         self.stores[group_name] = (store, int(store.port))
         return int(store.port)
@@ -115,8 +120,12 @@ class WeightBroadcaster:
         store, _ = self.stores[req.group_name]
         if req.group_name in self.groups:  # a group of the same name on another store: leave it first
             self._destroy(self.groups.pop(req.group_name))
-        pg = new_custom_group(req.backend, store, world_size=req.world_size, rank=0, group_name=req.group_name,
-                              device=device, timeout_s=self.timeout_s)
+        # the watchdog's timeout lies past the per-bucket deadline, so `_complete` raises first; cleanup-only error
+        # handling for this group: an aborted weight group must not tear the trainer down (torchrun's default, 1)
+        with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+            pg = new_custom_group(req.backend, store, world_size=req.world_size, rank=0,
+                                  group_name=req.group_name, device=device,
+                                  timeout_s=self.timeout_s + _WATCHDOG_MARGIN_S)
         self.groups[req.group_name] = pg
         self.devices[req.group_name] = device if req.backend == "nccl" else torch.device("cpu")
 
@@ -143,7 +152,7 @@ class WeightBroadcaster:
             if tensor is None:
                 continue
             if bucket_of[name] != current:
-                _complete(pending, send_device)
+                self._complete(pending, send_device, group_name, current)
                 current, held = bucket_of[name], 0
             tensor = tensor.to(send_device)
             pending.append((dist.broadcast(tensor, group=pg, group_src=0, async_op=True), tensor))
@@ -151,7 +160,7 @@ class WeightBroadcaster:
             num_bytes += size
             held += size
             held_peak = max(held_peak, held)
-        _complete(pending, send_device)
+        self._complete(pending, send_device, group_name, current)
         return BroadcastResult(buckets=buckets, seconds=time.perf_counter() - t0, num_bytes=num_bytes,
                                held_peak_bytes=held_peak, memory_peak_bytes=meter.peak())
 
@@ -165,22 +174,79 @@ class WeightBroadcaster:
             if pg is not None:
                 self._destroy(pg)
 
+    def _complete(self, pending: list[tuple[dist.Work, torch.Tensor]], device: torch.device, group_name: str,
+                  bucket: int) -> None:
+        """Wait until every broadcast in `pending` has finished, at most `timeout_s`, then drop the tensors.
+
+        Polled (`is_completed`, which for NCCL queries the work's CUDA event and does not block), so that a member
+        lost mid-bucket (a crash, or an SGLang that failed to allocate a tensor and returned without receiving the
+        rest of the bucket) ends in a `BroadcastError` here, on rank 0, instead of a blocking stream synchronise
+        that only the NCCL watchdog ends, by tearing the process down. The group is then aborted and dropped: the
+        controller forms a new one."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-4
+        try:
+            for work, _ in pending:
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise BroadcastError(f"weight-update group {group_name!r}: bucket {bucket} was not received "
+                                             f"within {self.timeout_s:g}s (a member left mid-broadcast?)")
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.05)
+                work.wait()  # raises the work's error, if it failed
+        except BaseException:
+            pending.clear()
+            self._abort(group_name)
+            raise
+        if device.type == "cuda" and pending:
+            torch.cuda.current_stream(device).synchronize()  # completed already: returns at once
+        pending.clear()
+
+    def _abort(self, group_name: str) -> None:
+        """Drop a group with work that will never complete: NCCL's communicator is aborted (destroying it would
+        wait for that work); a gloo group is left to the garbage collector for the same reason."""
+        pg = self.groups.pop(group_name, None)
+        self.devices.pop(group_name, None)
+        self.stores.pop(group_name, None)
+        if pg is None:
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        abort = getattr(c10d, "_abort_process_group", None)
+        with contextlib.suppress(Exception):
+            if abort is not None and dist.get_backend(pg) == "nccl":
+                abort(pg)
+
     @staticmethod
     def _destroy(pg: dist.ProcessGroup) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        abort = getattr(c10d, "_abort_process_group", None)
         try:
-            dist.destroy_process_group(pg)
+            if abort is not None and dist.get_backend(pg) == "nccl":
+                abort(pg)  # a peer may be gone: an abort never waits for it, a destroy may
+            else:
+                dist.destroy_process_group(pg)
         except Exception:  # a group whose peers are gone may refuse a clean teardown
             pass
 
 
-def _complete(pending: list[tuple[dist.Work, torch.Tensor]], device: torch.device) -> None:
-    """Wait until every broadcast in `pending` has finished on the device, then drop the tensors. For NCCL,
-    `Work.wait()` only makes the current stream wait; synchronising that stream is what bounds the host."""
-    for work, _ in pending:
-        work.wait()
-    if device.type == "cuda" and pending:
-        torch.cuda.current_stream(device).synchronize()
-    pending.clear()
+_WATCHDOG_MARGIN_S = 60.0  # the group's own (watchdog) timeout is this much past the per-bucket deadline
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration (NCCL reads its options when a communicator is made)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class _MemoryMeter:

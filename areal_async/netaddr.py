@@ -57,3 +57,19 @@ def _default_route_address() -> str | None:
         except (OSError, ImportError):
             continue
     return None
+
+
+def rendezvous_host() -> str:
+    """The host part of a torchrun c10d rendezvous endpoint this host serves: `host_address()` when torch's
+    agent recognises it as this machine (it hosts the store only for an endpoint among the addresses the host
+    name resolves to, or the host name itself: torch/distributed/elastic/rendezvous/utils.py), else the host name,
+    which other hosts resolve through their own DNS (an IP that only this host reaches, 127.0.1.1, is never
+    advertised)."""
+    addr = host_address()
+    name = socket.gethostname()
+    try:
+        own = {str(info[4][0]) for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        own = set()
+    return addr if addr in own else name
+

@@ -16,7 +16,6 @@ import logging
 import os
 import secrets
 import shlex
-import socket
 from typing import TYPE_CHECKING, Callable
 from urllib.parse import urlsplit
 
@@ -29,7 +28,7 @@ from areal_async.launch.fleet import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
 from areal_async.launch.registry import Registry, read_secret
-from areal_async.netaddr import host_address
+from areal_async.netaddr import host_address, rendezvous_host
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -264,7 +263,7 @@ async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, r
     env: dict[str, str] = {}
     if t.rdzv.discovery == "registry":
         registry = Registry(secret, cfg.run_dir)
-        await registry.start("0.0.0.0" if remote else "127.0.0.1", _my_address() if remote else None)
+        await registry.start("0.0.0.0" if remote else "127.0.0.1", host_address() if remote else None)
         env = registry.env()
     common = dict(model=model_path, nproc=t.nproc, config_json=msgspec.json.encode(t).decode(), seed=cfg.seed,
                   resume=resume)
@@ -273,7 +272,7 @@ async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, r
             procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
                                  torchrun_args=t.torchrun_args, cuda_visible_devices=gpus[0], env=env)
         else:
-            endpoint = t.rdzv.endpoint or f"{_my_address() if remote else '127.0.0.1'}:{free_port()}"
+            endpoint = t.rdzv.endpoint or f"{rendezvous_host() if remote else '127.0.0.1'}:{free_port()}"
             rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=secrets.token_hex(4),
                              timeout_s=t.rdzv.timeout_s)
             for node in range(here):
@@ -291,12 +290,6 @@ async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, r
         raise
     return TrainerHandle(world_size=t.nnodes * t.nproc, rendezvous_dir=cfg.run_dir, secret=secret,
                          master_address=master_address), registry
-
-
-def _my_address() -> str:
-    """This host's address as torchrun's c10d rendezvous recognises it (it hosts the store only when the endpoint
-    resolves to its own host name), also used for the registry the ranks report to."""
-    return socket.gethostbyname(socket.gethostname())
 
 
 def launcher_for(cfg: "RunConfig") -> "Launcher":

@@ -156,7 +156,7 @@ class TrainEngine:
             self.ref_model = load_sharded(model_path, self.device, self.compute_dtype, False, trainable=False).model
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, foreach=True)
+                                           weight_decay=o.weight_decay, fused=True)  # CPU too, torch >= 2.4
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.cfg.optim))
 
     def bind_device(self) -> None:

@@ -129,9 +129,18 @@ def logprobs_from_hidden(hidden: Tensor, head: LMHead, targets: Tensor, *, tempe
     return lp, (ent if compute_entropy else None)
 
 
-def _chunk_z(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """(h W^T + b) / T for one chunk, as a fresh fp32 tensor the caller may overwrite. [C, V]"""
-    z = F.linear(hidden, weight, bias).float()
+def _fp32(t: Tensor | None) -> Tensor | None:
+    """`t` in fp32 (itself when it already is: no copy)."""
+    return None if t is None else t.float()
+
+
+def _chunk_z(hidden: Tensor, weight32: Tensor, bias32: Tensor | None, temperature: float) -> Tensor:
+    """(h W^T + b) / T for one chunk, as a fresh fp32 tensor the caller may overwrite. [C, V]
+
+    The matmul runs in fp32 (`weight32` is the head's weight already in fp32): with a bf16 matmul the logits carry
+    bf16 rounding (about 1e-2 on the log-probabilities), which lands in the importance ratios of the loss. The
+    inference side keeps its bf16 head, so this removes the trainer's half of that noise."""
+    z = F.linear(hidden.float(), weight32, bias32)
     if temperature != 1.0:
         z.div_(temperature)
     return z
@@ -150,8 +159,9 @@ class _ChunkedHead(torch.autograd.Function):
         lse = torch.empty_like(lp)  # [M], kept for backward
         ent = torch.empty_like(lp) if want_entropy else lp.new_zeros(0)
         kept: list[Tensor | None] = []  # [C, V] log-probabilities per chunk, when backward is to reuse them
+        w32, b32 = weight.float(), _fp32(b)  # [V, H] fp32, one cast per call (none for fp32 weights)
         for s in range(0, m, chunk):
-            z = _chunk_z(hidden[s:s + chunk], weight, b, temperature)  # [C, V]
+            z = _chunk_z(hidden[s:s + chunk], w32, b32, temperature)  # [C, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [C]
             lse[s:s + chunk] = lse_c
             lp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse_c
@@ -183,6 +193,7 @@ class _ChunkedHead(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and b is not None \
             else None
         kept, ctx.kept = ctx.kept, None  # used up in place below: a second backward recomputes
+        w32, b32 = (weight.float(), _fp32(b)) if kept is None else (None, None)  # for the recompute, as forward
         for i, s in enumerate(range(0, m, chunk)):
             h = hidden[s:s + chunk]  # [C, H]
             g = g_lp[s:s + chunk, None].float()  # [C, 1]
@@ -190,7 +201,7 @@ class _ChunkedHead(torch.autograd.Function):
                 logp = kept[i]  # [C, V]
                 kept[i] = None  # freed as soon as its chunk is done
             else:
-                logp = _chunk_z(h, weight, b, t).sub_(lse[s:s + chunk, None])  # [C, V]
+                logp = _chunk_z(h, w32, b32, t).sub_(lse[s:s + chunk, None])  # [C, V]
             if use_ent:
                 # dlogp/dz = onehot - p; dH/dz = -p (z - E_p[z]) = -p (logp + H). Together:
                 # dz = onehot g - p (g + g_ent (logp + H))

@@ -60,7 +60,13 @@ def iter_full_tensors(model: nn.Module, *, skip: set[str], dtype: torch.dtype, t
     for name, value in model.state_dict().items():
         if name in skip:
             continue
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if isinstance(value, DTensor):
+            # cast the local shard first: the all-gather then moves `dtype` (bf16: half the bytes of fp32 masters)
+            if value.is_floating_point() and value.dtype != dtype:
+                value = value.to(dtype)
+            full = value.full_tensor()
+        else:
+            full = value
         if rank != 0:
             del full
             yield name, None

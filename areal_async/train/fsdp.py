@@ -2,12 +2,15 @@
 
 Rank 0 alone reads the HF directory; every rank builds the model on the meta device, shards it (one FSDP unit per
 decoder layer, plus the root), and receives its shards from rank 0 (`set_model_state_dict(broadcast_from_rank0)`),
-so a node never holds one full copy per GPU. Master weights are fp32 whatever the checkpoint stores; the compute
-dtype is FSDP's `param_dtype`. Dropout is zeroed: RL's prox and theta policies must agree at the same weights.
+so a node never holds one full copy per GPU; rank 0 reads it in the checkpoint's dtype. Master weights are fp32
+whatever the checkpoint stores; the compute dtype is FSDP's `param_dtype`. Dropout is zeroed: RL's prox and theta policies must agree at the same weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +39,8 @@ def load_sharded(model_path: str, device: torch.device, compute_dtype: torch.dty
 
     transformers.utils.logging.disable_progress_bar()
     config = transformers.AutoConfig.from_pretrained(model_path)
-    stored = getattr(config, "dtype", None)
+    # transformers >= 4.56 names it `dtype`; config.json files written before say `torch_dtype`
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     stored = getattr(torch, stored) if isinstance(stored, str) else stored
     checkpoint_dtype = stored if isinstance(stored, torch.dtype) and stored.is_floating_point else torch.float32
     for key, value in list(vars(config).items()):  # RL trains without dropout: prox and theta must agree at u = 1
@@ -47,8 +51,13 @@ def load_sharded(model_path: str, device: torch.device, compute_dtype: torch.dty
     full_sd: dict[str, Tensor] = {}
     loaded = None
     if rank == 0:
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32,
-                                                                   attn_implementation="sdpa")
+        # in the checkpoint's dtype (bf16: 2 B/param of host memory, not 4): the shards are fp32 and
+        # set_model_state_dict casts each tensor as it copies it in; on CUDA with every host core (the trainer
+        # runs one torch thread per rank on the host, which leaves a 30B load single-threaded for minutes)
+        with _load_threads(device):
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(model_path, config=config,
+                                                                       dtype=checkpoint_dtype,
+                                                                       attn_implementation="sdpa")
         full_sd = loaded.state_dict()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
@@ -81,7 +90,9 @@ def load_sharded(model_path: str, device: torch.device, compute_dtype: torch.dty
     # after the forward
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
-    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with _load_threads(device):
+        set_model_state_dict(model, full_sd,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full_sd
     # Buffers outside the state dict were left uninitialised by to_empty: take rank 0's freshly computed ones.
     real = dict(loaded.named_buffers()) if loaded is not None else {}
@@ -96,6 +107,21 @@ def load_sharded(model_path: str, device: torch.device, compute_dtype: torch.dty
         model.requires_grad_(False)
         model.eval()
     return LoadedModel(model, config, checkpoint_dtype, tied)
+
+
+@contextlib.contextmanager
+def _load_threads(device: torch.device) -> Iterator[None]:
+    """Every CPU this process may use, for the duration, when the model trains on CUDA (the host only loads
+    then); unchanged on CPU, where the ranks share the cores and the count is set per compute thread."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:

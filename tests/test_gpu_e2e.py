@@ -88,9 +88,20 @@ async def test_embedded_engine_on_cuda_matches_transformers(cuda_server, tiny_ck
         gap = float((torch.tensor(lps) - ref).abs().max())
         assert gap < 0.1, (len(ids), gap)  # bf16 weights and activations against fp32
     assert all(len(t) == 24 for t in together)
-    # batched decode rows of different lengths give what each request gives alone (greedy, same kernels
-    # up to batch composition: at most a late divergence from bf16 rounding, never a different start)
-    assert all(a[:4] == b[:4] for a, b in zip(together, alone)), (together, alone)
+    # batched decode rows of different lengths give what each request gives alone (greedy, same kernels up to
+    # batch composition). The random tiny model's logits are near-uniform, and cuBLAS/SDPA kernels differ by batch
+    # shape, so an early divergence is allowed only where the two best next tokens are a near-tie under the fp32
+    # model (bf16 rounding of the logits is ~1e-2, so a gap below TIE can flip the argmax)
+    TIE = 0.05
+    for ids, a, b in zip(prompts, together, alone):
+        k = next((i for i in range(4) if a[i] != b[i]), None)
+        if k is None:
+            continue
+        with torch.no_grad():
+            last = model(torch.tensor([ids + b[:k]])).logits[0, -1].float()
+        top2 = torch.log_softmax(last, -1).topk(2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < TIE, (len(ids), k, gap, a[:4], b[:4])  # a real divergence, not a near-tie
 
 
 def _run(tiny_ckpt: str, run_dir: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict, str]:

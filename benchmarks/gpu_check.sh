@@ -9,6 +9,13 @@
 # Steps, each under `timeout` inside one overall budget, so a hang costs at most its own share:
 #   setup       the Python to use, the wheels (only where a package is missing), the project on PYTHONPATH, and the
 #               versions: torch, CUDA, the GPU. A GPU that nvidia-smi lists but torch cannot use is a failure.
+#   unbound_group
+#               benchmarks/gpu_probe.py unbound (CUDA only, NCCL_DEBUG=INFO): default nccl group of world 1 bound to
+#               cuda:0, the weight-update group made with nccl, one broadcast; the default backend's
+#               comm_split_count() must still be 0 (the regression check for the group split from the trainers').
+#   real_shape  benchmarks/gpu_probe.py real_shape (CUDA only): a random checkpoint of Qwen2.5-1.5B's shape built on
+#               the device (no download); the LM head at the real vocabulary, train-step peak memory, decode
+#               tokens/s of the embedded engine, and the full weights through the broadcast path, with GB/s.
 #   base_model  `python -m areal_async.tasks.base_model`: the tiny base model (model.path=tiny) built into a cache
 #               under /tmp, on CUDA where there is one (the code's default), in the background beside gpu_tests.
 #   gpu_tests   `pytest -m gpu tests/test_gpu_train.py tests/test_gpu_e2e.py`: bf16 train step, nccl broadcast
@@ -17,16 +24,20 @@
 #               reported on its own.
 #   run_disk, run_broadcast
 #               `python -m areal_async.run model.path=tiny ... total_steps=4` with each weight sync: the default base
-#               model (a random tiny checkpoint if its build failed), run dirs kept (weights left out).
+#               model (a random tiny checkpoint if its build failed), run dirs kept (weights left out). During
+#               run_broadcast the NCCL_CUMEM_ENABLE of every server and trainer process is read from
+#               /proc/<pid>/environ (what each inherited), and after it from their logs (what each set before torch
+#               loaded: serve.py and train/worker.py log it); trainer and server must agree.
 #
 # Writes to $OUT (default ./gpu_check_out): summary.json (each check: passed/failed/skipped, seconds, the tail of
 # its log on failure; versions and GPU), gpu_check.log (what this script printed, the table last), pytest.log,
-# base_model.log, runs.tar.gz (both run dirs and their output) and pytest_runs.tar.gz (the gpu tests' run dirs).
+# base_model.log, runs.tar.gz (both run dirs and their output) and pytest_runs.tar.gz (the gpu tests' run dirs),
+# probe_*.json and probe_*.log (gpu_probe.py, with the NCCL debug lines), topo.txt (nvidia-smi topo -m), pip_list.txt.
 # Exit status 0 when no check failed.
 #
 # Environment: OUT; PYTHON (default ./.venv/bin/python if present, else python3); AREAL_CACHE (default
 # /tmp/gpu_check/cache); GPU_CHECK_WORK (scratch, default /tmp/gpu_check); GPU_CHECK_BUDGET_S (seconds for all
-# steps: 280 with a GPU, 900 on CPU); GPU_CHECK_BASE_DEVICE=cpu builds the base model on the CPU instead.
+# steps: 345 with a GPU, so that the whole call stays under 6 minutes; 900 on CPU); GPU_CHECK_BASE_DEVICE=cpu builds the base model on the CPU instead.
 set -uo pipefail
 # The whole script is one { ... } block: bash reads all of it before running any, so an edit or a checkout of this
 # file while it runs cannot change what runs.
@@ -51,9 +62,10 @@ mkdir -p "$OUT" "$WORK" "$AREAL_CACHE" || exit 2
 OUT=$(cd "$OUT" && pwd)
 # a rerun on a warm machine keeps the base model cache and the installed wheels, nothing else
 rm -rf "$WORK/pytest" "$WORK/run_disk" "$WORK/run_broadcast" "$WORK/random_ckpt" "$WORK/steps.tsv" \
-    "$WORK/pytest.xml" "$WORK/env.json" "$WORK/base_model.path" "$WORK"/*.out "$WORK"/*.err
+    "$WORK/pytest.xml" "$WORK/env.json" "$WORK/base_model.path" "$WORK"/*.out "$WORK"/*.err \
+    "$WORK/qwen2.5-1.5b-shape" "$WORK"/probe_*.json "$WORK/cumem.tsv"
 rm -f "$OUT/summary.json" "$OUT/gpu_check.log" "$OUT/pytest.log" "$OUT/base_model.log" "$OUT/runs.tar.gz" \
-    "$OUT/pytest_runs.tar.gz"
+    "$OUT/pytest_runs.tar.gz" "$OUT"/probe_*.json "$OUT"/probe_*.log "$OUT/topo.txt" "$OUT/pip_list.txt"
 LOG="$OUT/gpu_check.log"
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
@@ -123,7 +135,7 @@ if [[ -z "$PY" ]]; then
 fi
 SITE="$WORK/site"
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-BUDGET=${GPU_CHECK_BUDGET_S:-280}  # refined below once we know whether there is a GPU
+BUDGET=${GPU_CHECK_BUDGET_S:-345}  # refined below once we know whether there is a GPU
 SETUP_LOG="$WORK/setup.out"
 t0=$(now)
 setup_note=""
@@ -224,6 +236,44 @@ else
     record setup failed "$setup_s" "$setup_rc" "$SETUP_LOG" "${setup_note:-see the log}"
 fi
 
+# ---- what one GPU proves: the unbound default group, real shapes (gpu_probe.py) ---------------------------------
+command -v nvidia-smi >/dev/null && timeout -k 5 30 nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
+timeout -k 5 60 "$PY" -m pip list >"$OUT/pip_list.txt" 2>&1
+for probe in unbound real_shape; do
+    name=$([[ $probe == unbound ]] && echo unbound_group || echo real_shape)
+    if [[ $setup_rc != 0 ]]; then record "$name" skipped 0 - - "setup failed"; continue; fi
+    if [[ $MODE != cuda ]]; then record "$name" skipped 0 - - "no CUDA device"; continue; fi
+    limit=$(step_timeout "$([[ $probe == unbound ]] && echo 45 || echo 120)" 150)
+    if ((limit < 15)); then record "$name" skipped 0 - - "no time left in the ${BUDGET}s budget"; continue; fi
+    say "[$(elapsed)s] $name: benchmarks/gpu_probe.py $probe (timeout ${limit}s)"
+    run_step "$name" "$limit" "$WORK/probe_$probe.out" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV \
+        "$PY" benchmarks/gpu_probe.py "$probe" "$WORK/probe_$probe.json"
+    cp "$WORK/probe_$probe.out" "$OUT/probe_$probe.log" 2>/dev/null
+    [[ -f "$WORK/probe_$probe.json" ]] && cp "$WORK/probe_$probe.json" "$OUT/"
+    record "$name" probe "$STEP_S" "$STEP_RC" "$WORK/probe_$probe.out" \
+        "$(timed_out "$STEP_RC" && echo "timed out after ${limit}s" || echo "probe_$probe.json")"
+done
+
+# cumem_watch NAME FILE: while step NAME runs, note each of its server and trainer processes' inherited
+# NCCL_CUMEM_ENABLE (from /proc/<pid>/environ) in FILE as "pid<TAB>role<TAB>value"
+cumem_watch() {
+    local p role val
+    while :; do
+        for p in $(tagged "$1"); do
+            grep -q "^$p"$'\t' "$2" 2>/dev/null && continue
+            role=""
+            case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
+                *areal_async.serve*|*sglang.launch_server*) role=server ;;
+                *areal_async.train.worker*) role=trainer ;;
+            esac
+            [[ -z $role ]] && continue
+            val=$({ tr '\0' '\n' <"/proc/$p/environ"; } 2>/dev/null | sed -n 's/^NCCL_CUMEM_ENABLE=//p')
+            printf '%s\t%s\t%s\n' "$p" "$role" "${val:-<unset>}" >>"$2"
+        done
+        sleep 1
+    done
+}
+
 # ---- base model (background) and gpu tests ----------------------------------------------------------------------
 BASE_OUT="$WORK/base_model.out"
 PYTEST_OUT="$WORK/pytest.out"
@@ -286,10 +336,17 @@ for sync in disk broadcast; do
         continue
     fi
     say "[$(elapsed)s] $name: 4 steps, train.weight_sync=$sync, model.path=$MODEL (timeout ${limit}s)"
+    watch_pid=""
+    if [[ $sync == broadcast ]]; then
+        : >"$WORK/cumem.tsv"
+        cumem_watch "$name" "$WORK/cumem.tsv" &
+        watch_pid=$!
+    fi
     run_step "$name" "$limit" "$WORK/$name.out" "$PY" -m areal_async.run "model.path=$MODEL" \
         "run_dir=$WORK/$name" mode=async eta=1 total_steps=4 schedule.batch_size=4 rollout.group_size=4 \
         rollout.max_new_tokens=64 eval.num_prompts=8 eval.max_new_tokens=16 schedule.eval_every=0 \
         data.num_train=200 data.num_eval=8 server.max_total_tokens=16384 "train.weight_sync=$sync"
+    [[ -n $watch_pid ]] && { kill "$watch_pid" 2>/dev/null; wait "$watch_pid" 2>/dev/null; }
     timed_out "$STEP_RC" && say "  $name timed out after ${limit}s"
     record "$name" run "$STEP_S" "$STEP_RC" "$WORK/$name.out" "$MODEL"  # the summary checks its run dir
 done
@@ -369,6 +426,40 @@ def pytest_checks(rc, seconds, log, note):
     return [agg, *checks]
 
 
+def nccl_cumem(run_dir):
+    """NCCL_CUMEM_ENABLE per role: inherited (/proc/<pid>/environ during the run: the environment each process
+    started with) and in force (the value serve.py and train/worker.py log before torch loads)."""
+    inherited = []
+    for line in read(os.path.join(work, "cumem.tsv")).splitlines():
+        pid, role, value = (line.split("\t") + ["", "", ""])[:3]
+        inherited.append({"pid": pid, "role": role, "value": value})
+    logged = {"server": [], "trainer": []}
+    logs = os.path.join(run_dir, "logs")
+    for fname in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        role = "server" if fname.startswith("server") else "trainer" if fname.startswith("trainer") else None
+        if role:
+            logged[role] += re.findall(r"NCCL_CUMEM_ENABLE=(\S+)", read(os.path.join(logs, fname)))
+    return {"inherited": inherited, "logged": logged}
+
+
+def probe_check(name, rc, seconds, log):
+    """A gpu_probe.py step: its JSON verdict and figures, plus the NCCL debug lines of its log."""
+    what = "unbound" if name == "unbound_group" else "real_shape"
+    result = {}
+    path = os.path.join(work, f"probe_{what}.json")
+    if os.path.exists(path):
+        result = json.loads(read(path) or "{}")
+    entry = {"name": name, "seconds": seconds, "exit": rc, "log": f"probe_{what}.log", "result": result,
+             "nccl_debug": [ln for ln in read(log).splitlines() if "NCCL INFO" in ln][:60]}
+    if result.get("skipped"):
+        entry.update(status="skipped", note=result["skipped"])
+    elif result.get("ok") and rc == 0:
+        entry["status"] = "passed"
+    else:
+        entry.update(status="failed", log_tail=tail(log))
+    return entry
+
+
 def run_check(name, rc, seconds, log, model):
     sync = name.split("_", 1)[1]
     run_dir = os.path.join(work, name)
@@ -394,6 +485,13 @@ def run_check(name, rc, seconds, log, model):
         entry["broadcast_backend"] = group.group(1) if group else None
         if not group:
             problems.append("run.log names no weight-update group")
+        cumem = nccl_cumem(run_dir)
+        entry["nccl_cumem"] = cumem
+        logged = {role: sorted(set(vals)) for role, vals in cumem["logged"].items()}
+        if not logged.get("server") or not logged.get("trainer"):
+            problems.append(f"NCCL_CUMEM_ENABLE not logged by both ends: {logged}")
+        elif logged["server"] != logged["trainer"] or len(logged["server"]) != 1:
+            problems.append(f"trainer and server disagree on NCCL_CUMEM_ENABLE: {logged}")
     for key in ("wall_s", "base_accuracy", "final_accuracy", "max_staleness_seen", "trained_samples_per_s"):
         if key in summary:
             entry[key] = summary[key]
@@ -417,6 +515,8 @@ for name, status, seconds, rc, log, note in rows:
         checks.extend(pytest_checks(rc, seconds, log, note))
     elif status == "run":
         checks.append(run_check(name, rc, seconds, log, note))
+    elif status == "probe":
+        checks.append(probe_check(name, rc, seconds, log))
     else:
         entry = {"name": name, "status": status, "seconds": seconds, "exit": rc}
         if note:
@@ -435,6 +535,8 @@ for name, status, seconds, rc, log, note in rows:
 env = {}
 if os.path.exists(os.path.join(work, "env.json")):
     env = json.loads(read(os.path.join(work, "env.json")))
+env["topo"] = read(os.path.join(out, "topo.txt")) or None
+env["pip_list"] = read(os.path.join(out, "pip_list.txt")).splitlines() or None
 failed = [c["name"] for c in checks if c["status"] == "failed"]
 summary = {"ok": not failed, "failed": failed, "mode": mode, "budget_s": int(budget), "total_s": int(total),
            "env": env, "checks": checks}
@@ -455,6 +557,18 @@ for c in checks:
     if c["name"] == "base_model" and c["status"] == "passed":
         note = (f"{'found in the cache, ' if c.get('cached') else ''}built on {c.get('device')} in "
                 f"{c.get('sft_seconds')}s, loss {c.get('final_loss')}")
+    if c["name"] == "real_shape" and c["status"] != "skipped":
+        r = c.get("result", {})
+        parts = {k: v for k, v in r.items() if isinstance(v, dict) and "ok" in v}
+        note = "; ".join(filter(None,
+            [f"head {parts['lm_head'].get('fwd_bwd_s')}s" if parts.get("lm_head", {}).get("ok") else "",
+             f"train peak {parts['train_step'].get('peak_gib')} GiB" if parts.get("train_step", {}).get("ok") else "",
+             f"decode {parts['decode'].get('tokens_per_s')} tok/s" if parts.get("decode", {}).get("ok") else "",
+             f"broadcast {parts['broadcast'].get('gb_per_s')} GB/s" if parts.get("broadcast", {}).get("ok") else ""]
+            + [f"{k} FAILED" for k, v in parts.items() if not v.get("ok")]))
+    if c["name"] == "unbound_group" and c["status"] != "skipped":
+        r = c.get("result", {})
+        note = f"comm_split_count {r.get('comm_split_count_before')} -> {r.get('comm_split_count_after')}"
     if c["name"] == "gpu_tests":
         note = ", ".join(f"{v} {k}" for k, v in c["counts"].items()) + ("" if c["exit"] in (0, 1) else
                                                                           f"; {c['note']}, exit {c['exit']}")

@@ -29,13 +29,13 @@ def _within_dot_bound(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Te
     assert float(excess.max()) <= 0, float(excess.max())
 
 
-@pytest.mark.parametrize("m", [3, 4, 7, 16, 24])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16, 24, 32])
 @pytest.mark.parametrize("n,k", [(960, 576), (13, 40), (8, 16), (37, 1539)])  # model shapes; ragged blocks, tails
 def test_kernel_matches_torch(target_kernel, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b, c = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
-    assert cpu_gemm.applies(x, w)
+    assert target_kernel.applies(x, w) == (target_kernel.min_rows <= m <= target_kernel.max_rows)
     xd, wd, bd, cd = x.double(), w.double(), b.double(), c.double()
     mag = x.abs().double() @ w.abs().double().T  # [M, N]: sum_k |x_mk w_nk|
     _within_dot_bound(cpu_gemm.linear(target_kernel, x, w), xd @ wd.T, mag, k)
@@ -46,12 +46,15 @@ def test_kernel_matches_torch(target_kernel, m, n, k):
     _within_dot_bound(out, want, mag + bd.abs() + cd.abs(), k + 2)
 
 
-def test_applies_only_where_it_pays_and_can_run():
+def test_applies_only_where_it_pays_and_can_run(target_kernel):
     w = torch.randn(8, 16)
-    assert not cpu_gemm.applies(torch.randn(2, 16), w)  # torch's matrix-vector path is at the bandwidth there
-    assert not cpu_gemm.applies(torch.randn(cpu_gemm.MAX_ROWS + 1, 16), w)
-    assert not cpu_gemm.applies(torch.randn(4, 16, dtype=torch.float64), w.double())
-    assert not cpu_gemm.applies(torch.randn(16, 4).T, w)  # not contiguous
+    lo, hi = cpu_gemm.ROWS[target_kernel.vector_width]  # the range measured for this build's vector width
+    assert (target_kernel.min_rows, target_kernel.max_rows) == (lo, hi)
+    assert lo == 1 or not target_kernel.applies(torch.randn(lo - 1, 16), w)
+    assert not target_kernel.applies(torch.randn(hi + 1, 16), w)
+    assert target_kernel.applies(torch.randn(lo, 16), w) and target_kernel.applies(torch.randn(hi, 16), w)
+    assert not target_kernel.applies(torch.randn(4, 16, dtype=torch.float64), w.double())
+    assert not target_kernel.applies(torch.randn(16, 4).T, w)  # not contiguous
 
 
 @needs_kernel
@@ -65,6 +68,7 @@ def test_model_logits_are_the_same_with_and_without_the_kernel(tiny_ckpt):
     assert model._gemm is not None
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, spec.vocab_size, (int(n),), generator=g).tolist() for n in (5, 9, 3)]
+    assert model._gemm.applies(torch.zeros(17, 4), torch.zeros(4, 4))
     with_kernel = model.score(seqs)  # one pass of 17 rows: every projection and the head go through the kernel
     model._gemm = None
     without = model.score(seqs)

@@ -1,4 +1,4 @@
-"""`x @ W.T` for a few rows on CPU: a small C kernel for the decode steps where the batch has 3-24 requests left.
+"""`x @ W.T` for a few rows on CPU: a small C kernel for the decode steps where the batch has few requests left.
 
 Why: a decode step multiplies every weight matrix by one row per running request. With few rows that is bound by
 reading the weights (540 MB per step for SmolLM2-135M in fp32), but the BLAS torch ships (MKL) handles 4-15 rows
@@ -8,32 +8,54 @@ eight weight rows once and multiplies it with two input rows at a time held in r
 once whatever the row count: 26, 31 and 36 ms at those sizes (the model's own shapes, 2 threads; MKL is kept below
 3 rows, where its matrix-vector path is at the bandwidth, and above 24, where it is faster).
 
-It is plain C with GCC vector extensions (512-bit vectors; a compiler splits them on narrower machines), built on
-first use (cpu_build.py). `AREAL_CPU_GEMM=0` turns it off; where it cannot be built the engine uses torch's matmul.
+It is plain C with GCC vector extensions, blocked per target (AVX-512: 16-float vectors, 8 weight rows x 2 input
+rows; the AVX2 baseline: 8-float vectors, 6 x 2, which fits its 16 registers), built on first use (cpu_build.py).
+The rows it takes depend on the build (ROWS). `AREAL_CPU_GEMM=0` turns it off; where it cannot be built the engine
+uses torch's matmul.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from areal_async.inference.cpu_build import bind, load_library
 
-MIN_ROWS, MAX_ROWS = 3, 24  # where the kernel beats torch's matmul (measured, see above)
+MIN_ROWS, MAX_ROWS = 3, 24  # where the AVX-512 build beats torch's matmul (measured, see above)
+# Row range per build (floats per vector): where the kernel beat torch's matmul, the 30 layers' four matmuls of
+# SmolLM2-135M, CPU time at 1 thread (AMD EPYC Zen 5). AVX2 (x86-64-v3 build, torch held to AVX2): at 1 / 2 / 3 /
+# 8 / 16 / 32 / 64 rows torch 31 / 49 / 74 / 62 / 99 / 141 / 221 ms, the kernel 20 / 21 / 36 / 47 / 79 / 109 /
+# 203 ms (the AVX-512 blocking built for AVX2, as before: 42 / 39 / 109 / 192 / 385 / 575 / 1,131 ms, slower than
+# torch from 3 rows on). At 40-64 rows the two are even, so AVX2 keeps the kernel for 1-32 rows. The AVX-512 range
+# is the one measured on the AMX machine (2 threads; MKL was ahead at 1-2 rows and above 24).
+ROWS = {16: (MIN_ROWS, MAX_ROWS), 8: (1, 32)}
 
 _SOURCE = r"""
 #include <stdint.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-#define LD(p) (*(const v16u*)(p))
-#define NB 8  /* weight rows per block: streamed once, 8 + 2 x 8 + 1 registers in the inner loop */
-#define MB 2  /* input rows per pass over the block (later passes read the block from L1/L2) */
+/* Register blocking by target: NB weight rows streamed once per block, MB input rows per pass over it (later
+   passes read the block from L1/L2). The inner loop holds MB input vectors and NB x MB accumulators, loading one
+   weight vector at a time: 2 + 16 + 1 of AVX-512's 32 registers; on AVX2 (16 registers of 8 floats) 2 + 12 + 1,
+   where the AVX-512 blocking would spill 20 of them on every step of the loop. */
+#if defined(__AVX512F__)
+#define VL 16
+#define NB 8
+#define MB 2
+#else
+#define VL 8
+#define NB 6
+#define MB 2
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+#define LD(p) (*(const vfu*)(p))
 
-static inline float hsum(v16 v) {
+static inline float hsum(vf v) {
     float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
+    for (int i = 0; i < VL; i++) s += v[i];
     return s;
 }
 
@@ -42,7 +64,7 @@ static inline float hsum(v16 v) {
    the same element of y is written). */
 void skinny_linear(const float* x, const float* w, const float* bias, const float* c, float* y, int64_t M,
                    int64_t N, int64_t K, int64_t ldy, int64_t threads) {
-    const int64_t K16 = K & ~(int64_t)15, nblocks = (N + NB - 1) / NB;
+    const int64_t KV = K - K % VL, nblocks = (N + NB - 1) / NB;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n0 = nb * NB;
@@ -51,21 +73,21 @@ void skinny_linear(const float* x, const float* w, const float* bias, const floa
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             const float* xr[MB];
             for (int m = 0; m < MB; m++) xr[m] = x + (m0 + m < M ? m0 + m : M - 1) * K;
-            v16 acc[NB][MB];
+            vf acc[NB][MB];
             for (int r = 0; r < NB; r++)
-                for (int m = 0; m < MB; m++) acc[r][m] = (v16){0};
-            for (int64_t k = 0; k < K16; k += 16) {
-                v16 wv[NB];
-                for (int r = 0; r < NB; r++) wv[r] = LD(wr[r] + k);
-                for (int m = 0; m < MB; m++) {
-                    const v16 xv = LD(xr[m] + k);
-                    for (int r = 0; r < NB; r++) acc[r][m] += wv[r] * xv;
+                for (int m = 0; m < MB; m++) acc[r][m] = (vf){0};
+            for (int64_t k = 0; k < KV; k += VL) {
+                vf xv[MB];
+                for (int m = 0; m < MB; m++) xv[m] = LD(xr[m] + k);
+                for (int r = 0; r < NB; r++) {
+                    const vf wv = LD(wr[r] + k);
+                    for (int m = 0; m < MB; m++) acc[r][m] += wv * xv[m];
                 }
             }
             for (int m = 0; m < MB && m0 + m < M; m++) {
                 for (int r = 0; r < NB && n0 + r < N; r++) {
                     float s = hsum(acc[r][m]);
-                    for (int64_t k = K16; k < K; k++) s += xr[m][k] * wr[r][k];
+                    for (int64_t k = KV; k < K; k++) s += xr[m][k] * wr[r][k];
                     const int64_t n = n0 + r, at = (m0 + m) * ldy + n;
                     if (bias) s += bias[n];
                     if (c) s += c[at];
@@ -75,33 +97,56 @@ void skinny_linear(const float* x, const float* w, const float* bias, const floa
         }
     }
 }
+
+int64_t skinny_vector_width(void) { return VL; }
 """
 
 
-def load(march: str | None = None):
-    """The kernel built for `march` (default: cpu_build.default_march()) as a ctypes function, or None where it
-    cannot be built (cpu_build.py)."""
+@dataclass(frozen=True)
+class Kernel:
+    """The built kernel for one target and the row counts where it beats torch's matmul there."""
+
+    fn: Callable[..., None]
+    vector_width: int  # floats per vector in this build: 16 with AVX-512, 8 on the AVX2 baseline
+    min_rows: int
+    max_rows: int
+
+    def applies(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether `linear` should take this product: fp32 on CPU, contiguous, min_rows..max_rows rows."""
+        return (self.min_rows <= x.shape[0] <= self.max_rows and x.dtype == w.dtype == torch.float32
+                and x.device.type == "cpu" and x.is_contiguous() and w.is_contiguous())
+
+
+def load(march: str | None = None) -> Kernel | None:
+    """The kernel built for `march` (default: cpu_build.default_march()), or None where it cannot be built
+    (cpu_build.py). Its row range follows the build's vector width (ROWS)."""
     lib = load_library("skinny_linear", _SOURCE, "AREAL_CPU_GEMM", "torch's matmul for every batch size", march)
     if lib is None:
         return None
-    return bind(lib, "skinny_linear", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5)
+    fn = bind(lib, "skinny_linear", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5)
+    width = lib.skinny_vector_width
+    width.restype, width.argtypes = ctypes.c_int64, []
+    vl = int(width())
+    lo, hi = ROWS.get(vl, (MIN_ROWS, MAX_ROWS))
+    return Kernel(fn, vl, lo, hi)
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `linear` should take this product: fp32 on CPU, contiguous, MIN_ROWS..MAX_ROWS rows."""
+    """Whether a product fits the AVX-512 build's row range (MIN_ROWS..MAX_ROWS), fp32, CPU and contiguous; the
+    engine asks its loaded Kernel instead, whose range follows its target."""
     return (MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
             and x.is_contiguous() and w.is_contiguous())
 
 
-def linear(fn, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(kernel: Kernel, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
            add_to: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N]; with `add_to` [M, N] (contiguous) the product is added into
-    it in place and it is returned. The caller checks `applies` first."""
+    it in place and it is returned. The caller checks `kernel.applies` first."""
     m, k = x.shape
     n = w.shape[0]
     if bias is not None:
         bias = bias.contiguous()
     out = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype)
-    fn(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None,
-       out.data_ptr() if add_to is not None else None, out.data_ptr(), m, n, k, n, torch.get_num_threads())
+    kernel.fn(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None,
+              out.data_ptr() if add_to is not None else None, out.data_ptr(), m, n, k, n, torch.get_num_threads())
     return out

@@ -403,7 +403,7 @@ class DecoderModel:
     whole fused q|k|v row at once with tables that leave v unchanged and fold the softmax scale into q; the k|v
     half is then stored with a single `index_copy_`; residual adds are fused into `addmm`. On CPU in fp32, C kernels
     take over where torch is slow at decode sizes (each falls back to torch where it cannot be built): decode
-    attention (cpu_attention.py), matmuls of 3-24 rows with the residual added in place (cpu_gemm.py), RMSNorm and
+    attention (cpu_attention.py), matmuls of few rows with the residual added in place (cpu_gemm.py), RMSNorm and
     SiLU-gating (cpu_elementwise.py)."""
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
@@ -440,7 +440,7 @@ class DecoderModel:
         if self.device.type == "cpu" and cpu_attention.supports(h, hkv, spec.head_dim, dtype):
             self._kernel = cpu_attention.load()
         self.paged_decode = self._kernel is not None
-        # matmuls of 3-24 rows (decode steps with few requests left) through cpu_gemm.py where it builds
+        # matmuls of few rows (decode steps with few requests left) through cpu_gemm.py where it builds
         self._gemm = cpu_gemm.load() if self.device.type == "cpu" and dtype == torch.float32 else None
         # one-pass RMSNorm, SiLU-gating and greedy sampling (cpu_elementwise.py; the scheduler samples with it)
         self.elementwise = cpu_elementwise.load() if self.device.type == "cpu" and dtype == torch.float32 else None
@@ -501,7 +501,7 @@ class DecoderModel:
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ w.T (+ b) -> [M, N]."""
-        if self._gemm is not None and cpu_gemm.applies(x, w):
+        if self._gemm is not None and self._gemm.applies(x, w):
             return cpu_gemm.linear(self._gemm, x, w, b)
         return F.linear(x, w, b)
 
@@ -509,7 +509,7 @@ class DecoderModel:
                     ) -> torch.Tensor:
         """x + inp @ w.T (+ b) for the residual connections; the kernel adds into x in place (x is this pass's own
         residual stream)."""
-        if self._gemm is not None and cpu_gemm.applies(inp, w) and x.is_contiguous():
+        if self._gemm is not None and self._gemm.applies(inp, w) and x.is_contiguous():
             return cpu_gemm.linear(self._gemm, inp, w, b, add_to=x)
         return _linear_add(x, inp, w, b)
 

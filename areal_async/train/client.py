@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 from typing import Any, Protocol, TypeVar
@@ -27,6 +28,8 @@ from areal_async.types import (EPISODE_WEIGHT_KEY, BroadcastRequest, BroadcastRe
                                TrainerInfo, Trajectory, TrainStepRequest, TrainStepResult, pack_trajectories)
 
 __all__ = ["TrainerGroup", "TrainerError", "WeightReceivers", "split_by_rank", "validate_trajectories"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _ERROR_GRACE_S = 10.0  # after one rank fails, how long the others get to report their own error
@@ -126,6 +129,9 @@ class TrainerGroup:
         self.infos = infos
         self._lock = asyncio.Lock()
         self._broadcast_plan: dict[tuple[str, int], WeightPlan] = {}
+        # a call the caller gave up on (cancelled: Ctrl-C, a failed run) that the ranks may still be running: they
+        # serve calls one at a time, so a later call (shutdown included) would only queue behind it
+        self.abandoned: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -169,7 +175,17 @@ class TrainerGroup:
         reqs = requests if isinstance(requests, list) else [requests] * len(ranks)
         tasks = [asyncio.ensure_future(self.clients[r].call(method, q, response_type, timeout=timeout))
                  for r, q in zip(ranks, reqs)]
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            # asyncio.wait leaves its tasks running: cancel them here, or closing the clients later fails each
+            # with "client closed", an exception nobody retrieves (printed as a traceback at exit)
+            if not all(t.done() for t in tasks):
+                self.abandoned = method
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         if pending:  # a rank failed: the others usually fail too (they agree on errors); give them a moment
             _, pending = await asyncio.wait(pending, timeout=_ERROR_GRACE_S)
             for t in pending:
@@ -197,6 +213,9 @@ class TrainerGroup:
         batches = [TrainStepRequest(batch=pack_trajectories(s, policy_version, total_resp, len(trajectories)))
                    for s in shards]
         async with self._lock:
+            # the line that says a step is under way (what a signal sent "during a step" waits for)
+            log.info("train step %d -> %d: %d trajectories to %d rank(s)", policy_version, policy_version + 1,
+                     len(trajectories), self.world_size)
             results = await self._call("train_step", batches, TrainStepResult)
         versions = {r.version for r in results}
         if len(versions) != 1:
@@ -294,7 +313,14 @@ class TrainerGroup:
     # ---- lifecycle ----
 
     async def shutdown(self) -> None:
-        """Ask every rank to exit (after any call in progress), then close the connections."""
+        """Ask every rank to exit (after any call in progress), then close the connections. After an abandoned
+        call (see `abandoned`) the ranks are still busy with it and would take the request only once it ends, which
+        for a long train step is minutes: then only the connections close, and the launcher stops the processes."""
+        if self.abandoned is not None:
+            log.info("not asking the trainer ranks to exit: they are still running the abandoned %s call; the "
+                     "launcher stops them", self.abandoned)
+            await self.close()
+            return
         async with self._lock:
             try:
                 await self._call("shutdown", Empty(), Empty, timeout=120.0)

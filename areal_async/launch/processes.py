@@ -89,6 +89,49 @@ def _url_from_log(procs: "Processes", name: str) -> str:
     return ""
 
 
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below `pid`, read from /proc. torchrun starts each worker in a session of
+    its own, so signalling the agent's process group misses them: teardown kills these by pid (the start time
+    tells a worker from a later process that reused its pid)."""
+    parents: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parents.setdefault(int(fields[1]), []).append(int(entry))
+            starts[int(entry)] = fields[19]
+    out, todo = [], list(parents.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append((p, starts[p]))
+        todo.extend(parents.get(p, []))
+    return out
+
+
+def kill_left(procs: list[tuple[int, str]], timeout_s: float = 10.0) -> None:
+    """SIGKILL those of `procs` (from `descendants`) still alive, and wait until they are gone."""
+    def live(p: int, start: str) -> bool:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return False
+        return fields[19] == start and fields[0] not in ("Z", "X")
+
+    left = [(p, st) for p, st in procs if live(p, st)]
+    for p, _ in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [(p, st) for p, st in left if live(p, st)]
+
+
 def _child_setup() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
@@ -298,20 +341,24 @@ class Processes:
         SIGKILL after `grace_s` (0: at once; a SIGSTOPped process only obeys SIGKILL), and forget it. Its exit is
         never reported by `exited()`. Blocking: call it off the event loop."""
         child.expected_exit = True
+        below = descendants(child.proc.pid) if child.proc.poll() is None else []
         if child.proc.poll() is None and grace_s > 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=grace_s)
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.proc.pid, signal.SIGKILL)  # grandchildren (torchrun's workers) too
+            os.killpg(child.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.proc.wait(timeout=10)
+        kill_left(below)  # torchrun's workers, in sessions of their own
         if child in self.children:
             self.children.remove(child)  # its pid may be reused: shutdown must not signal that group later
 
     def shutdown(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every child's process group, wait up to grace_s, then SIGKILL what is left."""
+        """SIGTERM every child's process group, wait up to grace_s, then SIGKILL what is left, torchrun's workers
+        (in sessions of their own) included: a worker busy with a long call, or stopped, would outlive the run."""
+        below = [d for c in self.children if c.proc.poll() is None for d in descendants(c.proc.pid)]
         for child in self.children:
             child.expected_exit = True
             if child.proc.poll() is None:
@@ -326,3 +373,4 @@ class Processes:
                 os.killpg(child.proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=5)
+        kill_left(below)

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny checkpoints made once per session (no downloads)."""
+"""Shared fixtures: tiny checkpoints made once per session (no downloads). And the suite's leak check: every
+process a test starts inherits AREAL_TEST_SESSION (set here, before any test runs), and every Slurm job a test
+submits carries the same token in its name (`test_job_name`); when the session ends, any such process or job still
+alive is killed or cancelled and the suite fails, naming each one and the test after which it was first seen.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,26 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import uuid
 
 import pytest
 
 from areal_async.testing.tiny import make_tiny_checkpoint
+
+SESSION_ENV = "AREAL_TEST_SESSION"
+# one token per pytest session, inherited by every child: processes (and Slurm jobs) of another session on the same
+# machine, such as a CI run beside this one, carry another token and are never touched
+SESSION = uuid.uuid4().hex[:10]
+os.environ[SESSION_ENV] = SESSION
+# long-lived system processes a test may (re)start, which then inherit the token: not the tests' to kill
+_SYSTEM_COMMANDS = frozenset({"slurmctld", "slurmd", "slurmstepd", "slurmdbd", "munged", "sshd"})
+
+
+def test_job_name(label: str) -> str:
+    """The name for a Slurm job a test submits: it carries this session's token, so the session-end check (and a
+    test's own finalizer) can cancel exactly the jobs of this session with `scancel --name`."""
+    return f"areal-t{SESSION}-{label}"
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +54,10 @@ _prebuild: subprocess.Popen | None = None
 
 
 def pytest_sessionstart(session):
-    """On a machine without the default base model (a fresh clone in CI), start building it now, in the
-    background, on the core the first tests leave idle: whichever test needs it first (model.path=tiny) waits on
-    the cache's lock instead of building it from scratch. Only for a whole-suite run; a run that selects
-    tests (files, -k, -m, node ids) builds it when, and if, a test needs it."""
+    """On a machine without the recipe's build of the default base model (a fresh clone in CI), start building it
+    now, in the background, on the core the first tests leave idle: the test that checks the recipe against the
+    shipped model waits on the cache's lock instead of building it from scratch. Only for a whole-suite run; a run
+    that selects tests (files, -k, -m, node ids) builds it when, and if, a test needs it."""
     global _prebuild
     root = str(session.config.rootpath)
     whole = {os.path.realpath(root), os.path.realpath(os.path.join(root, "tests"))}
@@ -49,7 +69,7 @@ def pytest_sessionstart(session):
     if is_built(cached_path()):
         return
     log = open(os.path.join(session.config.rootpath, ".pytest_base_model.log"), "w")
-    _prebuild = subprocess.Popen([sys.executable, "-m", "areal_async.tasks.base_model"], stdout=log,
+    _prebuild = subprocess.Popen([sys.executable, "-m", "areal_async.tasks.base_model", "--from-recipe"], stdout=log,
                                  stderr=subprocess.STDOUT)
 
 
@@ -60,6 +80,142 @@ def pytest_sessionfinish(session, exitstatus):
             _prebuild.wait(30)
         except subprocess.TimeoutExpired:
             _prebuild.kill()
+    _fail_on_leftovers(session)
+
+
+# ---- nothing left behind ------------------------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, int, str] | None:
+    """(state, parent pid, start time in ticks) of a process, None when it is gone. The start time tells a pid
+    from a later process that reused it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), fields[19]
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+    except OSError:
+        return "?"
+
+
+_carries: dict[tuple[int, str], bool] = {}  # (pid, start time) -> whether it carries this session's token
+
+
+def _carries_session(pid: int, start: str) -> bool:
+    key = (pid, start)
+    if key not in _carries:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                _carries[key] = f"{SESSION_ENV}={SESSION}".encode() in f.read().split(b"\0")
+        except OSError:
+            return False
+    return _carries[key]
+
+
+def _ancestors() -> set[int]:
+    """pytest and the processes above it: never leftovers."""
+    out, pid = {os.getpid()}, os.getpid()
+    while pid > 1:
+        st = _proc_stat(pid)
+        if st is None:
+            break
+        pid = st[1]
+        out.add(pid)
+    return out
+
+
+_seen: dict[tuple[int, str], str] = {}  # (pid, start time) -> the test after which it was first seen
+
+
+def _session_processes() -> dict[tuple[int, str], str]:
+    """Live processes (not zombies) started in this session (they carry its token), keyed by (pid, start time),
+    without pytest's own: its ancestors and the helpers that live as long as it does (multiprocessing's resource
+    tracker or forkserver)."""
+    found: dict[tuple[int, str], str] = {}
+    own = _ancestors()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in own:
+            continue
+        pid = int(entry)
+        st = _proc_stat(pid)
+        if st is None or st[0] in ("Z", "X") or not _carries_session(pid, st[2]):
+            continue
+        cmd = _cmdline(pid)
+        if _comm(pid) in _SYSTEM_COMMANDS or (st[1] == os.getpid() and "multiprocessing." in cmd):
+            continue
+        found[(pid, st[2])] = cmd
+    return found
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Note which test each new process of this session first showed up after, so that a leftover names its test
+    (a process a module's fixture still holds shows up here too; only the session-end check judges)."""
+    if os.environ.get(SESSION_ENV) != SESSION:
+        return
+    for key in _session_processes():
+        _seen.setdefault(key, item.nodeid)
+
+
+def _session_jobs() -> list[tuple[str, str]]:
+    """(job id, name) of every Slurm job of this session (its name carries the token), when Slurm is here."""
+    try:
+        p = subprocess.run(["squeue", "--noheader", "--format", "%i %j"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = [line.split(None, 1) for line in p.stdout.splitlines() if line.strip()] if p.returncode == 0 else []
+    return [(r[0], r[1]) for r in rows if len(r) == 2 and f"t{SESSION}-" in r[1]]
+
+
+def _fail_on_leftovers(session: pytest.Session) -> None:
+    """Cancel the session's Slurm jobs and kill its processes that outlived the tests, and fail the suite loudly,
+    naming them: a test that leaves something running is a bug even when it passes."""
+    lines = []
+    jobs = _session_jobs()
+    for job, name in jobs:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+        lines.append(f"Slurm job {job} ({name}), cancelled")
+    deadline = time.monotonic() + 30  # cancelled jobs take their steps' processes with them: give them a moment
+    while jobs and time.monotonic() < deadline and any(j for j, _ in _session_jobs()):
+        time.sleep(0.5)
+    procs = _session_processes()
+    for (pid, start), cmd in procs.items():
+        with_test = _seen.get((pid, start))
+        lines.append(f"pid {pid} [{_comm(pid)}] {cmd!r}" + (f", first seen after {with_test}" if with_test else ""))
+    for pid, _ in procs:
+        for kill in (lambda: os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else None,
+                     lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                kill()
+            except OSError:
+                pass
+    if not lines:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = "LEFT RUNNING BY THE TESTS (now killed; each is a test bug):\n  " + "\n  ".join(lines)
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("!", "processes or Slurm jobs left behind", red=True, bold=True)
+        reporter.write_line(message, red=True)
+    else:
+        print(message, file=sys.stderr)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config, items):

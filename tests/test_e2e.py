@@ -349,42 +349,91 @@ def test_waiting_updates_with_two_servers_and_two_trainer_ranks(tiny_ckpt, tmp_p
     ledger.check_invariant(index_lines(run_dir))
 
 
+def step_lines(run_dir: str) -> int:
+    """How many train steps the controller has started: it logs this line as it sends a step to the trainers."""
+    with open(os.path.join(run_dir, "run.log")) as f:
+        return len(re.findall(r"train step \d+ -> \d+: ", f.read()))
+
+
+def train_records(run_dir: str) -> int:
+    """How many train steps have ended (their metrics record is written once the step and its weight sync are
+    done)."""
+    count = 0
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    count += json.loads(line)["kind"] == "train"
+                except ValueError:  # the line being written
+                    break
+    except OSError:
+        pass
+    return count
+
+
+def wait_for(proc: subprocess.Popen, cond, what: str, timeout: float = 600):
+    """Poll `cond` while the run is alive; `timeout` is a hang guard (far above what any machine needs)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert proc.poll() is None, f"the run exited (rc {proc.returncode}) before {what}:\n{proc.stdout.read()}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_signal_stops_the_run_cleanly_and_it_resumes(tiny_ckpt, tmp_path, sig):
-    """Ctrl-C or SIGTERM (a time limit, `kill`) of `python -m areal_async.run` itself with the local launcher: it
-    exits 130 after tearing down, nothing it started keeps running, and the checkpoint it left resumes the run
-    (SIGINT: the rerun finishes with every draw accounted for once)."""
+    """Ctrl-C or SIGTERM (a time limit, `kill`) of `python -m areal_async.run` itself with the local launcher, in
+    the middle of a train step: it exits 130 with its usual message and no traceback, its trainer rank is gone by
+    the time it has exited, nothing else it started keeps running, and the checkpoint it left resumes the run
+    (SIGINT: the rerun finishes with every draw accounted for once).
+
+    Deterministic on any machine: the run is far too long to end by itself, and the signal goes out only once the
+    run is provably inside a step that cannot end: the trainer rank is stopped (SIGSTOP) the moment the controller
+    logs a step, and stays stopped through the teardown, as a rank deep in a long step would be (the run must
+    neither wait for it nor leave it behind)."""
     run_dir = str(tmp_path / "sig")
-    args = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=1", "total_steps=4",
+    args = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=1", "total_steps=1000",
             "schedule.eval_every=0", "schedule.checkpoint_every=1", *COMMON]
     proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     latest = os.path.join(run_dir, "checkpoints", "latest.json")
+    rank = None
     try:
-        deadline = time.monotonic() + 180
-        while not (os.path.exists(latest) and json.load(open(latest))["version"] >= 1):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no checkpoint within 180 s"
-            time.sleep(0.1)
+        wait_for(proc, lambda: os.path.exists(latest) and json.load(open(latest))["version"] >= 1, "a checkpoint")
         children = running_children(run_dir, 3)
+        with open(os.path.join(run_dir, "trainer", "rank0.json")) as f:
+            rank = json.load(f)["pid"]
+        started = step_lines(run_dir)
+        wait_for(proc, lambda: step_lines(run_dir) > started, "another train step")
+        os.kill(rank, signal.SIGSTOP)
+        # inside a step: started (logged) and not ended (no record), and it cannot end while the rank is stopped
+        wait_for(proc, lambda: (lambda n: n > train_records(run_dir))(step_lines(run_dir)), "a step in progress")
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=90)
+        out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
+        if rank is not None and alive(rank):  # a failed test leaves no stopped rank behind
+            os.kill(rank, signal.SIGKILL)
     assert proc.returncode == 130, out[-3000:]
-    assert "interrupted; children stopped" in out
-    assert not wait_gone(children, timeout=30), "processes outlived the run"
+    assert "interrupted; children stopped" in out and "Traceback" not in out, out[-3000:]
+    assert not alive(rank), "the trainer rank outlived the run"
+    assert not wait_gone(children, timeout=600), "processes outlived the run"
     with open(latest) as f:
         ckpt = json.load(f)
-    assert 1 <= ckpt["version"] < 4 and os.path.isdir(os.path.join(ckpt["checkpoint"], "trainer"))
+    assert ckpt["version"] >= 1 and os.path.isdir(os.path.join(ckpt["checkpoint"], "trainer"))
     if sig != signal.SIGINT:
         return
-    p = run_cli(args)
+    end = ckpt["version"] + 2
+    p = run_cli([*args, f"total_steps={end}"], timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"resuming from {ckpt['checkpoint']} at version {ckpt['version']}" in p.stdout
     lines = index_lines(run_dir)
-    assert [r.get("version") for r in lines[:-1]] == [1, 2, 3, 4] and lines[-1]["end"]
+    assert [r.get("version") for r in lines[:-1]] == list(range(1, end + 1)) and lines[-1]["end"]
     ledger.check_invariant(lines)
     assert set(ckpt["pending"]) <= resolved(lines[ckpt["version"]:])
 

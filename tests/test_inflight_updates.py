@@ -205,9 +205,41 @@ def ckpts(tiny_ckpt, tiny_ckpt_b) -> dict[str, str]:
     return {"a": tiny_ckpt, "b": tiny_ckpt_b}
 
 
+@pytest_asyncio.fixture(loop_scope="module")
+async def updater(server, http, ckpts):
+    """`updater(kind)` makes an Updater; whatever the test did, and however it ended, the module's server is put
+    back afterwards: no request running, generation not paused, no sender or group left, the base weights ("a")
+    and the weight version it started with. A failed test then leaves the next one the same server."""
+    made: list[Updater] = []
+    version = server.engine.weight_version
+
+    def make(kind: str) -> Updater:
+        made.append(Updater(http, kind, ckpts))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for up in made:
+            if up.sender is not None and up.sender.poll() is None:
+                up.sender.kill()
+                await asyncio.to_thread(up.sender.wait)
+        group = server.engine._groups.pop("inflight", None)
+        if group is not None:
+            from areal_async.inference.weights import destroy_group
+
+            destroy_group(group)
+        for path, obj in (("/continue_generation", {}), ("/abort_request", {"abort_all": True})):
+            async with http.post(path, json=obj) as r:  # these answer without a JSON body
+                assert r.status == 200, (path, r.status, await r.text())
+        status, body = await post(http, "/update_weights_from_disk", {
+            "model_path": ckpts["a"], "weight_version": version, "flush_cache": True})
+        assert status == 200 and body["success"], body
+
+
 @pytest.mark.parametrize("kind", ["disk", "broadcast"])
-async def test_update_without_pause_waits_for_running_requests(server, http, ckpts, kind):
-    up = Updater(http, kind, ckpts)
+async def test_update_without_pause_waits_for_running_requests(server, http, ckpts, updater, kind):
+    up = updater(kind)
     await up.start(["b", "a"])
     v = server.engine.weight_version
     stream = Stream(http, long_request(900))
@@ -229,8 +261,8 @@ async def test_update_without_pause_waits_for_running_requests(server, http, ckp
 
 
 @pytest.mark.parametrize("kind", ["disk", "broadcast"])
-async def test_in_place_pause_keeps_kv_and_continues_under_new_weights(server, http, ckpts, kind):
-    up = Updater(http, kind, ckpts)
+async def test_in_place_pause_keeps_kv_and_continues_under_new_weights(server, http, ckpts, updater, kind):
+    up = updater(kind)
     await up.start(["b", "a"])
     v = server.engine.weight_version
     stream = Stream(http, long_request(700))
@@ -263,8 +295,8 @@ async def test_in_place_pause_keeps_kv_and_continues_under_new_weights(server, h
     await up.finish(server)
 
 
-async def test_retract_pause_recomputes_under_new_weights(server, http, ckpts):
-    up = Updater(http, "disk", ckpts)
+async def test_retract_pause_recomputes_under_new_weights(server, http, ckpts, updater):
+    up = updater("disk")
     v = server.engine.weight_version
     stream = Stream(http, long_request(700))
     await stream.first.wait()
@@ -285,8 +317,8 @@ async def test_retract_pause_recomputes_under_new_weights(server, http, ckpts):
 
 
 @pytest.mark.parametrize("kind", ["disk", "broadcast"])
-async def test_in_place_pause_with_flush_cache_is_refused(server, http, ckpts, kind):
-    up = Updater(http, kind, ckpts)
+async def test_in_place_pause_with_flush_cache_is_refused(server, http, ckpts, updater, kind):
+    up = updater(kind)
     await up.start(["b"])
     v = server.engine.weight_version
     stream = Stream(http, long_request(300))

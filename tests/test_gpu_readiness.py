@@ -325,3 +325,52 @@ def test_rendezvous_host_is_one_torch_recognises(monkeypatch):
     assert netaddr.rendezvous_host() == "node7"  # never the loopback-only 127.0.1.1
     src = open(os.path.join(os.path.dirname(netaddr.__file__), "launch", "local.py")).read()
     assert "socket.gethostbyname" not in src
+
+
+_LOAD = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist, transformers
+    from torch.distributed.tensor import DTensor
+    from areal_async.testing.tiny import make_tiny_checkpoint
+    from areal_async.train.fsdp import load_sharded
+    from areal_async.train.publish import iter_full_tensors
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    path = make_tiny_checkpoint(sys.argv[1], "qwen2", seed=0)
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    m.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)  # a bf16 checkpoint
+    want = {k: v.float() for k, v in transformers.AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    def spy(*a, **kw):
+        seen.append(str(kw.get("dtype")))
+        return real(*a, **kw)
+    transformers.AutoModelForCausalLM.from_pretrained = spy
+    lm = load_sharded(path, torch.device("cpu"), torch.float32, False, trainable=True)
+    sd = lm.model.state_dict()
+    masters = {str(v.dtype) for v in sd.values() if v.is_floating_point()}
+    exact = all(torch.equal(sd[k].full_tensor() if isinstance(sd[k], DTensor) else sd[k], want[k])
+                for k in want if k in sd)
+    gathered = []
+    full = DTensor.full_tensor
+    def spy_full(self, *a, **kw):
+        gathered.append(str(self.dtype))
+        return full(self, *a, **kw)
+    DTensor.full_tensor = spy_full
+    out = dict(iter_full_tensors(lm.model, skip=lm.tied_names, dtype=torch.bfloat16, to_cpu=True))
+    print(json.dumps({"read_dtype": seen, "checkpoint_dtype": str(lm.checkpoint_dtype), "masters": sorted(masters),
+                      "exact": exact, "gathered": sorted(set(gathered)),
+                      "sent": sorted({str(t.dtype) for t in out.values() if t is not None})}))
+""")
+
+
+def test_rank0_reads_bf16_and_gathers_bf16(tmp_path):
+    """A bf16 checkpoint: rank 0 reads it in bf16 (half the host memory of fp32), the shards hold the exact values
+    as fp32 masters, and the publish/broadcast gather moves bf16 (the local shard is cast before the all-gather)."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path / "bf16")], capture_output=True, text=True,
+                         timeout=100, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["read_dtype"] == ["torch.bfloat16"] and got["checkpoint_dtype"] == "torch.bfloat16"
+    assert got["masters"] == ["torch.float32"] and got["exact"]
+    assert got["gathered"] == ["torch.bfloat16"] and got["sent"] == ["torch.bfloat16"]

@@ -374,3 +374,18 @@ def test_rank0_reads_bf16_and_gathers_bf16(tmp_path):
     assert got["read_dtype"] == ["torch.bfloat16"] and got["checkpoint_dtype"] == "torch.bfloat16"
     assert got["masters"] == ["torch.float32"] and got["exact"]
     assert got["gathered"] == ["torch.bfloat16"] and got["sent"] == ["torch.bfloat16"]
+
+
+def test_lm_head_stays_fp32_under_autocast():
+    import torch
+
+    from areal_async.train.lm_head import LMHead, logprobs_from_hidden
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(16, 32, generator=g) * 3  # [M, H]
+    w = torch.randn(300, 32, generator=g)  # [V, H]
+    t = torch.randint(0, 300, (16,), generator=g)
+    ref = torch.log_softmax(h @ w.T, -1).gather(1, t[:, None])[:, 0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = logprobs_from_hidden(h, LMHead(w, None), t, chunk_tokens=8)
+    assert (lp - ref).abs().max() < 1e-4

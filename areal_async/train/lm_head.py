@@ -140,7 +140,8 @@ def _chunk_z(hidden: Tensor, weight32: Tensor, bias32: Tensor | None, temperatur
     The matmul runs in fp32 (`weight32` is the head's weight already in fp32): with a bf16 matmul the logits carry
     bf16 rounding (about 1e-2 on the log-probabilities), which lands in the importance ratios of the loss. The
     inference side keeps its bf16 head, so this removes the trainer's half of that noise."""
-    z = F.linear(hidden.float(), weight32, bias32)
+    with torch.autocast(hidden.device.type, enabled=False):  # an autocast caller would make it bf16 again
+        z = F.linear(hidden.float(), weight32, bias32)
     if temperature != 1.0:
         z.div_(temperature)
     return z

@@ -277,9 +277,15 @@ async def test_runner_timeout_takes_down_a_sandboxed_program():
 
 
 async def test_reward_sees_the_runners_deadline(reward_module):
+    import time
+
     async with RewardRunner(max_workers=1, env={"PYTHONPATH": reward_module}) as rr:
+        t0 = time.monotonic()
         left, why = await rr.score("my_rewards:deadline", "", "", timeout_s=7.0)
-        assert why is None and 5.0 < left <= 7.0
+        took = time.monotonic() - t0
+        # the reward ran inside this call, so its deadline had at most `took` of the 7 s behind it: a bound that
+        # holds on any machine, however slow
+        assert why is None and 7.0 - took <= left <= 7.0, (left, took)
 
 
 def _leftovers_of(pid: int) -> list[str]:
@@ -300,10 +306,9 @@ async def test_code_reward_gives_up_before_the_runner_and_cleans_up(reward_modul
     tests = json.dumps({"inputs": ["1\n", "2\n"], "outputs": ["1\n", "2\n"]})
     async with RewardRunner(max_workers=1, env={"PYTHONPATH": reward_module}) as rr:
         pid, _ = await rr.score("my_rewards:pid", "", "")
-        t0 = time.monotonic()
         got = await rr.score("code", sleeper, tests, timeout_s=4.0, wall_s=10)
-        elapsed = time.monotonic() - t0
-        assert got == (0.0, None) and elapsed < 4.0  # the sandbox's verdict, not the runner's timeout
+        # the sandbox's verdict, not the runner's timeout: the runner counts no timeout and killed no worker
+        assert got == (0.0, None)
         assert rr.stats.timeouts == 0 and rr.stats.workers_killed == 0
         assert _leftovers_of(int(pid)) == []
         pid_after, _ = await rr.score("my_rewards:pid", "", "")

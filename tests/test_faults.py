@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from areal_async.testing.faults import RunProcess, accounting, metrics, pid_alive, run_children, summary, wait_gone
+from areal_async.testing.faults import (RunProcess, accounting, metrics, pid_alive, run_children, signal_pid, summary,
+                                        wait_gone)
 
 pytestmark = pytest.mark.slow
 
@@ -180,26 +181,31 @@ def test_controller_killed_mid_step_and_during_a_checkpoint_save_resumes_exactly
     finally:
         run.kill()
     assert not wait_gone(run_children(run_dir), 60), "the controller's children outlived it"
-    # 2: during a save. The trainer writes <checkpoint>/trainer.tmp while the controller waits for it; kill then.
-    # When the save was faster than this poll (latest.json already moved on), try again at the next step.
+    # 2: during a save. The trainer writes <checkpoint>/trainer.tmp while the controller waits for it. Once it is
+    # seen, the trainer rank is stopped (SIGSTOP): if trainer.tmp is still there and latest.json has not moved, the
+    # save is provably under way and cannot end, however fast or slow this machine is, and the controller is
+    # killed then. A save that ended between the look and the stop lets the rank go on, for the next step's save.
     caught = None
     rerun = RunProcess(args, run_dir).start()
     try:
         start = rerun.wait_for(lambda: rerun.version() or None, "a step after the resume")
-        for v in range(start, start + 5):
+        for v in range(start, steps):
             tmp = os.path.join(run_dir, "checkpoints", f"v{v}", "trainer.tmp")
             rerun.wait_for(lambda: os.path.isdir(tmp) or rerun.version() > v, f"the save of v{v}", poll_s=0.001)
             if not os.path.isdir(tmp):
                 continue
-            rerun.kill()
-            latest = summary_of_latest(run_dir)
-            if latest["version"] < v:
-                caught = (v, latest)
-                break
-            rerun = RunProcess(args, run_dir).start()  # the save completed first: resume and try again
+            rank = rerun.trainer_rank_pid(0)
+            os.kill(rank, signal.SIGSTOP)
+            try:
+                if os.path.isdir(tmp) and summary_of_latest(run_dir)["version"] < v:
+                    rerun.kill()
+                    caught = (v, summary_of_latest(run_dir))
+                    break
+            finally:
+                signal_pid(rank, signal.SIGCONT)  # the controller is gone or goes on: the rank does as it would have
     finally:
         rerun.kill()
-    assert caught is not None, "no kill landed during a save in 5 tries"
+    assert caught is not None, f"no save of v{start}..v{steps - 1} was seen under way"
     v, latest = caught
     assert not os.path.exists(os.path.join(run_dir, "checkpoints", f"v{v}", "controller.json"))
     assert not wait_gone(run_children(run_dir), 60)

@@ -193,7 +193,13 @@ def _fail_on_leftovers(session: pytest.Session) -> None:
     deadline = time.monotonic() + 30  # cancelled jobs take their steps' processes with them: give them a moment
     while jobs and time.monotonic() < deadline and any(j for j, _ in _session_jobs()):
         time.sleep(0.5)
+    # a process the last tests ended may still be on its way out (a trainer rank finishing its call after its
+    # controller was killed, which its own watchdog bounds at about a minute): only what outlives that is left behind
+    deadline = time.monotonic() + 90
     procs = _session_processes()
+    while procs and time.monotonic() < deadline:
+        time.sleep(0.5)
+        procs = _session_processes()
     for (pid, start), cmd in procs.items():
         with_test = _seen.get((pid, start))
         lines.append(f"pid {pid} [{_comm(pid)}] {cmd!r}" + (f", first seen after {with_test}" if with_test else ""))
@@ -209,7 +215,7 @@ def _fail_on_leftovers(session: pytest.Session) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     message = "LEFT RUNNING BY THE TESTS (now killed; each is a test bug):\n  " + "\n  ".join(lines)
     if reporter is not None:
-        reporter.ensure_newline()
+        reporter.write("\n")
         reporter.write_sep("!", "processes or Slurm jobs left behind", red=True, bold=True)
         reporter.write_line(message, red=True)
     else:

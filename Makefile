@@ -1,10 +1,11 @@
-# The two commands of the README. Both set up .venv on first use.
+# The two commands of the README. Both set up .venv on first use; `make run ARGS="key=value ..."` passes
+# arguments to the run, `make test PYTEST_ARGS="-k name"` to pytest.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test clean clean-runs
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,5 +26,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# the venv and caches; run directories (checkpoints) stay unless asked: make clean-runs
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .pytest_cache
+
+clean-runs:
+	rm -rf runs

@@ -1,10 +1,10 @@
 """The default task learns: short runs of the real default setup (the project's own base model, embedded server,
 torchrun trainer, controller) in both modes raise the training reward and the held-out greedy accuracy.
 
-The base model is built once per machine by `ensure_base_model()` (a few minutes on one CPU core; cached under
-~/.cache/areal_async, so later runs and `make run` reuse it). Ten steps are enough: with the default settings
-held-out accuracy goes from about 40% to about 90% within the first ten (measured; see README.md), so the margins
-asserted here are wide and the test is not a coin toss.
+The base model is the shipped build (`ensure_base_model()`: the same weights on every machine, 39.5% held out).
+Ten steps are enough: held-out greedy accuracy after them measured (AMD EPYC with AVX-512, native and with torch
+held to AVX2 and the kernels built for x86-64-v3): async 94.5% / 93.0%, sync 94.0% / 92.5%, gains of +53.0 to +55.0
+points. The margin asserted, +30, leaves 23 points below the lowest of them for other CPUs' float differences.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _run(base_model: str, run_dir: str, *overrides: str) -> tuple[dict, list[dic
 def test_default_task_learns(base_model, tmp_path, mode):
     summary, train = _run(base_model, str(tmp_path / mode), f"mode={mode}")
     assert summary["mode"] == mode and len(train) == 10
-    assert summary["final_accuracy"] >= summary["base_accuracy"] + 0.20, summary
+    assert summary["final_accuracy"] >= summary["base_accuracy"] + 0.30, summary  # measured +53.0 to +55.0
     first = sum(r["reward_mean"] for r in train[:3]) / 3
     last = sum(r["reward_mean"] for r in train[-3:]) / 3
     assert last > first + 0.1, [round(r["reward_mean"], 3) for r in train]

@@ -1,6 +1,6 @@
 """Shared fixtures: tiny checkpoints made once per session (no downloads). And the suite's leak check: every
 process a test starts inherits AREAL_TEST_SESSION (set here, before any test runs), and every Slurm job a test
-submits carries the same token in its name (`test_job_name`); when the session ends, any such process or job still
+submits carries the same token in its name (`session_job_name`); when the session ends, any such process or job still
 alive is killed or cancelled and the suite fails, naming each one and the test after which it was first seen.
 """
 
@@ -26,9 +26,10 @@ os.environ[SESSION_ENV] = SESSION
 _SYSTEM_COMMANDS = frozenset({"slurmctld", "slurmd", "slurmstepd", "slurmdbd", "munged", "sshd"})
 
 
-def test_job_name(label: str) -> str:
+def session_job_name(label: str) -> str:
     """The name for a Slurm job a test submits: it carries this session's token, so the session-end check (and a
-    test's own finalizer) can cancel exactly the jobs of this session with `scancel --name`."""
+    test's own fixture, as in test_slurm.py, which builds the same prefix from the environment) cancels exactly
+    the jobs of this session and never another session's on the same cluster."""
     return f"areal-t{SESSION}-{label}"
 
 

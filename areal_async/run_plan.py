@@ -6,9 +6,12 @@ model is built or converted in a subprocess, areal_async.model_store).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
+import socket
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -23,7 +26,10 @@ from areal_async.types import Sample
 
 log = logging.getLogger("areal_async.run")
 
-__all__ = ["RunPlan", "resolve_model", "prepare", "make_score"]
+__all__ = ["RunPlan", "resolve_model", "prepare", "make_score", "check_devices", "check_backend_installed",
+           "check_ports", "SGLANG_TESTED"]
+
+SGLANG_TESTED = ">=0.5.6,<0.5.11"  # the releases the sglang extra allows (pyproject.toml says what each pins)
 
 
 @dataclass
@@ -65,6 +71,10 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     from areal_async.launch.placement import plan_placement
 
     placement = plan_placement(cfg)  # the GPU layout and SGLang's arguments, checked here (launch/placement.py)
+    # what this host offers, before the model is built or loaded and before anything starts
+    check_devices(cfg, placement.gpus)
+    check_backend_installed(cfg)
+    check_ports(cfg)
     model_path = resolve_model(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
@@ -76,8 +86,8 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
 
     try:
         train_samples, eval_samples = load_samples(cfg.data)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.name: {e}") from None
+    except (OSError, ValueError) as e:  # a DatasetError may name the key to change (data.prompt_key)
+        raise ConfigError(f"{getattr(e, 'key', None) or 'data.name'}: {e}") from None
     if not train_samples:
         raise ConfigError(f"data.name: {cfg.data.name} has no training samples")
     _check_chat_template(cfg, tokenizer, train_samples + eval_samples)
@@ -95,6 +105,92 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     resumed = load_state(cfg.run_dir) if cfg.resume else None
     return RunPlan(cfg, model_path, tokenizer, train_samples, eval_samples[: cfg.eval.num_prompts], rewards, score,
                    wf, resumed)
+
+
+def _no_gpu_reason() -> str:
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return f"CUDA_VISIBLE_DEVICES={cvd!r} leaves no GPU visible"
+    return "nvidia-smi lists no GPU and /proc/driver/nvidia has none"
+
+
+def check_devices(cfg: RunConfig, gpus: tuple[str, ...]) -> None:
+    """A server or trainer device that asks for CUDA on a host without a visible GPU fails here rather than in a
+    child that has already loaded the model. `gpus`: the host's (launch/placement.visible_gpus, no torch). Slurm
+    runs are not checked here: their GPUs are the job's nodes', not this host's."""
+    if cfg.launcher != "local" or gpus:
+        return
+    srv, t = cfg.server, cfg.train
+    if srv.backend == "embedded" and srv.device.startswith("cuda"):
+        raise ConfigError(f"server.device: {srv.device} on a host without a visible GPU ({_no_gpu_reason()}); use "
+                          "server.device=auto (the CPU here) or cpu")
+    if t.device.startswith("cuda"):
+        ranks = f" for train.nproc={t.nproc} ranks" if t.nproc > 1 else ""
+        raise ConfigError(f"train.device: {t.device}{ranks} on a host without a visible GPU ({_no_gpu_reason()}); "
+                          "use train.device=auto (the CPU here) or cpu")
+
+
+def check_backend_installed(cfg: RunConfig) -> None:
+    """`server.backend=sglang` needs SGLang in this Python (servers start as `python -m sglang.launch_server`,
+    here or in Slurm steps with the same interpreter). Found, not imported: SGLang imports torch and CUDA."""
+    if cfg.server.backend != "sglang":
+        return
+    try:
+        found = importlib.util.find_spec("sglang") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"server.backend: sglang is not installed in {sys.executable}; pip install "
+                          f"'areal_async[sglang]' (SGLang {SGLANG_TESTED}, on a CUDA host), or use "
+                          "server.backend=embedded")
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound now ("in use", or a reason the host is unusable), None when it can. With
+    SO_REUSEADDR, as the servers bind: a port left in TIME_WAIT by an earlier run is free."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"cannot resolve {host!r} ({e})"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "in use"
+            if e.errno == errno.EADDRNOTAVAIL:
+                return "not an address of this host"
+            return f"{type(e).__name__}: {e.strerror or e}"
+    return None
+
+
+def check_ports(cfg: RunConfig) -> None:
+    """Fixed ports this host will bind are tried now, so a port already in use is a config error before the model
+    loads and before the trainers start: `server.port` onwards (one per launched server) and a rendezvous
+    endpoint on this host (`train.rdzv.endpoint`, where the first torchrun agent serves the store). Port 0 and
+    Slurm runs (their ports are on the job's nodes) are not checked."""
+    if cfg.launcher != "local":
+        return
+    srv, t = cfg.server, cfg.train
+    if srv.backend in ("embedded", "sglang") and srv.port:
+        last = srv.port + srv.num_servers - 1
+        if last > 65535:
+            raise ConfigError(f"server.port: {srv.num_servers} servers from port {srv.port} run past 65535")
+        for port in range(srv.port, last + 1):
+            why = _port_taken(srv.host, port)
+            if why == "in use":
+                which = f"server {port - srv.port} of server.num_servers={srv.num_servers}: " if last > srv.port else ""
+                raise ConfigError(f"server.port: {which}{srv.host}:{port} is already in use; pick free ports or "
+                                  "server.port=0 (each server picks a free one)")
+            if why is not None:
+                raise ConfigError(f"server.host: cannot serve on {srv.host}:{port}: {why}")
+    if t.nnodes > 1 and t.rdzv.endpoint:
+        host, _, port_text = t.rdzv.endpoint.rpartition(":")
+        if _port_taken(host.strip("[]"), int(port_text)) == "in use":  # elsewhere (not bindable here): not ours
+            raise ConfigError(f"train.rdzv.endpoint: {t.rdzv.endpoint} is already in use on this host; pick another "
+                              "port or leave it null (the launcher picks one)")
 
 
 def _log_cpu_choices(cfg: RunConfig, model_path: str, has_gpus: bool) -> None:
@@ -139,6 +235,15 @@ def _check_reward(spec: str) -> None:
         found = False
     if not found:
         raise ConfigError(f"data.reward: module {module!r} of {target!r} is not importable")
+    for needs, dist, extra in _REWARD_EXTRAS.get(module, ()):
+        if importlib.util.find_spec(needs) is None:  # the reward would score every answer 0.0, silently
+            raise ConfigError(f"data.reward: {spec} needs the package {dist}; pip install 'areal_async[{extra}]'")
+
+
+# rewards whose module imports an optional package only when scoring: (module, distribution, extra)
+_REWARD_EXTRAS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "areal_async.rewards.math": (("math_verify", "math-verify", "math"),),
+}
 
 
 _RESERVED_META = frozenset({"fn_spec", "completion", "answer", "prompt", "timeout_s"})  # RewardRunner.score's own

@@ -43,7 +43,16 @@ _MAX_REPORTED = 5  # bad records named in the error message; the total is always
 
 
 class DatasetError(ValueError):
-    """A dataset file or record is unusable; the message names the file and the line or row."""
+    """A dataset file or record is unusable; the message names the file and the line or row. `key` is the config
+    key to change when one is to blame (a field name that no record has is `data.prompt_key`'s, not the file's)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def _field_key(cfg: DataConfig, field: str) -> str:
+    return "data.prompt_key" if field == cfg.prompt_key else "data.answer_key"
 
 
 def _load_arith(cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
@@ -139,6 +148,7 @@ def read_records(path: str, cfg: DataConfig) -> list[Sample]:
         raise DatasetError(f"{path}: unsupported file type (use .jsonl or .parquet)")
     samples: list[Sample] = []
     errors: list[str] = []
+    blamed: set[str | None] = set()  # the config keys the bad records point at
     n_bad = 0
     for loc, rec in rows:
         try:
@@ -147,11 +157,14 @@ def read_records(path: str, cfg: DataConfig) -> list[Sample]:
             samples.append(_to_sample(len(samples), rec, cfg))
         except DatasetError as e:
             n_bad += 1
+            blamed.add(e.key)
             if len(errors) < _MAX_REPORTED:
                 errors.append(f"{path}:{where} {loc}: {e}")
     if n_bad:
         more = f"\n  ... and {n_bad - len(errors)} more" if n_bad > len(errors) else ""
-        raise DatasetError(f"{path}: {n_bad} malformed record(s):\n  " + "\n  ".join(errors) + more)
+        # every record lacking the same field: the key naming that field is what to change, not the records
+        key = blamed.pop() if len(blamed) == 1 and not samples else None
+        raise DatasetError(f"{path}: {n_bad} malformed record(s):\n  " + "\n  ".join(errors) + more, key)
     if not samples:
         raise DatasetError(f"{path}: no records")
     return samples
@@ -183,7 +196,11 @@ def _jsonl_rows(path: str):
 
 
 def _parquet_rows(path: str, cfg: DataConfig):
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # an optional dependency: JSONL needs nothing
+        raise DatasetError(f"{path}: reading Parquet files needs pyarrow; pip install 'areal_async[parquet]' "
+                           "(or convert the file to .jsonl)") from None
 
     try:
         pf = pq.ParquetFile(path)
@@ -193,7 +210,7 @@ def _parquet_rows(path: str, cfg: DataConfig):
     missing = [k for k in (cfg.prompt_key, cfg.answer_key) if k not in names]
     if missing:
         raise DatasetError(f"{path}: missing column(s) {missing}; columns are {names} "
-                           "(set data.prompt_key / data.answer_key)")
+                           "(set data.prompt_key / data.answer_key)", _field_key(cfg, missing[0]))
     row = 0
     for batch in pf.iter_batches(batch_size=4096):
         for rec in batch.to_pylist():
@@ -206,7 +223,9 @@ def _to_sample(idx: int, rec: Any, cfg: DataConfig) -> Sample:
         raise DatasetError(f"expected an object, got {type(rec).__name__}")
     for key in (cfg.prompt_key, cfg.answer_key):
         if key not in rec:
-            raise DatasetError(f"missing key {key!r} (keys: {sorted(rec)[:10]})")
+            raise DatasetError(f"missing key {key!r} (keys: {sorted(rec)[:10]}; {_field_key(cfg, key)} names the "
+                               f"field that holds the {'prompt' if key == cfg.prompt_key else 'answer'})",
+                               _field_key(cfg, key))
         if rec[key] is None:
             raise DatasetError(f"{key!r} is null")
     raw_prompt, raw_answer = rec[cfg.prompt_key], rec[cfg.answer_key]

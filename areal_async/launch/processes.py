@@ -164,10 +164,11 @@ def thread_env(n: int) -> dict[str, str]:
 
 def embedded_server_cmd(model: str, *, host: str, port: str, device: str, max_total_tokens: int,
                         max_running_requests: int, api_key: str | None, weight_version: int = 0,
-                        prefix_cache: bool = True) -> list[str]:
-    """`port` is a string so that a launcher can pass a placeholder the step fills in (launch/step.py)."""
+                        prefix_cache: bool = True, dtype: str = "auto") -> list[str]:
+    """`port` is a string so that a launcher can pass a placeholder the step fills in (launch/step.py); `dtype`
+    is `model.dtype` (the server's weights and KV cache)."""
     cmd = [sys.executable, "-m", "areal_async.serve", "--model", model, "--host", host, "--port", port,
-           "--device", device, "--max-total-tokens", str(max_total_tokens),
+           "--device", device, "--dtype", dtype, "--max-total-tokens", str(max_total_tokens),
            "--max-running-requests", str(max_running_requests), "--weight-version", str(weight_version)]
     if api_key:
         cmd += ["--api-key", api_key]
@@ -177,9 +178,10 @@ def embedded_server_cmd(model: str, *, host: str, port: str, device: str, max_to
 
 
 def sglang_server_cmd(model: str, *, host: str, port: str, api_key: str | None, extra_args: list[str],
-                      base_gpu_id: int = 0, tp_size: int = 1) -> list[str]:
+                      base_gpu_id: int = 0, tp_size: int = 1, dtype: str = "auto") -> list[str]:
     """`tp_size` (server.gpus_per_server) becomes --tp-size: without it SGLang runs tp 1 on the first of the
-    server's GPUs, and the weight broadcast would count ranks the server does not have."""
+    server's GPUs, and the weight broadcast would count ranks the server does not have. `dtype` (model.dtype)
+    becomes --dtype unless `extra_args` has one (SGLang's own default is auto, so auto adds nothing)."""
     from areal_async.launch.placement import sglang_flag
 
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", port,
@@ -188,6 +190,8 @@ def sglang_server_cmd(model: str, *, host: str, port: str, api_key: str | None, 
         cmd += ["--base-gpu-id", str(base_gpu_id)]
     if tp_size > 1 and sglang_flag(extra_args, "--tp-size", "--tp", "--tensor-parallel-size") is None:
         cmd += ["--tp-size", str(tp_size)]
+    if dtype != "auto" and sglang_flag(extra_args, "--dtype") is None:
+        cmd += ["--dtype", dtype]
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd
@@ -248,23 +252,25 @@ class Processes:
     def start_embedded_server(self, index: int, model: str, *, host: str, port: int, device: str,
                               max_total_tokens: int, max_running_requests: int, api_key: str | None,
                               torch_threads: int, weight_version: int = 0, prefix_cache: bool = True,
-                              cuda_visible_devices: str | None = None) -> Child:
+                              cuda_visible_devices: str | None = None, dtype: str = "auto") -> Child:
         """Port 0: the server binds a free port itself and prints it in its ready line (serve.py); its `url` is
         filled in from its log by `wait_healthy` (no port picked here and bound there later, which another
         process could take in between)."""
         cmd = embedded_server_cmd(model, host=host, port=str(port), device=device, max_total_tokens=max_total_tokens,
                                   max_running_requests=max_running_requests, api_key=api_key,
-                                  weight_version=weight_version, prefix_cache=prefix_cache)
+                                  weight_version=weight_version, prefix_cache=prefix_cache, dtype=dtype)
         env = thread_env(torch_threads)
         if cuda_visible_devices is not None:  # launch/placement.py: this server's GPU
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         return self.spawn(f"server{index}", cmd, env, role="server", url=f"http://{host}:{port}" if port else None)
 
     def start_sglang_server(self, index: int, model: str, *, host: str, port: int, api_key: str | None,
-                            extra_args: list[str], base_gpu_id: int = 0, gpus_per_server: int = 1) -> Child:
+                            extra_args: list[str], base_gpu_id: int = 0, gpus_per_server: int = 1,
+                            dtype: str = "auto") -> Child:
         port = port or free_port(host)  # SGLang needs its port on the command line
         cmd = sglang_server_cmd(model, host=host, port=str(port), api_key=api_key, extra_args=extra_args,
-                                base_gpu_id=base_gpu_id + index * gpus_per_server, tp_size=gpus_per_server)
+                                base_gpu_id=base_gpu_id + index * gpus_per_server, tp_size=gpus_per_server,
+                                dtype=dtype)
         return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 
     async def wait_healthy(self, servers: list[Child] | list[str], timeout_s: float, api_key: str | None = None,

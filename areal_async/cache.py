@@ -1,4 +1,5 @@
-"""The on-disk cache of built and converted models: its root, its lock, atomic directories, build-code fingerprints.
+"""The on-disk cache of built and converted models: its root, its lock, atomic directories, build-code fingerprints,
+and file modes that follow the umask (`follow_umask`).
 
 Every cached model is a directory that appears under its final name only when complete: it is written into a
 temporary sibling (`<final>.tmp-<pid>-<random>`), a marker file is written into it last, and the temporary
@@ -21,6 +22,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import stat
 import uuid
 from typing import Iterator
 
@@ -92,3 +94,42 @@ def file_sha256(path: str, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux tells (/proc/self/status): `os.umask` can only
+    be read by setting it, which would race with other threads creating files."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str) -> None:
+    """Give `path` (a file, or a directory and everything below it) the mode a plain `open()` or `mkdir` would
+    have given it: safetensors writes its files 0600 whatever the umask (through a private temporary file), so a
+    checkpoint or published model on a shared filesystem would be unreadable to the teammates the umask lets in.
+    Executable bits are kept where set; links are not followed."""
+    mask = current_umask()
+
+    def fix(p: str) -> None:
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            return
+        full = 0o777 if stat.S_ISDIR(st.st_mode) or st.st_mode & 0o111 else 0o666
+        want = full & ~mask
+        if stat.S_IMODE(st.st_mode) != want:
+            with contextlib.suppress(PermissionError):  # another user's file (a shared directory): theirs to set
+                os.chmod(p, want)
+
+    fix(path)
+    if os.path.isdir(path) and not os.path.islink(path):
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                fix(os.path.join(root, name))

@@ -9,7 +9,8 @@ Layout of a checkpoint directory:
     rng_rank<r>.json            each rank's torch RNG state (a resumed run draws the same numbers)
 
 The directory appears atomically: DCP writes into `<path>.tmp`, and rank 0 renames it once every rank is done, so
-a crash mid-save leaves the previous checkpoint intact. On a multi-node job `path` must be on a filesystem every
+a crash mid-save leaves the previous checkpoint intact. Its files get the modes the umask allows, whatever the
+writer's own (cache.follow_umask). On a multi-node job `path` must be on a filesystem every
 rank sees. Our own state is JSON rather than pickle; DCP itself keeps its metadata in its own (pickled) format, so
 load only checkpoints you wrote.
 """
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from areal_async.cache import follow_umask
 from areal_async.train.dist import agree
 from areal_async.train.errors import CheckpointError
 
@@ -72,6 +74,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         _write_json(os.path.join(tmp, _STATE_FILE), {"format": FORMAT_VERSION, **trainer_state})
     _barrier()
     if rank == 0:
+        follow_umask(tmp)  # every rank's files, whatever wrote them: readable as the umask allows
         old = path + ".old"
         if os.path.exists(path):
             shutil.rmtree(old, ignore_errors=True)

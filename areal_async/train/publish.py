@@ -9,7 +9,8 @@ Weights leave FSDP one parameter at a time (`full_tensor()` is an all-gather eve
 them out shard by shard, so neither GPU nor host ever holds more than one shard beyond the sharded model.
 
 Readers never see a partial directory: everything is written into `root/.tmp-v<k>`, fsynced, and renamed to
-`root/v<k>` in one step; then all but the newest `keep` versions are removed.
+`root/v<k>` in one step; then all but the newest `keep` versions are removed. Files get the modes the umask
+allows (safetensors alone would write them 0600).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from areal_async.cache import follow_umask
 from areal_async.train.dist import any_rank
 from areal_async.train.errors import PeerPublishError, PublishError
 from areal_async.types import PublishResult
@@ -119,6 +121,7 @@ class _ShardWriter:
         fname = f"part-{len(self.files):05d}.safetensors"
         path = os.path.join(self.directory, fname)
         save_file(self.pending, path, metadata={"format": "pt"})
+        follow_umask(path)  # safetensors writes 0600; readers on a shared filesystem get what the umask allows
         _fsync_file(path)
         self.files.append((fname, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0

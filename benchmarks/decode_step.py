@@ -8,7 +8,10 @@ in serving), `--batch` rows with lognormal context lengths (median `--context`),
 `--rounds`, alternating so that load drifting on a shared machine hits every variant alike:
 - `paged`: decode attention straight from the pages (the CPU kernel, cpu_attention.py), as the engine runs on CPU;
 - `gather_sdpa`: every row's pages gathered into a padded batch, SDPA with an additive mask (the portable path);
+- `paged_torch_mm`: as `paged`, with every matmul through torch (the few-rows kernel, cpu_gemm.py, off);
 - `gemm_only`: the step's matmuls alone (the model's own weight tensors, same rows, same threads): the roofline.
+`--cpu-time` times with the process's CPU time instead of the wall clock: on a shared machine (load above the core
+count) a preempted step then costs what it computed, not what it waited; meaningful at `--threads 1`.
 MFU = gemm_only / step time: the share of the matmul-only speed the whole step reaches (attention FLOPs, ~2% here,
 are not credited).
 """
@@ -34,7 +37,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-time", action="store_true", help="time with process CPU time (shared machines)")
     args = ap.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     import torch
@@ -52,7 +57,7 @@ def main() -> None:
     model = DecoderModel(spec)
     model.load_tensors(tensors)
     del tensors
-    kernel = model._kernel
+    kernel, gemm = model._kernel, model._gemm
     cpu, ps, b = torch.device("cpu"), 16, args.batch
     rng = random.Random(args.seed)
     cap = spec.max_position_embeddings - 2
@@ -68,8 +73,9 @@ def main() -> None:
         table[i] = torch.tensor(pages)
         seqs.append(([rng.randrange(spec.vocab_size)], c, pages, i))
 
-    def step(paged: bool) -> torch.Tensor:
+    def step(paged: bool, own_mm: bool = True) -> torch.Tensor:
         model.paged_decode, model._kernel = paged, kernel if paged else None
+        model._gemm = gemm if own_mm else None
         batch = build_step_batch(seqs, table, ps, cpu, [[0]] * b, paged_decode=paged)
         return model.forward(batch, cache)
 
@@ -87,7 +93,7 @@ def main() -> None:
 
     variants = {"gather_sdpa": lambda: step(False), "gemm_only": gemm_only}
     if kernel is not None:
-        variants = {"paged": lambda: step(True), **variants}
+        variants = {"paged": lambda: step(True), "paged_torch_mm": lambda: step(True, False), **variants}
         diff = float((step(True) - step(False)).abs().max())
     else:
         print("the CPU attention kernel is not available here; timing the portable path only", file=sys.stderr)
@@ -95,17 +101,20 @@ def main() -> None:
     best = {k: math.inf for k in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], clock() - t0)
     res = {f"{k}_ms": v * 1000 for k, v in best.items()}
-    for k in ("paged", "gather_sdpa"):
+    for k in ("paged", "paged_torch_mm", "gather_sdpa"):
         if k in best:
             res[f"{k}_tokens_per_s"] = b / best[k]
             res[f"{k}_mfu"] = best["gemm_only"] / best[k]
     res.update({"roofline_tokens_per_s": b / best["gemm_only"], "max_logit_diff_paged_vs_gather": diff,
                 "settings": {"model": args.model, "batch": b, "mean_context": sum(ctxs) / b, "threads": args.threads,
-                             "rounds": args.rounds}})
+                             "rounds": args.rounds, "clock": "process_time" if args.cpu_time else "wall",
+                             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                             "kernel_march": os.environ.get("AREAL_KERNEL_MARCH", "native"),
+                             "load_average": os.getloadavg()}})
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)

@@ -50,6 +50,22 @@ WORDS = ("the cat sat on a mat while seven quick foxes ran over lazy dogs near o
          "stars and one small bird sang songs about rivers mountains numbers apples code tests trains").split()
 
 
+def machine_info(torch, load_start: tuple[float, float, float]) -> dict[str, Any]:
+    """What the figures ran on: the CPU, the ISA torch dispatches to (ATEN_CPU_CAPABILITY and friends can hold it
+    below the CPU's), the C kernels' target, and the load average (1/5/15 min) at the start and the end."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "kernel_march": os.environ.get("AREAL_KERNEL_MARCH", "native"),
+            "isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                   "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
+            "load_average_start": load_start, "load_average_end": os.getloadavg()}
+
+
 def resolve_model(name: str, tmp: str, seed: int, quick: bool) -> str:
     """A checkpoint directory for `name` (see the module docstring)."""
     if os.path.isdir(name):
@@ -359,6 +375,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(threads)
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_inf_") as tmp:
         model_dir = resolve_model(args.model, tmp, args.seed, args.quick)
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -390,7 +407,8 @@ def main() -> None:
         "chat_prompts": chat, "prompt_tokens": {"min": min(map(len, prompts)), "max": max(map(len, prompts))},
         "max_new_tokens_lognormal": {"median": median, "sigma": sigma, "max": max_new},
         "sum_new_tokens": sum(lengths), "longest": max(lengths), "pause_max_new_tokens": args.pause_new,
-        "server_args": args.server_arg, "greedy": True, "ignore_eos": True}}
+        "server_args": args.server_arg, "greedy": True, "ignore_eos": True},
+        "machine": machine_info(torch, load_start)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -20,7 +20,7 @@ class MetricsLogger:
                 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
                 self._tb = EventFileWriter(os.path.join(run_dir, "tensorboard"))
-            except ImportError:  # tensorboard is a core dependency, but a run never dies for want of it
+            except ImportError:  # the [tensorboard] extra; a run never dies for want of it
                 self._tb = None
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:

@@ -186,6 +186,7 @@ def ensure_converted(gguf_file: str, cache_dir: str | None = None, name: str | N
             check_model_dir(tmp, final)
             with open(os.path.join(tmp, MARKER), "w") as f:
                 json.dump(marker, f, indent=2, sort_keys=True)
+            cache.follow_umask(tmp)  # safetensors writes 0600; teammates sharing the cache should read it
             os.rename(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -197,8 +198,8 @@ def _check_converter_packages(gguf_file: str) -> None:
                          ("accelerate", "accelerate")):
         if importlib.util.find_spec(module) is None:
             raise MissingPackageError(f"converting {gguf_file} needs the package {dist} (transformers' GGUF loader "
-                                      f"uses gguf and accelerate); install it with `pip install {dist}` or run "
-                                      "`make setup`")
+                                      f"uses gguf and accelerate); install it with `pip install 'areal_async[gguf]'` "
+                                      "(or `make setup` in a clone)")
 
 
 def _run_converter(gguf_file: str, out_dir: str) -> dict:

@@ -302,6 +302,26 @@ def test_model_dtype_reaches_sglang_unless_given():
     assert given.count("--dtype=half") == 1 and "--dtype" not in given
 
 
+def test_the_local_launcher_passes_model_dtype_to_both_backends():
+    from areal_async.launch import local
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def start_embedded_server(self, index, model, **kw):
+            self.calls.append(("embedded", kw["dtype"]))
+
+        def start_sglang_server(self, index, model, **kw):
+            self.calls.append(("sglang", kw["dtype"]))
+
+    procs = Recorder()
+    for backend in ("embedded", "sglang"):
+        cfg = load_config(None, [f"server.backend={backend}", "model.dtype=bfloat16", "server.device=cpu"])
+        local._start_server(procs, cfg, "/m", 0, 0)
+    assert procs.calls == [("embedded", "bfloat16"), ("sglang", "bfloat16")]
+
+
 # ---- files follow the umask ---------------------------------------------------------------------------------------
 
 

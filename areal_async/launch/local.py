@@ -197,10 +197,10 @@ def _start_server(procs: Processes, cfg: "RunConfig", model_path: str, index: in
             index, model_path, host=srv.host, port=port, device=place.server_devices[index],
             max_total_tokens=srv.max_total_tokens, max_running_requests=srv.max_running_requests,
             api_key=srv.api_key, torch_threads=srv.torch_threads, prefix_cache=srv.prefix_cache,
-            cuda_visible_devices=place.server_visible[index])
+            cuda_visible_devices=place.server_visible[index], dtype=cfg.model.dtype)
     return procs.start_sglang_server(
         index, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=srv.extra_args,
-        base_gpu_id=srv.base_gpu_id, gpus_per_server=srv.gpus_per_server)
+        base_gpu_id=srv.base_gpu_id, gpus_per_server=srv.gpus_per_server, dtype=cfg.model.dtype)
 
 
 class ExternalLauncher:

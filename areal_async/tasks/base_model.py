@@ -186,6 +186,7 @@ def build_into(final: str, spec: BaseModelSpec, seed: int) -> None:
     tmp = cache.fresh_tmp_dir(final)
     try:
         build_base_model(tmp, spec, seed)
+        cache.follow_umask(tmp)  # safetensors writes 0600; teammates sharing the cache should read it
         os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

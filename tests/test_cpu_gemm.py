@@ -48,7 +48,7 @@ def test_kernel_matches_torch(target_kernel, m, n, k):
 
 def test_applies_only_where_it_pays_and_can_run(target_kernel):
     w = torch.randn(8, 16)
-    lo, hi = cpu_gemm.ROWS[target_kernel.vector_width]  # the range measured for this build's vector width
+    lo, hi = cpu_gemm.row_range(target_kernel.vector_width)  # the range measured for this build and CPU kind
     assert (target_kernel.min_rows, target_kernel.max_rows) == (lo, hi)
     assert lo == 1 or not target_kernel.applies(torch.randn(lo - 1, 16), w)
     assert not target_kernel.applies(torch.randn(hi + 1, 16), w)

@@ -29,9 +29,27 @@ MIN_ROWS, MAX_ROWS = 3, 24  # where the AVX-512 build beats torch's matmul (meas
 # SmolLM2-135M, CPU time at 1 thread (AMD EPYC Zen 5). AVX2 (x86-64-v3 build, torch held to AVX2): at 1 / 2 / 3 /
 # 8 / 16 / 32 / 64 rows torch 31 / 49 / 74 / 62 / 99 / 141 / 221 ms, the kernel 20 / 21 / 36 / 47 / 79 / 109 /
 # 203 ms (the AVX-512 blocking built for AVX2, as before: 42 / 39 / 109 / 192 / 385 / 575 / 1,131 ms, slower than
-# torch from 3 rows on). At 40-64 rows the two are even, so AVX2 keeps the kernel for 1-32 rows. The AVX-512 range
-# is the one measured on the AMX machine (2 threads; MKL was ahead at 1-2 rows and above 24).
+# torch from 3 rows on). At 40-64 rows the two are even, so AVX2 keeps the kernel for 1-32 rows. AVX-512: on the
+# AMX machine MKL was ahead at 1-2 rows and above 24 (2 threads), so 3-24 there; on Zen 5 (no AMX) a whole decode
+# step at 1 row took 38 ms with MKL's matrix-vector path against 28 ms with the kernel (decode_step.py, CPU time),
+# so without AMX the AVX-512 build takes 1-24 rows.
 ROWS = {16: (MIN_ROWS, MAX_ROWS), 8: (1, 32)}
+ROWS_AVX512_NO_AMX = (1, MAX_ROWS)
+
+
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("flags") and "amx_tile" in ln.split() for ln in f)
+    except OSError:
+        return False
+
+
+def row_range(vector_width: int) -> tuple[int, int]:
+    """The rows a build of this vector width takes on this CPU (see ROWS)."""
+    if vector_width == 16 and not _has_amx():
+        return ROWS_AVX512_NO_AMX
+    return ROWS.get(vector_width, (MIN_ROWS, MAX_ROWS))
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -127,7 +145,7 @@ def load(march: str | None = None) -> Kernel | None:
     width = lib.skinny_vector_width
     width.restype, width.argtypes = ctypes.c_int64, []
     vl = int(width())
-    lo, hi = ROWS.get(vl, (MIN_ROWS, MAX_ROWS))
+    lo, hi = row_range(vl)
     return Kernel(fn, vl, lo, hi)
 
 

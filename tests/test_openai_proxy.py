@@ -382,6 +382,6 @@ async def test_openai_agent_example_trains_through_the_proxy(stack):
             trajs = await wf.run(client, Sample(id=4, prompt="What is 2+3?\n", answer="5"))
         finally:
             await wf.proxy.close()
-    assert trajs and {t.info["calls"] for t in trajs} <= {1, 2}
+    assert trajs and all(1 <= t.info["calls"] <= mod.MAX_TOOL_ROUNDS + 1 for t in trajs)
     for t in trajs:
         assert sum(t.loss_mask) >= 1 and len(t.input_ids) == len(t.versions) == len(t.logprobs)

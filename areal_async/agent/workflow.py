@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from areal_async.agent.episode import ExportMode
 from areal_async.agent.openai_proxy import OpenAIProxy
@@ -36,6 +36,14 @@ class AgentContext:
     api_key: str  # the episode id
     sample: Sample
     proxy: OpenAIProxy
+
+    def openai(self, **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` client for this episode (base URL and key set; no retries, because a retried
+        call would be sampled and recorded twice). Imports the SDK only when called."""
+        from openai import AsyncOpenAI
+
+        kwargs.setdefault("max_retries", 0)
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
 
 AgentFn = Callable[[AgentContext], Awaitable["float | None"]]

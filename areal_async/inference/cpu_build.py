@@ -138,7 +138,11 @@ def load_library(name: str, source: str, disable_env: str, what: str,
     """The built library for `source` and target `march` (default: `default_march()`; built once per process and
     target, cached on disk), or None where it cannot be built or `disable_env`=0 turns it off. `what` names the
     fallback in the log line. Two targets of one kernel are two separate libraries, both loadable at once."""
-    march = march or default_march()
+    try:
+        march = march or default_march()
+    except ValueError as e:  # a mistyped target means the portable path, never a dead engine
+        log.warning("CPU kernel %s unavailable (%s); using %s", name, e, what)
+        return None
     with _lock:
         if (name, march) in _loaded:
             return _loaded[(name, march)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
 
@@ -86,6 +87,30 @@ class WeightBroadcaster:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.devices: dict[str, torch.device] = {}
         self.stores: dict[str, tuple[dist.TCPStore, int]] = {}  # group name -> (store rank 0 hosts, its port)
+        # group name -> why the controller aborted it; set from the RPC loop's thread while `broadcast` runs in
+        # the worker thread, so that a member lost mid-update ends the broadcast at once, not at its deadline
+        self.aborted: dict[str, str] = {}
+        self._running: str | None = None  # the group `broadcast` is sending on now
+        self._lock = threading.Lock()
+
+    def request_abort(self, group_name: str, reason: str) -> bool:
+        """Abort group `group_name` from any thread: a broadcast running on it stops sending before its next
+        tensor (or in its wait for the current bucket) and raises BroadcastError; a group with no broadcast running
+        is dropped now. Either way the group is finished: a later broadcast on it fails at once until a new group
+        of that name is made. Returns True when a broadcast on it was running (it stops), False otherwise."""
+        with self._lock:
+            if group_name not in self.groups and group_name != self._running:
+                return False
+            self.aborted[group_name] = reason or "aborted by the controller"
+            running = self._running == group_name
+        if not running:
+            self._abort(group_name)
+        return running
+
+    def _check_aborted(self, group_name: str) -> None:
+        reason = self.aborted.get(group_name)
+        if reason is not None:
+            raise BroadcastError(f"weight-update group {group_name!r} aborted: {reason}")
 
     def open_store(self, group_name: str, world_size: int, host: str, port: int) -> int:
         """Rank 0: host the rendezvous store of group `group_name` on `port` (0: a free port, bound here, so no
@@ -120,6 +145,7 @@ class WeightBroadcaster:
         store, _ = self.stores[req.group_name]
         if req.group_name in self.groups:  # a group of the same name on another store: leave it first
             self._destroy(self.groups.pop(req.group_name))
+        self.aborted.pop(req.group_name, None)  # a new group of an aborted name starts afresh
         # the watchdog's timeout lies past the per-bucket deadline, so `_complete` raises first; cleanup-only error
         # handling for this group: an aborted weight group must not tear the trainer down (torchrun's default, 1)
         with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
@@ -135,39 +161,80 @@ class WeightBroadcaster:
 
         Rank 0 waits for each bucket's broadcasts to complete before it gathers the next bucket: the servers take
         one bucket per HTTP call, so without the wait rank 0 would run ahead and hold every gathered tensor
-        (the whole model, in the checkpoint dtype) on its device until the servers caught up."""
+        (the whole model, in the checkpoint dtype) on its device until the servers caught up.
+
+        A failure on rank 0 (a bucket past its deadline, an abort the controller asked for, a failed send) stops
+        the sending, not the gathering: rank 0 keeps taking part in the FSDP all-gathers to the end, so the other
+        ranks are never left waiting in one, and then every rank raises (rank 0 the BroadcastError, the others its
+        Peer twin). The trainers are then ready for the next call, and the controller can form a new group."""
         t0 = time.perf_counter()
         rank = dist.get_rank()
-        pg = self.groups.get(group_name)
-        missing = rank == 0 and pg is None
-        agree(BroadcastError(f"no weight-update group {group_name!r} on trainer rank 0: call init_broadcast first")
-              if missing else None, BroadcastError, "the weight broadcast could not start")
+        with self._lock:
+            pg = self.groups.get(group_name)
+            if rank == 0 and pg is not None:
+                self._running = group_name
+        try:
+            missing = rank == 0 and pg is None
+            why = self.aborted.get(group_name)
+            agree(BroadcastError(f"weight-update group {group_name!r} aborted: {why}" if why is not None else
+                                 f"no weight-update group {group_name!r} on trainer rank 0: call init_broadcast "
+                                 "first") if missing else None, BroadcastError, "the weight broadcast could not start")
+            return self._send(model, pg, group_name=group_name, skip=skip, dtype=dtype, bucket_bytes=bucket_bytes,
+                              t0=t0)
+        finally:
+            with self._lock:
+                if self._running == group_name:
+                    self._running = None
+
+    def _send(self, model: nn.Module, pg: dist.ProcessGroup | None, *, group_name: str, skip: set[str],
+              dtype: torch.dtype, bucket_bytes: int, t0: float) -> BroadcastResult:
         buckets = plan_buckets(model, skip=skip, dtype=dtype, bucket_bytes=bucket_bytes)
         bucket_of = {name: i for i, spec in enumerate(buckets) for name in spec.names}
         send_device = self.devices.get(group_name, torch.device("cpu"))
         meter = _MemoryMeter(send_device)
         pending: list[tuple[dist.Work, torch.Tensor]] = []
         current, num_bytes, held, held_peak = 0, 0, 0, 0
+        error: BroadcastError | None = None
         for name, tensor in iter_full_tensors(model, skip=skip, dtype=dtype, to_cpu=send_device.type == "cpu"):
-            if tensor is None:
+            if tensor is None or error is not None:  # after a failure: still in every gather, sending nothing
                 continue
-            if bucket_of[name] != current:
-                self._complete(pending, send_device, group_name, current)
-                current, held = bucket_of[name], 0
-            tensor = tensor.to(send_device)
-            pending.append((dist.broadcast(tensor, group=pg, group_src=0, async_op=True), tensor))
+            try:
+                if bucket_of[name] != current:
+                    self._complete(pending, send_device, group_name, current)
+                    current, held = bucket_of[name], 0
+                self._check_aborted(group_name)
+                tensor = tensor.to(send_device)
+                pending.append((dist.broadcast(tensor, group=pg, group_src=0, async_op=True), tensor))
+            except Exception as e:
+                error = self._failed(e, pending, group_name, current)
+                continue
             size = tensor.numel() * tensor.element_size()
             num_bytes += size
             held += size
             held_peak = max(held_peak, held)
-        self._complete(pending, send_device, group_name, current)
+        if error is None and dist.get_rank() == 0:
+            try:
+                self._complete(pending, send_device, group_name, current)
+            except Exception as e:
+                error = self._failed(e, pending, group_name, current)
+        agree(error, BroadcastError, "the weight broadcast failed")
         return BroadcastResult(buckets=buckets, seconds=time.perf_counter() - t0, num_bytes=num_bytes,
                                held_peak_bytes=held_peak, memory_peak_bytes=meter.peak())
+
+    def _failed(self, e: Exception, pending: list, group_name: str, bucket: int) -> BroadcastError:
+        """Rank 0 stops sending on `group_name`: the work in flight is dropped with the group (it will never
+        complete), and the error becomes the BroadcastError every rank agrees on after the gathers."""
+        pending.clear()
+        self._abort(group_name)
+        if isinstance(e, BroadcastError):
+            return e
+        return BroadcastError(f"weight-update group {group_name!r}: bucket {bucket} failed: {type(e).__name__}: {e}")
 
     def close(self, group_name: str | None = None) -> None:
         """Leave one group (or all) and stop hosting its store."""
         names = [group_name] if group_name is not None else list(set(self.groups) | set(self.stores))
         for name in names:
+            self.aborted.pop(name, None)
             pg = self.groups.pop(name, None)
             self.devices.pop(name, None)
             self.stores.pop(name, None)
@@ -188,6 +255,7 @@ class WeightBroadcaster:
         try:
             for work, _ in pending:
                 while not work.is_completed():
+                    self._check_aborted(group_name)
                     if time.monotonic() > deadline:
                         raise BroadcastError(f"weight-update group {group_name!r}: bucket {bucket} was not received "
                                              f"within {self.timeout_s:g}s (a member left mid-broadcast?)")

@@ -10,7 +10,8 @@ import msgspec
 
 from areal_async.types import WeightSpec
 
-__all__ = ["WeightPlanRequest", "WeightPlan", "OpenBroadcastRequest", "BroadcastEndpoint"]
+__all__ = ["WeightPlanRequest", "WeightPlan", "OpenBroadcastRequest", "BroadcastEndpoint", "AbortBroadcastRequest",
+           "AbortBroadcastResult"]
 
 
 class WeightPlanRequest(msgspec.Struct, kw_only=True):
@@ -37,3 +38,16 @@ class BroadcastEndpoint(msgspec.Struct, kw_only=True):
 
     address: str
     port: int
+
+
+class AbortBroadcastRequest(msgspec.Struct, kw_only=True):
+    """Ask trainer rank 0 to abort weight-update group `group_name` now. Served beside a running `broadcast` call
+    (not queued behind it): a member that failed a bucket will never receive the rest, so rank 0 stops sending at
+    once instead of at its per-bucket deadline. The group is finished after it; the controller forms a new one."""
+
+    group_name: str
+    reason: str = ""
+
+
+class AbortBroadcastResult(msgspec.Struct, kw_only=True):
+    running: bool  # a broadcast on the group was running and stops; False: none was (the group, if any, is gone)

@@ -40,7 +40,8 @@ import msgspec
 from areal_async.config import ConfigError, TrainConfig, from_dict
 from areal_async.launch.registry import read_secret
 from areal_async.torch_threads import one_thread_until_set
-from areal_async.train.messages import BroadcastEndpoint, OpenBroadcastRequest, WeightPlan, WeightPlanRequest
+from areal_async.train.messages import (AbortBroadcastRequest, AbortBroadcastResult, BroadcastEndpoint,
+                                        OpenBroadcastRequest, WeightPlan, WeightPlanRequest)
 from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequest, CheckpointResult, Empty,
                                InitBroadcastRequest, PublishRequest, PublishResult, TrainerInfo, TrainStepRequest,
                                TrainStepResult)
@@ -95,6 +96,7 @@ class TrainerService:
         s.register("open_broadcast", self.open_broadcast, OpenBroadcastRequest, blocking=True)
         s.register("init_broadcast", self.init_broadcast, InitBroadcastRequest, blocking=True)
         s.register("broadcast", self.broadcast, BroadcastRequest, blocking=True)
+        s.register("abort_broadcast", self.abort_broadcast, AbortBroadcastRequest)  # on the loop: beside a broadcast
         s.register("shutdown", self.shutdown, Empty, blocking=True)
 
     def info(self, _: Empty) -> TrainerInfo:
@@ -131,6 +133,9 @@ class TrainerService:
 
     def broadcast(self, req: BroadcastRequest) -> BroadcastResult:
         return self.engine.broadcast(req)
+
+    def abort_broadcast(self, req: AbortBroadcastRequest) -> AbortBroadcastResult:
+        return AbortBroadcastResult(running=self.engine._weight_broadcaster().request_abort(req.group_name, req.reason))
 
     def shutdown(self, _: Empty) -> Empty:
         self.server.request_stop()  # serve_forever returns once this reply is sent

@@ -430,6 +430,17 @@ class InferenceClient:
         members = urls if urls is not None else self._groups.get(group_name)
         return await self._fleet.distributed(payload, version, members)
 
+    def weight_group_members(self, group_name: str) -> list[str] | None:
+        """The servers that joined weight-update group `group_name` through this client (None: none did here).
+        The trainer's broadcast_weights gives each a receive loop of its own."""
+        members = self._groups.get(group_name)
+        return list(members) if members is not None else None
+
+    def weights_update_abandoned(self, errors: dict[str, BaseException]) -> None:
+        """A broadcast left these servers part-way (url -> why): they hold a mix of versions, so they leave
+        rotation until they hold the current weights (see Fleet.abandon_distributed)."""
+        self._fleet.abandon_distributed(errors)
+
     async def flush_cache(self) -> dict[str, Any]:
         return await self._pool.fanout("POST", "/flush_cache", None, servers=self._reachable())
 

@@ -341,3 +341,23 @@ class Fleet:
                 results[url] = AdminError(f"{url}: an earlier bucket of this broadcast failed", {})
         self._settle("update_weights_from_distributed", servers, results, version, taints=True)
         return results
+
+    def abandon_distributed(self, errors: dict[str, BaseException]) -> None:
+        """A broadcast stopped part-way for these servers (url -> why; a member that failed a bucket, or one whose
+        receive loop ended when the update was aborted): they never get the last bucket, which is what settles a
+        broadcast, so they are settled here. Each holds some buckets of the new version under its old label, so
+        the label is tainted for the version it reports (the current target's) and the server leaves rotation
+        until it holds the current weights (a later broadcast, `load_weights`, or the `weight_source` hook)."""
+        if not errors:
+            return
+        if self.target is None:  # "any server is current" would readmit them at once: their launch label is false
+            self.target = WeightTarget(0, None)
+        for url, why in errors.items():
+            self._partial_failed.discard(url)
+            server = self.pool.router.servers.get(url.rstrip("/"))
+            if server is None:
+                continue
+            self.counts["weight_load_failures"] += 1
+            self._tainted[server.url] = self.target.version
+            self.pool.needs_sync(server, f"a weight broadcast stopped part-way for it ({why}); it holds a mix of "
+                                         "versions")

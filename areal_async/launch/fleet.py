@@ -217,8 +217,27 @@ class _Members:
     async def init_weights_update_group(self, master_address: str, master_port: int, **kw: Any) -> Any:
         return await self.client.init_weights_update_group(master_address, master_port, urls=self.urls, **kw)
 
-    async def update_weights_from_distributed(self, *args: Any, **kw: Any) -> Any:
-        return await self.client.update_weights_from_distributed(*args, urls=self.urls, **kw)
+    async def update_weights_from_distributed(self, *args: Any, urls: list[str] | None = None, **kw: Any) -> Any:
+        """One bucket to the members, or to `urls` among them (the trainer gives each member a loop of its own)."""
+        targets = self.urls if urls is None else [u for u in urls if u in self.urls]
+        return await self.client.update_weights_from_distributed(*args, urls=targets, **kw)
+
+    def weight_group_members(self, group_name: str) -> list[str]:
+        del group_name  # this view is of one group
+        return list(self.urls)
+
+    def weights_update_abandoned(self, errors: dict[str, BaseException]) -> None:
+        self.client.weights_update_abandoned(errors)
+
+
+def _ranks_agreed(error: Any) -> bool:
+    """Every trainer rank answered a failed broadcast with a BroadcastError (rank 0's, the others' Peer twin):
+    rank 0 stopped sending and still took part in every gather, so no rank is stuck in a collective and the
+    broadcast can be retried on a new group. A rank that did not answer, or another kind of error, may be stuck."""
+    from areal_async.train.errors import BroadcastError
+
+    kind = getattr(error, "kind", None)
+    return kind is not None and issubclass(kind, BroadcastError) and not getattr(error, "unanswered", [None])
 
 
 class ElasticBroadcastSync:
@@ -229,10 +248,13 @@ class ElasticBroadcastSync:
     being restarted: a group with it would never form, a broadcast to it fails) and a newcomer that stays down for
     `settle_s` (it gets one wait). A server that comes back (restarted under its old URL) holds the launch weights:
     `publish_current`, the client's `weight_source`, has the trainers publish a checkpoint of the version it must
-    hold (when they still hold it), and the next update brings it into a new group anyway. A broadcast that fails
-    (a member died in the middle) forms a new group and sends again, with one trainer rank; with several, the other
-    ranks may be stuck in the FSDP gathers rank 0 left, so it is a trainer failure (`TrainerLost`: the run rolls
-    back). After a trainer restart, `set_trainers`: the new job is in no group."""
+    hold (when they still hold it), and the next update brings it into a new group anyway. A member that failed a
+    bucket (TrainerGroup.broadcast_failures) stays out until it is back in rotation. A broadcast that fails (a
+    member died or failed a bucket in the middle: the trainer client aborts rank 0's sending at once) forms a new
+    group and sends again. With several trainer ranks that holds when every rank answered with a BroadcastError
+    (rank 0 stopped sending but finished the FSDP gathers with the others); otherwise the other ranks may be stuck
+    in a gather rank 0 left, so it is a trainer failure (`TrainerLost`: the run rolls back). After a trainer
+    restart, `set_trainers`: the new job is in no group."""
 
     latest_checkpoint: str | None = None
     bucketed = True  # rollout/weight_sync.py: never applied without a pause
@@ -254,6 +276,7 @@ class ElasticBroadcastSync:
         self.generation = 0
         self.run_token = secrets.token_hex(4)
         self._waited: set[str] = set()  # newcomers that had their wait
+        self._failed: set[str] = set()  # members that failed a bucket of a broadcast (TrainerGroup.broadcast_failures)
 
     def set_trainers(self, trainers: Any) -> None:
         self.trainers = trainers
@@ -264,8 +287,11 @@ class ElasticBroadcastSync:
 
     def _targets(self, *, newcomers_down: bool) -> tuple[str, ...]:
         states = self._states()
-        return tuple(u for u in self.client.urls if states.get(u) != "down"
-                     or (newcomers_down and u not in self.members and u not in self._waited))
+        # a member that failed a bucket stays out until it is back in rotation (it caught up by other means): alive
+        # and reachable, it may well fail the next broadcast the same way, and every member's failure aborts one
+        self._failed = {u for u in self._failed if states.get(u) not in (None, "serving")}
+        return tuple(u for u in self.client.urls if u not in self._failed and (states.get(u) != "down"
+                     or (newcomers_down and u not in self.members and u not in self._waited)))
 
     async def form_group(self) -> None:
         members = self._targets(newcomers_down=False)
@@ -314,7 +340,7 @@ class ElasticBroadcastSync:
 
     async def apply(self, version: int, *, flush_cache: bool) -> None:
         from areal_async.launch.recovery import TrainerLost
-        from areal_async.train.client import TrainerError
+        from areal_async.train.client import BroadcastIncomplete, TrainerError
 
         for attempt in range(1, self.max_attempts + 1):
             if self._targets(newcomers_down=True) != self.members:  # a version boundary after the fleet changed
@@ -324,10 +350,10 @@ class ElasticBroadcastSync:
                 await self.trainers.broadcast_weights(self.client, version, group_name=self.group_name,
                                                       flush_cache=flush_cache)
                 return
-            except TrainerError as e:
-                if e.bad_input:
+            except (TrainerError, BroadcastIncomplete) as e:
+                if isinstance(e, TrainerError) and e.bad_input:
                     raise
-                if self.trainers.world_size > 1:
+                if self.trainers.world_size > 1 and isinstance(e, TrainerError) and not _ranks_agreed(e):
                     raise TrainerLost(f"the weight broadcast of version {version} failed ({e}); with "
                                       f"{self.trainers.world_size} trainer ranks the others may be stuck in a "
                                       "collective") from e
@@ -336,6 +362,8 @@ class ElasticBroadcastSync:
                 log.warning("weight broadcast of version %d failed (%s): forming a new group and sending again",
                             version, str(e).splitlines()[0])
                 self.members = ()
+            finally:
+                self._failed.update(getattr(self.trainers, "broadcast_failures", None) or {})
 
     async def publish_current(self, version: int) -> str:
         """The client's `weight_source`: an HF checkpoint of `version` for a server that came back."""

@@ -21,18 +21,20 @@ from typing import Any, Protocol, TypeVar
 
 from areal_async.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.errors import BatchError, PeerFailure, TrainerFailure, kind_of
-from areal_async.train.messages import BroadcastEndpoint, OpenBroadcastRequest, WeightPlan, WeightPlanRequest
+from areal_async.train.messages import (AbortBroadcastRequest, AbortBroadcastResult, BroadcastEndpoint,
+                                        OpenBroadcastRequest, WeightPlan, WeightPlanRequest)
 from areal_async.train.packing import balance_across_ranks
 from areal_async.types import (EPISODE_WEIGHT_KEY, BroadcastRequest, BroadcastResult, CheckpointRequest,
                                CheckpointResult, Empty, InitBroadcastRequest, PublishRequest, PublishResult,
                                TrainerInfo, Trajectory, TrainStepRequest, TrainStepResult, pack_trajectories)
 
-__all__ = ["TrainerGroup", "TrainerError", "WeightReceivers", "split_by_rank", "validate_trajectories"]
+__all__ = ["TrainerGroup", "TrainerError", "BroadcastIncomplete", "WeightReceivers", "split_by_rank", "validate_trajectories"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_ERROR_GRACE_S = 10.0  # after one rank fails, how long the others get to report their own error
+_ERROR_GRACE_S = 10.0
+_ABORT_TIMEOUT_S = 30.0  # an abort is served on rank 0's event loop, beside any running call: it answers at once  # after one rank fails, how long the others get to report their own error
 # the baseline weight travels as float32: outside its normal range it would arrive as 0, a subnormal or inf
 _WEIGHT_MIN, _WEIGHT_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38
 
@@ -48,6 +50,8 @@ class TrainerError(RuntimeError):
         self.rank = rank
         self.cause = cause
         self.kind: type[TrainerFailure] | None = _kind(cause)
+        # ranks that had not answered when the call gave up on them (busy, perhaps stuck in a collective)
+        self.unanswered: list[int] = []
 
     @property
     def bad_input(self) -> bool:
@@ -66,7 +70,11 @@ def _secondhand(exc: BaseException) -> bool:
 
 
 class WeightReceivers(Protocol):
-    """What broadcast needs of the inference side: `inference.client.InferenceClient` fits."""
+    """What broadcast needs of the inference side: `inference.client.InferenceClient` fits.
+
+    Two more methods are used when present (InferenceClient has both): `weight_group_members(group_name)`, the
+    servers that joined the group (then each member gets a receive loop of its own, see `broadcast_weights`), and
+    `weights_update_abandoned(errors)`, told of the members a broadcast left part-way (url -> why)."""
 
     async def init_weights_update_group(self, master_address: str, master_port: int, *,
                                         ranks_per_server: int | list[int] = 1, group_name: str = ...,
@@ -74,8 +82,17 @@ class WeightReceivers(Protocol):
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: int | None, *, group_name: str = ..., flush_cache: bool = ...,
-                                              abort_all_requests: bool = ...) -> Any: ...
+                                              abort_all_requests: bool = ..., urls: list[str] | None = ...) -> Any: ...
     # version None: the bucket carries no weight_version (the server keeps its label until the last bucket)
+
+
+class BroadcastIncomplete(RuntimeError):
+    """The trainer sent every bucket, but members stopped short: their receive loops ended when another member
+    failed and the broadcast was being aborted. `incomplete`: url -> why; those servers left rotation."""
+
+    def __init__(self, message: str, incomplete: dict[str, str]) -> None:
+        super().__init__(message)
+        self.incomplete = incomplete
 
 
 def validate_trajectories(trajs: list[Trajectory]) -> None:
@@ -132,6 +149,9 @@ class TrainerGroup:
         # a call the caller gave up on (cancelled: Ctrl-C, a failed run) that the ranks may still be running: they
         # serve calls one at a time, so a later call (shutdown included) would only queue behind it
         self.abandoned: str | None = None
+        # url -> why, for the members the last `broadcast_weights` lost (they failed a bucket): a caller that forms
+        # weight-update groups leaves them out of the next one
+        self.broadcast_failures: dict[str, str] = {}
 
     @property
     def world_size(self) -> int:
@@ -186,8 +206,10 @@ class TrainerGroup:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        unanswered: list[int] = []
         if pending:  # a rank failed: the others usually fail too (they agree on errors); give them a moment
             _, pending = await asyncio.wait(pending, timeout=_ERROR_GRACE_S)
+            unanswered = [r for r, t in zip(ranks, tasks) if t in pending]
             for t in pending:
                 t.cancel()
         failures = [(r, t.exception()) for r, t in zip(ranks, tasks) if t.done() and not t.cancelled()
@@ -196,7 +218,9 @@ class TrainerGroup:
             # the rank that found the problem rather than one that only heard about it
             primary = [f for f in failures if not _secondhand(f[1])] or failures
             rank, exc = primary[0]
-            raise TrainerError(method, rank, exc) from exc
+            error = TrainerError(method, rank, exc)
+            error.unanswered = unanswered
+            raise error from exc
         return [t.result() for t in tasks]
 
     async def info(self) -> list[TrainerInfo]:
@@ -285,29 +309,126 @@ class TrainerGroup:
                                                       group_name=group_name, backend=backend))
         return BroadcastEndpoint(address=address, port=endpoint.port)
 
+    async def abort_broadcast(self, group_name: str, reason: str = "") -> bool:
+        """Ask trainer rank 0 to abort weight-update group `group_name` now, beside the broadcast call it may be
+        running (not under the call lock, which that call holds): rank 0 stops sending, the call ends with a
+        BroadcastError, and the other ranks finish their gathers. Returns whether a broadcast was running; never
+        raises for a rank that cannot be reached (the broadcast's own deadline still ends it then)."""
+        try:
+            answer = await self.clients[0].call("abort_broadcast", AbortBroadcastRequest(group_name=group_name,
+                                                                                       reason=reason),
+                                                AbortBroadcastResult, timeout=_ABORT_TIMEOUT_S)
+        except (RpcError, ConnectionError, OSError, asyncio.TimeoutError) as e:
+            log.warning("could not abort weight-update group %s on trainer rank 0: %s", group_name, e)
+            return False
+        return answer.running
+
     async def broadcast_weights(self, servers: WeightReceivers, version: int, *,
                                 group_name: str = "weight_update_group", bucket_bytes: int = 256 << 20,
                                 flush_cache: bool = True) -> BroadcastResult:
         """Send the current weights to every server as `version`: one trainer broadcast, and per bucket one
-        /update_weights_from_distributed fan-out, in the order the trainer sends them. Only the last bucket carries
-        `version` and `flush_cache`, so no server labels weights v+1 (or drops its cache) before it has all of
-        them; pause generation around the call, or requests between buckets run on a mix of v and v+1."""
+        /update_weights_from_distributed call per member, in the order the trainer sends them. Only the last bucket
+        carries `version` and `flush_cache`, so no server labels weights v+1 (or drops its cache) before it has all
+        of them; pause generation around the call, or requests between buckets run on a mix of v and v+1.
+
+        When `servers` names the group's members, each member has a receive loop of its own, so one member's
+        failure is seen at once, not when the bucket's slowest member returns (with nccl, the others wait in that
+        bucket for the failed member forever). At a member's first failure its loop ends (its next receives would
+        pair with the rest of the failed bucket's sends) and, while the trainer is still sending, rank 0 is told to
+        abort the group and no member gets another bucket: the call then raises the trainer's TrainerError (a
+        BroadcastError) within moments, not at the per-bucket deadline. Every member left part-way holds a mix of
+        versions and leaves rotation; the failed ones are in `broadcast_failures` for the next group to leave out.
+        A member failure after the trainer finished fails only that member, as before."""
         plan = self._broadcast_plan.get((group_name, bucket_bytes))
         if plan is None:  # the layout never changes: ask once per (group, bucket size)
             plan = self._broadcast_plan[(group_name, bucket_bytes)] = await self.weight_plan(bucket_bytes)
-
-        async def receive() -> None:
-            last = len(plan.buckets) - 1
-            for i, spec in enumerate(plan.buckets):
-                await servers.update_weights_from_distributed(spec.names, spec.dtypes, spec.shapes,
-                                                              version if i == last else None,
-                                                              group_name=group_name,
-                                                              flush_cache=flush_cache and i == last)
-
         req = BroadcastRequest(version=version, group_name=group_name, bucket_bytes=bucket_bytes)
-        result, _ = await _both(self.broadcast(req), receive())
+        members_of = getattr(servers, "weight_group_members", None)
+        members = members_of(group_name) if members_of is not None else None
+        self.broadcast_failures = {}
+        if members is None:  # receivers that do not say who is in the group: one fan-out per bucket
+            result, _ = await _both(self.broadcast(req), self._receive_all(servers, plan, version, group_name,
+                                                                            flush_cache))
+        else:
+            result = await self._broadcast_to_members(servers, list(members), plan, req, flush_cache)
         if result.buckets != plan.buckets:
             raise RuntimeError("the trainer broadcast a different weight layout than it announced")
+        return result
+
+    @staticmethod
+    async def _receive_all(servers: WeightReceivers, plan: WeightPlan, version: int, group_name: str,
+                           flush_cache: bool) -> None:
+        last = len(plan.buckets) - 1
+        for i, spec in enumerate(plan.buckets):
+            await servers.update_weights_from_distributed(spec.names, spec.dtypes, spec.shapes,
+                                                          version if i == last else None, group_name=group_name,
+                                                          flush_cache=flush_cache and i == last)
+
+    async def _broadcast_to_members(self, servers: WeightReceivers, members: list[str], plan: WeightPlan,
+                                    req: BroadcastRequest, flush_cache: bool) -> BroadcastResult:
+        """The trainer's broadcast beside one receive loop per member (see `broadcast_weights`)."""
+        n = len(plan.buckets)
+        received = {u: 0 for u in members}  # buckets each member has taken
+        failures: dict[str, BaseException] = {}
+        stopped = False  # set once rank 0 is being aborted: no member gets another bucket
+        abort: asyncio.Future | None = None
+        trainer = asyncio.ensure_future(self.broadcast(req))
+
+        def failed(url: str, bucket: int, error: BaseException) -> None:
+            nonlocal stopped, abort
+            if abort is not None and abort.done():
+                # after rank 0 stopped: a consequence of the abort (the group went away under this member's
+                # receive), not a failure of its own; it is left part-way, and may join the next group
+                log.info("weight broadcast of version %d: %s stopped in bucket %d after the abort: %s",
+                         req.version, url, bucket, error)
+                return
+            failures[url] = error
+            log.warning("weight broadcast of version %d: %s failed bucket %d of %d: %s", req.version, url,
+                        bucket, n, error)
+            if abort is None and not trainer.done():
+                stopped = True
+                abort = asyncio.ensure_future(self.abort_broadcast(
+                    req.group_name, f"inference server {url} failed bucket {bucket} of {n}: {error}"))
+
+        async def receive(url: str) -> None:
+            for i, spec in enumerate(plan.buckets):
+                if stopped:
+                    return
+                last = i == n - 1
+                try:
+                    answer = await servers.update_weights_from_distributed(
+                        spec.names, spec.dtypes, spec.shapes, req.version if last else None,
+                        group_name=req.group_name, flush_cache=flush_cache and last, urls=[url])
+                    outcome = answer.get(url) if isinstance(answer, dict) else None
+                    if not isinstance(answer, dict) or url not in answer:
+                        outcome = RuntimeError(f"{url} is no longer one of the inference servers")
+                except Exception as e:  # AdminError: its only server failed
+                    outcome = e
+                if isinstance(outcome, BaseException):
+                    failed(url, i, outcome)
+                    return
+                received[url] = i + 1
+
+        loops = [asyncio.ensure_future(receive(u)) for u in members]
+        try:
+            result = await trainer
+            await asyncio.gather(*loops)  # the trainer sent everything: each member's receives can complete
+        finally:
+            for t in loops:  # after a trainer failure no member's pending receive can complete
+                t.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            if abort is not None:
+                await asyncio.gather(abort, return_exceptions=True)
+            left = {u: failures.get(u) or RuntimeError(f"the broadcast stopped after {received[u]} of {n} buckets")
+                    for u in members if received[u] < n}
+            self.broadcast_failures = {u: str(e) for u, e in failures.items()}
+            abandoned = getattr(servers, "weights_update_abandoned", None)
+            if left and abandoned is not None:
+                abandoned(left)
+        short = {u: str(e) for u, e in left.items() if u not in failures}
+        if short:
+            raise BroadcastIncomplete(f"weight broadcast of version {req.version}: {len(failures)} member(s) failed"
+                                      f" and {len(short)} stopped short of the last bucket", short)
         return result
 
     # ---- lifecycle ----

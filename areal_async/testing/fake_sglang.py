@@ -12,6 +12,9 @@ embedded server (tests/test_client.py, tests/test_interruption.py, tests/test_cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+from typing import Any, Callable
 
 import msgspec
 from aiohttp import web
@@ -66,6 +69,17 @@ class FakeSGLang:
         self.model_info_path = "/model_info"
         self.sglang_version: str | None = None
         self.health_calls = 0
+        # a real member of the trainer's weight-update group (gloo, CPU), as SGLang is one with nccl: it joins at
+        # /init_weights_update_group and receives every tensor of a bucket by broadcast. Opt-in (it loads torch):
+        # - fail_bucket: the bucket (0-based, counted per group) it fails like an SGLang whose allocation fails:
+        #   it receives `fail_after_tensors` of that bucket's tensors, then answers success=false, alive and
+        #   still in the group
+        # - buckets: (group name, bucket index, names received) per bucket call, in order
+        self.gloo_member = False
+        self.fail_bucket: int | None = None
+        self.fail_after_tensors = 0
+        self.buckets: list[tuple[str, int, list[str]]] = []
+        self._groups: dict[str, Any] = {}
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._inflight: dict[str, dict] = {}
@@ -105,8 +119,9 @@ class FakeSGLang:
         app.router.add_post("/abort_request", self._abort)
         app.router.add_post("/update_weights_from_disk", self._update)
         app.router.add_post("/update_weight_version", self._update_version)
-        for path in ("/init_weights_update_group", "/flush_cache"):
-            app.router.add_post(path, self._record_ok)
+        app.router.add_post("/init_weights_update_group", self._init_group)
+        app.router.add_post("/destroy_weights_update_group", self._destroy_group)
+        app.router.add_post("/flush_cache", self._record_ok)
         app.router.add_post("/update_weights_from_distributed", self._distributed)
         self._runner = web.AppRunner(app, shutdown_timeout=0.05, handle_signals=False)
         await self._runner.setup()
@@ -282,11 +297,90 @@ class FakeSGLang:
         self.admin.append((request.path, msgspec.json.decode(raw) if raw else {}))
         return self._json({"success": True, "message": "ok"})
 
+    @staticmethod
+    async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking torch.distributed call in a daemon thread: a receive the trainer never completes must
+        not keep the interpreter from exiting (asyncio's default executor joins its threads at exit)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(value)
+
+        def run() -> None:
+            try:
+                value, error = fn(*args), None
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting coroutine
+                value, error = None, e
+            with contextlib.suppress(RuntimeError):  # the loop may be gone by then
+                loop.call_soon_threadsafe(settle, value, error)
+
+        threading.Thread(target=run, name="fake-sglang-dist", daemon=True).start()
+        return await fut
+
+    async def _init_group(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        body = msgspec.json.decode(raw) if raw else {}
+        self.admin.append((request.path, body))
+        if not self.gloo_member:
+            return self._json({"success": True, "message": "ok"})
+        init = f"tcp://{body['master_address']}:{body['master_port']}"
+        try:
+            pg = await self._in_thread(_join_group, init, body["world_size"], body["rank_offset"],
+                                       body["group_name"])
+        except Exception as e:
+            return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, 400)
+        self._groups[body["group_name"]] = [pg, 0]  # the group, and the number of bucket calls it has had
+        return self._json({"success": True, "message": "ok"})
+
+    async def _destroy_group(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.admin.append((request.path, body))
+        held = self._groups.pop(body.get("group_name", ""), None)
+        if held is None:
+            return self._json({"success": False, "message": "group does not exist"}, 400)
+        from areal_async.inference.weights import destroy_group
+
+        # in the background: a receive still blocked on it (the trainer stopped mid-bucket) may hold it
+        threading.Thread(target=_quietly, args=(destroy_group, held[0]), name="fake-sglang-destroy",
+                         daemon=True).start()
+        return self._json({"success": True, "message": "ok"})
+
+    async def _receive(self, body: dict) -> web.Response:
+        import torch
+
+        from areal_async.inference.weights import receive_tensors
+
+        held = self._groups.get(body["group_name"])
+        if held is None:
+            return self._json({"success": False, "message": f"group {body['group_name']} does not exist"}, 400)
+        pg, index = held
+        held[1] += 1
+        names = body["names"]
+        take = self.fail_after_tensors if index == self.fail_bucket else len(names)
+        take = min(take, len(names))
+        try:
+            got = await self._in_thread(receive_tensors, pg, names[:take], body["dtypes"][:take],
+                                        body["shapes"][:take], torch.device("cpu"))
+        except Exception as e:
+            self.buckets.append((body["group_name"], index, []))
+            return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, 400)
+        self.buckets.append((body["group_name"], index, list(got)))
+        if take < len(names):  # SGLang's answer when it cannot allocate a tensor of the bucket
+            return self._json({"success": False, "message": f"Failed to update parameter online: out of memory "
+                                                            f"at {names[take]}"}, 400)
+        return self._json({"success": True, "message": "ok"})
+
     async def _distributed(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
         self.admin.append((request.path, body))
         if not self.dist_ok:
             return self._json({"success": False, "message": "broadcast failed"}, 400)
+        if self.gloo_member:
+            answer = await self._receive(body)
+            if answer.status != 200:
+                return answer
         if "weight_version" in body:  # as SGLang: the buckets received are relabelled; no label, the old one
             self.version = body["weight_version"]
         return self._json({"success": True, "message": "ok"})
@@ -296,3 +390,23 @@ class FakeSGLang:
         self.admin.append(("version", body))
         self.version = body["new_version"]
         return self._json({"success": True, "message": "ok"})
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # a group whose peer is gone may refuse a clean teardown
+        pass
+
+
+def _join_group(init_method: str, world_size: int, rank: int, group_name: str) -> Any:
+    """Join gloo group `group_name` as `rank`, as inference/weights.py's init_custom_group does, then take the name
+    out of torch's by-name registry (used only by functional collectives, never by broadcast(group=pg)): several
+    fakes of one process may be members of one group, and that registry takes a name once per process."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from areal_async.inference.weights import init_custom_group
+
+    pg = init_custom_group("gloo", init_method, world_size, rank, group_name, "cpu", 60.0)
+    c10d._unregister_process_group(group_name)
+    return pg

@@ -129,13 +129,13 @@ def sync_for(group, c, **kw):
     return ElasticBroadcastSync(group, c, "127.0.0.1", **kw)
 
 
-async def apply(sync, version: int) -> None:
+async def apply(sync, version: int, bucket: int = BUCKET) -> None:
     from areal_async.train import client as trainer_client
 
     real = trainer_client.TrainerGroup.broadcast_weights
 
-    async def with_bucket(self, servers, v, **kw):  # 16 MB buckets: one tensor each
-        return await real(self, servers, v, bucket_bytes=BUCKET, **kw)
+    async def with_bucket(self, servers, v, **kw):  # BUCKET: one tensor a bucket
+        return await real(self, servers, v, bucket_bytes=bucket, **kw)
 
     trainer_client.TrainerGroup.broadcast_weights = with_bucket
     try:
@@ -181,13 +181,18 @@ async def test_member_failing_a_bucket_aborts_the_update_and_the_next_group_leav
 
 
 async def test_member_failing_mid_bucket_is_retried_without_it_in_the_same_update(rig):
-    """With the default two attempts, one apply ends well: the retry forms a group without the failed member."""
+    """Buckets of two tensors; B takes the first tensor of bucket 1, then fails it. With the default two attempts
+    one apply ends well: the retry forms a group without B."""
     group, c, (a, b), _ = rig
-    b.fail_bucket, b.fail_after_tensors = 2, 0
+    b.fail_bucket, b.fail_after_tensors = 1, 1
     sync = sync_for(group, c, max_attempts=2)
-    await apply(sync, 3)
+    await apply(sync, 3, bucket=2 * BUCKET)
     assert sync.members == (a.url,)
-    assert len(dist_calls(b)) == 3  # buckets 0, 1, 2 of the first group; none after
+    first = {g for g, _, _ in b.buckets}
+    assert len(first) == 1 and first != {sync.group_name}
+    assert [names for _, _, names in b.buckets] == [["w0", "w1"], ["w2"]]  # nothing after its failure
+    assert len(dist_calls(b)) == 2
+    assert [names for g, _, names in a.buckets if g == sync.group_name] == [["w0", "w1"], ["w2", "w3"]]
     assert a.version == "3"
     await asyncio.wait_for(until(lambda: c.stats()["servers"][a.url]["state"] == "serving"), GUARD_S)
 

@@ -16,6 +16,9 @@ Choreography (driven by the controller, see `TrainerGroup.broadcast_weights` in 
        announced order, while that HTTP call is pending; the server returns once it has them all. Only the last
        bucket carries the version and the cache flush (a server labels nothing v+1 before it has all of v+1);
        the controller pauses generation around the whole update, so no request runs on half-updated weights.
+       Each member has a receive loop of its own; at a member's first failed bucket the controller calls
+       `abort_broadcast` (served on the RPC loop, beside this call: `WeightBroadcaster.request_abort`), rank 0
+       stops sending, finishes the gathers with the other ranks, and every rank raises.
 
 Tensors go one `broadcast` per tensor, in the checkpoint's dtype, exactly as SGLang receives them; buckets only bound
 how much a server allocates per HTTP call. The plan is a pure function of the model and `bucket_bytes`, so the

@@ -402,8 +402,10 @@ class TrainerGroup:
                     outcome = answer.get(url) if isinstance(answer, dict) else None
                     if not isinstance(answer, dict) or url not in answer:
                         outcome = RuntimeError(f"{url} is no longer one of the inference servers")
-                except Exception as e:  # AdminError: its only server failed
-                    outcome = e
+                except Exception as e:  # AdminError ("failed on every server": its only one): that server's error
+                    results = getattr(e, "results", None)
+                    outcome = results[url] if isinstance(results, dict) and isinstance(results.get(url),
+                                                                                        BaseException) else e
                 if isinstance(outcome, BaseException):
                     failed(url, i, outcome)
                     return

@@ -149,18 +149,23 @@ def tool_model(tmp_path_factory) -> str:
     seq = p1 + o1 + mid + o2
     train = torch.tensor([0] * len(p1) + [1] * len(o1) + [0] * len(mid) + [1] * len(o2), dtype=torch.bool)[1:]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    ids = torch.tensor([seq])  # [1, T]
-    for _ in range(600):
-        logits = model(ids).logits[0, :-1]  # [T-1, V]
-        loss = torch.nn.functional.cross_entropy(logits[train], ids[0, 1:][train])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.005:
-            break
-    model.save_pretrained(path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a step this small is ~30 ms on one thread and many times that on a busy machine's two
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        ids = torch.tensor([seq])  # [1, T]
+        for _ in range(600):
+            logits = model(ids).logits[0, :-1]  # [T-1, V]
+            loss = torch.nn.functional.cross_entropy(logits[train], ids[0, 1:][train])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if loss.item() < 0.005:  # ~150 steps: the taught replies are then sampled nearly always at T=0.7
+                break
+        model.save_pretrained(path)
+    finally:
+        torch.set_num_threads(threads)
     return path
 
 

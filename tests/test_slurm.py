@@ -436,6 +436,20 @@ def test_step_that_cannot_be_created_fails_within_the_node_timeout(slurm, tmp_pa
     wait_until(lambda: not jobs_named(name).strip(), HANG_S, "the allocation released")
 
 
+@pytest.mark.slow
+def test_checks_before_launch_run_before_submission(slurm, tmp_path):
+    """A typo in model.path (or a reward that does not exist) is a config error on the submitting host: nothing
+    is submitted, and no run directory is made."""
+    run_dir, name = run_dir_and_name(tmp_path, "precheck")
+    p = cli(["launcher=slurm", f"run_dir={run_dir}", f"model.path={tmp_path / 'no_such_model'}"])
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("config error: model.path: "), p.stderr
+    assert "submitted batch job" not in p.stdout and not jobs_named(name).strip()
+    p = cli(["launcher=slurm", f"run_dir={run_dir}", "data.reward=no_such_reward", "--print-sbatch"])
+    assert p.returncode == 2 and p.stderr.startswith("config error: data.reward: "), p.stdout + p.stderr
+    assert not os.path.exists(run_dir)
+
+
 # ---- placement and the batch script (no Slurm needed) -------------------------------------------------------------
 
 
@@ -503,6 +517,28 @@ def test_print_sbatch_prints_a_script_and_submits_nothing(tmp_path):
     assert "exec " in p.stdout and "launcher=slurm" in p.stdout.splitlines()[-1]
     p = cli([f"run_dir={tmp_path / 'p'}", "--print-sbatch"], timeout=60)
     assert p.returncode == 2 and "needs launcher=slurm" in p.stderr
+
+
+def test_model_dtype_reaches_the_servers_in_slurm_steps():
+    from types import SimpleNamespace
+
+    from areal_async.launch.slurm import SlurmLauncher
+
+    class Recorder:
+        def __init__(self):
+            self.cmds = []
+
+        def spawn(self, name, cmd, env=None, **kw):
+            self.cmds.append(cmd)
+
+    for backend, extra in (("embedded", []), ("sglang", ["slurm.gpus_per_node=2"])):
+        c = cfg(f"server.backend={backend}", "model.dtype=bfloat16", *extra)
+        procs = Recorder()
+        cluster = SimpleNamespace(processes=procs, alloc=SimpleNamespace(job_id="7"), step_name=lambda n: n,
+                                  registry=SimpleNamespace(env=lambda: {}))
+        SlurmLauncher._start_servers(cluster, c, place(c, ["a"], controller_node="a"), "/m", b"s")
+        (cmd,) = procs.cmds
+        assert cmd[cmd.index("--dtype") + 1] == "bfloat16", (backend, cmd)
 
 
 def test_slurm_helpers():

@@ -18,7 +18,9 @@ SIGTERM here cancels the job. While it waits in the queue: a job Slurm says cann
 held by down or drained nodes fails after `slurm.node_timeout_s`, any other wait ends after `slurm.queue_timeout_s`
 (null: the queue takes as long as it takes); the job is cancelled in every case. Before anything is submitted the
 config is validated, laid out on the nodes (slurm.place) and shown to Slurm with `sbatch --test-only`, so a bad
-partition or an impossible request is an error that names the key, with Slurm's own words. No torch here.
+partition or an impossible request is an error that names the key, with Slurm's own words; before that, the
+checks a run makes before launch (model, tokenizer and chat template, dataset, reward, workflow) run here too, so a
+typo in model.path never waits in the queue. No torch here.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Callable, TextIO
 
 from areal_async.config import ConfigError
 from areal_async.launch.slurm import SlurmError, job_nodes, place, slurm_cmd
@@ -283,14 +285,19 @@ def needs_submission(cfg: "RunConfig") -> bool:
 __all__ = ["classify_reason", "cli", "follow", "job_cpus_per_node", "needs_submission", "render_sbatch", "submit"]
 
 
-def cli(cfg: "RunConfig", config_path: str | None, overrides: list[str], *, print_sbatch: bool) -> int | None:
+def cli(cfg: "RunConfig", config_path: str | None, overrides: list[str], *, print_sbatch: bool,
+        check: "Callable[[RunConfig], None] | None" = None) -> int | None:
     """run.py's hook: the exit code when this invocation is a submission or `--print-sbatch`, else None (the run
-    goes on here: launcher=local, or inside an allocation)."""
+    goes on here: launcher=local, or inside an allocation). `check` (run.py's checks before launch: model,
+    dataset, reward, template) runs before anything is written or submitted, so a run that cannot work never
+    waits in the queue."""
     if not (print_sbatch or needs_submission(cfg)):
         return None
     try:
         if cfg.launcher != "slurm":
             raise ConfigError("--print-sbatch: needs launcher=slurm (the job runs its steps through srun)")
+        if check is not None:
+            check(cfg)
         return submit(cfg, config_path=config_path, overrides=overrides, print_only=print_sbatch)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

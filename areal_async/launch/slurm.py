@@ -492,11 +492,11 @@ class SlurmLauncher:
                 cmd = embedded_server_cmd(model_path, host=srv.host, port=port, device=srv.device,
                                           max_total_tokens=srv.max_total_tokens,
                                           max_running_requests=srv.max_running_requests, api_key=srv.api_key,
-                                          prefix_cache=srv.prefix_cache)
+                                          prefix_cache=srv.prefix_cache, dtype=cfg.model.dtype)
             else:
                 cmd = sglang_server_cmd(model_path, host=srv.host, port=port, api_key=srv.api_key,
                                         extra_args=srv.extra_args, base_gpu_id=0,
-                                        tp_size=srv.gpus_per_server)
+                                        tp_size=srv.gpus_per_server, dtype=cfg.model.dtype)
             step = [sys.executable, "-m", "areal_async.launch.step", "--name", f"server{i}", "--host", srv.host,
                     "--port", str(srv.port + i if srv.port else 0), "--"]
             env = {**thread_env(srv.torch_threads), "AREAL_RPC_SECRET": secret.hex(), **cluster.registry.env()}

@@ -21,10 +21,16 @@ from areal_async.metrics import cut_back
 from areal_async.rollout.controller import RunState, discard_after, prune_checkpoints, rollback_target, save_state
 
 
+def _holder(run_dir, launched: bool) -> subprocess.Popen:
+    """A controller that takes the lock (and, `launched`, gets as far as launching its run), then waits."""
+    then = "l.mark_running(); " if launched else ""
+    return subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from areal_async.launch.recovery import RunLock; l = RunLock(sys.argv[1]); l.acquire(); "
+        f"{then}print('held', flush=True); time.sleep(60)"), str(run_dir)], stdout=subprocess.PIPE, text=True)
+
+
 def test_lock_refuses_a_second_controller_and_records_a_killed_one(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from areal_async.launch.recovery import RunLock; RunLock(sys.argv[1]).acquire(); "
-        "print('held', flush=True); time.sleep(60)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = _holder(tmp_path, launched=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RuntimeError, match=f"in use by another running controller.*{holder.pid}"):
@@ -40,6 +46,25 @@ def test_lock_refuses_a_second_controller_and_records_a_killed_one(tmp_path):
     again = RunLock(str(tmp_path))
     assert again.acquire() is None  # a clean stop is no crash
     again.release("stopped")
+
+
+def test_a_controller_killed_while_starting_up_is_no_crash(tmp_path):
+    """Killed before its run was launched (a second Ctrl-C during start-up, a kill while the servers load): nothing
+    was trained, so the next controller finds no crash to report, and still finds the lock free."""
+    holder = _holder(tmp_path, launched=False)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError, match="in use by another running controller"):
+            RunLock(str(tmp_path)).acquire()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+    finally:
+        holder.kill()
+    lock = RunLock(str(tmp_path))
+    assert lock.acquire() is None
+    lock.mark_running()
+    lock.release("failed")
+    assert RunLock(str(tmp_path)).acquire() is None  # a run that failed and said so is no crash either
 
 
 def _checkpoint(run_dir, version: int, complete: bool = True) -> str:

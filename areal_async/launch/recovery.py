@@ -150,13 +150,16 @@ class RecoveryLog:
 class RunLock:
     """One controller per run directory, and how the previous one ended.
 
-    `run_dir/controller.lock` holds {"state": "running" | "stopped" | "failed", "pid", ...} and is flock()ed while a
-    controller runs. The kernel drops the lock when the process dies however it dies, so a rerun that finds
-    "running" in an unlocked file knows the last controller was killed (SIGKILL, OOM, a lost node)."""
+    `run_dir/controller.lock` holds {"state": "starting" | "running" | "stopped" | "failed", "pid", ...} and is
+    flock()ed while a controller runs. The kernel drops the lock when the process dies however it dies, so a rerun
+    that finds "running" in an unlocked file knows the last controller was killed (SIGKILL, OOM, a lost node).
+    "starting" (taken, servers and trainers not yet launched: `mark_running` ends it) is no crash to recover from:
+    nothing was trained, so a controller interrupted or killed while starting up is not reported as a fault."""
 
     def __init__(self, run_dir: str) -> None:
         self.path = os.path.join(run_dir, LOCK_FILE)
         self._fd: int | None = None
+        self._started = 0.0
 
     def acquire(self) -> dict[str, Any] | None:
         """Take the lock; returns the previous controller's record when it never stopped, else None. Raises
@@ -175,8 +178,14 @@ class RunLock:
                                f"({self._read().get('pid', '?')})") from None
         self._fd = fd
         previous = self._read()
-        self._write({"state": "running", "pid": os.getpid(), "started": time.time()})
+        self._started = time.time()
+        self._write({"state": "starting", "pid": os.getpid(), "started": self._started})
         return previous if previous.get("state") == "running" else None
+
+    def mark_running(self) -> None:
+        """The run is launched: from now on a controller that ends without `release` was killed mid-run."""
+        if self._fd is not None:
+            self._write({"state": "running", "pid": os.getpid(), "started": self._started})
 
     def release(self, state: str) -> None:
         if self._fd is None:

@@ -49,7 +49,13 @@ from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequ
 log = logging.getLogger("areal_async.train.worker")
 
 _TEARDOWN_TIMEOUT_S = 30.0  # a barrier that has not completed by then means the other ranks are gone
-_STOP_GRACE_S = 60.0  # after an unrequested stop (signal, orphan), how long a running call may take to finish
+# After an unrequested stop (a signal, torchrun's agent gone, the controller gone), how long a running call may take
+# to finish, and then the teardown barrier: nobody waits for the call's result any more, and a call stuck in a
+# collective (a peer rank died or was stopped) would otherwise hold the rank, and the teardown that signalled it,
+# for as long. Saves are atomic (a save cut short leaves the previous checkpoint), so a few seconds do. The shutdown
+# RPC is not bounded by this: it runs after the calls before it, and the rank exits cleanly once they are done.
+_STOP_GRACE_S = 3.0
+_STOP_TEARDOWN_S = 10.0  # the teardown barrier after such a stop: every rank was signalled, or its peers are gone
 
 
 def rank_file(run_dir: str, rank: int) -> str:
@@ -184,8 +190,9 @@ async def _watchdog(server, args: argparse.Namespace, parent: int, stop) -> None
         await asyncio.sleep(1.0)
 
 
-async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -> int:
-    """Serve until stopped; returns the exit code: 0 after `shutdown` or a signal, 1 when orphaned."""
+async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -> tuple[int, bool]:
+    """Serve until stopped; returns (exit code: 0 after `shutdown` or a signal, 1 when orphaned, whether the stop
+    was unrequested: a signal or the watchdog, not the shutdown RPC)."""
     from areal_async.rpc import RpcServer
 
     threads = engine.cfg.torch_threads if engine.device.type == "cpu" else None
@@ -202,11 +209,13 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
     loop = asyncio.get_running_loop()
 
     exit_code = 0
+    unrequested = False  # stopped by a signal or the watchdog rather than by the shutdown RPC
     deadlines: list[threading.Timer] = []
 
     def stop(reason: str, code: int = 0) -> None:
-        nonlocal exit_code
+        nonlocal exit_code, unrequested
         exit_code = max(exit_code, code)
+        unrequested = True
         log.warning("stopping: %s", reason)
         server.request_stop()
         # a call stuck in a collective (another rank died) would keep serve_forever waiting forever
@@ -238,10 +247,10 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
                 os.remove(path)
         except OSError:
             pass
-    return exit_code
+    return (exit_code, unrequested)
 
 
-def _teardown(engine) -> None:
+def _teardown(engine, timeout_s: float = _TEARDOWN_TIMEOUT_S) -> None:
     """Barrier, then destroy the process group, bounded: ranks that are gone must not keep us alive."""
     import torch.distributed as dist
 
@@ -256,9 +265,9 @@ def _teardown(engine) -> None:
 
     t = threading.Thread(target=run, name="teardown", daemon=True)
     t.start()
-    t.join(_TEARDOWN_TIMEOUT_S)
+    t.join(timeout_s)
     if t.is_alive():
-        log.error("teardown barrier did not complete in %.0fs; exiting without it", _TEARDOWN_TIMEOUT_S)
+        log.error("teardown barrier did not complete in %.0fs; exiting without it", timeout_s)
         os._exit(1)
 
 
@@ -292,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         engine.load_checkpoint(args.resume)
         log.info("resumed from %s at version %d", args.resume, engine.version)
-    code = asyncio.run(_serve(engine, args, secret, parent))
-    _teardown(engine)
+    code, unrequested = asyncio.run(_serve(engine, args, secret, parent))
+    # stopped unasked, the peers are stopping too (torchrun signals every rank) or gone: do not wait long for them
+    _teardown(engine, _STOP_TEARDOWN_S if unrequested else _TEARDOWN_TIMEOUT_S)
     return code
 
 

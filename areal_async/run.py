@@ -19,6 +19,7 @@ import contextlib
 import copy
 import json
 import logging
+import logging.handlers
 import os
 import shutil
 import sys
@@ -91,6 +92,7 @@ class Session:
     controller: AsyncRLController | None = None
     recovery: Any = None  # the RunRecovery policy, when recovery.enabled (set by failure_policy)
     recovery_log: Any = None  # RecoveryLog: every fault and what was done
+    trainers_stopped: bool = False  # every rank took the shutdown RPC: the trainer job is exiting by itself
 
     def log_metrics(self, kind: str, step: int, values: dict[str, Any]) -> None:
         if self.logger is not None:
@@ -107,7 +109,9 @@ class Session:
             ctrl.finish(completed=False)  # closes the ledger file (its end line was written by a normal finish)
         if trainers is not None:
             with contextlib.suppress(Exception):
+                busy = getattr(trainers, "abandoned", None) is not None  # then shutdown only closes connections
                 await asyncio.wait_for(trainers.shutdown(), 30)
+                self.trainers_stopped = not busy
         for part in (client, rewards):
             if part is not None:
                 with contextlib.suppress(Exception):
@@ -124,6 +128,7 @@ async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = 
     from areal_async.launch.recovery import RecoveryLog, RunLock, RunStopped
 
     plan = prepare(cfg, workflow)
+    open_run_log(plan.cfg.run_dir)  # the checks passed: from here on the run has a directory
     session = Session(rewards=plan.rewards)
     cluster: Cluster | None = None
     lock = RunLock(plan.cfg.run_dir)
@@ -142,6 +147,7 @@ async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = 
             _record_controller_restart(rlog, crashed, plan)
         launcher = launcher or launcher_for(plan.cfg)
         cluster = await launcher.launch(plan.cfg, model_path=plan.model_path, trainer_resume=plan.trainer_resume)
+        lock.mark_running()  # started up: a controller that dies from now on leaves a run to recover
         try:
             out = await supervise(train(plan, state, cluster, session), cluster,
                                   failure_policy(plan.cfg, cluster, session))
@@ -153,8 +159,22 @@ async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = 
     finally:
         await session.close()
         if cluster is not None:
+            if session.trainers_stopped:
+                await trainers_exit_on_their_own(cluster)
             await cluster.shutdown()
         lock.release(ended)
+
+
+async def trainers_exit_on_their_own(cluster: Cluster, timeout_s: float = 20.0) -> None:
+    """After the ranks took the shutdown RPC, give their torchrun agents (or the srun steps running them) time to
+    exit by themselves before the launcher signals what is left: torchrun stopped by a signal prints a
+    SignalException traceback into trainer.log on every clean run. Clusters without local children skip this."""
+    from areal_async.launch.processes import Processes
+
+    procs = getattr(cluster, "processes", None)
+    if isinstance(procs, Processes):
+        if not await asyncio.to_thread(procs.wait_exited, "trainer", timeout_s):
+            log.info("the trainer job did not exit within %.0fs of its shutdown; the launcher stops it", timeout_s)
 
 
 def _record_controller_restart(rlog: Any, crashed: dict[str, Any], plan: RunPlan) -> None:
@@ -395,9 +415,18 @@ async def _copy_final(ctrl: AsyncRLController, run_dir: str) -> str | None:
 # ---- the command line -------------------------------------------------------------------------------------------
 
 
+def program_name(argv0: str | None = None) -> str:
+    """How the user started this command, for usage lines: `areal-run` (the console script) or `python -m
+    areal_async.run` (anything else: `-m`, or `main()` called from another program)."""
+    name = os.path.basename(argv0 if argv0 is not None else (sys.argv[0] if sys.argv else ""))
+    return name if name.startswith("areal-run") else "python -m areal_async.run"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Flags and key=value overrides in any order (`mode=sync --print-config eta=0`): overrides keep their order,
+    which decides when a key is given twice."""
     p = argparse.ArgumentParser(
-        prog="python -m areal_async.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=program_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="configuration keys (set in a --config file or as key=value; mode, eta, steps and total_steps are "
                "short for their schedule. keys):\n" + describe())
     p.add_argument("--config", default=None, help="YAML config file (may start from another with `base: FILE`); "
@@ -406,11 +435,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--print-sbatch", action="store_true",
                    help="launcher=slurm: print the batch script that runs this command, and exit (docs/cluster.md)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. mode=sync eta=2 train.optim.lr=1e-4")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
-def setup_logging(run_dir: str) -> None:
-    os.makedirs(run_dir, exist_ok=True)
+class _RunLog(logging.handlers.MemoryHandler):
+    """run.log before the run has a directory: records are held in memory until the checks before launch pass
+    (`open_run_log`), so a run that fails them creates no run directory, and run.log still starts at the top."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=1 << 30, flushLevel=logging.CRITICAL + 1)
+
+    def shouldFlush(self, record: logging.LogRecord) -> bool:
+        return self.target is not None
+
+    def open(self, run_dir: str) -> None:
+        if self.target is None:
+            os.makedirs(run_dir, exist_ok=True)
+            target = logging.FileHandler(os.path.join(run_dir, "run.log"))
+            target.setFormatter(self.formatter)
+            self.setTarget(target)
+            self.flush()
+
+    def close(self) -> None:
+        target = self.target
+        super().close()
+        if target is not None:
+            target.close()
+
+
+def open_run_log(run_dir: str) -> None:
+    """Point the held run.log (set up by `setup_logging`) at `run_dir/run.log`; nothing when there is none."""
+    for h in logging.getLogger().handlers:
+        if isinstance(h, _RunLog):
+            h.open(run_dir)
+
+
+def setup_logging(run_dir: str | None = None) -> None:
+    """Console logging, and run.log: written at once under `run_dir`, or (None) held until `open_run_log`."""
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     root = logging.getLogger()
     root.setLevel(logging.INFO)
@@ -418,11 +479,24 @@ def setup_logging(run_dir: str) -> None:
         root.removeHandler(h)
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(fmt)
-    fileh = logging.FileHandler(os.path.join(run_dir, "run.log"))
+    fileh = _RunLog()
     fileh.setFormatter(fmt)
+    if run_dir is not None:
+        fileh.open(run_dir)
     root.addHandler(console)
     root.addHandler(fileh)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def check_before_submission(cfg: RunConfig, workflow: Any = None) -> None:
+    """Every check `prepare` makes, run on the submitting host before `sbatch`: a typo in model.path, a missing
+    dataset, an unknown reward or a model without the chat template asked for is a ConfigError here rather than
+    after the job leaves the queue. The host checks of `prepare` (GPUs, ports) skip Slurm runs: those are the
+    job's nodes'. Nothing is kept (the job prepares again where it runs)."""
+    plan = prepare(cfg, workflow)
+    rewards = getattr(plan.rewards, "close", None)
+    if rewards is not None:
+        asyncio.run(rewards())
 
 
 def main(argv: list[str] | None = None, workflow: Any = None, launcher: Launcher | None = None) -> int:
@@ -442,10 +516,11 @@ def main(argv: list[str] | None = None, workflow: Any = None, launcher: Launcher
     interrupt_on_sigterm()  # SIGTERM tears down like Ctrl-C
     from areal_async.launch.sbatch import cli as slurm_submission  # launcher=slurm outside an allocation
 
-    code = slurm_submission(cfg, args.config, args.overrides, print_sbatch=args.print_sbatch)
+    code = slurm_submission(cfg, args.config, args.overrides, print_sbatch=args.print_sbatch,
+                            check=lambda c: check_before_submission(c, workflow))
     if code is not None:
         return code
-    setup_logging(cfg.run_dir)
+    setup_logging()  # run.log lands in run_dir once the checks before launch pass
     try:
         import uvloop
 

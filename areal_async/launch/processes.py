@@ -361,6 +361,16 @@ class Processes:
         if child in self.children:
             self.children.remove(child)  # its pid may be reused: shutdown must not signal that group later
 
+    def wait_exited(self, role: Role, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every child of `role` to exit by itself; True when none is left running. Used
+        after the trainer ranks took the shutdown RPC: torchrun then exits cleanly once its workers have, while a
+        signal makes it print a SignalException traceback. Blocking: call it off the event loop."""
+        deadline = time.monotonic() + timeout_s
+        for child in [c for c in self.children if c.role == role]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return all(c.proc.poll() is not None for c in self.children if c.role == role)
+
     def shutdown(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child's process group, wait up to grace_s, then SIGKILL what is left, torchrun's workers
         (in sessions of their own) included: a worker busy with a long call, or stopped, would outlive the run."""

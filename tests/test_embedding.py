@@ -211,3 +211,21 @@ def test_openai_sdk_agent_with_a_tool_trains_through_the_proxy(tool_model, tmp_p
         assert any(mod.calculator(x) in ctx for x in tool_inputs)
         fed_back += 1
     assert fed_back >= 1
+
+
+def test_the_docs_workflow_listing_runs(tmp_path):
+    """docs/embedding.md's route 1 (a workflow of one's own) is a complete program: run as written, 2 steps."""
+    with open(os.path.join(REPO, "docs", "embedding.md")) as f:
+        text = f.read()
+    listing = text.split("## Route 1", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+    script = tmp_path / "route1.py"
+    script.write_text(listing)
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, str(script), *SMALL, f"run_dir={run_dir}", "rollout.max_new_tokens=24"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1].startswith("2 steps; max staleness")
+    with open(run_dir / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 2 and summary["max_staleness_seen"] <= summary["eta"]
+    assert os.path.isfile(os.path.join(summary["final_checkpoint"], "config.json"))

@@ -44,6 +44,12 @@ async def score_sample(score: ScoreFn, completion: str, sample: Sample) -> tuple
 
 @runtime_checkable
 class Workflow(Protocol):
+    """One sample in, one group of trajectories out (the group is the unit of the trainer's group-relative
+    advantages). Generate through `client` only, so interrupted requests resume under new weights and every token
+    keeps its version; return trajectories whose trained tokens, logprobs and versions are the generated ones
+    (`trajectory_from_generation`), or None / [] to reject the group (counted as dropped, never trained). A raise
+    drops the group too. `run` is called concurrently for many samples: keep per-sample state local."""
+
     async def run(self, client: Generator, sample: Sample) -> list[Trajectory] | None: ...
 
 

@@ -58,7 +58,7 @@ def workflow(reward: Reward = exact_answer) -> embed.WorkflowFactory:
     return embed.env_workflow(lambda sample: HintEnv(reward), max_turns=3)
 
 
-make_workflow = workflow()  # also usable by name: rollout.workflow=custom_env:make_workflow
+make_workflow = workflow()  # by name, with examples/ on PYTHONPATH: rollout.workflow=custom_env:make_workflow
 
 
 def main(overrides: Sequence[str] = (), *, reward: Reward = exact_answer,

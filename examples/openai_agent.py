@@ -94,7 +94,8 @@ def make_agent(reward: Callable[[str, str], float] = exact_answer,
     return agent
 
 
-make_workflow = embed.agent_workflow(make_agent())  # also usable by name: rollout.workflow=openai_agent:make_workflow
+# by name, with examples/ on PYTHONPATH: rollout.workflow=openai_agent:make_workflow
+make_workflow = embed.agent_workflow(make_agent())
 
 
 def main(overrides: Sequence[str] = (), *, agent: embed.AgentFn | None = None,

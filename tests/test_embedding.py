@@ -22,6 +22,7 @@ from areal_async import embed
 pytestmark = pytest.mark.timeout(400)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
 SMALL = ["model.path=tiny", "steps=2", "schedule.batch_size=2", "rollout.group_size=2", "schedule.eval_every=0",
          "eval.num_prompts=4", "schedule.filter_uniform_reward=false", "server.device=cpu", "train.device=cpu"]
 
@@ -63,8 +64,8 @@ def test_import_is_light_and_starts_nothing():
              "assert 'areal_async.embed' not in sys.modules\n"
              "assert areal_async.train is areal_async.embed.train\n"
              "import importlib.util\n"
-             f"for n in ('custom_env', 'openai_agent'):\n"
-             f"    s = importlib.util.spec_from_file_location(n, {os.path.join(REPO, 'examples')!r} + '/' + n + '.py')\n"
+             "for n in ('custom_env', 'openai_agent'):\n"
+             f"    s = importlib.util.spec_from_file_location(n, {EXAMPLES!r} + '/' + n + '.py')\n"
              "    s.loader.exec_module(importlib.util.module_from_spec(s))\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'openai')))\n")
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -370,6 +370,7 @@ class TrainerGroup:
         n = len(plan.buckets)
         received = {u: 0 for u in members}  # buckets each member has taken
         failures: dict[str, BaseException] = {}
+        gone: set[str] = set()  # members removed from the client during the update
         stopped = False  # set once rank 0 is being aborted: no member gets another bucket
         abort: asyncio.Future | None = None
         trainer = asyncio.ensure_future(self.broadcast(req))
@@ -407,6 +408,13 @@ class TrainerGroup:
                     outcome = results[url] if isinstance(results, dict) and isinstance(results.get(url),
                                                                                         BaseException) else e
                 if isinstance(outcome, BaseException):
+                    known = getattr(servers, "urls", None)
+                    if isinstance(known, list) and url not in known:
+                        # removed from the client meanwhile (a server leaving is drained, then forgotten): a leave,
+                        # not a failure; as before, the others go on and the next update forms a group without it
+                        log.info("weight broadcast of version %d: %s left during bucket %d", req.version, url, i)
+                        gone.add(url)
+                        return
                     failed(url, i, outcome)
                     return
                 received[url] = i + 1
@@ -427,7 +435,7 @@ class TrainerGroup:
             abandoned = getattr(servers, "weights_update_abandoned", None)
             if left and abandoned is not None:
                 abandoned(left)
-        short = {u: str(e) for u, e in left.items() if u not in failures}
+        short = {u: str(e) for u, e in left.items() if u not in failures and u not in gone}
         if short:
             raise BroadcastIncomplete(f"weight broadcast of version {req.version}: {len(failures)} member(s) failed"
                                       f" and {len(short)} stopped short of the last bucket", short)

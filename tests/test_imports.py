@@ -23,6 +23,7 @@ CONTROLLER_SIDE = [
     "areal_async.rollout.workflows", "areal_async.rollout.workflows.rlvr", "areal_async.rollout.workflows.multi_turn",
     "areal_async.inference.client", "areal_async.train.client",
     "areal_async.agent", "areal_async.agent.openai_proxy", "areal_async.agent.episode",
+    "areal_async.embed", "areal_async.cpu_features", "areal_async.run_plan", "areal_async.model_store",
 ]
 
 PROBE = """

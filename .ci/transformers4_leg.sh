@@ -39,6 +39,10 @@ for tf in "${VERSIONS[@]}"; do
       "uvloop>=0.19" "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2"
     touch "$venv/.installed"
   fi
+  # a reused venv may have been made from another checkout: this checkout's package comes first on the path
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  "$venv/bin/python" -c "import areal_async, os, sys; p = os.path.realpath(areal_async.__file__)
+sys.exit(0 if p.startswith(os.path.realpath('$PWD') + os.sep) else f'transformers leg: areal_async from {p}')"
   got=$("$venv/bin/python" -c "import torch, transformers; print(torch.__version__, transformers.__version__)")
   echo "transformers leg: torch / transformers = $got"
   case "$got" in *" $tf") ;; *) echo "transformers leg: wanted transformers $tf, got $got" >&2; exit 1;; esac

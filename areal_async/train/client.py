@@ -28,13 +28,14 @@ from areal_async.types import (EPISODE_WEIGHT_KEY, BroadcastRequest, BroadcastRe
                                CheckpointResult, Empty, InitBroadcastRequest, PublishRequest, PublishResult,
                                TrainerInfo, Trajectory, TrainStepRequest, TrainStepResult, pack_trajectories)
 
-__all__ = ["TrainerGroup", "TrainerError", "BroadcastIncomplete", "WeightReceivers", "split_by_rank", "validate_trajectories"]
+__all__ = ["TrainerGroup", "TrainerError", "BroadcastIncomplete", "WeightReceivers", "split_by_rank",
+           "validate_trajectories"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_ERROR_GRACE_S = 10.0
-_ABORT_TIMEOUT_S = 30.0  # an abort is served on rank 0's event loop, beside any running call: it answers at once  # after one rank fails, how long the others get to report their own error
+_ERROR_GRACE_S = 10.0  # after one rank fails, how long the others get to report their own error
+_ABORT_TIMEOUT_S = 30.0  # an abort is served on rank 0's event loop, beside any running call: it answers at once
 # the baseline weight travels as float32: outside its normal range it would arrive as 0, a subnormal or inf
 _WEIGHT_MIN, _WEIGHT_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38
 

@@ -22,13 +22,13 @@ something else in a run config is an error; a file that carries them with the va
 
 Every field is documented by the string literal under it (config_help.py reads those for `--help`).
 Sections of where processes live and what happens when they die are in config_cluster.py, YAML files and
-overrides as dicts in config_files.py, the shared pieces in config_base.py. Never torch.
+overrides as dicts in config_files.py, reading the fields' types (override parsing, error messages) in
+config_types.py, the shared pieces in config_base.py. Never torch.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 from typing import Any, Callable, Literal
 
 import msgspec
@@ -36,6 +36,7 @@ import msgspec
 from areal_async.config_base import ConfigError, Section, check, key_of
 from areal_async.config_cluster import RecoveryConfig, RendezvousConfig, SlurmConfig
 from areal_async.config_files import ALIASES, TextKind, apply_overrides, lookup, read_yaml
+from areal_async.config_types import field_info, format_validation_error, text_kind_of
 
 # re-exported: the public names of the config live here
 __all__ = ["ConfigError", "RunConfig", "ModelConfig", "DataConfig", "ServerConfig", "ScheduleConfig",
@@ -526,80 +527,14 @@ def _check_derived(raw: dict[str, Any], cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: comes from {source} ({expected}); set that instead")
 
 
-def _field_info(cls: type[msgspec.Struct], key: str) -> Any:
-    """The msgspec type info of the field at dotted `key` of `cls` (None when there is no such field): what an
-    error message or an override's parsing needs to know about it."""
-    info: Any = msgspec.inspect.type_info(cls)
-    for part in key.split(".") if key else []:
-        if not isinstance(info, msgspec.inspect.StructType):
-            return None
-        info = next((f.type for f in info.fields if f.name == part), None)
-        if info is None:
-            return None
-    return info
-
-
-def _text_kind_of(info: Any) -> TextKind:
-    ins = msgspec.inspect
-    if isinstance(info, ins.StrType):
-        return "str"
-    if isinstance(info, ins.UnionType):
-        kinds = {type(t) for t in info.types}
-        if kinds == {ins.StrType, ins.NoneType}:
-            return "str?"
-    if isinstance(info, ins.ListType) and isinstance(info.item_type, ins.StrType):
-        return "list[str]"
-    return None
-
-
 def text_kind(cls: type[msgspec.Struct] | None = None) -> Callable[[str], TextKind]:
     """`apply_overrides`' view of the types: which dotted keys of `cls` (default RunConfig) are text fields."""
     root = cls or RunConfig
 
     def kind(key: str) -> TextKind:
-        return _text_kind_of(_field_info(root, key))
+        return text_kind_of(field_info(root, key))
 
     return kind
-
-
-def _choices(info: Any) -> str:
-    if isinstance(info, msgspec.inspect.UnionType):  # Literal[...] | None
-        values = [v for t in info.types if isinstance(t, msgspec.inspect.LiteralType) for v in t.values]
-        if any(isinstance(t, msgspec.inspect.NoneType) for t in info.types):
-            values.append(None)
-    else:
-        values = list(getattr(info, "values", ()))
-    return ", ".join("null" if v is None else str(v) for v in values)
-
-
-def _format_validation_error(e: msgspec.ValidationError, cls: type[msgspec.Struct] | None = None) -> ConfigError:
-    # msgspec says "... - at `$.train.optim.lr`" or "Object contains unknown field `x` - at `$.train`"
-    root = cls or RunConfig
-    msg = str(e)
-    where = ""
-    if " - at `$" in msg:
-        msg, _, where = msg.partition(" - at `$")
-        where = where.rstrip("`").lstrip(".")
-    if msg.startswith("Object contains unknown field"):
-        field = msg.split("`")[1]
-        section = _field_info(root, where)
-        names = [f.name for f in section.fields] if isinstance(section, msgspec.inspect.StructType) else []
-        if not where:
-            names += list(ALIASES)
-        close = difflib.get_close_matches(field, names, n=1)
-        if close:  # a short override name (top level only) is suggested as itself
-            hint = f"; did you mean {close[0] if not where and close[0] in ALIASES else key_of(where, close[0])}?"
-        else:
-            hint = ""
-        return ConfigError(f"{key_of(where, field)}: unknown key{hint}")
-    info = _field_info(root, where) if where else None
-    if msg.startswith("Invalid enum value") and info is not None:
-        return ConfigError(f"{where}: {msg.replace('Invalid enum value', 'invalid value', 1)}; choose one of "
-                           f"{_choices(info)}")
-    if _text_kind_of(info) in ("str", "str?") and msg.startswith("Expected `str"):
-        msg += (" (a text field: quote the value in a YAML file, e.g. \"123456\"; a key=value override keeps "
-                "its text as typed)")
-    return ConfigError(f"{where or '<root>'}: {msg}")
 
 
 def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = RunConfig) -> Any:
@@ -612,7 +547,7 @@ def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = RunConfig) -> Any
     try:
         cfg = msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as e:
-        raise _format_validation_error(e, cls) from None
+        raise format_validation_error(e, cls) from None
     if isinstance(cfg, RunConfig):
         _check_derived(raw, cfg)
     validate = getattr(cfg, "validate", None)

@@ -31,9 +31,9 @@ pytestmark = pytest.mark.timeout(180)
 DEADLINE_S = 600.0  # rank 0's per-bucket deadline: every wait below is bounded far under it
 GUARD_S = 60.0  # hang guard of one update
 
-# rank 0's RPC service over an engine that holds four 16 MB tensors (one bucket each at the 16 MB bucket size used
-# below): a gloo send that large to a member that does not receive stays blocked, so without the abort rank 0
-# would sit in the bucket until its deadline
+# rank 0's RPC service over an engine that holds six 32 MB tensors (one bucket each at the BUCKET size used below).
+# What follows a failed bucket is more than a member's socket buffers take unread (here up to 32 MB + 4 MB), so
+# rank 0 cannot finish without the failed member and, without the abort, would wait for its deadline
 _TRAINER = textwrap.dedent("""
     import asyncio, json, os, sys, torch, torch.distributed as dist
     from torch import nn
@@ -48,13 +48,13 @@ _TRAINER = textwrap.dedent("""
     class Engine:
         def __init__(self):
             self.model = nn.Module()
-            for i in range(4):
-                self.model.register_parameter(f"w{i}", nn.Parameter(torch.full((2048, 2048), float(i + 1))))
+            for i in range(6):
+                self.model.register_parameter(f"w{i}", nn.Parameter(torch.full((4096, 2048), float(i + 1))))
             self.wb = WeightBroadcaster(timeout_s=deadline)
             self.version = 0
 
         def info(self):
-            return TrainerInfo(rank=0, world_size=1, version=self.version, device="cpu", num_params=4 << 22)
+            return TrainerInfo(rank=0, world_size=1, version=self.version, device="cpu", num_params=6 << 23)
 
         def weight_plan(self, bucket_bytes):
             return plan_buckets(self.model, skip=set(), dtype=torch.float32, bucket_bytes=bucket_bytes)
@@ -87,7 +87,7 @@ _TRAINER = textwrap.dedent("""
     os._exit(0)  # a gloo send abandoned with its group may keep a thread blocked: do not wait for it
 """)
 
-BUCKET = 16 << 20
+BUCKET = 32 << 20
 
 
 @pytest.fixture
@@ -167,13 +167,13 @@ async def test_member_failing_a_bucket_aborts_the_update_and_the_next_group_leav
 
     # rank 0 is idle: a blocking call (served after any running one) answers
     plan = await asyncio.wait_for(group.weight_plan(BUCKET), GUARD_S)
-    assert len(plan.buckets) == 4
+    assert len(plan.buckets) == 6
 
     # the next update: a new group of A alone, every bucket, and A back in rotation at version 1
     await apply(sync, 1)
     assert sync.group_name != first and sync.members == (a.url,)
     assert [(g, i, names) for g, i, names in a.buckets if g == sync.group_name] == [
-        (sync.group_name, i, [f"w{i}"]) for i in range(4)]
+        (sync.group_name, i, [f"w{i}"]) for i in range(6)]
     assert len(dist_calls(b)) == 2  # still nothing more for B
     assert dist_calls(a)[-1].get("weight_version") == "1"
     await asyncio.wait_for(until(lambda: c.stats()["servers"][a.url]["state"] == "serving"), GUARD_S)
@@ -192,7 +192,7 @@ async def test_member_failing_mid_bucket_is_retried_without_it_in_the_same_updat
     assert len(first) == 1 and first != {sync.group_name}
     assert [names for _, _, names in b.buckets] == [["w0", "w1"], ["w2"]]  # nothing after its failure
     assert len(dist_calls(b)) == 2
-    assert [names for g, _, names in a.buckets if g == sync.group_name] == [["w0", "w1"], ["w2", "w3"]]
+    assert [names for g, _, names in a.buckets if g == sync.group_name] == [["w0", "w1"], ["w2", "w3"], ["w4", "w5"]]
     assert a.version == "3"
     await asyncio.wait_for(until(lambda: c.stats()["servers"][a.url]["state"] == "serving"), GUARD_S)
 

@@ -399,14 +399,30 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> None:
         pass
 
 
+_registry_lock = threading.Lock()
+_joining: list[Any] = []  # the real registration function while joins are under way, once per join
+
+
 def _join_group(init_method: str, world_size: int, rank: int, group_name: str) -> Any:
-    """Join gloo group `group_name` as `rank`, as inference/weights.py's init_custom_group does, then take the name
-    out of torch's by-name registry (used only by functional collectives, never by broadcast(group=pg)): several
-    fakes of one process may be members of one group, and that registry takes a name once per process."""
+    """Join gloo group `group_name` as `rank`, as inference/weights.py's init_custom_group does, but without an
+    entry in torch's by-name process-group registry (used only by functional collectives, never by
+    broadcast(group=pg)): several fakes of one process may join one group at once, and that registry takes a
+    name once per process."""
     from torch.distributed import distributed_c10d as c10d
 
     from areal_async.inference.weights import init_custom_group
 
-    pg = init_custom_group("gloo", init_method, world_size, rank, group_name, "cpu", 60.0)
-    c10d._unregister_process_group(group_name)
-    return pg
+    with _registry_lock:
+        _joining.append(_joining[0] if _joining else c10d._register_process_group)
+        c10d._register_process_group = _unregistered
+    try:
+        return init_custom_group("gloo", init_method, world_size, rank, group_name, "cpu", 60.0)
+    finally:
+        with _registry_lock:
+            real = _joining.pop()
+            if not _joining:
+                c10d._register_process_group = real
+
+
+def _unregistered(group_name: str, pg: Any) -> None:
+    del group_name, pg

@@ -33,6 +33,27 @@ def session_job_name(label: str) -> str:
     return f"areal-t{SESSION}-{label}"
 
 
+@pytest.fixture
+async def fakes():
+    """Factory of started stand-in SGLang servers (`await fakes(n, **FakeSGLang options)`); at the end each is
+    released from any hang or pause first, so that its kill does not wait on a request it holds, then killed."""
+    from areal_async.testing.fake_sglang import FakeSGLang
+
+    made: list[FakeSGLang] = []
+
+    async def make(n: int = 1, **kw) -> list[FakeSGLang]:
+        out = [await FakeSGLang(**kw).start() for _ in range(n)]
+        made.extend(out)
+        return out
+
+    yield make
+    for f in made:
+        f.hung = False
+        f.paused = False
+        f._resumed.set()
+        await f.kill()
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> str:
     """A tiny random Qwen2 checkpoint with the char tokenizer."""

@@ -25,6 +25,7 @@ import pytest
 
 from areal_async.inference.client import InferenceClient
 from areal_async.testing.fake_sglang import FakeSGLang
+from fake_fleet import until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -176,7 +177,7 @@ async def test_member_failing_a_bucket_aborts_the_update_and_the_next_group_leav
         (sync.group_name, i, [f"w{i}"]) for i in range(6)]
     assert len(dist_calls(b)) == 2  # still nothing more for B
     assert dist_calls(a)[-1].get("weight_version") == "1"
-    await asyncio.wait_for(until(lambda: c.stats()["servers"][a.url]["state"] == "serving"), GUARD_S)
+    await asyncio.wait_for(until(lambda: c.stats()["servers"][a.url]["state"] == "serving", 30.0, 0.02), GUARD_S)
     assert c.stats()["servers"][b.url]["state"] == "syncing"
 
 
@@ -194,15 +195,9 @@ async def test_member_failing_mid_bucket_is_retried_without_it_in_the_same_updat
     assert len(dist_calls(b)) == 2
     assert [names for g, _, names in a.buckets if g == sync.group_name] == [["w0", "w1"], ["w2", "w3"], ["w4", "w5"]]
     assert a.version == "3"
-    await asyncio.wait_for(until(lambda: c.stats()["servers"][a.url]["state"] == "serving"), GUARD_S)
+    await asyncio.wait_for(until(lambda: c.stats()["servers"][a.url]["state"] == "serving", 30.0, 0.02), GUARD_S)
 
 
-async def until(cond, timeout: float = 30.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition never held")
 
 
 # ---- rank 0's side alone, with two trainer ranks ----------------------------------------------------------------

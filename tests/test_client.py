@@ -15,25 +15,10 @@ import pytest
 
 from areal_async.inference.client import AdminError, InferenceClient, InferenceError, find_stop, parse_weight_version
 from areal_async.inference.routing import Router
-from areal_async.testing.fake_sglang import FIRST, NUM, FakeSGLang, tok_logprob, tok_text
+from areal_async.testing.fake_sglang import FIRST, NUM, tok_logprob, tok_text
 from areal_async.types import SamplingParams
 
 # ---- fixtures --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def fakes():
-    """Factory of started stand-in servers; all killed at the end."""
-    made: list[FakeSGLang] = []
-
-    async def make(n: int = 1, **kw) -> list[FakeSGLang]:
-        out = [await FakeSGLang(**kw).start() for _ in range(n)]
-        made.extend(out)
-        return out
-
-    yield make
-    for f in made:
-        await f.kill()
 
 
 def fast_client(urls: list[str], **kw) -> InferenceClient:

@@ -12,7 +12,8 @@ import pytest
 
 from areal_async.inference.client import InferenceClient, InferenceError
 from areal_async.inference.sglang_wire import span_versions
-from areal_async.testing.fake_sglang import FIRST, NUM, FakeSGLang, tok_logprob
+from areal_async.testing.fake_sglang import FIRST, NUM, tok_logprob
+from fake_fleet import until
 
 PROMPT = [FIRST + 0, FIRST + 1]  # "ab": the stand-in continues c, d, e, ...
 
@@ -23,33 +24,12 @@ def expected(n: int, start: int = 2) -> list[int]:
     return [FIRST + (start + k) % NUM for k in range(n)]
 
 
-@pytest.fixture
-async def fakes():
-    made: list[FakeSGLang] = []
-
-    async def make(n: int = 1, **kw) -> list[FakeSGLang]:
-        out = [await FakeSGLang(**kw).start() for _ in range(n)]
-        made.extend(out)
-        return out
-
-    yield make
-    for f in made:
-        f.hung = False
-        await f.kill()
-
-
 def client(urls: list[str], **kw) -> InferenceClient:
     kw = {"backoff_s": 0.01, "probe_interval_s": 0.05, "unavailable_timeout_s": 10.0, "health_timeout_s": 0.3,
           **kw}
     return InferenceClient(urls, **kw)
 
 
-async def until(cond, timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 def sp(n: int, **kw):

@@ -23,8 +23,9 @@ import pytest
 
 from areal_async.inference.client import InferenceClient
 from areal_async.inference.transport import AdminError, InferenceError
-from areal_async.testing.fake_sglang import FIRST, NUM, FakeSGLang
+from areal_async.testing.fake_sglang import FIRST, NUM
 from areal_async.types import SamplingParams
+from fake_fleet import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,35 +36,12 @@ def expected(n: int) -> list[int]:
     return [FIRST + (2 + k) % NUM for k in range(n)]
 
 
-@pytest.fixture
-async def fakes():
-    made: list[FakeSGLang] = []
-
-    async def make(n: int = 1, **kw) -> list[FakeSGLang]:
-        out = [await FakeSGLang(**kw).start() for _ in range(n)]
-        made.extend(out)
-        return out
-
-    yield make
-    for f in made:
-        f.hung = False
-        f.paused = False
-        f._resumed.set()
-        await f.kill()
-
-
 def client(urls: list[str], **kw) -> InferenceClient:
     kw = {"backoff_s": 0.01, "probe_interval_s": 0.05, "unavailable_timeout_s": 10.0, "health_timeout_s": 0.2,
           **kw}
     return InferenceClient(urls, **kw)
 
 
-async def until(cond, timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 # ---- NCCL environment -------------------------------------------------------------------------------------------

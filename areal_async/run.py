@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
-from areal_async.config_help import describe
+from areal_async.config.help import describe
 from areal_async.launch import (ChildFailed, Cluster, ElasticBroadcastSync, Launcher, failure_policy,
                                 interrupt_on_sigterm, launcher_for, supervise)
 from areal_async.rollout.controller import AsyncRLController, RunState, load_state
@@ -364,7 +364,7 @@ async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cl
                           previous: WeightSync | None = None) -> WeightSync:
     """The weight transport `train.weight_sync` names. Broadcast first joins trainer rank 0 and every server rank
     into one torch.distributed group (nccl on CUDA, gloo on CPU); the group follows the fleet (servers joining,
-    leaving, dying or restarted make the next update form a new one: launch/fleet.py), and a server that comes back
+    leaving, dying or restarted make the next update form a new one: launch/membership.py), and a server that comes back
     catches up from a checkpoint the trainers publish on demand. `previous`: the transport of a trainer job that
     was replaced (broadcast keeps counting its groups, whose names the servers will not reuse)."""
     cfg = plan.cfg

@@ -141,7 +141,7 @@ async def measure(url: str, inflight: int, seconds: float, mean_latency_s: float
                   pace_gc: bool = True) -> dict:
     from areal_async.inference.client import InferenceClient
     from areal_async.rollout.buffer import StalenessBuffer
-    from areal_async.rollout.rollout import RolloutManager
+    from areal_async.rollout.manager import RolloutManager
     from areal_async.rollout.samples import SampleStream
     from areal_async.rollout.workflows.rlvr import RLVRWorkflow
     from areal_async.tokenizer import Tokenizer

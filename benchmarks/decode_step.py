@@ -6,9 +6,9 @@ step's own matmuls take alone: where a decode step's time goes, without HTTP or 
 A `DecoderModel` with the checkpoint's weights, a KV cache filled with random values (so reads cost what they cost
 in serving), `--batch` rows with lognormal context lengths (median `--context`), one new token each. Timed, best of
 `--rounds`, alternating so that load drifting on a shared machine hits every variant alike:
-- `paged`: decode attention straight from the pages (the CPU kernel, cpu_attention.py), as the engine runs on CPU;
+- `paged`: decode attention straight from the pages (the CPU kernel, kernels/attention.py), as the engine runs on CPU;
 - `gather_sdpa`: every row's pages gathered into a padded batch, SDPA with an additive mask (the portable path);
-- `paged_torch_mm`: as `paged`, with every matmul through torch (the few-rows kernel, cpu_gemm.py, off);
+- `paged_torch_mm`: as `paged`, with every matmul through torch (the few-rows kernel, kernels/gemm.py, off);
 - `gemm_only`: the step's matmuls alone (the model's own weight tensors, same rows, same threads): the roofline.
 `--cpu-time` times with the process's CPU time instead of the wall clock: on a shared machine (load above the core
 count) a preempted step then costs what it computed, not what it waited; meaningful at `--threads 1`.
@@ -48,8 +48,8 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inference_throughput import resolve_model
 
-    from areal_async.inference.model import DecoderModel, KVCache, build_step_batch
-    from areal_async.inference.weights import load_checkpoint
+    from areal_async.server.model import DecoderModel, KVCache, build_step_batch
+    from areal_async.server.weights import load_checkpoint
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as tmp:

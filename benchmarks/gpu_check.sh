@@ -27,7 +27,7 @@
 #               model (a random tiny checkpoint if its build failed), run dirs kept (weights left out). During
 #               run_broadcast the NCCL_CUMEM_ENABLE of every server and trainer process is read from
 #               /proc/<pid>/environ (what each inherited), and after it from their logs (what each set before torch
-#               loaded: serve.py and train/worker.py log it); trainer and server must agree.
+#               loaded: server/cli.py and train/worker.py log it); trainer and server must agree.
 #
 # Writes to $OUT (default ./gpu_check_out): summary.json (each check: passed/failed/skipped, seconds, the tail of
 # its log on failure; versions and GPU), gpu_check.log (what this script printed, the table last), pytest.log,
@@ -431,7 +431,7 @@ def pytest_checks(rc, seconds, log, note):
 
 def nccl_cumem(run_dir):
     """NCCL_CUMEM_ENABLE per role: inherited (/proc/<pid>/environ during the run: the environment each process
-    started with) and in force (the value serve.py and train/worker.py log before torch loads)."""
+    started with) and in force (the value server/cli.py and train/worker.py log before torch loads)."""
     inherited = []
     for line in read(os.path.join(work, "cumem.tsv")).splitlines():
         pid, role, value = (line.split("\t") + ["", "", ""])[:3]

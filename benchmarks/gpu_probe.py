@@ -16,7 +16,7 @@ its own (one failing part leaves the others standing):
 - train_step: peak memory and time of one forward + backward + fused AdamW step of the plain transformers model
   (fp32 weights, bf16 autocast, packed rows through train/logprobs.py): an upper bound for one FSDP rank of one,
   not TrainEngine itself.
-- decode: tokens/s of the embedded engine (inference/engine.py) for concurrent greedy requests: its KV is gathered
+- decode: tokens/s of the embedded engine (server/engine.py) for concurrent greedy requests: its KV is gathered
   per step and attention runs through SDPA with a float mask, with no CUDA graphs, so this is far from SGLang.
 - broadcast: the full weights through `WeightBroadcaster` to a receiver process over gloo (what a one-GPU run uses:
   trainer and server on one GPU cannot form an nccl group), with GB/s.
@@ -57,7 +57,7 @@ def unbound() -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from areal_async.custom_group import new_custom_group, open_store
+    from areal_async.net.custom_group import new_custom_group, open_store
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -160,8 +160,8 @@ def train_step_check(path: str) -> dict[str, Any]:
 def decode_check(path: str, requests: int = 32, prompt: int = 128, new: int = 128) -> dict[str, Any]:
     import asyncio
 
-    from areal_async.inference.engine import AsyncEngine
-    from areal_async.inference.engine_api import EngineRequest, EngineSampling
+    from areal_async.server.engine import AsyncEngine
+    from areal_async.protocol.engine_api import EngineRequest, EngineSampling
 
     async def run() -> dict[str, Any]:
         engine = AsyncEngine(path, device="cuda", dtype="bfloat16", max_total_tokens=requests * (prompt + new) * 2,
@@ -190,7 +190,7 @@ def decode_check(path: str, requests: int = 32, prompt: int = 128, new: int = 12
 
 _RECEIVER = textwrap.dedent("""
     import json, sys, time, torch
-    from areal_async.inference.weights import init_custom_group, receive_tensors
+    from areal_async.server.weights import init_custom_group, receive_tensors
     port, plan = int(sys.argv[1]), json.loads(sys.argv[2])
     pg = init_custom_group("gloo", f"tcp://127.0.0.1:{port}", 2, 1, "gpu-check-bcast", torch.device("cpu"), 300)
     t0 = time.perf_counter()

@@ -49,7 +49,7 @@ DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat1
 def start_server(model_dir: str, device: str, dtype: str, threads: int, max_total_tokens: int,
                  max_running: int) -> tuple[subprocess.Popen, str]:
     """The embedded server in its own process, as a run launches it; returns (process, base URL)."""
-    from areal_async.serve import READY_PREFIX
+    from areal_async.server.cli import READY_PREFIX
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "areal_async.serve", "--model", model_dir, "--port", "0", "--device", device,

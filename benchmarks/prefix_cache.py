@@ -22,7 +22,7 @@ import time
 
 
 async def _round(engine, prompts: list[list[int]], group: int, max_new: int, tag: str) -> dict:
-    from areal_async.inference.engine_api import EngineRequest, EngineSampling
+    from areal_async.protocol.engine_api import EngineRequest, EngineSampling
 
     async def one(i: int, ids: list[int]) -> tuple[int, int]:
         req = EngineRequest(rid=f"{tag}-{i}", input_ids=ids, return_logprob=True,
@@ -42,7 +42,7 @@ async def _round(engine, prompts: list[list[int]], group: int, max_new: int, tag
 
 
 async def _main(args: argparse.Namespace, model: str, prompts: list[list[int]]) -> dict:
-    from areal_async.inference.engine import AsyncEngine
+    from areal_async.server.engine import AsyncEngine
 
     engines = {on: AsyncEngine(model, device="cpu", prefix_cache=on) for on in (True, False)}
     for e in engines.values():

@@ -31,7 +31,7 @@ import time
 import msgspec
 import numpy as np
 
-from areal_async.rpc import RpcClient, RpcServer
+from areal_async.net.rpc import RpcClient, RpcServer
 from areal_async.types import Array, Empty, TrainBatch, Trajectory, TrainStepRequest, TrainStepResult, pack_trajectories
 
 SECRET_ENV = "AREAL_BENCH_RPC_SECRET"

@@ -28,7 +28,7 @@ import aiohttp
 from areal_async.config import DataConfig
 from areal_async.model_store import resolve_model_path
 from areal_async.rewards import registry
-from areal_async.serve import READY_PREFIX
+from areal_async.server.cli import READY_PREFIX
 from areal_async.tasks.datasets import load_samples
 from areal_async.tokenizer import Tokenizer
 

@@ -49,7 +49,7 @@ SHAPES = {
 
 async def _measure(model_dir: str, work: str, args: argparse.Namespace) -> dict:
     from areal_async.inference.client import InferenceClient
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
     from areal_async.launch import Processes
     from areal_async.train.client import TrainerGroup
 

@@ -42,7 +42,7 @@ def decoder_logit_bound(hidden: int, intermediate: int, layers: int, context: in
 
 
 def spec_logit_bound(spec, context: int, scale: float) -> float:
-    """decoder_logit_bound for a ModelSpec (areal_async.inference.model) at `context` tokens and logit `scale`."""
+    """decoder_logit_bound for a ModelSpec (areal_async.server.model) at `context` tokens and logit `scale`."""
     return decoder_logit_bound(spec.hidden_size, spec.intermediate_size, spec.num_layers, context, spec.vocab_size,
                                scale)
 
@@ -52,7 +52,7 @@ def checkpoint_logit_bound(path: str, context: int, scale: float) -> float:
     import json
     import os
 
-    from areal_async.inference.model import ModelSpec
+    from areal_async.server.model import ModelSpec
 
     with open(os.path.join(path, "config.json")) as f:
         return spec_logit_bound(ModelSpec.from_hf_config(json.load(f)), context, scale)

@@ -38,7 +38,7 @@ GUARD_S = 60.0  # hang guard of one update
 _TRAINER = textwrap.dedent("""
     import asyncio, json, os, sys, torch, torch.distributed as dist
     from torch import nn
-    from areal_async.rpc import RpcServer
+    from areal_async.net.rpc import RpcServer
     from areal_async.train.broadcast import WeightBroadcaster, plan_buckets
     from areal_async.train.worker import TrainerService
     from areal_async.types import TrainerInfo
@@ -124,7 +124,7 @@ def dist_calls(f: FakeSGLang) -> list[dict]:
 
 
 def sync_for(group, c, **kw):
-    from areal_async.launch.fleet import ElasticBroadcastSync
+    from areal_async.launch.membership import ElasticBroadcastSync
 
     kw = {"ranks_per_server": 1, "backend": "gloo", "settle_s": 1.0, "max_attempts": 1, **kw}
     return ElasticBroadcastSync(group, c, "127.0.0.1", **kw)
@@ -204,7 +204,7 @@ async def test_member_failing_mid_bucket_is_retried_without_it_in_the_same_updat
 
 _MEMBER = textwrap.dedent("""
     import sys, time, torch
-    from areal_async.inference.weights import init_custom_group, receive_tensors
+    from areal_async.server.weights import init_custom_group, receive_tensors
     port = int(sys.argv[1])
     pg = init_custom_group("gloo", f"tcp://127.0.0.1:{port}", 2, 1, "g1", torch.device("cpu"), 60)
     receive_tensors(pg, ["w0"], ["float32"], [[2048, 2048]], torch.device("cpu"))  # bucket 0

@@ -140,7 +140,7 @@ async def test_signalled_rank_leaves_promptly_mid_call(tiny_ckpt, tmp_path):
     import secrets as secrets_mod
 
     from areal_async.launch import Processes
-    from areal_async.rpc import RpcClient
+    from areal_async.net.rpc import RpcClient
     from areal_async.train import worker
     from areal_async.train.client import TrainerGroup
     from areal_async.types import CheckpointRequest, CheckpointResult

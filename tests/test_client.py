@@ -449,7 +449,7 @@ async def _wait_healthy(c: InferenceClient, url: str) -> None:
 
 @pytest.mark.timeout(120)
 async def test_real_server_greedy_and_many_concurrent(tiny_ckpt):
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     prompt = [10, 11, 12, 13, 14]
     async with await start_server(tiny_ckpt, port=0, device="cpu") as server, fast_client([server.url]) as c:
@@ -475,7 +475,7 @@ async def test_real_server_greedy_and_many_concurrent(tiny_ckpt):
 
 @pytest.mark.timeout(120)
 async def test_real_servers_routing_and_failover(tiny_ckpt):
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     a = await start_server(tiny_ckpt, port=0, device="cpu")
     b = await start_server(tiny_ckpt, port=0, device="cpu")

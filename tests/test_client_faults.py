@@ -44,7 +44,7 @@ class ServerProcess:
 
 
 async def start(ckpt: str, tmp_path, name: str, port: int = 0) -> ServerProcess:
-    from areal_async.serve import READY_PREFIX
+    from areal_async.server.cli import READY_PREFIX
 
     log_path = str(tmp_path / f"{name}.log")
     with open(log_path, "w") as log:

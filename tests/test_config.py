@@ -12,7 +12,7 @@ import yaml
 
 from areal_async.config import (ConfigError, MultiTurnConfig, RunConfig, ScheduleConfig, TrainConfig, from_dict,
                                 load_config, to_dict)
-from areal_async.config_help import describe, iter_fields
+from areal_async.config.help import describe, iter_fields
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_async.inference import cpu_attention, cpu_build
-from areal_async.inference.model import DecoderModel
-from areal_async.inference.weights import load_checkpoint
+from areal_async.server.kernels import attention as cpu_attention, build as cpu_build
+from areal_async.server.model import DecoderModel
+from areal_async.server.weights import load_checkpoint
 from error_bounds import attention_bound, spec_logit_bound
 
 kernel = cpu_attention.load()
@@ -82,7 +82,7 @@ def test_both_attention_paths_match_transformers(tiny_ckpts_all_archs, path):
     against transformers' logits at the same positions."""
     import transformers
 
-    from areal_async.inference.model import KVCache, build_step_batch
+    from areal_async.server.model import KVCache, build_step_batch
 
     if path == "kernel" and kernel is None:
         pytest.skip("the CPU attention kernel could not be built here")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_async.inference import cpu_build, cpu_elementwise
+from areal_async.server.kernels import build as cpu_build, elementwise as cpu_elementwise
 from error_bounds import EXP_POLY_REL, U32, gamma
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_async.inference import cpu_build, cpu_gemm
+from areal_async.server.kernels import build as cpu_build, gemm as cpu_gemm
 from error_bounds import U32, gamma, spec_logit_bound
 
 kernel = cpu_gemm.load()
@@ -59,8 +59,8 @@ def test_applies_only_where_it_pays_and_can_run(target_kernel):
 
 @needs_kernel
 def test_model_logits_are_the_same_with_and_without_the_kernel(tiny_ckpt):
-    from areal_async.inference.model import DecoderModel
-    from areal_async.inference.weights import load_checkpoint
+    from areal_async.server.model import DecoderModel
+    from areal_async.server.weights import load_checkpoint
 
     spec, tensors = load_checkpoint(tiny_ckpt)
     model = DecoderModel(spec)

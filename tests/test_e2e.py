@@ -212,7 +212,7 @@ def embedded_server_reports_version_spans(ckpt: str) -> bool:
 
     import aiohttp
 
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     async def probe() -> bool:
         async with await start_server(ckpt, port=0, device="cpu") as server, aiohttp.ClientSession() as s:

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from areal_async.inference.engine import AsyncEngine
-from areal_async.inference.engine_api import EngineChunk, EngineRequest, EngineSampling
+from areal_async.server.engine import AsyncEngine
+from areal_async.protocol.engine_api import EngineChunk, EngineRequest, EngineSampling
 from areal_async.testing.tiny import make_tiny_checkpoint
 from error_bounds import U32, checkpoint_logit_bound, logsumexp_bound
 
@@ -481,7 +481,7 @@ async def test_penalties_and_top_logprobs(make_engine, lively_ckpt):
 
 
 def test_truncation_keeps_only_allowed_tokens():
-    from areal_async.inference.sampling import RowParams, sample
+    from areal_async.server.sampling import RowParams, sample
 
     logits = torch.tensor([[3.0, 2.5, 2.0, 0.0, -1.0]]).repeat(400, 1)  # [400, 5]
     gen = torch.Generator().manual_seed(0)
@@ -596,7 +596,7 @@ async def test_priority_requests_are_admitted_first(make_engine, lively_ckpt):
 
 def test_auto_device_names_the_current_cuda_device(monkeypatch):
     """A weight-update group and torch.cuda.set_device need an indexed device; "auto" must give one."""
-    from areal_async.inference.engine import resolve_device
+    from areal_async.server.engine import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")

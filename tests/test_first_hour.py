@@ -20,7 +20,7 @@ import yaml
 
 from areal_async import run_plan
 from areal_async.config import ConfigError, load_config, to_dict
-from areal_async.config_help import describe
+from areal_async.config.help import describe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_WEIGHTS = os.path.join(ROOT, "areal_async", "tasks", "base_weights")
@@ -283,7 +283,7 @@ def test_math_reward_without_math_verify(monkeypatch):
 
 def test_model_dtype_reaches_the_embedded_server():
     from areal_async.launch.processes import embedded_server_cmd
-    from areal_async.serve import parse_args
+    from areal_async.server.cli import parse_args
 
     cmd = embedded_server_cmd("/m", host="127.0.0.1", port="0", device="cpu", max_total_tokens=64,
                               max_running_requests=2, api_key=None, dtype="bfloat16")
@@ -407,7 +407,7 @@ def pyproject() -> dict:
 
 def test_console_scripts_name_functions_that_return_exit_codes():
     scripts = pyproject()["project"]["scripts"]
-    assert scripts == {"areal-run": "areal_async.run:main", "areal-serve": "areal_async.serve:main"}
+    assert scripts == {"areal-run": "areal_async.run:main", "areal-serve": "areal_async.server.cli:main"}
     from areal_async.run import main
 
     assert main(["--print-config", "steps=3"]) == 0

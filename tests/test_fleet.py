@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from areal_async.launch.api import ServerJoined, ServerLeft
-from areal_async.launch.fleet import JoinFile, read_urls
+from areal_async.launch.membership import JoinFile, read_urls
 
 SMALL = ["schedule.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=32", "eval.num_prompts=0",
          "schedule.eval_every=0", "server.device=cpu", "train.device=cpu",  # the CPU paths, on any host

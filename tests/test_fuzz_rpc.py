@@ -23,7 +23,7 @@ import time
 import msgspec
 import pytest
 
-from areal_async import rpc
+from areal_async.net import rpc
 
 pytestmark = pytest.mark.slow
 
@@ -114,7 +114,7 @@ def connect(address: str) -> tuple[socket.socket, bytes]:
 
 
 def auth_frame(secret: bytes, server_nonce: bytes, client_nonce: bytes, max_frame: int = 1 << 30) -> bytes:
-    mac = hmac.new(secret, b"areal_async.rpc/1 client" + server_nonce + client_nonce, hashlib.sha256).digest()
+    mac = hmac.new(secret, b"areal_async.net.rpc/1 client" + server_nonce + client_nonce, hashlib.sha256).digest()
     return frame(AUTH, "", msgspec.msgpack.encode([client_nonce, mac, max_frame]), 0)
 
 

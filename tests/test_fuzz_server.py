@@ -229,7 +229,7 @@ async def fuzz(url: str, ckpt: str, rng: random.Random) -> tuple[list[str], dict
 
 @pytest.mark.slow
 def test_fuzzed_bodies_never_break_the_server(tiny_ckpt):
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     async def main() -> tuple[list[str], dict[str, int]]:
         server = await start_server(tiny_ckpt, port=0, device="cpu", max_total_tokens=32768,

@@ -32,7 +32,7 @@ def _gpus() -> int:
 @pytest.fixture
 def cuda_server(tiny_ckpt, tmp_path):
     """An embedded server on CUDA in its own process; yields its URL."""
-    from areal_async.serve import READY_PREFIX
+    from areal_async.server.cli import READY_PREFIX
 
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")

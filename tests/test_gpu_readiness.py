@@ -1,6 +1,6 @@
 """What a first GPU run would meet, checked on a CPU: gloo stands in for nccl, FakeSGLang for SGLang.
 
-- both ends of the weight-update group start with the same NCCL_CUMEM_ENABLE (serve.py, train/worker.py)
+- both ends of the weight-update group start with the same NCCL_CUMEM_ENABLE (server/cli.py, train/worker.py)
 - broadcast sync with interruptible=false is refused (buckets would interleave with requests)
 - a member lost mid-bucket ends trainer rank 0's broadcast with a BroadcastError, not a watchdog kill; a new group
   leaves the superseded one
@@ -48,7 +48,7 @@ def client(urls: list[str], **kw) -> InferenceClient:
 
 
 def test_server_defaults_cumem_off_like_the_trainer():
-    from areal_async.serve import nccl_environment
+    from areal_async.server.cli import nccl_environment
     from areal_async.config import TrainConfig
     from areal_async.train.worker import nccl_environment as trainer_env
 
@@ -67,7 +67,7 @@ def test_serve_main_sets_it_before_torch_loads():
     code = textwrap.dedent("""
         import os, sys
         os.environ.pop("NCCL_CUMEM_ENABLE", None)
-        import areal_async.serve as s
+        import areal_async.server.cli as s
         assert "torch" not in sys.modules, "serve imports torch at module level"
         print(s.nccl_environment(os.environ), "torch" in sys.modules)
     """)
@@ -108,7 +108,7 @@ async def test_update_weights_refuses_a_bucketed_sync_without_a_pause():
 
 _MEMBER = textwrap.dedent("""
     import sys, time, torch
-    from areal_async.inference.weights import init_custom_group, receive_tensors
+    from areal_async.server.weights import init_custom_group, receive_tensors
     port = int(sys.argv[1])
     pg = init_custom_group("gloo", f"tcp://127.0.0.1:{port}", 2, 1, "g1", torch.device("cpu"), 60)
     receive_tensors(pg, ["a"], ["float32"], [[1024, 1024]], torch.device("cpu"))  # bucket 0
@@ -293,7 +293,7 @@ def test_lm_head_matmul_runs_in_fp32():
 def test_rendezvous_host_is_one_torch_recognises(monkeypatch):
     import socket
 
-    from areal_async import netaddr
+    from areal_async.net import address as netaddr
 
     monkeypatch.setattr(netaddr, "host_address", lambda: "10.1.2.3")
     monkeypatch.setattr(socket, "gethostname", lambda: "node7")

@@ -82,7 +82,7 @@ def test_nccl_broadcast_between_two_processes(tmp_path):
     trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time, torch
         from areal_async.train.dist import init_distributed
-        from areal_async.custom_group import new_custom_group, open_store
+        from areal_async.net.custom_group import new_custom_group, open_store
         import torch.distributed as dist
         dev = init_distributed("cuda:0")
         from torch.distributed import distributed_c10d as c10d
@@ -96,7 +96,7 @@ def test_nccl_broadcast_between_two_processes(tmp_path):
         torch.cuda.synchronize()
         print("sent")
     """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "NCCL_CUMEM_ENABLE": "0"})  # both ends as the launcher runs them (serve.py, worker.py)
+        env={**os.environ, "NCCL_CUMEM_ENABLE": "0"})  # both ends as the launcher runs them (server/cli.py, worker.py)
     try:
         for _ in range(600):
             if port_file.exists() or trainer.poll() is not None:
@@ -107,7 +107,7 @@ def test_nccl_broadcast_between_two_processes(tmp_path):
         port = int(port_file.read_text())
         recv = _run(f"""
             import torch, torch.distributed as dist
-            from areal_async.inference.weights import init_custom_group, receive_tensors
+            from areal_async.server.weights import init_custom_group, receive_tensors
             pg = init_custom_group("nccl", "tcp://127.0.0.1:{port}", 2, 1, "wug", torch.device("cuda"), 120)
             got = receive_tensors(pg, ["t"], ["bfloat16"], [[1024]], torch.device("cuda"))["t"]
             assert torch.equal(got.float().cpu(), torch.arange(1024, dtype=torch.bfloat16).float()), got[:8]

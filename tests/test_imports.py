@@ -13,15 +13,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(REPO, "areal_async")
 
 CONTROLLER_SIDE = [
-    "areal_async.run", "areal_async.config", "areal_async.config_help", "areal_async.types", "areal_async.rpc",
+    "areal_async.run", "areal_async.config", "areal_async.config.help", "areal_async.types", "areal_async.net.rpc",
     "areal_async.tokenizer", "areal_async.metrics",
     "areal_async.launch", "areal_async.launch.api", "areal_async.launch.local", "areal_async.launch.processes",
     "areal_async.launch.recovery", "areal_async.testing.faults",
-    "areal_async.rollout.controller", "areal_async.rollout.buffer", "areal_async.rollout.rollout",
+    "areal_async.rollout.controller", "areal_async.rollout.buffer", "areal_async.rollout.manager",
     "areal_async.rollout.samples", "areal_async.rollout.ledger", "areal_async.rollout.weight_sync",
     "areal_async.rollout.evaluate", "areal_async.rollout.chat", "areal_async.rollout.prompts",
     "areal_async.rollout.workflows", "areal_async.rollout.workflows.rlvr", "areal_async.rollout.workflows.multi_turn",
-    "areal_async.inference.client", "areal_async.train.client",
+    "areal_async.inference.client", "areal_async.inference.transport", "areal_async.inference.routing",
+    "areal_async.inference.resume", "areal_async.inference.sglang_wire", "areal_async.inference.fleet",
+    "areal_async.protocol.sglang", "areal_async.protocol.openai_requests", "areal_async.protocol.openai_responses",
+    "areal_async.protocol.engine_api", "areal_async.net.registry", "areal_async.net.address", "areal_async.train.client",
     "areal_async.agent", "areal_async.agent.openai_proxy", "areal_async.agent.episode",
     "areal_async.embed", "areal_async.cpu_features", "areal_async.run_plan", "areal_async.model_store",
 ]

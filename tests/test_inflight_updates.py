@@ -24,9 +24,9 @@ import pytest
 import pytest_asyncio
 import torch
 
-from areal_async.inference.model import DecoderModel, KVCache, build_step_batch
-from areal_async.inference.server import start_server
-from areal_async.inference.weights import load_checkpoint
+from areal_async.server.model import DecoderModel, KVCache, build_step_batch
+from areal_async.server.app import start_server
+from areal_async.server.weights import load_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -195,7 +195,7 @@ class Updater:
                 self.sender.kill()
             group = server.engine._groups.pop("inflight", None)  # the next scenario joins a fresh group
             if group is not None:
-                from areal_async.inference.weights import destroy_group
+                from areal_async.server.weights import destroy_group
 
                 destroy_group(group)
 
@@ -226,7 +226,7 @@ async def updater(server, http, ckpts):
                 await asyncio.to_thread(up.sender.wait)
         group = server.engine._groups.pop("inflight", None)
         if group is not None:
-            from areal_async.inference.weights import destroy_group
+            from areal_async.server.weights import destroy_group
 
             destroy_group(group)
         for path, obj in (("/continue_generation", {}), ("/abort_request", {"abort_all": True})):

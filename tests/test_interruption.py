@@ -54,7 +54,7 @@ async def stream_progress(url: str, prompt: list[int], seen: list[int]) -> None:
 async def test_pause_update_resume_mid_generation(tiny_ckpt, tiny_ckpt_b):
     import torch
 
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     async with await start_server(tiny_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         ref = await asyncio.gather(*(client.agenerate(p, greedy()) for p in PROMPTS))  # uninterrupted, on A
@@ -100,7 +100,7 @@ async def test_pause_update_resume_mid_generation(tiny_ckpt, tiny_ckpt_b):
 
 
 async def test_pause_resume_without_update_is_seamless(tiny_ckpt):
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     async with await start_server(tiny_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         ref = await client.agenerate(PROMPTS[1], greedy(120))
@@ -125,7 +125,7 @@ async def test_in_place_pause_one_response_two_versions(tiny_ckpt, tiny_ckpt_b):
     """pause(in_place) keeps the requests (and their KV cache) on the server while new weights load; one response
     is then made by two versions, and the server says where the version changed (meta_info.weight_version_spans):
     every token must carry the version that made it, with no interruption on the client's side."""
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     async with await start_server(tiny_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         async with aiohttp.ClientSession() as s:

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from areal_async.inference.model import DecoderModel, ModelSpec, UnsupportedModelError, rope_inv_freq
-from areal_async.inference.weights import WeightError, load_checkpoint
+from areal_async.server.model import DecoderModel, ModelSpec, UnsupportedModelError, rope_inv_freq
+from areal_async.server.weights import WeightError, load_checkpoint
 from areal_async.testing.tiny import make_tiny_checkpoint
 from error_bounds import spec_logit_bound
 

@@ -56,7 +56,7 @@ class ScriptedEnv:
 
 @pytest.fixture
 async def server_client(tiny_ckpt):
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     async with await start_server(tiny_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         yield server, client

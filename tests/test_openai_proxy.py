@@ -71,7 +71,7 @@ def agent_ckpt(tiny_ckpt, tmp_path_factory):
 @pytest.fixture
 async def stack(agent_ckpt):
     """(proxy, client, server): the real embedded server, the real InferenceClient, the proxy over them."""
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     async with await start_server(agent_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         # the policy samples greedily here, so the SDK agents (temperature=0) are sampled as they ask

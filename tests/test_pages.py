@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from areal_async.inference.pages import ROOT, OutOfPages, PagePool
+from areal_async.server.pages import ROOT, OutOfPages, PagePool
 
 PS = 4
 

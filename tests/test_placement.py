@@ -1,5 +1,5 @@
 """GPU placement and the broadcast group's layout, decided before launch and from the servers' own answers
-(launch/placement.py, launch/broadcast_group.py): which GPU each server and trainer agent gets on hosts of 0, 1, 2
+(launch/placement.py, rollout/broadcast_group.py): which GPU each server and trainer agent gets on hosts of 0, 1, 2
 and 8 GPUs, the layouts that are refused (naming the key), SGLang's --tp-size on the command line, tensor-parallel
 rank counts from /get_server_info (SGLang's real field names), and the gloo fallback when a server shares the
 trainer's GPU. Pure functions, and one real embedded server for its reported layout."""
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from areal_async.config import ConfigError, load_config
-from areal_async.launch.broadcast_group import BroadcastLayoutError, group_backend, plan_group, server_ranks
+from areal_async.rollout.broadcast_group import BroadcastLayoutError, group_backend, plan_group, server_ranks
 from areal_async.launch.placement import plan_placement, sglang_flag, visible_gpus
 from areal_async.launch.processes import Processes, sglang_server_cmd
 
@@ -186,7 +186,7 @@ async def test_embedded_server_reports_its_layout_and_destroys_groups(tiny_ckpt)
     import aiohttp
 
     from areal_async.inference.client import InferenceClient
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     async with await start_server(tiny_ckpt, port=0, device="cpu", max_total_tokens=2048) as server, \
             InferenceClient([server.url]) as client:

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from areal_async.serve import READY_PREFIX
+from areal_async.server.cli import READY_PREFIX
 from areal_async.testing.real_model import smollm2_path
 from areal_async.tokenizer import Tokenizer
 

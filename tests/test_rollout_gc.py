@@ -11,7 +11,7 @@ import weakref
 
 from areal_async.rollout.buffer import StalenessBuffer
 from areal_async.rollout.gc_pacer import GCPacer
-from areal_async.rollout.rollout import RolloutManager
+from areal_async.rollout.manager import RolloutManager
 from areal_async.rollout.samples import SampleStream
 from areal_async.types import Sample
 

@@ -16,8 +16,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from areal_async import rpc
-from areal_async.rpc import RpcAuthError, RpcClient, RpcError, RpcServer, RpcSyncClient
+from areal_async.net import rpc
+from areal_async.net.rpc import RpcAuthError, RpcClient, RpcError, RpcServer, RpcSyncClient
 
 SECRET = b"controller-and-trainers-share-this"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +124,7 @@ async def test_many_calls_in_flight_answer_out_of_order(fx):
 
 
 async def test_per_call_timeout_then_connection_still_works(fx, caplog):
-    caplog.set_level(logging.DEBUG, logger="areal_async.rpc")
+    caplog.set_level(logging.DEBUG, logger="areal_async.net.rpc")
     async with await fx.connect() as client:
         with pytest.raises(TimeoutError, match="'gated'.*timed out after 0.2s"):
             await client.call("gated", Gated(7, wait=True), Gated, timeout=0.2)
@@ -186,7 +186,7 @@ async def test_concurrent_big_and_small_calls_share_one_connection(fx):
 
 
 async def test_wrong_secret_is_refused_and_others_keep_working(fx, caplog):
-    caplog.set_level(logging.INFO, logger="areal_async.rpc")
+    caplog.set_level(logging.INFO, logger="areal_async.net.rpc")
     good = await fx.connect()
     with pytest.raises(RpcAuthError, match="wrong shared secret"):
         await RpcClient.connect(fx.address, b"not-the-secret", timeout=5)
@@ -239,7 +239,7 @@ HOSTILE = {
 @pytest.mark.parametrize("kind", list(HOSTILE))
 async def test_hostile_bytes_after_auth_close_only_that_connection(fx, caplog, kind):
     data, reason = HOSTILE[kind]
-    caplog.set_level(logging.INFO, logger="areal_async.rpc")
+    caplog.set_level(logging.INFO, logger="areal_async.net.rpc")
     bystander = await fx.connect()
     victim = await fx.connect()
     pending = asyncio.create_task(victim.call("gated", Gated(1, wait=True), Gated))
@@ -263,7 +263,7 @@ async def test_hostile_bytes_after_auth_close_only_that_connection(fx, caplog, k
 @pytest.mark.parametrize("kind", ["garbage", "oversized", "truncated", "silence"])
 async def test_hostile_bytes_before_auth_are_dropped(fx, caplog, monkeypatch, kind):
     monkeypatch.setattr(rpc, "HANDSHAKE_TIMEOUT_S", 0.3)
-    caplog.set_level(logging.INFO, logger="areal_async.rpc")
+    caplog.set_level(logging.INFO, logger="areal_async.net.rpc")
     host, port = fx.address[len("tcp://"):].split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     (n,) = struct.unpack(">Q", await reader.readexactly(8))

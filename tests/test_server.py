@@ -22,7 +22,7 @@ import pytest_asyncio
 import torch
 from aiohttp import web
 
-from areal_async.inference.server import SERVER_KEY, build_app, start_server
+from areal_async.server.app import SERVER_KEY, build_app, start_server
 
 KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -631,7 +631,7 @@ async def test_64_concurrent_requests_all_complete(server, http):
 
 
 async def test_engine_threads_come_from_the_flag_then_omp_num_threads(monkeypatch):
-    from areal_async.serve import engine_threads
+    from areal_async.server.cli import engine_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert engine_threads(5) == 5 and engine_threads(None) == 3
@@ -643,7 +643,7 @@ async def test_engine_threads_come_from_the_flag_then_omp_num_threads(monkeypatc
 
 @pytest.mark.slow
 async def test_cli_prints_url_and_stops_on_sigterm(tiny_ckpt, tmp_path):
-    from areal_async.serve import READY_PREFIX
+    from areal_async.server.cli import READY_PREFIX
 
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:

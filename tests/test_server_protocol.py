@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from areal_async.inference import openai_protocol as O
-from areal_async.inference import openai_responses as R
-from areal_async.inference import protocol as P
-from areal_async.inference.engine_api import EngineChunk, EngineRequest, EngineSampling
+from areal_async.protocol import openai_requests as O
+from areal_async.protocol import openai_responses as R
+from areal_async.protocol import sglang as P
+from areal_async.protocol.engine_api import EngineChunk, EngineRequest, EngineSampling
 from areal_async.tasks.char_tokenizer import save_char_tokenizer
 from areal_async.tokenizer import Tokenizer
 

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from areal_async.inference.client import AdminError, InferenceClient, InferenceError
-from areal_async.launch.broadcast_group import BroadcastLayoutError, plan_group
+from areal_async.rollout.broadcast_group import BroadcastLayoutError, plan_group
 from areal_async.types import SamplingParams
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "sglang")

@@ -31,7 +31,7 @@ import warnings
 import pytest
 
 from areal_async.config import ConfigError, load_config
-from areal_async.launch.registry import route_address
+from areal_async.net.registry import route_address
 from areal_async.launch.sbatch import classify_reason, render_sbatch
 from areal_async.launch.slurm import Allocation, check_allocation, expand_counts, place
 
@@ -553,7 +553,7 @@ def test_slurm_helpers():
 
 
 def test_launch_modules_import_no_torch():
-    mods = ["areal_async.launch.slurm", "areal_async.launch.sbatch", "areal_async.launch.registry",
+    mods = ["areal_async.launch.slurm", "areal_async.launch.sbatch", "areal_async.net.registry",
             "areal_async.launch.step"]
     code = ("import json, sys\nfor m in sys.argv[1:]: __import__(m)\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))")

@@ -87,7 +87,7 @@ class RecordingTrainer:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tiny_ckpt, tmp_path_factory):
     from areal_async.inference.client import InferenceClient
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     root = tmp_path_factory.mktemp("staleness_e2e")
     secret = secrets.token_bytes(32)

@@ -26,7 +26,7 @@ def test_custom_group_unbinds_the_default_group_while_it_is_made():
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
-        from areal_async.custom_group import new_custom_group, open_store
+        from areal_async.net.custom_group import new_custom_group, open_store
 
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         default = c10d._get_default_group()
@@ -52,7 +52,7 @@ def test_custom_group_unbinds_the_default_group_while_it_is_made():
 
 
 def test_index_less_cuda_device_takes_the_current_device(monkeypatch):
-    from areal_async.custom_group import concrete_device
+    from areal_async.net.custom_group import concrete_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert concrete_device("cuda") == torch.device("cuda", 3)
@@ -65,7 +65,7 @@ def test_error_kinds_travel_over_rpc_as_types():
     first-hand / second-hand distinction come from the type, not from message text."""
     import asyncio
 
-    from areal_async.rpc import RpcClient, RpcServer
+    from areal_async.net.rpc import RpcClient, RpcServer
     from areal_async.train.client import TrainerError, _secondhand
     from areal_async.types import Empty
 

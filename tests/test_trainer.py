@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 
 from areal_async.launch import Processes
-from areal_async.rpc import RpcAuthError, RpcClient, RpcError
+from areal_async.net.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.client import TrainerError, TrainerGroup, split_by_rank
 from areal_async.train.errors import BatchError, PeerBatchError, kind_of
 from areal_async.train.packing import pack_micro_batches

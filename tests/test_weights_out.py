@@ -91,7 +91,7 @@ def rounding_gap(ckpt: str, want: list[list[float]]) -> float:
 async def setup(tiny_ckpt, tmp_path_factory):
     """One trainer rank (torchrun) and one embedded server (in process), both starting from the base model."""
     from areal_async.inference.client import InferenceClient
-    from areal_async.inference.server import start_server
+    from areal_async.server.app import start_server
 
     root = tmp_path_factory.mktemp("weights_out")
     secret = secrets.token_bytes(32)
@@ -245,7 +245,7 @@ async def test_sharded_publish_loads_in_transformers_and_engine_loader(tiny_ckpt
     import torch
     import transformers
 
-    from areal_async.inference.weights import load_checkpoint
+    from areal_async.server.weights import load_checkpoint
     from areal_async.train.publish import publish_hf
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)

@@ -6,8 +6,8 @@ Agents written against the official `openai` SDK run unchanged: point them at th
 
 and every request goes through `InferenceClient.agenerate` with token ids (so interruption and resumption,
 routing with the episode as the sticky session key, and per-token policy versions all apply). Requests are parsed
-and answers shaped by the same OpenAI wire code as the embedded server's (inference/openai_protocol.py and
-inference/openai_responses.py): the same fields, limits, errors, logprobs objects and tool-call parsing
+and answers shaped by the same OpenAI wire code as the embedded server's (protocol/openai_requests.py and
+protocol/openai_responses.py): the same fields, limits, errors, logprobs objects and tool-call parsing
 (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks become OpenAI `tool_calls`; invalid blocks stay
 in the content as the model wrote them).
 
@@ -51,10 +51,10 @@ import msgspec
 from aiohttp import web
 
 from areal_async.agent.episode import CallRecord, Episode, ExportMode
-from areal_async.inference import openai_protocol as O
-from areal_async.inference import openai_responses as R
-from areal_async.inference.engine_api import EngineSampling
-from areal_async.inference.protocol import Limits
+from areal_async.protocol import openai_requests as O
+from areal_async.protocol import openai_responses as R
+from areal_async.protocol.engine_api import EngineSampling
+from areal_async.protocol.sglang import Limits
 from areal_async.inference.transport import InferenceError
 from areal_async.rollout.workflow_api import Generator
 from areal_async.rollout.chat import ChatTokens
@@ -105,7 +105,7 @@ class RewardRequest(msgspec.Struct, kw_only=True):
     call_id: str | None = None
 
 
-# re-exported: the one tool-call parser (see inference/openai_responses.py)
+# re-exported: the one tool-call parser (see protocol/openai_responses.py)
 parse_tool_calls = R.parse_tool_calls
 
 

@@ -1,11 +1,11 @@
 """Starting what a run needs and watching it: the `Launcher`/`Cluster` protocol (api.py), launchers for this host
 (local.py) and for Slurm (slurm.py inside an allocation, sbatch.py to submit one), the registration endpoint that
-finds processes on other nodes (registry.py, step.py), servers joining and leaving (fleet.py), fault recovery
+finds processes on other nodes (net/registry.py, step.py), servers joining and leaving (fleet.py), fault recovery
 (recovery.py) and child-process management (processes.py). No torch here."""
 
 from areal_async.launch.api import (Cluster, ClusterEvent, EventHandler, Launcher, ProcessExited, ServerHandle,
                                     ServerJoined, ServerLeft, TrainerHandle, end_run_on_failure, supervise)
-from areal_async.launch.fleet import ElasticBroadcastSync, FleetPolicy, JoinFile, failure_policy
+from areal_async.launch.membership import ElasticBroadcastSync, FleetPolicy, JoinFile, failure_policy
 from areal_async.launch.local import ExternalLauncher, LocalCluster, LocalLauncher, launcher_for
 from areal_async.launch.processes import Child, ChildFailed, Processes, free_port, interrupt_on_sigterm, tail
 from areal_async.launch.recovery import NoServerServing, RecoveryLog, RunRecovery, RunStopped, TrainerLost

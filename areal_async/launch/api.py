@@ -18,7 +18,7 @@ default) dead and hung parts are restarted (below), otherwise any child that die
 (`end_run_on_failure`). What the protocol is shaped for, without run() changing:
 - a Slurm launcher (launch/slurm.py): servers as `srun` job steps, the trainers as one `srun` step running torchrun
   across its nodes, the controller on the batch host; the ranks report to the controller's registry
-  (launch/registry.py), which writes the rank files `TrainerGroup.connect` reads, and its watch reports a failed
+  (net/registry.py), which writes the rank files `TrainerGroup.connect` reads, and its watch reports a failed
   step as `ProcessExited`.
 - fault recovery (launch/recovery.py, `recovery.enabled`): `fleet.failure_policy` puts `RunRecovery` in front of
   the fleet handler. A dead or hung server is restarted by the cluster (`restart_server`; announced as
@@ -28,7 +28,7 @@ default) dead and hung parts are restarted (below), otherwise any child that die
   that failure to end the run, or, for servers it did not start, to the client, which re-admits them when they
   answer again.
 - servers joining a running job: `ServerJoined` as well (a new name and URL), and `ServerLeft` when one is to leave
-  (launch/fleet.py: URLs added to and removed from run_dir/servers.txt, handled by `fleet.failure_policy`).
+  (launch/membership.py: URLs added to and removed from run_dir/servers.txt, handled by `fleet.failure_policy`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class ProcessExited:
 class ServerJoined:
     """A server (re)started by the launcher, or added to a running job, answers /health. It serves the weights it
     was started with until the run gives it the current ones. Emitted for URLs added to run_dir/servers.txt
-    (launch/fleet.py)."""
+    (launch/membership.py)."""
 
     name: str
     url: str
@@ -131,7 +131,7 @@ class Launcher(Protocol):
 
 async def end_run_on_failure(event: ClusterEvent) -> None:
     """Today's policy for processes: a dead child ends the run, with its log tail. (A run's handler,
-    launch/fleet.py `failure_policy`, handles servers joining and leaving and passes the rest here.)"""
+    launch/membership.py `failure_policy`, handles servers joining and leaving and passes the rest here.)"""
     if isinstance(event, ProcessExited):
         raise ChildFailed(event.describe())
     raise ChildFailed(f"{event.name} at {event.url}: {type(event).__name__} has no handler here")

@@ -5,7 +5,7 @@ launch/api.py for the protocol; `launcher_for` picks one (or the Slurm launcher,
 A trainer job of `train.nnodes` > 1 is that many torchrun agents joined by c10d rendezvous; here they all run on
 this host (a real multi-node job, on one machine), or only the first `train.rdzv.local_agents` of them, the others
 started by hand elsewhere with the command the launcher logs. Ranks report their addresses to the run's registry
-(launch/registry.py) unless `train.rdzv.discovery=files`."""
+(net/registry.py) unless `train.rdzv.discovery=files`."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import msgspec
 from areal_async.config import ConfigError
 from areal_async.launch.api import (ClusterEvent, EventHandler, ProcessExited, ServerHandle, ServerJoined,
                                     TrainerHandle)
-from areal_async.launch.fleet import JoinFile, join_file
+from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
-from areal_async.launch.registry import Registry, read_secret
-from areal_async.netaddr import host_address, rendezvous_host
+from areal_async.net.registry import Registry, read_secret
+from areal_async.net.address import host_address, rendezvous_host
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -51,7 +51,7 @@ class LocalCluster:
         self.trainers = trainers
         self.poll_s = poll_s
         self.registry = registry  # where the trainer ranks reported (train.rdzv.discovery=registry)
-        self.join = join  # run_dir/servers.txt: servers joining and leaving (launch/fleet.py)
+        self.join = join  # run_dir/servers.txt: servers joining and leaving (launch/membership.py)
         self._cfg = cfg
         self._model_path = model_path
         self._start_server = start_server  # (index, port) -> child; None: the servers are not ours (external)
@@ -212,7 +212,7 @@ class ExternalLauncher:
         registry = None
         try:
             # the external servers reach trainer rank 0 (the broadcast store) at this host's routable address,
-            # not at gethostbyname(gethostname()), which is often 127.0.1.1 (netaddr.py)
+            # not at gethostbyname(gethostname()), which is often 127.0.1.1 (net/address.py)
             trainers, registry = await _start_trainers(procs, cfg, model_path, trainer_resume, host_address())
             await procs.wait_healthy(list(cfg.server.urls), cfg.server.startup_timeout_s, cfg.server.api_key)
         except BaseException:

@@ -11,7 +11,7 @@ the numbering `--base-gpu-id` and `cuda:<i>` use in children that inherit the en
 - the trainers take `train.cuda_visible_devices` when set (verbatim, as CUDA_VISIBLE_DEVICES entries), else the
   first `train.nproc` GPUs no server takes. With fewer GPUs than that, embedded servers and trainers share (one
   GPU with one server and one trainer is a normal laptop-sized run; the weight broadcast then goes over gloo,
-  launch/broadcast_group.py); SGLang servers never share with trainers when the broadcast is on, and only with
+  rollout/broadcast_group.py); SGLang servers never share with trainers when the broadcast is on, and only with
   `--mem-fraction-static` in `server.extra_args` otherwise (SGLang takes ~88% of a GPU's memory by default).
   Several torchrun agents on this host (train.nnodes > 1) get consecutive slices of those GPUs.
 

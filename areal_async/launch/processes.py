@@ -67,9 +67,9 @@ def tail(path: str, lines: int = 40) -> str:
 
 
 def _url_from_log(procs: "Processes", name: str) -> str:
-    """The URL a child started on port 0 printed in its ready line (serve.py's READY_PREFIX); "" until then.
+    """The URL a child started on port 0 printed in its ready line (server/cli.py's READY_PREFIX); "" until then.
     Found, it becomes the child's `url`."""
-    from areal_async.serve import READY_PREFIX
+    from areal_async.server.cli import READY_PREFIX
 
     child = next((c for c in procs.children if c.name == name), None)
     if child is None:
@@ -253,7 +253,7 @@ class Processes:
                               max_total_tokens: int, max_running_requests: int, api_key: str | None,
                               torch_threads: int, weight_version: int = 0, prefix_cache: bool = True,
                               cuda_visible_devices: str | None = None, dtype: str = "auto") -> Child:
-        """Port 0: the server binds a free port itself and prints it in its ready line (serve.py); its `url` is
+        """Port 0: the server binds a free port itself and prints it in its ready line (server/cli.py); its `url` is
         filled in from its log by `wait_healthy` (no port picked here and bound there later, which another
         process could take in between)."""
         cmd = embedded_server_cmd(model, host=host, port=str(port), device=device, max_total_tokens=max_total_tokens,
@@ -316,7 +316,7 @@ class Processes:
         """One torchrun agent of `nproc` ranks (standalone, or one node of a job `torchrun_args` describes); each
         rank reads its TrainConfig (temperature included) from `config_json` and announces itself: a rank file
         `<run_dir>/trainer/rank<r>.json`, or a report to the controller's registry when `env` names one
-        (launch/registry.py)."""
+        (net/registry.py)."""
         cmd = trainer_cmd(model=model, nproc=nproc, config_json=config_json, seed=seed, run_dir=self.run_dir,
                           resume=resume, torchrun_args=torchrun_args, rpc_host=rpc_host)
         full_env = {**thread_env(torch_threads), "AREAL_RPC_SECRET": secret_hex, **(env or {})}

@@ -236,7 +236,7 @@ class RunRecovery:
     def __init__(self, cfg: "RunConfig", cluster: Cluster, log_: RecoveryLog,
                  fallback: EventHandler | None = None) -> None:
         self.cfg = cfg.recovery
-        self.fallback = fallback or end_run_on_failure  # servers joining and leaving (launch/fleet.py), the rest
+        self.fallback = fallback or end_run_on_failure  # servers joining and leaving (launch/membership.py), the rest
         self.startup_timeout_s = cfg.server.startup_timeout_s
         self.api_key = cfg.server.api_key
         self.cluster = cluster

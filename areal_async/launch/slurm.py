@@ -14,7 +14,7 @@ shares the job's memory (`--mem=0`), so steps on one node run side by side and S
 against the allocation before the first srun, with errors naming the key to change.
 
 Finding the processes: no filesystem is assumed to be shared. Server steps start through launch/step.py, which
-reports its node's address and port to the controller's registry (launch/registry.py) and then becomes the server;
+reports its node's address and port to the controller's registry (net/registry.py) and then becomes the server;
 trainer ranks report there too (train.rdzv.discovery=registry). One log per step, `run_dir/logs/<name>.log`: srun
 writes its tasks' output (and its own errors) to the controller's side, so logs need no shared filesystem either.
 
@@ -48,10 +48,10 @@ import msgspec
 
 from areal_async.config import ConfigError
 from areal_async.launch.api import EventHandler, ProcessExited, ServerHandle, TrainerHandle
-from areal_async.launch.fleet import JoinFile, join_file
+from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.processes import (Child, ChildFailed, Processes, c10d_args, embedded_server_cmd, free_port,
                                           sglang_server_cmd, tail, thread_env, trainer_cmd)
-from areal_async.launch.registry import Registry, route_address
+from areal_async.net.registry import Registry, route_address
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -313,7 +313,7 @@ class SlurmCluster:
         self.servers = servers
         self._trainers = (world_size, secret, rank_dir, fallback_master)
         self.poll_s = poll_s
-        self.join: JoinFile | None = None  # run_dir/servers.txt (launch/fleet.py), set once the servers are up
+        self.join: JoinFile | None = None  # run_dir/servers.txt (launch/membership.py), set once the servers are up
         self._closed = False
 
     @property

@@ -2,7 +2,7 @@
 
 Two loops share a StalenessBuffer (buffer.py):
 
-    rollout loop (RolloutManager, rollout.py)       train loop (AsyncRLController.run, below)
+    rollout loop (RolloutManager, manager.py)       train loop (AsyncRLController.run, below)
     ------------------------------------------      -------------------------------------------------------
     wait: admission rule allows a group             wait: a batch the staleness rule allows (buffer.get_batch)
     draw a sample, run the workflow as a task       trainer.train_step(trajectories, v)      (RPC to all ranks)
@@ -44,7 +44,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from areal_async.config import ScheduleConfig
 from areal_async.rollout.buffer import StalenessBuffer
 from areal_async.rollout.ledger import SampleLedger
-from areal_async.rollout.rollout import RolloutManager
+from areal_async.rollout.manager import RolloutManager
 from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.weight_sync import DiskSync, WeightSync, interrupt_mode, update_weights
 from areal_async.rollout.workflow_api import Generator, Workflow
@@ -191,7 +191,7 @@ class AsyncRLController:
         st.version = v + 1
         st.trained_samples += len(trajs)
         st.trained_groups += len(groups)
-        # the draw index of each group (rollout.py numbers every group's trajectories with it)
+        # the draw index of each group (manager.py numbers every group's trajectories with it)
         self.ledger.trained(st.version, [g.trajectories[0].group_id for g in groups])
         await self.buffer.set_version(st.version)
         self.timings["wait_batch_s"] += t1 - t0

@@ -4,7 +4,7 @@ A workflow is any object with `async def run(client, sample) -> list[Trajectory]
 through the `Generator` seam below (the InferenceClient satisfies it), so the same workflow runs against HTTP servers
 or anything else that can generate. Returning None rejects the group (it is counted, never trained on).
 
-What the rollout manager does with a group (rollout.py): it numbers the group (every trajectory's `group_id` becomes
+What the rollout manager does with a group (manager.py): it numbers the group (every trajectory's `group_id` becomes
 the sample's draw index; workflows leave it alone), and drops the whole group, never training it, when a
 trajectory's `info["finish"]` is "abort" (its generation was cut off: repeated foreign aborts, an engine error), or
 when a trajectory is malformed or has no generated token. Workflows report each trajectory's finish that way.

@@ -340,7 +340,7 @@ class FakeSGLang:
         held = self._groups.pop(body.get("group_name", ""), None)
         if held is None:
             return self._json({"success": False, "message": "group does not exist"}, 400)
-        from areal_async.inference.weights import destroy_group
+        from areal_async.server.weights import destroy_group
 
         # in the background: a receive still blocked on it (the trainer stopped mid-bucket) may hold it
         threading.Thread(target=_quietly, args=(destroy_group, held[0]), name="fake-sglang-destroy",
@@ -350,7 +350,7 @@ class FakeSGLang:
     async def _receive(self, body: dict) -> web.Response:
         import torch
 
-        from areal_async.inference.weights import receive_tensors
+        from areal_async.server.weights import receive_tensors
 
         held = self._groups.get(body["group_name"])
         if held is None:
@@ -404,13 +404,13 @@ _joining: list[Any] = []  # the real registration function while joins are under
 
 
 def _join_group(init_method: str, world_size: int, rank: int, group_name: str) -> Any:
-    """Join gloo group `group_name` as `rank`, as inference/weights.py's init_custom_group does, but without an
+    """Join gloo group `group_name` as `rank`, as server/weights.py's init_custom_group does, but without an
     entry in torch's by-name process-group registry (used only by functional collectives, never by
     broadcast(group=pg)): several fakes of one process may join one group at once, and that registry takes a
     name once per process."""
     from torch.distributed import distributed_c10d as c10d
 
-    from areal_async.inference.weights import init_custom_group
+    from areal_async.server.weights import init_custom_group
 
     with _registry_lock:
         _joining.append(_joining[0] if _joining else c10d._register_process_group)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_async.custom_group import new_custom_group, open_store
+from areal_async.net.custom_group import new_custom_group, open_store
 from areal_async.train.dist import agree
 from areal_async.train.errors import BroadcastError
 from areal_async.train.publish import iter_full_tensors

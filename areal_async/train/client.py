@@ -19,7 +19,7 @@ import math
 import os
 from typing import Any, Protocol, TypeVar
 
-from areal_async.rpc import RpcAuthError, RpcClient, RpcError
+from areal_async.net.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.errors import BatchError, PeerFailure, TrainerFailure, kind_of
 from areal_async.train.messages import (AbortBroadcastRequest, AbortBroadcastResult, BroadcastEndpoint,
                                         OpenBroadcastRequest, WeightPlan, WeightPlanRequest)

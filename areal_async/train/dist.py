@@ -6,7 +6,7 @@ can all use `any_rank` / `agree` without importing each other.
 Devices: "auto" is this rank's CUDA device (LOCAL_RANK) when CUDA is available, else the CPU. On CUDA the default
 group is nccl for tensors plus gloo for CPU objects (DCP and barriers exchange CPU tensors), bound to the rank's
 device (`device_id`: eager NCCL init, and the device barriers use). The weight-update group the broadcast forms
-with inference servers must not be split from this group's communicator: areal_async/custom_group.py unbinds the
+with inference servers must not be split from this group's communicator: areal_async/net/custom_group.py unbinds the
 default group around its creation.
 """
 
@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from areal_async.netaddr import ADDRESS_ENV, host_address
+from areal_async.net.address import ADDRESS_ENV, host_address
 from areal_async.train.errors import TrainerFailure, peer_error
 
 __all__ = ["resolve_device", "init_distributed", "any_rank", "agree", "all_reduce_floats", "bind_device",

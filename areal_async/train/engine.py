@@ -127,7 +127,7 @@ class TrainEngine:
         self.bind_device()
         if self.device.type == "cpu":  # steps allocate and free the same large host tensors (host_memory.py)
             keep_freed_memory(single_arena=True)
-        from areal_async.custom_group import device_uuid
+        from areal_async.net.custom_group import device_uuid
 
         self._gpu_uuid = device_uuid(self.device)
         torch.manual_seed(seed + self.rank)

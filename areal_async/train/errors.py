@@ -1,6 +1,6 @@
 """The trainer's error kinds, as types that keep their meaning across the RPC channel. Torch-free.
 
-A trainer rank raises one of these; areal_async/rpc.py sends its qualified type name (`remote_type`) with the
+A trainer rank raises one of these; areal_async/net/rpc.py sends its qualified type name (`remote_type`) with the
 message, and the controller (train/client.py) turns that name back into the type with `kind_of`, so it can ask
 "was the data at fault?" or "did this rank only hear about another rank's failure?" with `issubclass` instead of
 matching message text.
@@ -76,6 +76,6 @@ def peer_error(kind: type[TrainerFailure]) -> type[TrainerFailure]:
 
 
 def kind_of(remote_type: str) -> type[TrainerFailure] | None:
-    """The error type behind an RPC error's `remote_type` (rpc.py sends `module.QualName`), or None for anything
+    """The error type behind an RPC error's `remote_type` (net/rpc.py sends `module.QualName`), or None for anything
     that is not one of ours (an exception the trainer did not raise on purpose)."""
     return _KINDS.get(remote_type)

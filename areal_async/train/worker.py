@@ -1,7 +1,7 @@
 """One trainer rank: `torchrun --nproc_per_node N -m areal_async.train.worker --model DIR --run-dir DIR ...`.
 
 Each rank loads its FSDP2 shard of the model (train/engine.py), then serves the controller over our RPC channel
-(areal_async/rpc.py) and writes `{run_dir}/trainer/rank{r}.json` = {"address", "rank", "world_size", "pid"}
+(areal_async/net/rpc.py) and writes `{run_dir}/trainer/rank{r}.json` = {"address", "rank", "world_size", "pid"}
 (atomically, once listening). The controller (`TrainerGroup` in train/client.py) connects to every rank and sends
 each call to all of them; handlers that touch torch run in the RPC server's single worker thread, in arrival order,
 so the collectives of successive calls line up on every rank.
@@ -38,7 +38,7 @@ from collections.abc import MutableMapping
 import msgspec
 
 from areal_async.config import ConfigError, TrainConfig, from_dict
-from areal_async.launch.registry import read_secret
+from areal_async.net.registry import read_secret
 from areal_async.torch_threads import one_thread_until_set
 from areal_async.train.messages import (AbortBroadcastRequest, AbortBroadcastResult, BroadcastEndpoint,
                                         OpenBroadcastRequest, WeightPlan, WeightPlanRequest)
@@ -193,7 +193,7 @@ async def _watchdog(server, args: argparse.Namespace, parent: int, stop) -> None
 async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -> tuple[int, bool]:
     """Serve until stopped; returns (exit code: 0 after `shutdown` or a signal, 1 when orphaned, whether the stop
     was unrequested: a signal or the watchdog, not the shutdown RPC)."""
-    from areal_async.rpc import RpcServer
+    from areal_async.net.rpc import RpcServer
 
     threads = engine.cfg.torch_threads if engine.device.type == "cpu" else None
 
@@ -229,7 +229,7 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
         loop.add_signal_handler(sig, stop, f"signal {signal.Signals(sig).name}")
     address = await server.start_tcp(args.rpc_host, 0)
     # a rank file in run_dir, or a report to the controller's registry when AREAL_REGISTRY is set (multi-node)
-    from areal_async.launch.registry import announce_rank
+    from areal_async.net.registry import announce_rank
 
     path = await announce_rank(args.run_dir, engine.rank, engine.world_size, address, secret)
     log.info("rank %d/%d serving on %s (model %s, device %s)", engine.rank, engine.world_size, address,

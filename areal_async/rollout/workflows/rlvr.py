@@ -33,7 +33,7 @@ class RLVRWorkflow:
         else:
             gens = await asyncio.gather(*(client.agenerate(ids, self.sampling, session_key=key)
                                           for _ in range(self.group_size)))
-        if any(g.finish_reason == "abort" for g in gens):  # the group is dropped (rollout.py): score nothing
+        if any(g.finish_reason == "abort" for g in gens):  # the group is dropped (manager.py): score nothing
             return [trajectory_from_generation(ids, g, 0.0, interruptions=g.num_interruptions) for g in gens]
         texts = [self.tokenizer.decode(g.output_ids) for g in gens]
         if len(texts) == 1:

@@ -3,7 +3,7 @@ server steps) report the address they serve on, so the controller needs no files
 
 Why not rank files: `run_dir/trainer/rank<r>.json` written by the ranks only reaches the controller through a
 shared filesystem, and NFS attribute caching can keep a stale file visible for seconds. Here the controller listens
-with an `RpcServer` (areal_async/rpc.py: HMAC handshake with the run's RPC secret, so a stranger who reaches the port
+with an `RpcServer` (areal_async/net/rpc.py: HMAC handshake with the run's RPC secret, so a stranger who reaches the port
 can register nothing and learns nothing), and each process reports over it once it listens. A process finds the
 endpoint through its environment, which the launcher sets (srun and torchrun pass it on): `AREAL_REGISTRY`
 (tcp://host:port) and `AREAL_RPC_SECRET` (hex; the secret is never on a command line).
@@ -26,7 +26,7 @@ from typing import Literal
 
 import msgspec
 
-from areal_async.rpc import RpcClient, RpcServer
+from areal_async.net.rpc import RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from areal_async.inference.model import ModelSpec, UnsupportedModelError
+from areal_async.server.model import ModelSpec, UnsupportedModelError
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tensors some checkpoints carry that hold nothing to load (recomputed buffers).
@@ -148,11 +148,11 @@ def eos_token_ids(model_path: str, tokenizer) -> list[int]:
 def init_custom_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
                       device: torch.device | str, timeout_s: float = 600.0):
     """Join the trainer's weight-update group as `rank` (> 0), the way SGLang's `init_custom_process_group` does,
-    so a trainer written for SGLang talks to us unchanged (areal_async/custom_group.py holds the shared c10d setup).
+    so a trainer written for SGLang talks to us unchanged (areal_async/net/custom_group.py holds the shared c10d setup).
 
     The trainer (rank 0) hosts a TCPStore at `init_method` (`tcp://host:port`). `device` may lack an index ("cuda"
     from an "auto" device): it is taken as the current CUDA device."""
-    from areal_async.custom_group import connect_store, new_custom_group
+    from areal_async.net.custom_group import connect_store, new_custom_group
 
     if not 0 < rank < world_size:
         raise ValueError(f"rank {rank} is not a receiving rank of a group of {world_size} (rank 0 is the trainer)")
@@ -168,7 +168,7 @@ def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[lis
     """Receive each tensor with broadcast(src=0) in the listed order. gloo moves host tensors, nccl device ones."""
     import torch.distributed as dist
 
-    from areal_async.custom_group import bind_cuda
+    from areal_async.net.custom_group import bind_cuda
 
     on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     bind_cuda(on)  # this runs in a worker thread, whose current CUDA device is not the engine's

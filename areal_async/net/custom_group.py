@@ -3,7 +3,7 @@ forms with inference server ranks, the way SGLang's `init_custom_process_group` 
 SGLang and our servers meet on the same store keys.
 
 Both ends use `new_custom_group`: the trainer (train/broadcast.py) as group rank 0, which hosts the TCPStore, and
-every server rank (inference/weights.py `init_custom_group`) as a client of that store. The store is wrapped in
+every server rank (server/weights.py `init_custom_group`) as a client of that store. The store is wrapped in
 `PrefixStore(group_name)` on both ends (SGLang's server side does so, the keys must meet).
 
 Two things in torch's `_new_process_group_helper` (torch/distributed/distributed_c10d.py) decide whether this works:

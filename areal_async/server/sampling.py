@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from areal_async.inference.cpu_elementwise import Kernels
+    from areal_async.server.kernels.elementwise import Kernels
 
 GREEDY_EPS = 1e-6
 

@@ -1,6 +1,6 @@
 """OpenAI's /v1/completions and /v1/chat/completions answers, as pure functions: response bodies, streamed chunks,
-logprobs objects and tool calls, shared by the embedded server (server.py) and the agent proxy
-(agent/openai_proxy.py). Requests are parsed by openai_protocol.py.
+logprobs objects and tool calls, shared by the embedded server (server/app.py) and the agent proxy
+(agent/openai_proxy.py). Requests are parsed by openai_requests.py.
 
 Answers are built from `ChoiceView`s: the server's `Accumulator` (one engine request, possibly unfinished while
 streaming) is one; `GenerationChoice` (a finished `GenerationResult` from the inference client) is the other.
@@ -19,8 +19,8 @@ import re
 import uuid
 from typing import Any, Collection, Protocol
 
-from areal_async.inference.openai_protocol import OpenAIPlan
-from areal_async.inference.protocol import Tokenizer, stop_hold
+from areal_async.protocol.openai_requests import OpenAIPlan
+from areal_async.protocol.sglang import Tokenizer, stop_hold
 from areal_async.types import GenerationResult
 
 class ChoiceView(Protocol):

@@ -1,11 +1,11 @@
 """OpenAI's /v1/completions and /v1/chat/completions requests, as pure functions: the one implementation that both
-the embedded server (server.py) and the agent proxy (agent/openai_proxy.py) parse with. The answers are built by
+the embedded server (server/app.py) and the agent proxy (agent/openai_proxy.py) parse with. The answers are built by
 openai_responses.py.
 
-Why apart from protocol.py: the OpenAI wire format (messages, tools, logprobs objects, streamed chunks) is a second
+Why apart from sglang.py: the OpenAI wire format (messages, tools, logprobs objects, streamed chunks) is a second
 protocol with its own rules; it shares the limits and the sampling checks with the SGLang endpoints and adds
 SGLang's and vLLM's extras (`rid`, `top_k`, `return_token_ids`). Parsing failures raise `ProtocolError` (a 400),
-as in protocol.py. No torch here.
+as in sglang.py. No torch here.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Callable, Literal
 
 import msgspec
 
-from areal_async.inference.engine_api import EngineRequest, EngineSampling
-from areal_async.inference.protocol import (Limits, ProtocolError, Tokenizer, check_prompt, check_request_count,
+from areal_async.protocol.engine_api import EngineRequest, EngineSampling
+from areal_async.protocol.sglang import (Limits, ProtocolError, Tokenizer, check_prompt, check_request_count,
                                            check_sampling, check_unique_rids, decode_body, new_rid, sample_rids,
                                            stop_list)
 

@@ -1,6 +1,6 @@
 """Every config key with its default and documentation (`python -m areal_async.run --help`).
 
-The documentation of a field is the string literal under it in config.py or config_cluster.py (an attribute
+The documentation of a field is the string literal under it in config/run_config.py or config/cluster.py (an attribute
 docstring, as Sphinx reads them); it is read from the modules' source, so it works from an installed copy too. tests/test_config.py checks that
 no field goes without one. No torch here.
 """
@@ -15,14 +15,15 @@ from typing import Any, Iterator
 import msgspec
 import yaml
 
-from areal_async import config, config_cluster
+from areal_async.config import run_config
+from areal_async.config import cluster as config_cluster
 
 
 @functools.lru_cache(maxsize=1)
 def _field_docs() -> dict[tuple[str, str], str]:
     """(class name, field) -> the string literal under the field in the modules that define sections."""
     docs: dict[tuple[str, str], str] = {}
-    nodes = [n for m in (config, config_cluster) for n in ast.parse(inspect.getsource(m)).body]
+    nodes = [n for m in (run_config, config_cluster) for n in ast.parse(inspect.getsource(m)).body]
     for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
@@ -38,7 +39,7 @@ def field_doc(cls: type[msgspec.Struct], name: str) -> str | None:
     return _field_docs().get((cls.__name__, name))
 
 
-def iter_fields(cls: type[msgspec.Struct] = config.RunConfig, prefix: str = ""
+def iter_fields(cls: type[msgspec.Struct] = run_config.RunConfig, prefix: str = ""
                 ) -> Iterator[tuple[str, Any, str | None]]:
     """(dotted key, default, doc) for every leaf field, depth first in declaration order."""
     default = cls()
@@ -57,7 +58,7 @@ VALUES = ("Values are YAML (eta=null, server.urls=[http://a:1, http://b:2], trai
           "inside the shell's quotes) for the word.")
 
 
-def describe(cls: type[msgspec.Struct] = config.RunConfig) -> str:
+def describe(cls: type[msgspec.Struct] = run_config.RunConfig) -> str:
     """Every key with its default and documentation, section after section, after how override values are read
     (the one thing about them a user cannot guess from the types)."""
     lines: list[str] = [VALUES]

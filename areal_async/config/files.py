@@ -1,6 +1,6 @@
 """Config files and overrides as plain nested dicts, before any typing: YAML files with `base:` includes (resolved
 relative to the including file; later keys win, mappings merge, lists are replaced) and dotted `key=value` overrides
-(the value parsed as YAML, except where the field is text: see `apply_overrides`). config.py turns the result into a
+(the value parsed as YAML, except where the field is text: see `apply_overrides`). run_config.py turns the result into a
 RunConfig. Never torch."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Callable, Literal, Optional
 
 import yaml
 
-from areal_async.config_base import ConfigError
+from areal_async.config.base import ConfigError
 
 __all__ = ["ALIASES", "TextKind", "apply_overrides", "lookup", "read_yaml"]
 
@@ -57,7 +57,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str],
                     text_kind: Callable[[str], TextKind] | None = None) -> dict[str, Any]:
     """Set dotted keys (`train.optim.lr=1e-5`) in a nested dict (a copy). Short names in `ALIASES` are expanded.
 
-    `text_kind(key)` says which keys are text fields (config.py knows the types); their values are kept as typed
+    `text_kind(key)` says which keys are text fields (run_config.py knows the types); their values are kept as typed
     rather than read as YAML, so `server.api_key=123456` is the string "123456"."""
     raw = copy.deepcopy(raw)
     for item in overrides:

@@ -1,10 +1,10 @@
 """SGLang's HTTP protocol, as pure functions: parse and validate request bodies, shape responses.
 
 Why a module of its own: every rule about what a client may send and what it gets back lives here, testable without
-a model, a socket or torch. server.py only moves bytes between this module and the engine. Field names, defaults
+a model, a socket or torch. server/app.py only moves bytes between this module and the engine. Field names, defaults
 and shapes follow SGLang 0.5's HTTP server (its `GenerateReqInput` and `SamplingParams`); the OpenAI endpoints
 follow OpenAI's wire format, with SGLang's and vLLM's extras (`rid`, `top_k`, `return_token_ids`,
-`metadata.weight_version`); those live in openai_protocol.py, which builds on the shared parts here (limits,
+`metadata.weight_version`); those live in openai_requests.py, which builds on the shared parts here (limits,
 sampling checks, `Accumulator`).
 
 Bodies are decoded by msgspec into typed structs, so a wrong type is a 400 naming the JSON path; unknown keys are
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from areal_async.inference.engine_api import EngineChunk, EngineRequest, EngineSampling, PauseMode
+from areal_async.protocol.engine_api import EngineChunk, EngineRequest, EngineSampling, PauseMode
 
 
 class ProtocolError(ValueError):

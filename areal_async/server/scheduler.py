@@ -32,10 +32,10 @@ from typing import Callable
 
 import torch
 
-from areal_async.inference.engine_api import EngineRequest
-from areal_async.inference.model import DecoderModel, KVCache, StepInterrupted, build_step_batch
-from areal_async.inference.pages import ROOT, PagePool
-from areal_async.inference.sampling import RowParams, process_logits, sample
+from areal_async.protocol.engine_api import EngineRequest
+from areal_async.server.model import DecoderModel, KVCache, StepInterrupted, build_step_batch
+from areal_async.server.pages import ROOT, PagePool
+from areal_async.server.sampling import RowParams, process_logits, sample
 
 
 def abort_reason(message: str) -> dict:

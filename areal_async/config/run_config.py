@@ -20,10 +20,10 @@ temperature the trainer computes logprobs at) is `rollout.temperature` (1.0 for 
 something else in a run config is an error; a file that carries them with the values its own sources give (what
 `--print-config` writes) runs again with overrides of the sources (`steps=100`).
 
-Every field is documented by the string literal under it (config_help.py reads those for `--help`).
-Sections of where processes live and what happens when they die are in config_cluster.py, YAML files and
-overrides as dicts in config_files.py, reading the fields' types (override parsing, error messages) in
-config_types.py, the shared pieces in config_base.py. Never torch.
+Every field is documented by the string literal under it (config/help.py reads those for `--help`).
+Sections of where processes live and what happens when they die are in config/cluster.py, YAML files and
+overrides as dicts in config/files.py, reading the fields' types (override parsing, error messages) in
+config/types.py, the shared pieces in config/base.py. Never torch.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Any, Callable, Literal
 
 import msgspec
 
-from areal_async.config_base import ConfigError, Section, check, key_of
-from areal_async.config_cluster import RecoveryConfig, RendezvousConfig, SlurmConfig
-from areal_async.config_files import ALIASES, TextKind, apply_overrides, lookup, read_yaml
-from areal_async.config_types import field_info, format_validation_error, text_kind_of
+from areal_async.config.base import ConfigError, Section, check, key_of
+from areal_async.config.cluster import RecoveryConfig, RendezvousConfig, SlurmConfig
+from areal_async.config.files import ALIASES, TextKind, apply_overrides, lookup, read_yaml
+from areal_async.config.types import field_info, format_validation_error, text_kind_of
 
 # re-exported: the public names of the config live here
 __all__ = ["ConfigError", "RunConfig", "ModelConfig", "DataConfig", "ServerConfig", "ScheduleConfig",

@@ -9,7 +9,7 @@ once whatever the row count: 26, 31 and 36 ms at those sizes (the model's own sh
 3 rows, where its matrix-vector path is at the bandwidth, and above 24, where it is faster).
 
 It is plain C with GCC vector extensions, blocked per target (AVX-512: 16-float vectors, 8 weight rows x 2 input
-rows; the AVX2 baseline: 8-float vectors, 6 x 2, which fits its 16 registers), built on first use (cpu_build.py).
+rows; the AVX2 baseline: 8-float vectors, 6 x 2, which fits its 16 registers), built on first use (build.py).
 The rows it takes depend on the build (ROWS). `AREAL_CPU_GEMM=0` turns it off; where it cannot be built the engine
 uses torch's matmul.
 """
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from areal_async.inference.cpu_build import bind, load_library
+from areal_async.server.kernels.build import bind, load_library
 
 MIN_ROWS, MAX_ROWS = 3, 24  # where the AVX-512 build beats torch's matmul (measured, see above)
 # Row range per build (floats per vector): where the kernel beat torch's matmul, the 30 layers' four matmuls of
@@ -137,7 +137,7 @@ class Kernel:
 
 def load(march: str | None = None) -> Kernel | None:
     """The kernel built for `march` (default: cpu_build.default_march()), or None where it cannot be built
-    (cpu_build.py). Its row range follows the build's vector width (ROWS)."""
+    (build.py). Its row range follows the build's vector width (ROWS)."""
     lib = load_library("skinny_linear", _SOURCE, "AREAL_CPU_GEMM", "torch's matmul for every batch size", march)
     if lib is None:
         return None

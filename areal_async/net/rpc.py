@@ -69,8 +69,8 @@ _CLOSE_FLUSH_S = 2.0  # how long close() lets queued replies drain before aborti
 _HEADER = struct.Struct(">Q")
 # Frame kinds.
 _HELLO, _AUTH, _AUTH_OK, _AUTH_FAIL, _REQUEST, _RESPONSE, _ERROR = range(7)
-_CLIENT_LABEL = b"areal_async.rpc/1 client"
-_SERVER_LABEL = b"areal_async.rpc/1 server"
+_CLIENT_LABEL = b"areal_async.net.rpc/1 client"
+_SERVER_LABEL = b"areal_async.net.rpc/1 server"
 
 
 class RpcError(Exception):

@@ -1,12 +1,12 @@
 """Config sections of where a run's processes live and what happens when they die: the multi-node trainer
-rendezvous, the Slurm launcher, the recovery policy. Split from config.py (which composes them into RunConfig) by
+rendezvous, the Slurm launcher, the recovery policy. Split from run_config.py (which composes them into RunConfig) by
 concept; every field is documented by the string literal under it, as there. Never torch."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from areal_async.config_base import Section, check, is_host_port, key_of
+from areal_async.config.base import Section, check, is_host_port, key_of
 
 __all__ = ["RendezvousConfig", "SlurmConfig", "RecoveryConfig"]
 

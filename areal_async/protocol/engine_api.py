@@ -1,6 +1,6 @@
 """The seam between the embedded HTTP server and the generation engine.
 
-The server (server.py) speaks SGLang's HTTP protocol and validates input; the engine (engine.py) owns the model,
+The server (server/app.py) speaks SGLang's HTTP protocol and validates input; the engine (engine.py) owns the model,
 the KV cache and the continuous-batching loop. This module fixes what one asks of the other, so either side can be
 replaced (and tested) on its own. No torch here.
 """

@@ -4,7 +4,7 @@ One forward pass serves a whole engine step: the tokens of every scheduled reque
 batch `[N]` (no padding), so embeddings, projections and MLPs run as single matmuls over all requests. Only attention
 needs per-request structure; it reads keys and values from a paged KV cache (`KVCache`) per *attention group*.
 Decode rows (one new token each) on CPU form one group that a small C kernel serves straight from the pages, each
-key read once, no padding (cpu_attention.py). Prefill chunks, and decode rows where the kernel is not used (CUDA,
+key read once, no padding (kernels/attention.py). Prefill chunks, and decode rows where the kernel is not used (CUDA,
 half precision, no C compiler), gather their pages into a padded batch and run one SDPA with an additive mask;
 such decode rows are split by cache length so one long request does not make every row attend over its length.
 Query heads that share a kv head are folded into the query axis, so SDPA sees plain multi-head attention (its
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from areal_async.inference import cpu_attention, cpu_elementwise, cpu_gemm
+from areal_async.server.kernels import attention as cpu_attention, elementwise as cpu_elementwise, gemm as cpu_gemm
 
 # Hugging Face `architectures[0]` -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -403,8 +403,8 @@ class DecoderModel:
     whole fused q|k|v row at once with tables that leave v unchanged and fold the softmax scale into q; the k|v
     half is then stored with a single `index_copy_`; residual adds are fused into `addmm`. On CPU in fp32, C kernels
     take over where torch is slow at decode sizes (each falls back to torch where it cannot be built): decode
-    attention (cpu_attention.py), matmuls of few rows with the residual added in place (cpu_gemm.py), RMSNorm and
-    SiLU-gating (cpu_elementwise.py)."""
+    attention (kernels/attention.py), matmuls of few rows with the residual added in place (kernels/gemm.py), RMSNorm and
+    SiLU-gating (kernels/elementwise.py)."""
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.spec = spec
@@ -440,9 +440,9 @@ class DecoderModel:
         if self.device.type == "cpu" and cpu_attention.supports(h, hkv, spec.head_dim, dtype):
             self._kernel = cpu_attention.load()
         self.paged_decode = self._kernel is not None
-        # matmuls of few rows (decode steps with few requests left) through cpu_gemm.py where it builds
+        # matmuls of few rows (decode steps with few requests left) through kernels/gemm.py where it builds
         self._gemm = cpu_gemm.load() if self.device.type == "cpu" and dtype == torch.float32 else None
-        # one-pass RMSNorm, SiLU-gating and greedy sampling (cpu_elementwise.py; the scheduler samples with it)
+        # one-pass RMSNorm, SiLU-gating and greedy sampling (kernels/elementwise.py; the scheduler samples with it)
         self.elementwise = cpu_elementwise.load() if self.device.type == "cpu" and dtype == torch.float32 else None
 
     @torch.inference_mode()
@@ -521,7 +521,7 @@ class DecoderModel:
         outs = []
         for g in groups:
             b = g.batch
-            if g.table is not None:  # one token per request, read straight from the pages (cpu_attention.py)
+            if g.table is not None:  # one token per request, read straight from the pages (kernels/attention.py)
                 out = cpu_attention.paged_decode_attention(self._kernel, q[g.start:g.end], kv_pages, g.table, g.lens,
                                                            hkv)  # [B, H, D]
                 outs.append(out.view(b, h * d))

@@ -12,7 +12,7 @@ next page (pages are scattered, so the hardware prefetcher cannot guess it) is p
 version (one online-softmax update per key with scalar expf), 30 layers of SmolLM2 at batch 64 and mean context
 168 with the cache cold: 46 -> 36 ms at 2 threads, 88 -> 72 ms at 1 (scratch A/B of the two builds).
 
-It is plain C, built on first use and loaded with ctypes (cpu_build.py). Where no compiler is found or the build
+It is plain C, built on first use and loaded with ctypes (build.py). Where no compiler is found or the build
 fails, `load()` returns None and the engine uses the portable path (logged once). `AREAL_CPU_ATTENTION=0` turns the
 kernel off.
 """
@@ -23,7 +23,7 @@ import ctypes
 
 import torch
 
-from areal_async.inference.cpu_build import EXP_POLY_C, bind, load_library
+from areal_async.server.kernels.build import EXP_POLY_C, bind, load_library
 
 _SOURCE = EXP_POLY_C + r"""
 #include <float.h>
@@ -114,7 +114,7 @@ MAX_HEADS, MAX_HEAD_DIM, MAX_PAGE = 128, 256, 64
 
 def load(march: str | None = None):
     """The kernel built for `march` (default: cpu_build.default_march()) as a ctypes function, or None where it
-    cannot be built (cpu_build.py; `AREAL_CPU_ATTENTION=0` turns it off)."""
+    cannot be built (build.py; `AREAL_CPU_ATTENTION=0` turns it off)."""
     lib = load_library("paged_attention", _SOURCE, "AREAL_CPU_ATTENTION", "gather + SDPA", march)
     if lib is None:
         return None

@@ -9,7 +9,7 @@ engine thread (py-spy). Each kernel here reads its input once or twice and write
 follow transformers: the mean of squares in fp32, x * rsqrt(mean + eps), then the weight; SiLU as x / (1 + exp(-x))
 with a vectorised exp (relative error < 2e-7).
 
-Built on first use (cpu_build.py); `AREAL_CPU_ELEMENTWISE=0` turns them off, and where they cannot be built the
+Built on first use (build.py); `AREAL_CPU_ELEMENTWISE=0` turns them off, and where they cannot be built the
 model uses torch's ops.
 """
 
@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from areal_async.inference.cpu_build import EXP_POLY_C, bind, load_library
+from areal_async.server.kernels.build import EXP_POLY_C, bind, load_library
 
 _SOURCE = EXP_POLY_C + r"""
 #include <math.h>
@@ -110,6 +110,6 @@ class Kernels:
 
 def load(march: str | None = None) -> Kernels | None:
     """The kernels built for `march` (default: cpu_build.default_march()), or None where they cannot be built
-    (cpu_build.py)."""
+    (build.py)."""
     lib = load_library("elementwise", _SOURCE, "AREAL_CPU_ELEMENTWISE", "torch's rms_norm and silu", march)
     return Kernels(lib) if lib is not None else None

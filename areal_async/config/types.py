@@ -1,6 +1,6 @@
 """What the config's types say about a dotted key: the field's msgspec type info, whether it holds text (so an
 override keeps its text as typed), an enum's choices, and msgspec's conversion errors turned into messages that name
-the key (with a "did you mean" for an unknown one). Generic over the root Struct, so config.py's sections and the
+the key (with a "did you mean" for an unknown one). Generic over the root Struct, so run_config.py's sections and the
 trainer's `TrainConfig` alike use it. Never torch."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from areal_async.config_base import ConfigError, key_of
-from areal_async.config_files import ALIASES, TextKind
+from areal_async.config.base import ConfigError, key_of
+from areal_async.config.files import ALIASES, TextKind
 
 __all__ = ["field_info", "text_kind_of", "choices", "format_validation_error"]
 

@@ -20,7 +20,7 @@ destroyed on the servers that can (SGLang's /destroy_weights_update_group, which
 trainer rank 0 keeps its end of it until the trainers exit (no RPC drops one group yet). Group names carry a token
 of the run, so a persistent server that still holds an earlier run's group is never asked to create a name twice;
 the inference client destroys its groups on the servers when it closes, at the end of the run. How many ranks
-each server holds and the backend come from the servers (launch/broadcast_group.py). A server that dies or hangs
+each server holds and the backend come from the servers (rollout/broadcast_group.py). A server that dies or hangs
 is left out the same way, and the recovery policy (launch/recovery.py) restarts it; with `recovery.enabled=false`
 a dead process ends the run (`end_run_on_failure`). No torch here.
 """
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from areal_async.launch.api import ClusterEvent, EventHandler, ServerJoined, ServerLeft, end_run_on_failure
-from areal_async.launch.broadcast_group import plan_group
+from areal_async.rollout.broadcast_group import plan_group
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -301,7 +301,7 @@ class ElasticBroadcastSync:
         # unique per run: a persistent server still holding an earlier run's group (same process, same torch
         # group registry) refuses a name it has seen
         name = f"areal-{self.run_token}-{self.generation}"
-        # each server's ranks (its tensor-parallel size) and the backend come from the servers (broadcast_group.py)
+        # each server's ranks (its tensor-parallel size) and the backend come from the servers (rollout/broadcast_group.py)
         plan = await plan_group(self.client, list(members), (getattr(self.trainers, "infos", None) or [None])[0],
                                 default_ranks=self.ranks_per_server, backend=self.backend)
         # rank 0 hosts the group's store on a port it binds itself; the address is the launcher's view of where

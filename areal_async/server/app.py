@@ -5,7 +5,7 @@ the very protocol they will meet on GPUs. This server answers the same requests 
 0.5's native endpoints: /generate, pause and weight control, info), so a real SGLang server can replace it without
 the client noticing.
 
-Parsing, validation and response shapes are in protocol.py and openai_protocol.py (pure functions); this module
+Parsing, validation and response shapes are in protocol/sglang.py and protocol/openai_requests.py (pure functions); this module
 only moves bytes between HTTP and the engine, and owns three pieces of server state: readiness (503 while starting
 or stopping), the set of request ids in flight (a duplicate rid is a 400), and the API key.
 
@@ -38,10 +38,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from areal_async.inference import openai_protocol as O
-from areal_async.inference import openai_responses as R
-from areal_async.inference import protocol as P
-from areal_async.inference.engine_api import Engine, EngineRequest, EngineSampling
+from areal_async.protocol import openai_requests as O
+from areal_async.protocol import openai_responses as R
+from areal_async.protocol import sglang as P
+from areal_async.protocol.engine_api import Engine, EngineRequest, EngineSampling
 
 log = logging.getLogger(__name__)
 
@@ -545,7 +545,7 @@ async def start_server(model: str, host: str = "127.0.0.1", port: int = 30000, a
     port is already bound and /health answers 503, as SGLang's does.
     """
     if engine is None:
-        from areal_async.inference.engine import AsyncEngine
+        from areal_async.server.engine import AsyncEngine
 
         # loading a checkpoint takes seconds to minutes: keep the caller's event loop responsive meanwhile
         engine = await asyncio.to_thread(AsyncEngine, model, **engine_kw)

@@ -41,13 +41,13 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from areal_async.custom_group import bind_cuda, device_uuid
+from areal_async.net.custom_group import bind_cuda, device_uuid
 from areal_async.host_memory import keep_freed_memory
-from areal_async.inference.engine_api import EngineChunk, EngineRequest, PauseMode
-from areal_async.inference.model import DecoderModel, KVCache, ModelSpec, UnsupportedModelError
-from areal_async.inference.scheduler import Request, Scheduler, abort_reason, validate_request
+from areal_async.protocol.engine_api import EngineChunk, EngineRequest, PauseMode
+from areal_async.server.model import DecoderModel, KVCache, ModelSpec, UnsupportedModelError
+from areal_async.server.scheduler import Request, Scheduler, abort_reason, validate_request
 from areal_async.torch_threads import single_torch_thread, to_side_thread
-from areal_async.inference.weights import DTYPES, WeightError, check_tensors, eos_token_ids, load_checkpoint
+from areal_async.server.weights import DTYPES, WeightError, check_tensors, eos_token_ids, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ class AsyncEngine:
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> tuple[bool, str]:
         """Join the trainer's broadcast group as rank `rank_offset` (SGLang's receiving side; see weight_sync)."""
-        from areal_async.inference.weights import init_custom_group
+        from areal_async.server.weights import init_custom_group
 
         if group_name in self._groups:
             return False, f"weight update group {group_name!r} already exists"
@@ -377,7 +377,7 @@ class AsyncEngine:
                                               flush_cache: bool = True) -> tuple[bool, str]:
         """Receive each tensor by broadcast(src=0), in order, then swap them in like a disk update: at once while
         paused, else once the running requests have finished."""
-        from areal_async.inference.weights import receive_tensors
+        from areal_async.server.weights import receive_tensors
 
         group = self._groups.get(group_name)
         if group is None:
@@ -597,7 +597,7 @@ def _next_version(current: str, given: str | None) -> str:
 
 
 def _destroy_group(group, raise_errors: bool = False) -> None:
-    from areal_async.inference.weights import destroy_group
+    from areal_async.server.weights import destroy_group
 
     try:
         destroy_group(group)

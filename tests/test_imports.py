@@ -1,5 +1,6 @@
-"""Import hygiene: the controller side never imports torch (a controller may run on a machine without it), and the
-package has no import cycles (a static graph of every import statement in areal_async/, lazy ones included)."""
+"""Import hygiene: the controller side never imports torch (a controller may run on a machine without it), the
+package has no import cycles, and its floors hold (net/ at the bottom; see the rule table below). Both of the last
+two read a static graph of every import statement in areal_async/, lazy ones included."""
 
 from __future__ import annotations
 
@@ -140,3 +141,109 @@ def test_package_has_no_import_cycles():
     graph = import_graph()
     assert "areal_async.rollout.controller" in graph and graph["areal_async.run"]  # the graph is not empty
     assert cycles(graph) == []
+
+
+# ---- floors ---------------------------------------------------------------------------------------------------------
+#
+# The folders of areal_async/ are floors: a module may import its own floor and the floors below it, never one above.
+# The rules follow the processes (docs/design.md, "Three kinds of process"): the controller host is torch-free, the
+# inference servers and the trainer ranks are processes of their own that the controller reaches over HTTP and RPC,
+# and each of them must be importable without the parts that drive it. Checked on the static import graph above
+# (lazy imports inside functions count: they run too), transitively, so a detour through a top-level module does not
+# hide a violation. Starting a process by module name (`python -m areal_async.server`) is not an import and is not
+# counted: that is how the launcher reaches the floors above it without importing them.
+#
+#   floor       may import only                       why
+#   net/        net/ (and the leaves NET_MAY_USE)     the ground floor every process stands on: RPC, the registry,
+#                                                     addresses, the custom process group
+#   config/     config/                               the typed config, read by the controller and the trainer ranks
+#
+#   floor       never imports                         why
+#   protocol/   inference/ server/ train/ rollout/    wire formats as pure functions, shared by the client, the
+#               launch/                               embedded server, the agent proxy and the SGLang fake
+#   inference/  server/ train/                        the controller's client must run without torch; the server it
+#                                                     talks to is another process
+#   server/     inference/ rollout/ launch/ train/    a server only answers HTTP (and joins a weight-update group);
+#                                                     it knows nothing of who drives it
+#   train/      launch/ rollout/ inference/           the trainer ranks are driven over RPC and know nothing of the
+#                                                     schedule, the servers' client or the launchers
+#
+# Today net/ and config/ import nothing outside themselves; NET_MAY_USE names the two leaves a net/ module may
+# still use without breaking the floor (they import nothing of the package, checked below).
+
+PKG_NAME = "areal_async"
+NET_MAY_USE = {"areal_async.types", "areal_async.config.base"}
+ONLY = {  # floor -> what outside itself it may import
+    "net": NET_MAY_USE,
+    "config": set(),
+}
+NEVER = {  # floor -> floors it must not import
+    "protocol": ["inference", "server", "train", "rollout", "launch"],
+    "inference": ["server", "train"],
+    "server": ["inference", "rollout", "launch", "train"],
+    "train": ["launch", "rollout", "inference"],
+}
+
+
+def _on(mod: str, floor: str) -> bool:
+    return mod == f"{PKG_NAME}.{floor}" or mod.startswith(f"{PKG_NAME}.{floor}.")
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module `start` imports, directly or not -> the module that imports it on one shortest chain."""
+    parent: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        nxt = []
+        for m in todo:
+            for d in sorted(graph[m]):
+                if d != start and d not in parent:
+                    parent[d] = m
+                    nxt.append(d)
+        todo = nxt
+    return parent
+
+
+def _chain(parent: dict[str, str], start: str, end: str) -> str:
+    path = [end]
+    while path[-1] != start:
+        path.append(parent[path[-1]])
+    return " -> ".join(reversed(path))
+
+
+def floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import chain that breaks a rule of ONLY or NEVER, as 'a -> b -> c'."""
+    bad = []
+    for mod in sorted(graph):
+        parent = _reach(graph, mod)
+        for floor, allowed in ONLY.items():
+            if _on(mod, floor):
+                # The root package's __init__ imports nothing eagerly (checked below), so importing it is harmless.
+                bad += [_chain(parent, mod, d) for d in sorted(parent)
+                        if not _on(d, floor) and d not in allowed and d != PKG_NAME]
+        for floor, above in NEVER.items():
+            if _on(mod, floor):
+                bad += [_chain(parent, mod, d) for d in sorted(parent) if any(_on(d, a) for a in above)]
+    return bad
+
+
+def test_the_floor_check_finds_violations():
+    graph = {"areal_async.net.rpc": {"areal_async.util"}, "areal_async.util": {"areal_async.rollout.buffer"},
+             "areal_async.rollout.buffer": set(), "areal_async.server.app": {"areal_async.protocol.sglang"},
+             "areal_async.protocol.sglang": {"areal_async.types"}, "areal_async.types": set()}
+    assert floor_violations(graph) == ["areal_async.net.rpc -> areal_async.util -> areal_async.rollout.buffer",
+                                       "areal_async.net.rpc -> areal_async.util"]
+    graph["areal_async.net.rpc"] = {"areal_async.types"}
+    graph["areal_async.protocol.sglang"] = {"areal_async.types", "areal_async.util"}
+    assert floor_violations(graph) == [  # and through protocol/, the server reaches rollout/ too
+        "areal_async.protocol.sglang -> areal_async.util -> areal_async.rollout.buffer",
+        "areal_async.server.app -> areal_async.protocol.sglang -> areal_async.util -> areal_async.rollout.buffer"]
+
+
+def test_package_floors_hold():
+    graph = import_graph()
+    for floor in [*ONLY, *NEVER]:  # every floor named still exists, so no rule passes for want of modules
+        assert any(_on(m, floor) for m in graph), f"no module in areal_async/{floor}/: update the rules"
+    for leaf in [PKG_NAME, *NET_MAY_USE]:  # the modules the rules let through import nothing of the package
+        assert graph[leaf] == set(), f"{leaf} imports {sorted(graph[leaf])}: it is no longer a leaf"
+    assert floor_violations(graph) == []

@@ -1,31 +1,9 @@
-"""The controller's client for SGLang-protocol inference servers (real SGLang 0.5.x or our embedded server).
+"""The controller's client for SGLang-protocol inference servers (real SGLang 0.5.x or the embedded server).
 
-No torch here: a controller may run on a machine without it. The parts, each in its own module:
-
-    transport.py    ServerPool: one HTTP exchange, routing (routing.py), retries, failover, health, membership
-    resume.py       the resume state machine (abort -> wait or back off -> resubmit prompt + tokens so far)
-    sglang_wire.py  SGLang's /generate body and answers, read token by token with per-token versions
-    fleet.py        which weights each server holds; only servers on the current weights serve
-
-Interruptible generation, from the client's side:
-
-    agenerate ──POST /generate──> server ... pause(abort) ──> answer: partial tokens, finish_reason "abort"
-        │ keep the tokens, each with the weight version that made it
-        │ wait for resume() (the client paused the servers itself), or back off (someone else aborted us)
-        └─POST /generate with prompt + tokens so far, max_new_tokens - len(tokens so far) ──> ... stop | length
-
-A server lost mid-request (killed, hung, unhealthy) is left at once; the request continues on another server from
-the tokens received so far. Streamed (SGLang's SSE, read event by event), those include the tokens of the segment
-in progress; not streamed, they are the tokens of the earlier segments only, so the segment in progress is
-generated again (compute lost, never correctness: versions stay exact). The caller gets one seamless
-`GenerationResult` either way.
-
-Whether to stream (`stream`): True, False, or "auto" (the default): stream to a server whose events carry only the
-new tokens (GET /get_server_info reports `incremental_streaming_output: true`, SGLang's
---incremental-streaming-output), one JSON answer to the others. Why: cumulative events (SGLang's default, and the
-embedded server's) resend every token so far, so a response of n tokens in k events costs O(n * k); measured on
-the embedded server (benchmarks/client_streaming.py) that is 0.57-0.61x the throughput of JSON answers, while a
-prototype with incremental events measured 0.91x and 1.05x (medians; single rounds 0.64-1.19x on a loaded machine).
+No torch here. `InferenceClient` is the facade over transport.py (the server pool), routing.py, resume.py
+(interruptible generation), sglang_wire.py (the /generate wire) and fleet.py (which weights each server holds).
+How generations survive pauses and lost servers, and why `stream="auto"` streams only to servers with incremental
+events, is in docs/inference.md; the measurements behind that choice are in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -98,7 +76,7 @@ class InferenceClient:
         self._in_place_ok: dict[str, bool] = {}  # url -> its /get_server_info allows pause(mode="in_place")
         self._enc = msgspec.json.Encoder()
         # tokens: received from servers; failover_kept_tokens: received in an attempt that then failed and kept
-        # for its resubmission (only streaming can keep them: see the module docstring)
+        # for its resubmission (only streaming can keep them: see docs/inference.md)
         self._counts = {"tokens": 0, "interruptions": 0, "failover_kept_tokens": 0}
         self._asking: set[str] = set()  # servers whose streaming mode is being asked
         self._groups: dict[str, list[str]] = {}  # weight-update groups this client formed -> the servers in them

@@ -1,22 +1,9 @@
 """Which weights each server holds, and keeping every server in rotation on the current ones.
 
-The rule: a server is in rotation only while it holds the current weights (the `WeightTarget`: the version the
-trainer last published, and where to load it from). Tokens are stamped with the version the server itself reports,
-so a server that missed an update would not mislabel its tokens, but it would serve weights older than the
-staleness bound allows; and relabelling it (`update_weight_version`) would put a new label on old weights. So:
-
-- update_weights_from_disk: every reachable server loads the checkpoint. Those that fail leave rotation and
-  retry in the background (with backoff) until they load it; down servers load it when they come back. If every
-  reachable server fails, nothing changed anywhere: the target stays where it was and `AdminError` is raised.
-- update_weight_version: only servers holding the current weights are relabelled.
-- update_weights_from_distributed (broadcast): as for disk, per bucket; a server that fails a bucket holds a mix
-  of versions and leaves rotation. Broadcast weights have no checkpoint to load: such a server (and one that
-  restarted meanwhile) stays out until `load_weights(url, path, version)` brings it to the current version, or the
-  `weight_source` hook supplies a checkpoint of that version (e.g. the trainer publishes one), which it then loads.
-- a server coming back (or added) is checked with GET /model_info before it serves: right version, it serves;
-  otherwise it loads the target first. One lock per server keeps a catch-up load and a fleet-wide update from
-  interleaving on it.
-No torch here.
+The rule: a server serves only while it holds the current `WeightTarget` (the version last published and where to
+load it from); one that fails a load, misses a broadcast or comes back on other weights stays out until it loads
+the target. What each kind of update does to servers that fail it is in docs/inference.md, "Weights across the
+fleet". No torch here.
 """
 
 from __future__ import annotations

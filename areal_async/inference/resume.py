@@ -1,21 +1,9 @@
-"""Interruptible generation as a state machine that any token-in/token-out backend can drive.
+"""Interruptible generation as a state machine that any token-in/token-out backend can drive through its `submit`.
 
-The SGLang client (client.py) drives it over POST /generate; a vLLM client would drive the same machine through its
-own `submit` (POST /v1/completions with token-id prompts and logprobs). No HTTP and no torch here.
-
-    submit(prompt + tokens so far, the remaining budget) ──> tokens arrive (streamed, or all at the end) ──> the end
-        stop | length             -> done
-        abort, after our pause()  -> wait for resume(), then resubmit
-        abort, from elsewhere     -> back off, resubmit; give up after `max_idle_aborts` in a row that made nothing
-        abort, by our abort(rid)  -> done, finish "abort", with the tokens so far
-        abort with a 4xx status   -> the request itself is bad: raise
-
-A server lost in the middle of a segment is the backend's business: it resubmits elsewhere from the tokens
-received so far (calling `begin_segment` again), which the machine sees as one more segment boundary.
-
-Every token carries the version of the weights that made it, as the backend reports it (per token, not per
-response: weights can change inside one response). Stop strings: each server checks only its own segment, so a
-match that spans a boundary is found here, from per-token text, and the output is cut at the token completing it.
+A generation is a run of segments (prompt + tokens so far, the remaining budget); each segment's end (stop, length,
+our pause, a foreign abort, our abort, a refusal) decides the next, every token keeps the weight version that made
+it, and stop strings spanning segments are found here. The table of transitions is in docs/inference.md,
+"Interruptible generation". No HTTP and no torch here.
 """
 
 from __future__ import annotations
@@ -178,7 +166,7 @@ Submit = Callable[[ResumeState], Awaitable["SegmentEnd | None"]]
 
 async def generate_resumable(state: ResumeState, submit: Submit, control: ResumeControl, *, return_text: bool,
                              max_idle_aborts: int = 3, backoff_s: float = 0.2) -> GenerationResult:
-    """Drive `submit` until the generation ends (see the module docstring); one seamless result.
+    """Drive `submit` until the generation ends (docs/inference.md has the transitions); one seamless result.
 
     `submit(state)` sends one segment (prompt + `state.out_ids`, `state.remaining` new tokens at most, at least
     `state.min_remaining`), feeds what arrives into `state.add_tokens` / `set_segment_text`, and returns how it

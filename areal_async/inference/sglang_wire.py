@@ -1,20 +1,8 @@
-"""SGLang's POST /generate as the client speaks it: the request body of one segment, and its answers read into a
-`ResumeState` (resume.py), token by token with the version that made each token. No torch here.
+"""SGLang's POST /generate as the client speaks it: one segment's request body, and its answers (JSON or either kind
+of streamed event) read into a `ResumeState` (resume.py) token by token, each with the version that made it.
 
-What the client relies on (SGLang 0.5.x; our embedded server answers the same):
-- request: `input_ids`, `sampling_params`, `return_logprob: true`, `rid`, `stream`, and, with stop strings,
-  `return_text_in_logprobs: true` (per-token text to place a stop string that spans a resubmission).
-- answer: `meta_info.output_token_logprobs` = [[logprob, token_id, text_or_null], ...] (orjson writes -inf as
-  null), `meta_info.finish_reason` (null until the last streamed event), `meta_info.completion_tokens` (always the
-  total so far), `meta_info.weight_version` (a string: the server's current label), `text`.
-- streams: `data: <json>` events ending with `data: [DONE]`; by default every event is cumulative (all tokens so
-  far); with SGLang's --incremental-streaming-output each carries only the new ones. Both are read: an event whose
-  token count equals `completion_tokens` is cumulative, one with `completion_tokens - received` tokens is a delta.
-- per-token versions: when `meta_info.weight_version_spans` is present (our embedded server), it is a list of
-  [offset, version] pairs, offsets into that answer's `output_ids`, ascending, the first at 0 (empty for no
-  output): token k was made by the version of the last span starting at or before k. Without it (real SGLang) the
-  new tokens of an answer are stamped with its `weight_version`; streamed, that is the label when each event left
-  the server, which is exact at event granularity.
+The fields relied on, and how per-token versions are read with and without `weight_version_spans`, are listed in
+docs/inference.md, "What the client relies on in SGLang's /generate". No torch here.
 """
 
 from __future__ import annotations

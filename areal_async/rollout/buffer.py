@@ -1,68 +1,8 @@
-"""The staleness-bounded rollout buffer: the admission rule and the batch rule, one piece of state.
+"""The staleness-bounded rollout buffer: AReaL's admission rule, the earliest-deadline batch rule, and the finished
+groups between them, as one piece of state on the controller's event loop.
 
-Notation: B is the batch size in groups, v the current policy version, eta the staleness bound. Step v trains the
-batch taken while the version is v; afterwards the version becomes v + 1. A group *starts under* s when it gets its
-slot while the version is s; the servers already serve s then (the version moves only after the weights are
-loaded), so every token of the group has version >= s and training it at step v stays within the bound iff
-v - s <= eta. Its *deadline* is s + eta, the last step that may train it.
-
-Admission (AReaL's): a new group may start only while
-
-    accepted_total + running + 1 <= (eta + v + 1) * B
-
-where accepted_total counts every group ever accepted (taking a batch out does not lower it; `restore(v)` sets it to
-v * B) and running the groups in flight. eta = 0 is synchronous RL; eta = None is unbounded (only the concurrency
-cap `max_running` applies, and the batch rule below is just "oldest start first").
-
-The batch rule (earliest deadline first, with a feasibility window): the candidate batch for step v is the B
-buffered groups with the earliest deadlines (oldest starts; ties: first finished). It is taken only if, for every
-u in [v - eta, v - 1],
-
-    L(u) = (running + buffered groups started under <= u) - (candidate groups started under <= u) <= (u + eta - v) * B
-
-L(u) is what stays known and untrained with a deadline <= u + eta, and the steps v + 1 .. u + eta train
-(u + eta - v) * B groups. At u = v - eta it says nothing due now may be left behind (a running group started under
-v - eta blocks the batch, as a straggler should). Otherwise the trainer waits for the next finish.
-
-Why this bounds every trained token by eta (and where the old rule, "wait only for groups due now", was wrong):
-
-(A) accepted_total + running <= (eta + v + 1) * B holds at every moment: acquire_slot checks it, a finish keeps the
-    sum (accepted) or lowers it (rejected), versions only grow. At the moment the version leaves u every group
-    started under <= u is accepted, running or rejected, so at most (eta + u + 1) * B of them are ever accepted
-    (counting the v0 * B that restore(v0) books as accepted and trained before v0).
-(B) Every step takes exactly B groups and the version moves one step at a time (both enforced below), so when step
-    v takes its batch, v * B groups were trained before it, all started under <= v - 1.
-Invariant I(v), throughout step v until its batch is taken: nothing untrained started under < v - eta, and for every
-u in [v - eta, v - 1] the untrained groups (running or buffered) started under <= u number U(u) <= (u + eta - v + 1)
-* B.
-  * Safety: by I(v) every buffered group started under >= v - eta, so the batch of step v is within the bound.
-  * I(v) -> I(v + 1): the check at u = v - eta leaves nothing started under <= v - eta; at u in [v + 1 - eta, v - 1]
-    it leaves at most (u + eta - v) * B, which is I(v + 1)'s limit. The rest of step v only starts groups under v,
-    finishes or rejects groups, none of which raises these counts. For u = v: after the batch (v + 1) * B groups
-    were trained, all started under <= v, so by (A) at most (eta + v + 1) * B - (v + 1) * B = eta * B untrained
-    remain. I(v0) holds trivially: nothing is untrained when a run starts or resumes.
-  * Liveness (given that every started group finishes or is rejected in finite time): under I(v), once every group
-    started under <= v - 1 has landed and B are buffered, the check passes: with none of them running, the
-    candidate takes min(B, U(u)) of the U(u) groups started under <= u, so L(u) = max(0, U(u) - B) <= (u + eta - v)
-    * B. Groups started under v never enter the check, and B groups do arrive: accepted_total = v * B + buffered,
-    so admission allows (eta + 1) * B - buffered - running > 0 more while fewer than B are buffered and none run
-    (and max_running >= 1). So the trainer waits at most for groups already running and for B finished ones; the
-    buffer never deadlocks.
-  * No needless wait: the candidate holds, for every u at once, the most groups started under <= u that any B
-    buffered groups could, so when it fails every batch fails; and a failing L(u) means that, should the running
-    groups be accepted, more groups are due by step u + eta than steps v + 1 .. u + eta can train. In particular,
-    under I(v) a batch is taken whenever strict start order (no running group older than a taken one) would take
-    one: what it takes leaves nothing older than its youngest group, and B fewer of everything else.
-  * Rejections (failed, empty or filtered groups) only lower running and never raise accepted_total: (A) gets
-    slacker, and the capacity a rejection frees is counted by (A) under the version that reuses it.
-The old rule waited only for running groups started under <= v - eta, so at earlier steps newer groups were trained
-ahead of old groups still running, and more than B old groups could be left for one step: at eta = 2, B = 1, two
-slow groups start under 0, a fast group started under 1 is trained at step 1, and at step 3 the trainer took a group
-started under 0, 3 versions old (eta = 4, B = 2: 7; the worst case grows like 2 * eta - 1). Under the new rule
-step 1 waits for the slow groups. For eta <= 1 the two rules coincide.
-
-Everything is driven from one asyncio event loop; an `asyncio.Condition` wakes whoever waits (the submitter for
-capacity, the trainer for a batch). `close()` wakes every waiter, which then raises `BufferClosed`.
+The rules, the step protocol they assume (one batch of B groups per version, versions one step at a time) and the
+proof that every trained token is at most eta versions old are in docs/design.md, "The staleness bound".
 """
 
 from __future__ import annotations
@@ -88,7 +28,7 @@ class Group:
 
 
 class StalenessBuffer:
-    """The admission rule, the finished groups and the batch rule (see the module docstring).
+    """The admission rule, the finished groups and the batch rule (docs/design.md, "The staleness bound").
 
     Protocol, per step: `get_batch()` while the version is v, train, then `set_version(v + 1)`; `restore(v)` before
     any group starts when resuming. Counters: `accepted_total`, `rejected_total`, `trained_total` (groups handed
@@ -193,7 +133,7 @@ class StalenessBuffer:
         return True
 
     async def get_batch(self, n: int | None = None) -> list[Group]:
-        """Wait until the batch rule (module docstring) allows a batch; return the n (default B) groups with the
+        """Wait until the batch rule (docs/design.md) allows a batch; return the n (default B) groups with the
         earliest deadlines, i.e. the oldest start versions (ties: the first finished), sorted by start version.
 
         With a bounded eta, n must be B: the bound's proof counts B groups per step."""

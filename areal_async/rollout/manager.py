@@ -1,22 +1,9 @@
-"""The rollout side of the schedule: keep the servers busy, within the staleness bound.
+"""The rollout side of the schedule: keep the servers busy within the staleness bound.
 
-    loop:  wait for buffer.acquire_slot()   (admission rule + concurrency cap; see buffer.py)
-           draw the next sample (its draw index names it from then on), start workflow.run(client, sample)
-    task:  trajectories -> checks -> buffer.finish(group), or buffer.finish(None) and a drop in the ledger
-
-A group is dropped (its capacity released, counted in `RolloutStats` and in the ledger with the reason) when the
-workflow raises ("failed"), returns nothing ("rejected"), returns a trajectory whose generation was aborted
-("aborted": `info["finish"] == "abort"`, from repeated foreign aborts or an engine error; a half-answer must never be
-trained as if it were complete), returns a malformed or token-less trajectory ("invalid"), or, with
-`filter_uniform_reward`, gives every sample the same reward ("filtered"). A failure never kills the run, but when
-`max_consecutive_failures` groups in a row fail or come back aborted (every server gone, say) the manager closes the
-buffer with the last error, so the trainer side stops with a clear reason instead of waiting forever.
-
-Accepted groups are numbered by their draw index: every trajectory's `group_id` is set to it (unique across the run,
-so the trainer's per-group advantages and the ledger's record agree on what a group is).
-
-While it runs, the manager paces Python's garbage collector from the event loop (`GCPacer`, gc_pacer.py): with
-thousands of rollouts in flight the collector's own schedule, not our code, is what stalls the loop.
+Starts a workflow task whenever the buffer admits a group (buffer.acquire_slot), numbers each accepted group by its
+draw index, and drops (with the reason, in the ledger) groups that failed, came back empty, aborted, malformed or,
+with filtering, with uniform rewards; too many failures in a row close the buffer. docs/design.md, "The schedule",
+says why each drop exists and how this loop meets the train loop.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ import time
 import msgspec
 import pytest
 
-from areal_async.net import rpc
+from areal_async.net import rpc_wire
+from areal_async.net.rpc import RpcClient
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +72,7 @@ def read_frame(sock: socket.socket) -> tuple[int, bytes] | None:
     body = recv_exact(sock, n)
     if body is None:
         return None
-    env = msgspec.msgpack.decode(body, type=rpc._Envelope)
+    env = msgspec.msgpack.decode(body, type=rpc_wire.Envelope)
     return env.kind, bytes(env.payload)
 
 
@@ -105,11 +106,11 @@ def closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
 
 def connect(address: str) -> tuple[socket.socket, bytes]:
     """A raw connection and the server nonce of its HELLO."""
-    _, host, port = rpc._parse_address(address)
+    _, host, port = rpc_wire.parse_address(address)
     sock = socket.create_connection((host, port), timeout=10)
     got = read_frame(sock)
     assert got is not None and got[0] == HELLO
-    hello = msgspec.msgpack.decode(got[1], type=rpc._Hello)
+    hello = msgspec.msgpack.decode(got[1], type=rpc_wire.Hello)
     return sock, hello.nonce
 
 
@@ -156,7 +157,7 @@ def check_rank(address: str, secret: bytes, pid: int) -> None:
     from areal_async.types import Empty, TrainerInfo
 
     async def call() -> TrainerInfo:
-        client = await rpc.RpcClient.connect(address, secret, timeout=30)
+        client = await RpcClient.connect(address, secret, timeout=30)
         try:
             return await client.call("info", Empty(), TrainerInfo, timeout=30)
         finally:
@@ -268,7 +269,7 @@ def test_rpc_stream_fuzz_closes_connections_and_never_unpickles(tiny_ckpt, tmp_p
         # 4. a stranger who connects and says nothing is dropped after the handshake timeout
         sock, _ = connect(address)
         with sock:
-            if not closed_by_peer(sock, rpc.HANDSHAKE_TIMEOUT_S + 5):
+            if not closed_by_peer(sock, rpc_wire.HANDSHAKE_TIMEOUT_S + 5):
                 failures.append("a silent connection was not dropped after the handshake timeout")
 
         assert not failures, f"{len(failures)} failures, e.g.:\n" + "\n".join(failures[:15])

@@ -27,7 +27,7 @@ from areal_async.launch.api import (ClusterEvent, EventHandler, ProcessExited, S
 from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
-from areal_async.net.registry import Registry, read_secret
+from areal_async.net.registry import Registry, rank_files_dir, read_secret
 from areal_async.net.address import host_address, rendezvous_host
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class LocalCluster:
         if self.registry is not None:
             await self.registry.close()
             self.registry = None
-        rank_dir = os.path.join(self._cfg.run_dir, "trainer")
+        rank_dir = rank_files_dir(self._cfg.run_dir)
         if os.path.isdir(rank_dir):
             for entry in os.listdir(rank_dir):
                 if entry.endswith(".json"):

@@ -1,19 +1,20 @@
 """A run's registration endpoint: processes the controller started elsewhere (trainer ranks on other nodes, Slurm
-server steps) report the address they serve on, so the controller needs no filesystem in common with them.
-
-Why not rank files: `run_dir/trainer/rank<r>.json` written by the ranks only reaches the controller through a
-shared filesystem, and NFS attribute caching can keep a stale file visible for seconds. Here the controller listens
-with an `RpcServer` (areal_async/net/rpc.py: HMAC handshake with the run's RPC secret, so a stranger who reaches the port
-can register nothing and learns nothing), and each process reports over it once it listens. A process finds the
-endpoint through its environment, which the launcher sets (srun and torchrun pass it on): `AREAL_REGISTRY`
-(tcp://host:port) and `AREAL_RPC_SECRET` (hex; the secret is never on a command line).
-
-What the controller receives for a trainer rank it writes as the same rank file, in its own run directory, so that
-`TrainerGroup.connect` reads one layout whichever way the ranks were found.
-
-An address reported by a process that listens on every interface (0.0.0.0) names the interface on this node's
-route to the controller (`route_address`): the one the controller can reach it back at. Torch-free.
+server steps) report the address they serve on, so the controller needs no filesystem in common with them. Also the
+one spelling of where a trainer rank's address file lives (`rank_file`). Torch-free.
 """
+
+# Why not rank files: `run_dir/trainer/rank<r>.json` written by the ranks only reaches the controller through a
+# shared filesystem, and NFS attribute caching can keep a stale file visible for seconds. Here the controller listens
+# with an `RpcServer` (areal_async/net/rpc.py: HMAC handshake with the run's RPC secret, so a stranger who reaches the
+# port can register nothing and learns nothing), and each process reports over it once it listens. A process finds
+# the endpoint through its environment, which the launcher sets (srun and torchrun pass it on): `AREAL_REGISTRY`
+# (tcp://host:port) and `AREAL_RPC_SECRET` (hex; the secret is never on a command line).
+#
+# What the controller receives for a trainer rank it writes as the same rank file, in its own run directory, so that
+# `TrainerGroup.connect` reads one layout whichever way the ranks were found.
+#
+# An address reported by a process that listens on every interface (0.0.0.0) names the interface on this node's
+# route to the controller (`route_address`): the one the controller can reach it back at.
 
 from __future__ import annotations
 
@@ -103,11 +104,19 @@ def _write_atomic(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def rank_files_dir(run_dir: str) -> str:
+    """Where a run's trainer rank files live: `run_dir/trainer/`."""
+    return os.path.join(run_dir, "trainer")
+
+
 def rank_file(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, "trainer", f"rank{rank}.json")
+    """`run_dir/trainer/rank<r>.json`: the one spelling of the file that says where trainer rank `rank` listens
+    (written by the rank or by the Registry, read by TrainerGroup.connect, cleared by the launcher)."""
+    return os.path.join(rank_files_dir(run_dir), f"rank{rank}.json")
 
 
 def slurm_step_id(env: dict[str, str] | os._Environ = os.environ) -> str | None:
+    """'<job>.<step>' when this process runs as a Slurm step (so the controller can cancel that step), else None."""
     job, step = env.get("SLURM_JOB_ID"), env.get("SLURM_STEP_ID")
     return f"{job}.{step}" if job and step else None
 
@@ -126,7 +135,7 @@ class Registry:
     async def start(self, host: str = "127.0.0.1", advertise: str | None = None) -> str:
         """Listen on `host` (0.0.0.0 when processes on other nodes report); the address handed out names
         `advertise` (default: the bound host)."""
-        trainer_dir = os.path.join(self.rank_dir, "trainer")
+        trainer_dir = rank_files_dir(self.rank_dir)
         if os.path.isdir(trainer_dir):  # ours, from an earlier job in this run directory: stale by definition
             for name in os.listdir(trainer_dir):
                 if name.startswith("rank") and name.endswith(".json"):
@@ -138,6 +147,7 @@ class Registry:
         return self.address
 
     def env(self) -> dict[str, str]:
+        """The variables that point a process the launcher starts at this registry."""
         return {REGISTRY_ENV: self.address}
 
     def _register(self, reg: Registration) -> Ack:
@@ -154,6 +164,7 @@ class Registry:
         return Ack()
 
     async def wait_for(self, name: str) -> Registration:
+        """The registration of `name` once it has arrived (the caller bounds the wait)."""
         while name not in self.entries:
             self._changed.clear()
             await self._changed.wait()
@@ -181,6 +192,7 @@ async def report(reg: Registration, *, registry: str, secret: bytes, timeout_s: 
 
 
 def report_sync(reg: Registration, *, registry: str, secret: bytes, timeout_s: float = 60.0) -> None:
+    """`report` for a process with no event loop of its own (a Slurm step's wrapper)."""
     asyncio.run(report(reg, registry=registry, secret=secret, timeout_s=timeout_s))
 
 

@@ -16,9 +16,9 @@ import asyncio
 import json
 import logging
 import math
-import os
 from typing import Any, Protocol, TypeVar
 
+from areal_async.net.registry import rank_file
 from areal_async.net.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.errors import BatchError, PeerFailure, TrainerFailure, kind_of
 from areal_async.train.messages import (AbortBroadcastRequest, AbortBroadcastResult, BroadcastEndpoint,
@@ -487,7 +487,7 @@ async def _both(a, b) -> tuple[Any, Any]:
 
 async def _connect_rank(run_dir: str, rank: int, world_size: int, secret: bytes, deadline: float) -> RpcClient:
     loop = asyncio.get_running_loop()
-    path = os.path.join(run_dir, "trainer", f"rank{rank}.json")
+    path = rank_file(run_dir, rank)
     last_error: BaseException | None = None
     while True:
         remaining = deadline - loop.time()

@@ -1,26 +1,28 @@
 """One trainer rank: `torchrun --nproc_per_node N -m areal_async.train.worker --model DIR --run-dir DIR ...`.
 
 Each rank loads its FSDP2 shard of the model (train/engine.py), then serves the controller over our RPC channel
-(areal_async/net/rpc.py) and writes `{run_dir}/trainer/rank{r}.json` = {"address", "rank", "world_size", "pid"}
-(atomically, once listening). The controller (`TrainerGroup` in train/client.py) connects to every rank and sends
-each call to all of them; handlers that touch torch run in the RPC server's single worker thread, in arrival order,
-so the collectives of successive calls line up on every rank.
-
-The rank exits cleanly (barrier, destroy_process_group, rank file removed) on the `shutdown` RPC, on SIGTERM/SIGINT,
-when its parent (torchrun's agent) dies, or when the controller's connection has been gone for `--orphan-timeout`
-seconds, so an abandoned job does not linger. The RPC secret comes from the environment (AREAL_RPC_SECRET, hex),
-never the command line, where every user of the machine could read it.
-
-Devices: `TrainConfig.device` "auto" is this rank's CUDA device (LOCAL_RANK) with nccl, else CPU with gloo.
-Multi-node: use torchrun's own rendezvous (`--nnodes --rdzv-backend c10d --rdzv-endpoint ...` in
-`TrainConfig.torchrun_args`), a run dir on a filesystem every node and the controller share, and `--rpc-host` set to
-an address of this node the controller can reach (the default 127.0.0.1 only serves a controller on the same host).
-Rank 0 reports the address inference servers should use for the broadcast rendezvous (TrainerInfo.host, see
-`advertised_address`; override with AREAL_TRAINER_ADDRESS).
-
-Broadcast weight sync (`TrainConfig.weight_sync`): the rank sets NCCL_CUMEM_ENABLE=0 unless the environment sets it,
-as SGLang does for its own processes; NCCL peers that disagree on it fail their same-node p2p setup.
+(areal_async/net/rpc.py) and says where it listens (net/registry.py's `announce_rank`: the rank file
+`{run_dir}/trainer/rank{r}.json`, or a report to the controller's registry). The controller (`TrainerGroup` in
+train/client.py) connects to every rank and sends each call to all of them.
 """
+
+# Handlers that touch torch run in the RPC server's single worker thread, in arrival order, so the collectives of
+# successive calls line up on every rank.
+#
+# The rank exits cleanly (barrier, destroy_process_group, rank file removed) on the `shutdown` RPC, on SIGTERM/SIGINT,
+# when its parent (torchrun's agent) dies, or when the controller's connection has been gone for `--orphan-timeout`
+# seconds, so an abandoned job does not linger. The RPC secret comes from the environment (AREAL_RPC_SECRET, hex),
+# never the command line, where every user of the machine could read it.
+#
+# Devices: `TrainConfig.device` "auto" is this rank's CUDA device (LOCAL_RANK) with nccl, else CPU with gloo.
+# Multi-node: use torchrun's own rendezvous (`--nnodes --rdzv-backend c10d --rdzv-endpoint ...` in
+# `TrainConfig.torchrun_args`), a run dir on a filesystem every node and the controller share, and `--rpc-host` set
+# to an address of this node the controller can reach (the default 127.0.0.1 only serves a controller on the same
+# host). Rank 0 reports the address inference servers should use for the broadcast rendezvous (TrainerInfo.host, see
+# `advertised_address`; override with AREAL_TRAINER_ADDRESS).
+#
+# Broadcast weight sync (`TrainConfig.weight_sync`): the rank sets NCCL_CUMEM_ENABLE=0 unless the environment sets
+# it, as SGLang does for its own processes; NCCL peers that disagree on it fail their same-node p2p setup.
 
 from __future__ import annotations
 
@@ -38,7 +40,10 @@ from collections.abc import MutableMapping
 import msgspec
 
 from areal_async.config import ConfigError, TrainConfig, from_dict
-from areal_async.net.registry import read_secret
+from areal_async.net.address import ADDRESS_ENV, host_address
+# rank_file is not used here: re-exported because tests/test_clean_runs.py reads worker.rank_file
+from areal_async.net.registry import announce_rank, rank_file, read_secret  # noqa: F401
+from areal_async.net.rpc import RpcServer
 from areal_async.torch_threads import one_thread_until_set
 from areal_async.train.messages import (AbortBroadcastRequest, AbortBroadcastResult, BroadcastEndpoint,
                                         OpenBroadcastRequest, WeightPlan, WeightPlanRequest)
@@ -56,11 +61,6 @@ _TEARDOWN_TIMEOUT_S = 30.0  # a barrier that has not completed by then means the
 # RPC is not bounded by this: it runs after the calls before it, and the rank exits cleanly once they are done.
 _STOP_GRACE_S = 3.0
 _STOP_TEARDOWN_S = 10.0  # the teardown barrier after such a stop: every rank was signalled, or its peers are gone
-
-
-def rank_file(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, "trainer", f"rank{rank}.json")
-
 
 
 
@@ -124,7 +124,7 @@ class TrainerService:
         return CheckpointResult(path=os.path.abspath(req.path), version=self.engine.version, seconds=seconds)
 
     def weight_plan(self, req: WeightPlanRequest) -> WeightPlan:
-        from areal_async.train.broadcast import spec_bytes
+        from areal_async.train.broadcast import spec_bytes  # lazy: it imports torch, which loads only in main()
 
         buckets = self.engine.weight_plan(req.bucket_bytes)
         return WeightPlan(buckets=buckets, num_bytes=sum(spec_bytes(b) for b in buckets))
@@ -159,8 +159,6 @@ def advertised_address(rpc_host: str) -> str:
     """The address this rank reports for the broadcast rendezvous: AREAL_TRAINER_ADDRESS when set; else the RPC
     interface when it is a specific one (127.0.0.1 by default: a single-host run stays on loopback); else, for a
     wildcard interface (0.0.0.0, ::), an address of this host other hosts can reach (train/dist.py)."""
-    from areal_async.train.dist import ADDRESS_ENV, host_address
-
     override = os.environ.get(ADDRESS_ENV, "").strip()
     if override:
         return override
@@ -193,13 +191,11 @@ async def _watchdog(server, args: argparse.Namespace, parent: int, stop) -> None
 async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -> tuple[int, bool]:
     """Serve until stopped; returns (exit code: 0 after `shutdown` or a signal, 1 when orphaned, whether the stop
     was unrequested: a signal or the watchdog, not the shutdown RPC)."""
-    from areal_async.net.rpc import RpcServer
-
     threads = engine.cfg.torch_threads if engine.device.type == "cpu" else None
 
     def compute_thread() -> None:
         if threads is not None:
-            import torch
+            import torch  # lazy: the module stays torch-free until main() calls one_thread_until_set()
 
             torch.set_num_threads(threads)
 
@@ -229,8 +225,6 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
         loop.add_signal_handler(sig, stop, f"signal {signal.Signals(sig).name}")
     address = await server.start_tcp(args.rpc_host, 0)
     # a rank file in run_dir, or a report to the controller's registry when AREAL_REGISTRY is set (multi-node)
-    from areal_async.net.registry import announce_rank
-
     path = await announce_rank(args.run_dir, engine.rank, engine.world_size, address, secret)
     log.info("rank %d/%d serving on %s (model %s, device %s)", engine.rank, engine.world_size, address,
              args.model, engine.device)
@@ -252,7 +246,7 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
 
 def _teardown(engine, timeout_s: float = _TEARDOWN_TIMEOUT_S) -> None:
     """Barrier, then destroy the process group, bounded: ranks that are gone must not keep us alive."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: the module stays torch-free until main() calls one_thread_until_set()
 
     def run() -> None:
         try:
@@ -291,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     # sets the rank's count (ranks share the host's cores) and is then the only one holding OpenMP workers
     # (areal_async/torch_threads.py: a second thread with a team slows every op of the first).
     one_thread_until_set()
-    from areal_async.train.engine import TrainEngine, init_distributed
+    from areal_async.train.engine import TrainEngine, init_distributed  # lazy: torch loads here, after the line above
 
     nccl_environment(cfg, os.environ)  # before the first communicator: NCCL reads it then
     log.info("NCCL_CUMEM_ENABLE=%s TORCH_NCCL_ASYNC_ERROR_HANDLING=%s", os.environ.get("NCCL_CUMEM_ENABLE", "<unset>"),

@@ -7,8 +7,10 @@ or dropped), TensorBoard events, progress.png, logs/, checkpoints/, the final HF
 directory with a checkpoint is resumed (resume=false starts over).
 
 The shape of a run: `prepare` checks everything that can be checked (config, model, tokenizer and chat template,
-dataset, reward, workflow) before anything starts (run_plan.py); a `Launcher` starts the servers and trainers (launch/); the
-training runs under `supervise`, which hands every process event to the failure policy; teardown always runs; run_report.py writes the summary.
+dataset, reward, workflow) before anything starts (run_plan.py); a `Launcher` starts the servers and trainers
+(launch/); the training runs under `supervise`, which hands every process event to the failure policy; teardown
+always runs; run_report.py writes the summary. When a part dies (`roll_back` below): docs/recovery.md; how the
+weights reach the servers (`connect_weights`): docs/weights.md.
 """
 
 from __future__ import annotations
@@ -25,26 +27,48 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config.help import describe
-from areal_async.launch import (ChildFailed, Cluster, ElasticBroadcastSync, Launcher, failure_policy,
-                                interrupt_on_sigterm, launcher_for, supervise)
-from areal_async.rollout.controller import AsyncRLController, RunState, load_state
+from areal_async.inference.client import InferenceClient
+from areal_async.launch import (ChildFailed, Cluster, ElasticBroadcastSync, Launcher, RecoveryLog, RunRecovery,
+                                failure_policy, interrupt_on_sigterm, launcher_for, supervise)
+from areal_async.launch.outcomes import NoServerServing, RunStopped, TrainerLost
+from areal_async.launch.processes import Processes
+from areal_async.launch.recovery import LOG_FILE as RECOVERY_LOG_FILE
+from areal_async.launch.recovery import RunLock
+from areal_async.launch.sbatch import cli as slurm_submission
+from areal_async.metrics import MetricsLogger, keep_aside
+from areal_async.rollout.checkpoints import RunState, load_state, rewind_records, rollback_target
+from areal_async.rollout.controller import AsyncRLController
+from areal_async.rollout.evaluate import evaluate
+from areal_async.rollout.ledger import FILE_NAME as LEDGER_FILE
+from areal_async.rollout.ledger import SampleLedger
+from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.weight_sync import DiskSync, WeightSync
 from areal_async.run_plan import RunPlan, make_score, prepare, resolve_model  # noqa: F401 (public here too)
 from areal_async.run_report import print_summary, server_busy_s, summarize, write_outputs  # noqa: F401
+from areal_async.train.client import TrainerError, TrainerGroup
+
+try:
+    import uvloop  # optional: a faster event loop where it is installed
+except ImportError:
+    uvloop = None
+
+if TYPE_CHECKING:
+    from areal_async.rewards.runner import RewardRunner
 
 log = logging.getLogger("areal_async.run")
+
+__all__ = ["Session", "check_before_submission", "main", "make_score", "open_run_dir", "prepare", "resolve_model",
+           "rewind_records", "roll_back", "run", "setup_logging", "train"]
 
 
 def open_run_dir(plan: RunPlan) -> RunState:
     """Resume (cut the run's records back to the checkpoint) or start over (set older records aside)."""
-    from areal_async.launch.recovery import LOG_FILE
-    from areal_async.metrics import keep_aside
-    from areal_async.rollout.ledger import FILE_NAME
-
     run_dir = plan.cfg.run_dir
     os.makedirs(run_dir, exist_ok=True)
     if not plan.cfg.resume and os.path.isdir(os.path.join(run_dir, "checkpoints")):
@@ -56,7 +80,7 @@ def open_run_dir(plan: RunPlan) -> RunState:
                  state.data_position, len(state.pending))
     else:
         state = RunState()
-        for name in ("metrics.jsonl", FILE_NAME, LOG_FILE):
+        for name in ("metrics.jsonl", LEDGER_FILE, RECOVERY_LOG_FILE):
             kept = keep_aside(os.path.join(run_dir, name))
             if kept:
                 log.info("a new run in %s: the previous %s is kept as %s", run_dir, name, os.path.basename(kept))
@@ -65,33 +89,20 @@ def open_run_dir(plan: RunPlan) -> RunState:
     return state
 
 
-def rewind_records(run_dir: str, version: int) -> None:
-    """Bring the run's records back to a checkpoint at `version` (a resume, or a rollback after the trainers
-    failed): metrics.jsonl and trained_index.jsonl lose what came after it (so the ledger invariant holds over the
-    final file), and later checkpoints and published weights go. Close the files' writers first."""
-    from areal_async.metrics import cut_back
-    from areal_async.rollout.controller import discard_after
-    from areal_async.rollout.ledger import FILE_NAME, truncate
-
-    cut_back(os.path.join(run_dir, "metrics.jsonl"), version)
-    truncate(os.path.join(run_dir, FILE_NAME), version)
-    discard_after(run_dir, version)
-
-
 # ---- the run ----------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Session:
-    """What a run holds open, for teardown and for the failure policy (see launch/api.py)."""
+    """What a run holds open, for teardown, the fleet handler (it reads `client`) and the recovery policy."""
 
-    rewards: Any
-    logger: Any = None
-    client: Any = None
-    trainers: Any = None
+    rewards: RewardRunner | None
+    logger: MetricsLogger | None = None
+    client: InferenceClient | None = None
+    trainers: TrainerGroup | None = None
     controller: AsyncRLController | None = None
-    recovery: Any = None  # the RunRecovery policy, when recovery.enabled (set by failure_policy)
-    recovery_log: Any = None  # RecoveryLog: every fault and what was done
+    recovery: RunRecovery | None = None  # the recovery policy, when recovery.enabled (run() keeps failure_policy's)
+    recovery_log: RecoveryLog | None = None  # every fault and what was done
     trainers_stopped: bool = False  # every rank took the shutdown RPC: the trainer job is exiting by itself
 
     def log_metrics(self, kind: str, step: int, values: dict[str, Any]) -> None:
@@ -123,10 +134,6 @@ class Session:
 async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = None) -> dict[str, Any]:
     """Check, launch, train, write the outputs; always tear down. `workflow`: see `prepare`. `launcher` replaces
     the one `server.backend` picks (`launch.launcher_for`)."""
-    from areal_async.metrics import MetricsLogger
-
-    from areal_async.launch.recovery import RecoveryLog, RunLock, RunStopped
-
     plan = prepare(cfg, workflow)
     open_run_log(plan.cfg.run_dir)  # the checks passed: from here on the run has a directory
     session = Session(rewards=plan.rewards)
@@ -148,9 +155,10 @@ async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = 
         launcher = launcher or launcher_for(plan.cfg)
         cluster = await launcher.launch(plan.cfg, model_path=plan.model_path, trainer_resume=plan.trainer_resume)
         lock.mark_running()  # started up: a controller that dies from now on leaves a run to recover
+        policy = failure_policy(plan.cfg, cluster, session, rlog)
+        session.recovery = policy if isinstance(policy, RunRecovery) else None  # the training runs under its guard
         try:
-            out = await supervise(train(plan, state, cluster, session), cluster,
-                                  failure_policy(plan.cfg, cluster, session))
+            out = await supervise(train(plan, state, cluster, session), cluster, policy)
         except RunStopped as e:
             _write_stopped(plan.cfg.run_dir, str(e), rlog)
             raise
@@ -169,15 +177,13 @@ async def trainers_exit_on_their_own(cluster: Cluster, timeout_s: float = 20.0) 
     """After the ranks took the shutdown RPC, give their torchrun agents (or the srun steps running them) time to
     exit by themselves before the launcher signals what is left: torchrun stopped by a signal prints a
     SignalException traceback into trainer.log on every clean run. Clusters without local children skip this."""
-    from areal_async.launch.processes import Processes
-
     procs = getattr(cluster, "processes", None)
     if isinstance(procs, Processes):
         if not await asyncio.to_thread(procs.wait_exited, "trainer", timeout_s):
             log.info("the trainer job did not exit within %.0fs of its shutdown; the launcher stops it", timeout_s)
 
 
-def _record_controller_restart(rlog: Any, crashed: dict[str, Any], plan: RunPlan) -> None:
+def _record_controller_restart(rlog: RecoveryLog, crashed: dict[str, Any], plan: RunPlan) -> None:
     started = crashed.get("started")
     when = time.strftime("%H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
     what = f"the controller (pid {crashed.get('pid', '?')}, started {when}) ended without stopping (killed?)"
@@ -191,7 +197,7 @@ def _record_controller_restart(rlog: Any, crashed: dict[str, Any], plan: RunPlan
         rlog.record("recovered", "controller_resumed", "controller", "no checkpoint yet", "started over")
 
 
-def _write_stopped(run_dir: str, why: str, rlog: Any) -> None:
+def _write_stopped(run_dir: str, why: str, rlog: RecoveryLog) -> None:
     """summary.json of a run that stopped before its end: why, and what recovery did."""
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({"completed": False, "stopped": why, "recovery": rlog.summary()}, f, indent=2)
@@ -202,9 +208,6 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
 
     Under a recovery policy the training runs in segments: when the trainer job fails, `roll_back` restarts it
     from the last checkpoint, the controller starts again from that checkpoint's state, and the run goes on."""
-    from areal_async.inference.client import InferenceClient
-    from areal_async.launch.recovery import NoServerServing, RunStopped, TrainerLost
-
     cfg, t0 = plan.cfg, time.monotonic()
     rec = session.recovery
     launch_state = copy.deepcopy(state)
@@ -219,9 +222,9 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
     if rec is not None:
         rec.attach(client)
     if plan.resumed:  # the servers start from the base model: bring them to the resumed version
-        await weights.prepare(state.version)
-        await weights.apply(state.version, flush_cache=True)
-    log.info("servers %s and %d trainer rank(s) ready in %.1fs", urls, tr_world(cluster), time.monotonic() - t0)
+        await bring_servers_to(weights, state.version)
+    log.info("servers %s and %d trainer rank(s) ready in %.1fs", urls, cluster.trainers.world_size,
+             time.monotonic() - t0)
     checkpointed = plan.resumed is not None
     while True:
         session.controller = ctrl = make_controller(plan, state, session, weights, checkpointed)
@@ -231,6 +234,8 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
                            else run_and_save(ctrl))
             break
         except TrainerLost as lost:
+            if rec is None:  # recovery.enabled=false: a lost trainer ends the run
+                raise
             state, weights, checkpointed = await roll_back(plan, cluster, session, lost, launch_state, weights)
             # wall time counts what the run really spent, the steps it now trains again and the recovery included
             state.wall_s = segment_wall0 + time.monotonic() - segment_t0
@@ -244,28 +249,20 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
     return summary
 
 
-def tr_world(cluster: Cluster) -> int:
-    return cluster.trainers.world_size
-
-
-async def connect_trainers(cluster: Cluster, cfg: RunConfig) -> Any:
-    from areal_async.train.client import TrainerGroup
-
+async def connect_trainers(cluster: Cluster, cfg: RunConfig) -> TrainerGroup:
     tr = cluster.trainers
     return await TrainerGroup.connect(tr.rendezvous_dir, tr.world_size, tr.secret, timeout=cfg.train.connect_timeout_s)
 
 
 def make_controller(plan: RunPlan, state: RunState, session: Session, weights: WeightSync,
                     checkpointed: bool) -> AsyncRLController:
-    from areal_async.rollout.ledger import FILE_NAME, SampleLedger
-    from areal_async.rollout.samples import SampleStream
-
     cfg, client = plan.cfg, session.client
+    assert client is not None and session.trainers is not None
     urls, api_key = list(client.urls), cfg.server.api_key
     return AsyncRLController(
         cfg.schedule, client, session.trainers, plan.workflow, SampleStream(plan.train_samples, seed=cfg.seed),
         cfg.run_dir, weights=weights, evaluator=make_evaluator(plan, client) if plan.eval_samples else None,
-        logger=session.logger, state=state, ledger=SampleLedger(os.path.join(cfg.run_dir, FILE_NAME)),
+        logger=session.logger, state=state, ledger=SampleLedger(os.path.join(cfg.run_dir, LEDGER_FILE)),
         busy_probe=lambda: server_busy_s(urls, api_key), keep_checkpoints=cfg.recovery.keep_checkpoints,
         checkpointed=checkpointed)
 
@@ -276,41 +273,51 @@ async def run_and_save(ctrl: AsyncRLController) -> RunState:
     return state
 
 
+# ---- when the trainer job fails (docs/recovery.md) --------------------------------------------------------------
+
+
 async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException,
                     launch_state: RunState, weights: WeightSync) -> tuple[RunState, WeightSync, bool]:
     """The trainer job failed: restart it from the last checkpoint (or the base model when there is none yet),
     bring the controller state, the sample ledger, metrics.jsonl and the servers' weights back to that version,
     and return (state, weight sync, whether the state is a checkpoint's). Raises `RunStopped` once
     `recovery.max_trainer_restarts` are spent: the last checkpoint then resumes the run."""
-    from areal_async.launch.recovery import RunStopped, TrainerLost
-    from areal_async.metrics import MetricsLogger
-    from areal_async.rollout.controller import rollback_target
-    from areal_async.train.client import TrainerError
-
-    cfg, rec, rlog = plan.cfg, session.recovery, session.recovery_log
-    ctrl = session.controller
-    failed_at = ctrl.state.version if ctrl is not None else launch_state.version
-    base_accuracy = ctrl.state.base_accuracy if ctrl is not None else None
-    if ctrl is not None:
-        ctrl.finish(completed=False)  # closes its ledger file before the file is cut back
-        session.controller = None
     t_lost = time.monotonic()
+    failed_at, base_accuracy = retire_controller(session, launch_state)
+    target, ckpt = await restart_trainers(plan, cluster, session, lost, launch_state, failed_at)
+    if target.version == 0 and target.base_accuracy is None:
+        target.base_accuracy = base_accuracy  # the base model's eval is not run twice
+    rewind(session, plan.cfg.run_dir, target.version)
+    weights = await connect_weights(plan, session.trainers, session.client, cluster, previous=weights)
+    await bring_servers_to(weights, target.version)
+    _record_rolled_back(session, failed_at, target, ckpt, time.monotonic() - t_lost)
+    return target, weights, ckpt is not None
+
+
+def retire_controller(session: Session, launch_state: RunState) -> tuple[int, float | None]:
+    """Close the failed segment's controller (its ledger file, before the file is cut back); returns the version
+    it failed at and the base model's accuracy it measured."""
+    ctrl, session.controller = session.controller, None
+    if ctrl is None:
+        return launch_state.version, None
+    ctrl.finish(completed=False)
+    return ctrl.state.version, ctrl.state.base_accuracy
+
+
+async def restart_trainers(plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException,
+                           launch_state: RunState, failed_at: int) -> tuple[RunState, str | None]:
+    """Restart the trainer job from the rollback target (with backoff; a new job that fails too counts as another
+    restart) and connect to it; returns the target and its checkpoint directory (None: the base model)."""
+    cfg, rec, rlog = plan.cfg, session.recovery, session.recovery_log
+    assert rec is not None and rlog is not None
     while True:
         target, ckpt = rollback_target(cfg.run_dir, launch_state)
-        where = f"checkpoint v{target.version} ({ckpt})" if ckpt else "the base model (no checkpoint yet)"
         delay = rec.trainer_restart_delay()
         if delay is None:
-            resume = (f"its last checkpoint (v{target.version}, {ckpt}) resumes it: run the same command again"
-                      if ckpt else "no checkpoint was saved, so a rerun starts over")
-            rlog.record("fault", "trainer_failed", "trainer", str(lost), "no restart left", version=failed_at)
-            rlog.record("gave_up", "trainer_restarts_spent", "trainer",
-                        f"{rec.trainer_restarts} restart(s) spent (recovery.max_trainer_restarts)",
-                        "the run stops; " + resume, version=failed_at)
-            raise RunStopped(f"the trainer job failed ({str(lost).splitlines()[0]}) and its restarts are spent "
-                             f"(recovery.max_trainer_restarts={cfg.recovery.max_trainer_restarts}); {resume}")
+            raise _restarts_spent(plan, rec, rlog, lost, target, ckpt, failed_at)
         rlog.record("fault", "trainer_failed", "trainer", str(lost),
                     f"restart {rec.trainer_restarts} of {cfg.recovery.max_trainer_restarts} in {delay:.1f}s from "
-                    f"{where}", version=failed_at)
+                    f"{_where(target, ckpt)}", version=failed_at)
         if session.trainers is not None:
             with contextlib.suppress(Exception):
                 await session.trainers.close()
@@ -319,31 +326,60 @@ async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: Bas
         try:
             await rec.guard(cluster.restart_trainers(os.path.join(ckpt, "trainer") if ckpt else None))
             session.trainers = await rec.guard(connect_trainers(cluster, cfg))
-            break
+            return target, ckpt
         except NotImplementedError as e:  # e.g. agents started by hand on other nodes
             rlog.record("gave_up", "trainer_not_restartable", "trainer", str(e), "the run stops", version=failed_at)
             raise RunStopped(f"the trainer job failed ({str(lost).splitlines()[0]}) and cannot be restarted by "
                              f"this run ({e}); the last checkpoint resumes it") from e
         except (TrainerLost, TrainerError, ConnectionError, TimeoutError, ChildFailed) as e:
             lost = e  # the new job failed too: counts as another restart
-    if target.version == 0 and target.base_accuracy is None:
-        target.base_accuracy = base_accuracy  # the base model's eval is not run twice
+
+
+def _where(target: RunState, ckpt: str | None) -> str:
+    return f"checkpoint v{target.version} ({ckpt})" if ckpt else "the base model (no checkpoint yet)"
+
+
+def _restarts_spent(plan: RunPlan, rec: RunRecovery, rlog: RecoveryLog, lost: BaseException, target: RunState,
+                    ckpt: str | None, failed_at: int) -> RunStopped:
+    """Record that the trainer restarts are spent; the error that stops the run, saying what resumes it."""
+    resume = (f"its last checkpoint (v{target.version}, {ckpt}) resumes it: run the same command again"
+              if ckpt else "no checkpoint was saved, so a rerun starts over")
+    rlog.record("fault", "trainer_failed", "trainer", str(lost), "no restart left", version=failed_at)
+    rlog.record("gave_up", "trainer_restarts_spent", "trainer",
+                f"{rec.trainer_restarts} restart(s) spent (recovery.max_trainer_restarts)",
+                "the run stops; " + resume, version=failed_at)
+    return RunStopped(f"the trainer job failed ({str(lost).splitlines()[0]}) and its restarts are spent "
+                      f"(recovery.max_trainer_restarts={plan.cfg.recovery.max_trainer_restarts}); {resume}")
+
+
+def rewind(session: Session, run_dir: str, version: int) -> None:
+    """Cut metrics.jsonl, trained_index.jsonl, later checkpoints and published weights back to `version`, with
+    the metrics writer closed meanwhile."""
     if session.logger is not None:
         session.logger.close()
-    rewind_records(cfg.run_dir, target.version)
-    session.logger = MetricsLogger(cfg.run_dir)
-    weights = await connect_weights(plan, session.trainers, session.client, cluster, previous=weights)
-    await weights.prepare(target.version)
-    await weights.apply(target.version, flush_cache=True)
+    rewind_records(run_dir, version)
+    session.logger = MetricsLogger(run_dir)
+
+
+async def bring_servers_to(weights: WeightSync, version: int) -> None:
+    """Make every server hold the trainers' weights as `version` (after a resume or a rollback: nothing is in
+    flight that could keep its KV cache)."""
+    await weights.prepare(version)
+    await weights.apply(version, flush_cache=True)
+
+
+def _record_rolled_back(session: Session, failed_at: int, target: RunState, ckpt: str | None,
+                        recover_s: float) -> None:
+    assert session.client is not None and session.recovery_log is not None
     held = {u: st["version"] for u, st in session.client.stats()["servers"].items() if st["state"] == "serving"}
-    rlog.record("recovered", "trainer_recovered", "trainer", f"the trainer job failed at version {failed_at}",
-                f"trainers restarted from {where}; controller state, sample ledger, metrics and the servers' "
-                f"weights rolled back to version {target.version}", recover_s=time.monotonic() - t_lost,
-                steps_redone=failed_at - target.version, version=target.version, server_versions=held)
-    return target, weights, ckpt is not None
+    session.recovery_log.record(
+        "recovered", "trainer_recovered", "trainer", f"the trainer job failed at version {failed_at}",
+        f"trainers restarted from {_where(target, ckpt)}; controller state, sample ledger, metrics and the servers' "
+        f"weights rolled back to version {target.version}", recover_s=recover_s,
+        steps_redone=failed_at - target.version, version=target.version, server_versions=held)
 
 
-async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: Any) -> str:
+async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: NoServerServing) -> str:
     """No server is left: save a checkpoint when the step in progress finished (a training loop that had to be
     cancelled may have left the trainer a step ahead), and say how to resume."""
     try:
@@ -360,14 +396,18 @@ async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: 
     return f"{why}; the run stops: {where}"
 
 
-async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cluster,
-                          previous: WeightSync | None = None) -> WeightSync:
-    """The weight transport `train.weight_sync` names. Broadcast first joins trainer rank 0 and every server rank
-    into one torch.distributed group (nccl on CUDA, gloo on CPU); the group follows the fleet (servers joining,
-    leaving, dying or restarted make the next update form a new one: launch/membership.py), and a server that comes back
-    catches up from a checkpoint the trainers publish on demand. `previous`: the transport of a trainer job that
-    was replaced (broadcast keeps counting its groups, whose names the servers will not reuse)."""
+# ---- weights and evals ------------------------------------------------------------------------------------------
+
+
+async def connect_weights(plan: RunPlan, trainers: TrainerGroup | None, client: InferenceClient | None,
+                          cluster: Cluster, previous: WeightSync | None = None) -> WeightSync:
+    """The weight transport `train.weight_sync` names (docs/weights.md). Broadcast first joins trainer rank 0 and
+    every server rank into one torch.distributed group; the group follows the fleet (rollout/broadcast_sync.py),
+    and a server that comes back catches up from a checkpoint the trainers publish on demand. `previous`: the
+    transport of a trainer job that was replaced (broadcast keeps counting its groups, whose names the servers will
+    not reuse)."""
     cfg = plan.cfg
+    assert trainers is not None and client is not None
     if cfg.train.weight_sync == "disk":
         return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
     if isinstance(previous, ElasticBroadcastSync):
@@ -385,9 +425,7 @@ async def connect_weights(plan: RunPlan, trainers: Any, client: Any, cluster: Cl
     return sync
 
 
-def make_evaluator(plan: RunPlan, client: Any) -> Any:
-    from areal_async.rollout.evaluate import evaluate
-
+def make_evaluator(plan: RunPlan, client: InferenceClient) -> Any:
     cfg = plan.cfg
     priority = cfg.eval.priority
     if priority is None and cfg.server.backend == "embedded":
@@ -509,24 +547,16 @@ def main(argv: list[str] | None = None, workflow: Any = None, launcher: Launcher
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        import yaml
-
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     interrupt_on_sigterm()  # SIGTERM tears down like Ctrl-C
-    from areal_async.launch.sbatch import cli as slurm_submission  # launcher=slurm outside an allocation
-
+    # launcher=slurm outside an allocation: submit the job (or print its script) and return
     code = slurm_submission(cfg, args.config, args.overrides, print_sbatch=args.print_sbatch,
                             check=lambda c: check_before_submission(c, workflow))
     if code is not None:
         return code
     setup_logging()  # run.log lands in run_dir once the checks before launch pass
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
+    runner = uvloop.run if uvloop is not None else asyncio.run
     try:
         runner(run(cfg, workflow, launcher))
     except KeyboardInterrupt:

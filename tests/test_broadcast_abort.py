@@ -124,7 +124,7 @@ def dist_calls(f: FakeSGLang) -> list[dict]:
 
 
 def sync_for(group, c, **kw):
-    from areal_async.launch.membership import ElasticBroadcastSync
+    from areal_async.rollout.broadcast_sync import ElasticBroadcastSync
 
     kw = {"ranks_per_server": 1, "backend": "gloo", "settle_s": 1.0, "max_attempts": 1, **kw}
     return ElasticBroadcastSync(group, c, "127.0.0.1", **kw)

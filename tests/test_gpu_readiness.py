@@ -90,7 +90,8 @@ def test_broadcast_with_waiting_updates_is_a_config_error():
 
 
 async def test_update_weights_refuses_a_bucketed_sync_without_a_pause():
-    from areal_async.rollout.weight_sync import BroadcastSync, update_weights
+    from areal_async.rollout.broadcast_sync import ElasticBroadcastSync
+    from areal_async.rollout.weight_sync import update_weights
 
     class Trainer:
         called = False
@@ -99,7 +100,8 @@ async def test_update_weights_refuses_a_bucketed_sync_without_a_pause():
             Trainer.called = True
 
     with pytest.raises(ValueError, match="paused"):
-        await update_weights(BroadcastSync(Trainer(), None), None, 1, "wait")
+        await update_weights(ElasticBroadcastSync(Trainer(), None, "127.0.0.1", ranks_per_server=1, backend="gloo"),
+                             None, 1, "wait")
     assert not Trainer.called
 
 

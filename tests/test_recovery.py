@@ -15,10 +15,10 @@ import pytest
 
 from areal_async.config import ConfigError, RecoveryConfig, RunConfig, load_config
 from areal_async.launch.api import ProcessExited, ServerHandle, TrainerHandle
-from areal_async.launch.recovery import (NoServerServing, RecoveryLog, RunLock, RunRecovery, TrainerLost,
-                                         backoff_s)
+from areal_async.launch.outcomes import NoServerServing, TrainerLost
+from areal_async.launch.recovery import RecoveryLog, RunLock, RunRecovery, backoff_s
 from areal_async.metrics import cut_back
-from areal_async.rollout.controller import RunState, discard_after, prune_checkpoints, rollback_target, save_state
+from areal_async.rollout.checkpoints import RunState, discard_after, prune_checkpoints, rollback_target, save_state
 
 
 def _holder(run_dir, launched: bool) -> subprocess.Popen:

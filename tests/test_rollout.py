@@ -18,7 +18,6 @@ from areal_async.rollout.buffer import BufferClosed
 from areal_async.rollout.controller import AsyncRLController, load_state
 from areal_async.rollout.ledger import SampleLedger, check_invariant, truncate
 from areal_async.rollout.samples import SampleStream
-from areal_async.rollout.weight_sync import BroadcastSync
 from areal_async.rollout.workflows.rlvr import RLVRWorkflow
 from areal_async.types import (CheckpointResult, GenerationResult, PublishResult, Sample, SamplingParams,
                                TrainStepResult, Trajectory)
@@ -97,6 +96,23 @@ class FakeTrainer:
     async def broadcast_weights(self, servers, version, *, flush_cache=True):
         self.broadcasts.append((version, flush_cache))
         servers.version = version
+
+
+class Broadcast:
+    """The shape of broadcast weight sync the controller sees (rollout/broadcast_sync.py has the real one): nothing
+    to prepare, a bucketed apply through the trainer."""
+
+    bucketed = True
+    latest_checkpoint = None
+
+    def __init__(self, trainer, servers):
+        self.trainer, self.servers = trainer, servers
+
+    async def prepare(self, version):
+        del version
+
+    async def apply(self, version, *, flush_cache):
+        await self.trainer.broadcast_weights(self.servers, version, flush_cache=flush_cache)
 
 
 async def score(completion, answer, prompt="", meta=None):
@@ -222,7 +238,7 @@ async def test_weight_update_modes_disk(tmp_path, interruptible, mode, expected)
 @pytest.mark.parametrize("mode,flush", [("abort", True), ("in_place", False)])
 async def test_weight_update_modes_broadcast(tmp_path, mode, flush):
     servers, trainer = FakeServers(), FakeTrainer()
-    ctrl = controller(tmp_path, servers, trainer, ledger=False, weights=BroadcastSync(trainer, servers),
+    ctrl = controller(tmp_path, servers, trainer, ledger=False, weights=Broadcast(trainer, servers),
                       schedule=ScheduleConfig(batch_size=2, total_steps=2, interrupt_mode=mode, eval_every=0))
     await ctrl.run()
     assert trainer.broadcasts == [(1, flush), (2, flush)]

@@ -13,22 +13,22 @@ and `ExternalLauncher` (servers already running, given as URLs; torchrun here, m
 
 Failures are events, not exits. `watch(on_event)` calls the handler with a `ClusterEvent` for everything that
 happens and keeps watching; only a handler that raises ends the watch (and `supervise` then cancels the run with
-that error). A run's handler is `fleet.failure_policy`: servers join and leave; with `recovery.enabled` (the
-default) dead and hung parts are restarted (below), otherwise any child that dies ends the run with its log tail
-(`end_run_on_failure`). What the protocol is shaped for, without run() changing:
+that error). A run's handler is launch/membership.py's `failure_policy`: servers join and leave; with
+`recovery.enabled` (the default) dead and hung parts are restarted (below), otherwise any child that dies ends the
+run with its log tail (`end_run_on_failure`). What the protocol is shaped for, without run() changing:
 - a Slurm launcher (launch/slurm.py): servers as `srun` job steps, the trainers as one `srun` step running torchrun
   across its nodes, the controller on the batch host; the ranks report to the controller's registry
   (net/registry.py), which writes the rank files `TrainerGroup.connect` reads, and its watch reports a failed
   step as `ProcessExited`.
-- fault recovery (launch/recovery.py, `recovery.enabled`): `fleet.failure_policy` puts `RunRecovery` in front of
-  the fleet handler. A dead or hung server is restarted by the cluster (`restart_server`; announced as
+- fault recovery (launch/recovery.py, `recovery.enabled`; docs/recovery.md): `failure_policy` puts `RunRecovery`
+  in front of the fleet handler. A dead or hung server is restarted by the cluster (`restart_server`; announced as
   `ServerJoined` under its old name) and gets the current weights before it serves again; a dead trainer makes the
   run restart the trainers from the last checkpoint (`restart_trainers`) and roll the controller back to it. Only
   "nothing left to serve or train with" ends a run. A cluster without those methods (`RestartableCluster`) leaves
   that failure to end the run, or, for servers it did not start, to the client, which re-admits them when they
   answer again.
 - servers joining a running job: `ServerJoined` as well (a new name and URL), and `ServerLeft` when one is to leave
-  (launch/membership.py: URLs added to and removed from run_dir/servers.txt, handled by `fleet.failure_policy`).
+  (launch/membership.py: URLs added to and removed from run_dir/servers.txt, handled by `failure_policy`).
 """
 
 from __future__ import annotations

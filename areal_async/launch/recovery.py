@@ -1,32 +1,11 @@
 """Fault recovery: what a run does when a server, the trainer job or the controller itself fails.
 
-`RunRecovery` is the run's event handler when `recovery.enabled` (launch/api.py's `failure_policy` picks it), plus
-a watchdog over the servers and a guard around the training loop. The states of one launched server:
-
-    serving --dies (ProcessExited)------------------------------> restarting
-    serving --alive but out of rotation or silent on /health
-              for recovery.unhealthy_restart_s (hung, SIGSTOP,
-              answering 5xx, failing its weight loads)--killed--> restarting
-    restarting --backoff (restart_backoff_s * 2^k), start, /health--> joined (ServerJoined)
-    joined --the client loads the current weights and version into it (fleet.py)--> serving
-    restarting --max_server_restarts spent within server_restart_window_s--> given up (stays out)
-
-The client takes a failing server out of rotation on its own and moves its requests on with their tokens
-(inference/client.py); this module brings the process back. While no server serves, requests wait; after
-`recovery.no_server_timeout_s` of that the run stops, saving a checkpoint first (the trainers are fine).
-
-The trainer job: any trainer RPC failure (a rank died, a collective broke, a handler raised) or the job's exit
-ends the current controller segment (`TrainerLost`); run.py restarts the job from the last checkpoint, rolls the
-controller state, the sample ledger, metrics.jsonl and the servers' weights back to that checkpoint's version,
-and goes on, at most `recovery.max_trainer_restarts` times; then the run stops and the checkpoint resumes it.
-
-The controller: killed at any moment, a rerun with the same run_dir resumes from the last complete checkpoint
-(run.py; checkpoints are atomic). `RunLock` keeps one controller per run directory and tells a rerun that the last
-one never stopped, which is then logged as a recovery too.
-
-Every fault and what was done about it goes to `RecoveryLog`: a warning in the log, a line in
-run_dir/recoveries.jsonl (append-only: a rollback does not erase what happened), a `recovery` record in
-metrics.jsonl, and the counts in summary.json. No torch here.
+`RunRecovery` is the run's event handler when `recovery.enabled` (launch/membership.py's `failure_policy` builds
+it, run.py keeps it): it restarts dead and hung servers (with a watchdog over /health and the client's view), and
+its `guard` around the training loop turns a trainer failure into `TrainerLost` and a fleet with no server serving
+into `NoServerServing` (launch/outcomes.py); run.py's `roll_back` does the rest. `RunLock` keeps one controller per
+run directory and tells a rerun that the last one was killed; `RecoveryLog` records every fault and what was done.
+The whole story, with the config keys: docs/recovery.md. No torch here.
 """
 
 from __future__ import annotations
@@ -45,7 +24,9 @@ import aiohttp
 
 from areal_async.launch.api import (Cluster, ClusterEvent, EventHandler, ProcessExited, ServerHandle, ServerJoined,
                                     TrainerHandle, end_run_on_failure)
+from areal_async.launch.outcomes import NoServerServing, RunStopped, TrainerLost
 from areal_async.launch.processes import ChildFailed
+from areal_async.train.client import TrainerError
 
 if TYPE_CHECKING:
     from areal_async.config import RecoveryConfig, RunConfig
@@ -54,29 +35,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+__all__ = ["LOCK_FILE", "LOG_FILE", "NoServerServing", "RecoveryLog", "RestartableCluster", "RunLock", "RunRecovery",
+           "RunStopped", "TrainerLost", "backoff_s"]
+
 LOG_FILE = "recoveries.jsonl"
 LOCK_FILE = "controller.lock"
-
-
-class TrainerLost(RuntimeError):
-    """The trainer job failed (a rank died or an RPC to it broke); the run rolls back to its last checkpoint.
-    `pid`: the job's process when its exit is what was seen (a later job's guard ignores it)."""
-
-    def __init__(self, message: str, pid: int | None = None) -> None:
-        super().__init__(message)
-        self.pid = pid
-
-
-class NoServerServing(RuntimeError):
-    """No inference server has been serving for `recovery.no_server_timeout_s`. `stopped_cleanly`: the training
-    loop ended on its own after the step in progress (so the trainer and controller agree on the version and a
-    checkpoint can be saved), rather than being cancelled."""
-
-    stopped_cleanly = False
-
-
-class RunStopped(RuntimeError):
-    """The run gave up (retries spent, no server left); the message says which checkpoint resumes it."""
 
 
 class RestartableCluster(Cluster, Protocol):
@@ -297,8 +260,6 @@ class RunRecovery:
         """Await `body`; when the trainer job fails (a `TrainerError` out of `body`, or the job's exit) cancel it
         and raise `TrainerLost`; when the servers are gone (`NoServerServing`) ask `body` to `stop` (it finishes
         the step it is in, so the trainer state stays checkpointable), wait `stop_grace_s`, then raise it."""
-        from areal_async.train.client import TrainerError
-
         self.guarded = True
         task = asyncio.ensure_future(body)
         waiter = asyncio.ensure_future(self._event().wait())

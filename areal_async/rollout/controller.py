@@ -21,7 +21,9 @@ every mode), and the three treatments of requests in flight at a weight update (
 `schedule.interrupt_mode`; see weight_sync.py).
 
 Every draw is accounted for (ledger.py): trained, dropped with a reason, or unfinished at a stop. A checkpoint holds
-the next fresh draw index and the draws it has not seen resolved; a resume draws those again, exactly once.
+the next fresh draw index and the draws it has not seen resolved; a resume draws those again, exactly once. The
+checkpoint files, and rewinding a run directory to one, are checkpoints.py's; what a failure does: docs/recovery.md;
+the weight transports: docs/weights.md.
 
 Embedding: build an `InferenceClient` over your servers, a trainer (anything with the `Trainer` protocol; the
 torchrun workers are reached through `areal_async.train.client.TrainerGroup`), a workflow, a `ScheduleConfig` and
@@ -32,17 +34,16 @@ and consume batches with `buffer.get_batch()`.
 from __future__ import annotations
 
 import asyncio
-import copy
-import json
 import logging
 import os
-import shutil
 import time
-from dataclasses import dataclass, field, fields
 from typing import Any, Awaitable, Callable, Protocol
 
 from areal_async.config import ScheduleConfig
 from areal_async.rollout.buffer import StalenessBuffer
+# the state on disk lives in checkpoints.py; its names stay importable from here (run_plan.py, embedders)
+from areal_async.rollout.checkpoints import (RunState, checkpoint_dir, discard_after, load_state, prune_checkpoints,
+                                             rollback_target, save_state)
 from areal_async.rollout.ledger import SampleLedger
 from areal_async.rollout.manager import RolloutManager
 from areal_async.rollout.samples import SampleStream
@@ -70,21 +71,6 @@ class InferenceAdmin(Generator, Protocol):
     async def resume(self) -> Any: ...
 
     async def update_weights_from_disk(self, path: str, version: int, *, flush_cache: bool = True) -> Any: ...
-
-
-@dataclass
-class RunState:
-    """Everything a resume needs besides the trainer's own checkpoint."""
-
-    version: int = 0
-    data_position: int = 0  # the next fresh draw index
-    pending: list[int] = field(default_factory=list)  # draws the checkpoint has not seen trained or dropped
-    trained_samples: int = 0
-    trained_groups: int = 0
-    max_staleness_seen: int = 0
-    wall_s: float = 0.0  # training wall time accumulated over resumed segments
-    base_accuracy: float | None = None
-    staleness_hist: dict[str, int] = field(default_factory=dict)
 
 
 Evaluator = Callable[[], Awaitable[dict[str, float]]]
@@ -307,7 +293,7 @@ class AsyncRLController:
         save and the final one) does not write the trainer part again: rewriting a complete trainer checkpoint in
         place is the one step that could leave the latest checkpoint without it."""
         st = self.state
-        path = os.path.join(self.run_dir, "checkpoints", f"v{st.version}")
+        path = checkpoint_dir(self.run_dir, st.version)
         trainer_dir = os.path.join(path, "trainer")
         if self._saved_version != st.version or not os.path.isdir(trainer_dir):
             await self.trainer.save_checkpoint(trainer_dir)
@@ -333,87 +319,3 @@ class AsyncRLController:
 def _spans_versions(t: Trajectory) -> bool:
     seen = {ver for m, ver in zip(t.loss_mask, t.versions) if m}
     return len(seen) > 1
-
-
-def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)
-
-
-def save_state(run_dir: str, state: RunState, ckpt_path: str) -> None:
-    """Write the controller state next to the trainer checkpoint, then point `latest.json` at it; each file is
-    written to a temporary name and renamed, so a kill at any moment leaves the previous checkpoint intact."""
-    os.makedirs(ckpt_path, exist_ok=True)
-    data = {**state.__dict__, "checkpoint": os.path.abspath(ckpt_path)}
-    _write_json_atomic(os.path.join(ckpt_path, "controller.json"), data)
-    _write_json_atomic(os.path.join(run_dir, "checkpoints", "latest.json"), data)
-
-
-def load_state(run_dir: str) -> tuple[RunState, str] | None:
-    """The latest controller state and its checkpoint directory, or None for a fresh run."""
-    latest = os.path.join(run_dir, "checkpoints", "latest.json")
-    if not os.path.exists(latest):
-        return None
-    with open(latest) as f:
-        data = json.load(f)
-    ckpt = data.pop("checkpoint")
-    known = {f.name for f in fields(RunState)}
-    return RunState(**{k: v for k, v in data.items() if k in known}), ckpt
-
-
-# ---- checkpoints on disk ------------------------------------------------------------------------------------------
-
-
-def _version_dirs(root: str) -> dict[int, str]:
-    """`v<k>` subdirectories of `root` by version."""
-    out: dict[int, str] = {}
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith("v") and name[1:].isdigit():
-                out[int(name[1:])] = os.path.join(root, name)
-    return out
-
-
-def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
-    """Keep the newest `keep` complete checkpoints (0: all) and the one latest.json names; remove older complete
-    ones and every incomplete one (a save that was killed). Call only between saves. Returns what was removed."""
-    root = os.path.join(run_dir, "checkpoints")
-    latest = load_state(run_dir)
-    current = os.path.abspath(latest[1]) if latest else None
-    dirs = _version_dirs(root)
-    complete = sorted(v for v, d in dirs.items() if os.path.isfile(os.path.join(d, "controller.json")))
-    kept = set(complete[-keep:]) if keep > 0 else set(complete)
-    removed = []
-    for v, d in dirs.items():
-        if v in kept or os.path.abspath(d) == current:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
-
-
-def discard_after(run_dir: str, version: int) -> None:
-    """A rollback or a resume to `version`: checkpoints and published weights of later versions belong to steps
-    that will be trained again, differently; remove them so nothing can load them (or keep them from pruning)."""
-    for root in (os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "weights")):
-        for v, d in _version_dirs(root).items():
-            if v > version:
-                shutil.rmtree(d, ignore_errors=True)
-
-
-def rollback_target(run_dir: str, launch_state: RunState) -> tuple[RunState, str | None]:
-    """Where a run goes back to when its trainers fail: the latest complete checkpoint and its directory, or
-    without one the state the run was launched with (and no directory: the trainers start from the base model)."""
-    found = load_state(run_dir)
-    if found is not None:
-        return found
-    return RunState(**{f.name: copy.deepcopy(getattr(launch_state, f.name)) for f in fields(RunState)}), None

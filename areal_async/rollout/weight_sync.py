@@ -1,37 +1,11 @@
 """Getting the trainer's weights onto the inference servers, and what happens to requests in flight meanwhile.
 
-Two transports (`train.weight_sync`):
-- `DiskSync`: the trainer publishes an HF checkpoint (`prepare`, while generation goes on), the servers load it
-  (`apply`: POST /update_weights_from_disk).
-- `BroadcastSync`: nothing to prepare; `apply` sends every tensor from trainer rank 0 to the servers over
-  torch.distributed (POST /update_weights_from_distributed, bucket by bucket).
-
-Three ways to treat requests in flight (`schedule.interruptible` and `schedule.interrupt_mode`), applied by
-`update_weights` around either transport:
-- abort (interruptible, the default): pause(mode="abort") returns every in-flight request with its partial tokens;
-  the weights load; continue; the client resubmits each request (prompt + tokens so far), so the KV cache is
-  recomputed under the new weights and every token carries the version that sampled it.
-- in_place: pause(mode="in_place") stops the scheduler with every request and its KV cache where it is; the weights
-  load WITHOUT a cache flush; continue; the requests go on decoding under the new weights over the KV their earlier
-  tokens left (PipelineRL's and prime-rl's in-flight updates). Nothing is recomputed, and each response says where
-  its version changed (meta_info `weight_version_spans`, read by the client), so per-token versions stay exact.
-- wait (not interruptible): the update is sent without a pause and waits on the server until the requests in flight
-  have finished under the old weights. Disk sync only: a broadcast goes bucket by bucket, and SGLang takes its
-  model-update writer lock per bucket, so unpaused, queued requests would run between buckets on a mix of old and
-  new weights (labelled old). The config refuses the combination; `update_weights` refuses it too.
-
-What real SGLang 0.5.x does with an update while paused in place (read in its tokenizer manager and scheduler):
-`pause_generation(mode="in_place")` only sets the scheduler's `_engine_paused`; the running batch, its KV cache and
-the chunked request stay as they are, and the event loop keeps receiving requests but launches no batch.
-`update_weights_from_disk` / `update_weights_from_distributed` in the tokenizer manager skip the model-update writer
-lock while paused (unpaused, that lock waits for every in-flight request, which holds it as a reader), so the load
-happens at once. After loading, the scheduler flushes the cache if `flush_cache` is set and ASSERTS that the flush
-succeeded; a flush refuses while requests hold KV, so `flush_cache=true` with an in-place pause kills the scheduler.
-Hence in_place always loads with flush_cache=false. On continue the kept requests decode with the new weights over
-their old KV. SGLang stamps a response with one `weight_version` (the server's at the time the response is built),
-so against real SGLang the tokens generated before the update are labelled with the new version: the staleness
-bound still holds (it is enforced on start versions), but staleness statistics undercount until SGLang reports
-version spans.
+Two transports (`train.weight_sync`), one `WeightSync` protocol: `DiskSync` (here: the trainer publishes an HF
+checkpoint while generation goes on, the servers load it) and `ElasticBroadcastSync` (rollout/broadcast_sync.py:
+torch.distributed from trainer rank 0, bucket by bucket, over a group that follows the fleet). `update_weights`
+applies either under one of three treatments of the requests in flight (`schedule.interruptible`,
+`schedule.interrupt_mode`): abort and resume, keep decoding in place, or wait (disk only). Why each works as it
+does, SGLang's behaviour included: docs/weights.md.
 """
 
 from __future__ import annotations
@@ -45,10 +19,6 @@ InterruptMode = Literal["abort", "in_place", "wait"]
 
 class Publisher(Protocol):
     async def publish(self, version: int, root: str, keep: int = 2) -> PublishResult: ...
-
-
-class Broadcaster(Protocol):
-    async def broadcast_weights(self, servers: Any, version: int, *, flush_cache: bool = True) -> Any: ...
 
 
 class DiskServers(Protocol):
@@ -65,6 +35,8 @@ class WeightSync(Protocol):
     """One transport. `prepare` runs while generation goes on; `apply` makes the servers hold `version`."""
 
     latest_checkpoint: str | None  # an HF checkpoint of the last prepared version, when the transport writes one
+    # a transport that sets `bucketed = True` loads over several calls, so it is only safe while the servers are
+    # paused (`update_weights` refuses it with mode "wait")
 
     async def prepare(self, version: int) -> None: ...
 
@@ -91,28 +63,13 @@ class DiskSync:
         await self.servers.update_weights_from_disk(self._published[version], version, flush_cache=flush_cache)
 
 
-class BroadcastSync:
-    bucketed = True  # the servers take the weights over several calls: only safe while paused (see above)
-
-    def __init__(self, trainer: Broadcaster, servers: Any) -> None:
-        self.trainer = trainer
-        self.servers = servers
-        self.latest_checkpoint: str | None = None
-
-    async def prepare(self, version: int) -> None:
-        del version
-
-    async def apply(self, version: int, *, flush_cache: bool) -> None:
-        await self.trainer.broadcast_weights(self.servers, version, flush_cache=flush_cache)
-
-
 def interrupt_mode(interruptible: bool, mode: str) -> InterruptMode:
     return "wait" if not interruptible else ("in_place" if mode == "in_place" else "abort")
 
 
 async def update_weights(sync: WeightSync, servers: PausableServers, version: int, mode: InterruptMode) -> None:
-    """`sync.apply(version)` under the in-flight treatment `mode` (see the module docstring). The caller has
-    `prepare`d the version already (that part overlaps generation and is timed apart)."""
+    """`sync.apply(version)` under the in-flight treatment `mode`. The caller has
+    `prepare`d the version already (that part overlaps generation and is timed apart). The modes: docs/weights.md."""
     if mode == "wait":
         if getattr(sync, "bucketed", False):
             raise ValueError("a bucketed (broadcast) weight update needs the servers paused: interruptible=false "

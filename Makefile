@@ -23,8 +23,12 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m areal_async.run $(ARGS)
 
+# two pytest-xdist workers: most tests wait on the processes they start, so two at a time keep two cores busy
+# (tests/conftest.py keeps a module's tests on one worker and the SmolLM2 and Slurm modules apart); TEST_WORKERS=0
+# runs the suite in this one process
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # the venv and caches; run directories (checkpoints) stay unless asked: make clean-runs
 clean:

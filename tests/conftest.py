@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -18,6 +19,10 @@ import pytest
 from areal_async.testing.tiny import make_tiny_checkpoint
 
 SESSION_ENV = "AREAL_TEST_SESSION"
+# Under pytest-xdist (`-n`), each worker is a session of its own (its own token, its own check), and the token of
+# the controlling process, which the workers inherit, names the file where they report what they found left behind.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_CONTROLLER_SESSION = os.environ.get(SESSION_ENV) if _WORKER else None
 # one token per pytest session, inherited by every child: processes (and Slurm jobs) of another session on the same
 # machine, such as a CI run beside this one, carry another token and are never touched
 SESSION = uuid.uuid4().hex[:10]
@@ -81,6 +86,8 @@ def pytest_sessionstart(session):
     shipped model waits on the cache's lock instead of building it from scratch. Only for a whole-suite run; a run
     that selects tests (files, -k, -m, node ids) builds it when, and if, a test needs it."""
     global _prebuild
+    if _WORKER:  # the controlling process of a parallel run builds it, once
+        return
     root = str(session.config.rootpath)
     whole = {os.path.realpath(root), os.path.realpath(os.path.join(root, "tests"))}
     if session.config.getoption("keyword") or session.config.getoption("markexpr") or any(
@@ -102,7 +109,73 @@ def pytest_sessionfinish(session, exitstatus):
             _prebuild.wait(30)
         except subprocess.TimeoutExpired:
             _prebuild.kill()
-    _fail_on_leftovers(session)
+    if _distributing(session.config):  # the workers ran the tests and checked what they left; collect their word
+        _report_leftovers(session, _read_worker_leftovers())
+    else:
+        _fail_on_leftovers(session)
+
+
+# ---- running in parallel ---------------------------------------------------------------------------------------
+# `make test` runs the suite on two pytest-xdist workers: most tests wait on processes they started (a server
+# loading, a trainer's rendezvous), so two at a time keep both cores busy. A module's tests stay on one worker, in
+# order (they share module fixtures); the groups below never run beside each other: the SmolLM2 modules (a trainer
+# and a server of the real model hold 6-9 GB each), and the modules that share the one-node Slurm cluster.
+_GROUPS = {"test_real_model.py": "smollm2", "test_model_store.py": "smollm2", "test_slurm.py": "slurm"}
+# the longest groups go out first, so that the two workers finish together; the rest keep their (random) order
+_LONG_FIRST = ("smollm2", "test_faults.py", "test_e2e.py", "slurm", "test_benchmark_e2e.py", "test_learning.py",
+               "test_fleet.py", "test_multinode.py", "test_clean_runs.py")
+
+
+def _distributing(config) -> bool:
+    """This process is the controller of a pytest-xdist run (it runs no tests itself)."""
+    return config.pluginmanager.has_plugin("dsession")
+
+
+def _leftovers_file(controller_session: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"areal-test-leftovers-{controller_session}.txt")
+
+
+def _read_worker_leftovers() -> list[str]:
+    path = _leftovers_file(SESSION)
+    try:
+        with open(path) as f:
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError:
+        return []
+    os.remove(path)
+    return lines
+
+
+def _group_of(nodeid: str) -> str:
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return _GROUPS.get(name, name)
+
+
+class _LongFirst:
+    """A plugin object, so that its hook can run last: after pytest-random-order has shuffled the items."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        rank = {g: i for i, g in enumerate(_LONG_FIRST)}
+        items.sort(key=lambda it: rank.get(_group_of(it.nodeid), len(rank)))  # stable: shuffled within a rank
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups to a worker, in the order the workers collected them (long ones first). xdist's own
+    `--dist loadgroup` marks node ids in a way pytest 9 no longer sees, so the groups are named here."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid)
+
+    return ByGroup(config, log)
+
+
+def pytest_configure(config):
+    if _WORKER:  # a worker of `pytest -n N`: it collects, the controller schedules by group
+        config.pluginmanager.register(_LongFirst(), "areal-long-first")
 
 
 # ---- nothing left behind ------------------------------------------------------------------------------------------
@@ -232,6 +305,13 @@ def _fail_on_leftovers(session: pytest.Session) -> None:
                 kill()
             except OSError:
                 pass
+    if _WORKER and lines and _CONTROLLER_SESSION:  # the controller reports them and fails the run
+        with open(_leftovers_file(_CONTROLLER_SESSION), "a") as f:
+            f.write("".join(f"[{_WORKER}] {line}\n" for line in lines))
+    _report_leftovers(session, lines)
+
+
+def _report_leftovers(session: pytest.Session, lines: list[str]) -> None:
     if not lines:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

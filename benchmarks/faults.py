@@ -35,6 +35,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from areal_async.net.registry import rank_file
 from areal_async.testing.faults import RunProcess, accounting, run_children, summary, wait_gone
 
 B, N = 8, 4
@@ -183,7 +184,7 @@ def cold_starts(model: str) -> dict[str, float]:
             t0 = time.monotonic()
             procs.start_trainers(model=model, nproc=1, config_json="{}", seed=1, secret_hex=os.urandom(32).hex(),
                                  torch_threads=1)
-            rank = os.path.join(d, "trainer", "rank0.json")
+            rank = rank_file(d, 0)
             while not os.path.exists(rank):
                 assert not procs.exited(), "the trainer died"
                 time.sleep(0.05)

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from areal_async import run as run_module
+from areal_async.net.registry import rank_file
 from areal_async.launch.recovery import LOCK_FILE, RunLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,9 +156,9 @@ async def test_signalled_rank_leaves_promptly_mid_call(tiny_ckpt, tmp_path):
         group = await TrainerGroup.connect(procs.run_dir, 2, secret, timeout=HANG_S)
         pids = []
         for r in range(2):
-            with open(worker.rank_file(procs.run_dir, r)) as f:
+            with open(rank_file(procs.run_dir, r)) as f:
                 pids.append(json.load(f)["pid"])
-        with open(worker.rank_file(procs.run_dir, 0)) as f:
+        with open(rank_file(procs.run_dir, 0)) as f:
             address = json.load(f)["address"]
         await group.close()
         os.kill(pids[1], signal.SIGSTOP)

@@ -303,7 +303,7 @@ def test_rendezvous_host_is_one_torch_recognises(monkeypatch):
     assert netaddr.rendezvous_host() == "10.1.2.3"
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(2, 1, 6, "", ("127.0.1.1", 0))])
     assert netaddr.rendezvous_host() == "node7"  # never the loopback-only 127.0.1.1
-    src = open(os.path.join(os.path.dirname(netaddr.__file__), "launch", "local.py")).read()
+    src = open(os.path.join(os.path.dirname(os.path.dirname(netaddr.__file__)), "launch", "local.py")).read()
     assert "socket.gethostbyname" not in src
 
 

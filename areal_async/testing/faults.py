@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
+from areal_async.net.registry import rank_file, rank_files_dir
 from areal_async.rollout import ledger
 
 
@@ -100,7 +101,7 @@ class RunProcess:
         return int(pids[-1])
 
     def trainer_rank_pid(self, rank: int = 0) -> int:
-        with open(os.path.join(self.run_dir, "trainer", f"rank{rank}.json")) as f:
+        with open(rank_file(self.run_dir, rank)) as f:
             return int(json.load(f)["pid"])
 
     def log_count(self, text: str) -> int:
@@ -171,7 +172,7 @@ def run_children(run_dir: str) -> list[int]:
     if os.path.exists(path):
         with open(path) as f:
             pids = [int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", f.read())]
-    rank_dir = os.path.join(run_dir, "trainer")
+    rank_dir = rank_files_dir(run_dir)
     if os.path.isdir(rank_dir):
         for name in os.listdir(rank_dir):
             if name.endswith(".json"):

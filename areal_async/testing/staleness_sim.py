@@ -91,7 +91,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
 class OldStragglerRule(StalenessBuffer):
     """The batch rule before issue 10, kept to show the tests catch it: wait only for running groups started under
-    <= v - eta. Unsafe for eta >= 2 (buffer.py's docstring says why)."""
+    <= v - eta. Unsafe for eta >= 2 (docs/design.md says why)."""
 
     def _ready(self, n: int) -> bool:
         if len(self) < n:
@@ -171,7 +171,7 @@ def safe_after_taking(take: dict[int, int], running: dict[int, int], buffered: d
     """Offline check, independent of the buffer's code: after step v takes `take` (start version -> count), can the
     steps v + 1, v + 2, ... (b groups each, earliest deadline first) train every known group, the running ones
     assumed accepted and available, by its deadline (start + eta)? Groups that start later have deadlines >= v + eta,
-    behind every known group whose deadline is tighter, and admission leaves room for them (buffer.py, step (A))."""
+    behind every known group whose deadline is tighter, and admission leaves room for them (docs/design.md, the admission rule)."""
     if any(s + eta < v for s in take):
         return False
     deadlines = sorted([s + eta for s, k in running.items() for _ in range(k)]

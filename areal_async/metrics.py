@@ -8,6 +8,8 @@ import os
 import time
 from typing import Any
 
+from areal_async.atomic_write import write_lines_atomic
+
 
 class MetricsLogger:
     def __init__(self, run_dir: str, tensorboard: bool = True) -> None:
@@ -51,7 +53,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 def cut_back(path: str, version: int, keep_kinds: tuple[str, ...] = ("recovery",)) -> None:
     """Keep only the records of steps <= `version` (a resume from a checkpoint at that version: the records a killed
     run wrote after it would otherwise appear twice), and every record of `keep_kinds` (what happened to the run
-    stays true after it goes back). A torn last line is dropped. Atomic."""
+    stays true after it goes back). A torn last line is dropped. Atomic and durable (atomic_write.py)."""
     if not os.path.exists(path):
         return
     kept = []
@@ -63,10 +65,7 @@ def cut_back(path: str, version: int, keep_kinds: tuple[str, ...] = ("recovery",
                 break
             if rec.get("step", 0) <= version or rec.get("kind") in keep_kinds:
                 kept.append(json.dumps(rec) + "\n")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    write_lines_atomic(path, kept)
 
 
 def keep_aside(path: str) -> str | None:

@@ -17,10 +17,17 @@ from typing import Any, Mapping
 
 import msgspec
 
-from areal_async.config import ConfigError, RunConfig
+from areal_async.config import RESERVED_REWARD_ARGS, ConfigError, RunConfig
 from areal_async.cpu_features import describe, model_hidden_size, resolve_mixed_precision
+from areal_async.launch.placement import plan_placement
+from areal_async.model_store import ModelPathError, resolve_model_path
+from areal_async.rewards.registry import resolve as resolve_reward
+from areal_async.rewards.runner import RewardRunner
+from areal_async.rollout.chat import ChatTokens
 from areal_async.rollout.controller import RunState, load_state
 from areal_async.rollout.workflow_api import ScoreFn, Workflow
+from areal_async.rollout.workflows import build_workflow
+from areal_async.tasks.datasets import load_samples
 from areal_async.tokenizer import Tokenizer, check_tokenizer
 from areal_async.types import Sample
 
@@ -54,7 +61,6 @@ class RunPlan:
 def resolve_model(cfg: RunConfig) -> str:
     """`model.path` as an HF directory: built-in names and GGUF files are built or converted (in a subprocess, so
     this process never imports torch) and cached; see areal_async.model_store."""
-    from areal_async.model_store import ModelPathError, resolve_model_path
 
     try:
         return resolve_model_path(cfg.model.path)
@@ -68,7 +74,6 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     `workflow` replaces the one `rollout.workflow` names: a Workflow, or a factory `f(cfg, tokenizer, score)`."""
     cfg = msgspec.structs.replace(cfg)  # re-derives the derived fields of a config built in Python
     cfg.validate()
-    from areal_async.launch.placement import plan_placement
 
     placement = plan_placement(cfg)  # the GPU layout and SGLang's arguments, checked here (launch/placement.py)
     # what this host offers, before the model is built or loaded and before anything starts
@@ -82,7 +87,6 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
         tokenizer = check_tokenizer(model_path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot use the tokenizer of {model_path}: {e}") from None
-    from areal_async.tasks.datasets import load_samples
 
     try:
         train_samples, eval_samples = load_samples(cfg.data)
@@ -93,7 +97,6 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     _check_chat_template(cfg, tokenizer, train_samples + eval_samples)
     _log_cpu_choices(cfg, model_path, bool(placement.gpus))
     _check_reward(cfg.data.reward)
-    from areal_async.rewards.runner import RewardRunner
 
     rewards = RewardRunner()
     score = make_score(rewards, cfg.data.reward, cfg.rollout.reward_timeout_s, cfg.data.reward_options)
@@ -210,7 +213,6 @@ def _check_chat_template(cfg: RunConfig, tokenizer: Tokenizer, samples: list[Sam
         key = "rollout.multi_turn.chat"
     if key is None:
         return
-    from areal_async.rollout.chat import ChatTokens
 
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True)
@@ -222,10 +224,8 @@ def _check_chat_template(cfg: RunConfig, tokenizer: Tokenizer, samples: list[Sam
 
 
 def _check_reward(spec: str) -> None:
-    from areal_async.rewards.registry import resolve
-
     try:
-        target = resolve(spec).target
+        target = resolve_reward(spec).target
     except (KeyError, ValueError) as e:
         raise ConfigError(f"data.reward: {e.args[0] if e.args else e}") from None
     module = target.partition(":")[0]
@@ -246,9 +246,6 @@ _REWARD_EXTRAS: dict[str, tuple[tuple[str, str, str], ...]] = {
 }
 
 
-_RESERVED_META = frozenset({"fn_spec", "completion", "answer", "prompt", "timeout_s"})  # RewardRunner.score's own
-
-
 def make_score(rewards: Any, reward: str, timeout_s: float, options: Mapping[str, Any] | None = None) -> ScoreFn:
     """The configured reward as a ScoreFn, run off the loop by the reward runner. `options` (data.reward_options)
     and then the sample's meta are passed on as keywords, except keys that would collide with the runner's own
@@ -257,15 +254,13 @@ def make_score(rewards: Any, reward: str, timeout_s: float, options: Mapping[str
 
     async def score(completion: str, answer: str, prompt: str = "",
                     meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]:
-        extra = {k: v for k, v in {**base, **(meta or {})}.items() if k not in _RESERVED_META}
+        extra = {k: v for k, v in {**base, **(meta or {})}.items() if k not in RESERVED_REWARD_ARGS}
         return await rewards.score(reward, completion, answer, prompt=prompt, timeout_s=timeout_s, **extra)
 
     return score
 
 
 def _build_workflow(cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn, given: Any) -> Workflow:
-    from areal_async.rollout.workflows import build_workflow
-
     if given is None:
         return build_workflow(cfg, tokenizer, score)
     wf = given if hasattr(given, "run") else given(cfg, tokenizer, score)

@@ -596,17 +596,17 @@ async def test_priority_requests_are_admitted_first(make_engine, lively_ckpt):
 
 def test_auto_device_names_the_current_cuda_device(monkeypatch):
     """A weight-update group and torch.cuda.set_device need an indexed device; "auto" must give one."""
-    from areal_async.server.engine import resolve_device
+    from areal_async.server.device import resolve_visible_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_visible_device("auto") == torch.device("cpu")
     with pytest.raises(ValueError, match="no CUDA device"):
-        resolve_device("cuda:0")
+        resolve_visible_device("cuda:0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert resolve_device("auto") == torch.device("cuda", 3) and resolve_device("auto").index == 3
-    assert resolve_device("cuda:1") == torch.device("cuda", 1)
-    assert resolve_device("cuda") == torch.device("cuda", 3)  # an index-less device gets the current one
+    assert resolve_visible_device("auto") == torch.device("cuda", 3) and resolve_visible_device("auto").index == 3
+    assert resolve_visible_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_visible_device("cuda") == torch.device("cuda", 3)  # an index-less device gets the current one
     with pytest.raises(ValueError, match="sees 4 CUDA device"):  # not a CUDA error at the first allocation
-        resolve_device("cuda:4")
+        resolve_visible_device("cuda:4")

@@ -9,14 +9,14 @@ import json
 
 import pytest
 
-from areal_async.protocol import openai_requests as O
-from areal_async.protocol import openai_responses as R
-from areal_async.protocol import sglang as P
+from areal_async.protocol import openai_requests
+from areal_async.protocol import openai_responses
+from areal_async.protocol import sglang as sglang_protocol
 from areal_async.protocol.engine_api import EngineChunk, EngineRequest, EngineSampling
 from areal_async.tasks.char_tokenizer import save_char_tokenizer
 from areal_async.tokenizer import Tokenizer
 
-LIMITS = P.Limits(vocab_size=100, context_len=256)
+LIMITS = sglang_protocol.Limits(vocab_size=100, context_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,8 @@ def body(obj) -> bytes:
     return json.dumps(obj).encode()
 
 
-def gen(tok, obj) -> P.GeneratePlan:
-    return P.parse_generate(body(obj), tok, LIMITS)
+def gen(tok, obj) -> sglang_protocol.GeneratePlan:
+    return sglang_protocol.parse_generate(body(obj), tok, LIMITS)
 
 
 # ---- /generate parsing --------------------------------------------------------------------------------------------
@@ -136,8 +136,8 @@ BAD_GENERATE = [
 
 @pytest.mark.parametrize("raw,needle", BAD_GENERATE, ids=[n for _, n in BAD_GENERATE])
 def test_bad_generate_requests(tok, raw, needle):
-    with pytest.raises(P.ProtocolError) as ei:
-        P.parse_generate(raw, tok, LIMITS)
+    with pytest.raises(sglang_protocol.ProtocolError) as ei:
+        sglang_protocol.parse_generate(raw, tok, LIMITS)
     assert needle in str(ei.value)
     assert ei.value.status == 400
 
@@ -157,7 +157,7 @@ def _chunk(ids, lps=None, fr=None, **kw):
 
 
 def test_stop_string_trimmed_but_ids_kept(tok):
-    acc = P.Accumulator(_req(tok, stop=["x="]), tok)
+    acc = sglang_protocol.Accumulator(_req(tok, stop=["x="]), tok)
     ids = tok.encode("12x=")
     acc.add(_chunk(ids[:2]))
     acc.add(_chunk(ids[2:], fr={"type": "stop", "matched": "x="}))
@@ -165,23 +165,23 @@ def test_stop_string_trimmed_but_ids_kept(tok):
     assert out["text"] == "12" and out["output_ids"] == ids
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "x="}
     assert out["meta_info"]["completion_tokens"] == 4 and out["meta_info"]["weight_version"] == "7"
-    kept = P.Accumulator(_req(tok, stop=["x="], no_trim=True), tok)
+    kept = sglang_protocol.Accumulator(_req(tok, stop=["x="], no_trim=True), tok)
     kept.add(_chunk(ids, fr={"type": "stop", "matched": "x="}))
     assert kept.text() == "12x="
 
 
 def test_stop_token_and_eos_kept_in_ids_dropped_from_text(tok):
     nl = tok.encode("\n")[0]
-    acc = P.Accumulator(_req(tok, stop_ids=[nl]), tok)
+    acc = sglang_protocol.Accumulator(_req(tok, stop_ids=[nl]), tok)
     acc.add(_chunk(tok.encode("ok\n"), fr={"type": "stop", "matched": nl}))
     assert acc.text() == "ok" and acc.output_ids[-1] == nl
-    eos = P.Accumulator(_req(tok), tok)
+    eos = sglang_protocol.Accumulator(_req(tok), tok)
     eos.add(_chunk(tok.encode("ok") + [1], fr={"type": "stop", "matched": 1}))
     assert eos.text() == "ok" and eos.output_ids[-1] == 1
 
 
 def test_streaming_text_withholds_a_possible_stop_prefix(tok):
-    acc = P.Accumulator(_req(tok, stop=["###"]), tok)
+    acc = sglang_protocol.Accumulator(_req(tok, stop=["###"]), tok)
     acc.add(_chunk(tok.encode("ab#")))
     assert acc.text() == "ab"  # '#' may start '###'
     acc.add(_chunk(tok.encode("#c")))
@@ -192,7 +192,7 @@ def test_streaming_text_withholds_a_possible_stop_prefix(tok):
 
 def test_logprob_triples_and_input_logprobs(tok):
     req = _req(tok, logprob=True, start=0, top=2)
-    acc = P.Accumulator(req, tok, text_in_logprobs=True)
+    acc = sglang_protocol.Accumulator(req, tok, text_in_logprobs=True)
     a, b = tok.encode("xy")
     acc.add(_chunk([a], [-0.5], input_logprobs=[None, -1.25], new_top_logprobs=[[(-0.5, a), (-2.0, b)]]))
     acc.add(_chunk([b], [-0.25], fr={"type": "length", "length": 2}, new_top_logprobs=[[(-0.25, b), (-3.0, a)]]))
@@ -200,16 +200,16 @@ def test_logprob_triples_and_input_logprobs(tok):
     assert m["output_token_logprobs"] == [[-0.5, a, "x"], [-0.25, b, "y"]]
     assert m["input_token_logprobs"] == [[None, req.input_ids[0], "a"], [-1.25, req.input_ids[1], "b"]]
     assert m["output_top_logprobs"] == [[[-0.5, a, "x"], [-2.0, b, "y"]], [[-0.25, b, "y"], [-3.0, a, "x"]]]
-    plain = P.Accumulator(_req(tok, logprob=True), tok)
+    plain = sglang_protocol.Accumulator(_req(tok, logprob=True), tok)
     plain.add(_chunk([a], [-0.5], fr={"type": "length", "length": 1}))
     m = plain.meta_info()
     assert m["output_token_logprobs"] == [[-0.5, a, None]]
     assert "input_token_logprobs" not in m and "output_top_logprobs" not in m
-    assert "output_token_logprobs" not in P.Accumulator(_req(tok), tok).meta_info()
+    assert "output_token_logprobs" not in sglang_protocol.Accumulator(_req(tok), tok).meta_info()
 
 
 def test_abort_reason_shape(tok):
-    acc = P.Accumulator(_req(tok), tok)
+    acc = sglang_protocol.Accumulator(_req(tok), tok)
     acc.abort_reason("gone")
     assert acc.finish_reason == {"type": "abort", "message": "gone", "status_code": None, "err_type": None}
 
@@ -218,12 +218,12 @@ def test_abort_reason_shape(tok):
 
 
 def test_completion_prompt_forms(tok):
-    assert O.parse_completion(body({"prompt": "ab"}), tok, LIMITS).prompts == [tok.encode("ab")]
-    plan = O.parse_completion(body({"prompt": ["a", "b"], "n": 2, "max_tokens": 3}), tok, LIMITS)
+    assert openai_requests.parse_completion(body({"prompt": "ab"}), tok, LIMITS).prompts == [tok.encode("ab")]
+    plan = openai_requests.parse_completion(body({"prompt": ["a", "b"], "n": 2, "max_tokens": 3}), tok, LIMITS)
     assert len(plan.requests) == 4 and plan.requests[0].sampling.max_new_tokens == 3
-    assert O.parse_completion(body({"prompt": [5, 6]}), tok, LIMITS).prompts == [[5, 6]]
-    assert O.parse_completion(body({"prompt": [[5], [6, 7]]}), tok, LIMITS).prompts == [[5], [6, 7]]
-    plan = O.parse_completion(body({"prompt": "ab", "logprobs": 2, "echo": True}), tok, LIMITS)
+    assert openai_requests.parse_completion(body({"prompt": [5, 6]}), tok, LIMITS).prompts == [[5, 6]]
+    assert openai_requests.parse_completion(body({"prompt": [[5], [6, 7]]}), tok, LIMITS).prompts == [[5], [6, 7]]
+    plan = openai_requests.parse_completion(body({"prompt": "ab", "logprobs": 2, "echo": True}), tok, LIMITS)
     r = plan.requests[0]
     assert r.return_logprob and r.top_logprobs_num == 2 and r.logprob_start_len == 0 and plan.echo_texts == ["ab"]
     assert plan.requests[0].sampling.max_new_tokens == 16  # OpenAI's default
@@ -241,8 +241,8 @@ def test_completion_prompt_forms(tok):
     ({"prompt": "a", "stop": 5}, "$.stop"),
 ])
 def test_bad_completion_requests(tok, obj, needle):
-    with pytest.raises(P.ProtocolError) as ei:
-        O.parse_completion(body(obj), tok, LIMITS)
+    with pytest.raises(sglang_protocol.ProtocolError) as ei:
+        openai_requests.parse_completion(body(obj), tok, LIMITS)
     assert needle in str(ei.value)
 
 
@@ -259,14 +259,14 @@ def test_chat_parsing(tok):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "h"},
                                                                             {"type": "text", "text": "i"}]}]
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    plan = O.parse_chat(body({"messages": msgs, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2,
-                              "tools": tools, "n": 2}), tok, LIMITS, _template(tok))
+    plan = openai_requests.parse_chat(body({"messages": msgs, "max_completion_tokens": 5, "logprobs": True,
+                                            "top_logprobs": 2, "tools": tools, "n": 2}), tok, LIMITS, _template(tok))
     assert plan.prompts == [tok.encode("T<system>s<user>hi")] and plan.tools == tools
     assert [r.sampling.max_new_tokens for r in plan.requests] == [5, 5] and plan.logprobs == 2
-    none = O.parse_chat(body({"messages": msgs, "tools": tools, "tool_choice": "none", "max_tokens": 3}), tok,
-                        LIMITS, _template(tok))
+    none = openai_requests.parse_chat(body({"messages": msgs, "tools": tools, "tool_choice": "none", "max_tokens": 3}),
+                                      tok, LIMITS, _template(tok))
     assert none.tools == [] and none.prompts == [tok.encode("<system>s<user>hi")]
-    dflt = O.parse_chat(body({"messages": msgs}), tok, LIMITS, _template(tok))
+    dflt = openai_requests.parse_chat(body({"messages": msgs}), tok, LIMITS, _template(tok))
     assert dflt.requests[0].sampling.max_new_tokens == LIMITS.context_len - len(dflt.prompts[0])
 
 
@@ -282,8 +282,8 @@ def test_chat_parsing(tok):
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "not supported"),
 ])
 def test_bad_chat_requests(tok, obj, needle):
-    with pytest.raises(P.ProtocolError) as ei:
-        O.parse_chat(body(obj), tok, LIMITS, _template(tok))
+    with pytest.raises(sglang_protocol.ProtocolError) as ei:
+        openai_requests.parse_chat(body(obj), tok, LIMITS, _template(tok))
     assert needle in str(ei.value)
 
 
@@ -291,30 +291,31 @@ def test_parse_tool_calls():
     """Complete, valid blocks naming an offered tool become calls; everything else stays in the content as written
     (the one behaviour of the server and the agent proxy)."""
     text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    content, calls = R.parse_tool_calls(text, {"add"})
+    content, calls = openai_responses.parse_tool_calls(text, {"add"})
     assert content == "Let me add."
     assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert calls[0]["function"]["name"] == "add" and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
     two = '<tool_call>{"name": "add", "arguments": "{}"}</tool_call><tool_call>{"name": "mul", "arguments": {}}' \
           '</tool_call>'
-    content, calls = R.parse_tool_calls(two, {"add", "mul"})
+    content, calls = openai_responses.parse_tool_calls(two, {"add", "mul"})
     assert content is None and [c["function"]["name"] for c in calls] == ["add", "mul"]
     assert calls[0]["function"]["arguments"] == "{}" and len({c["id"] for c in calls}) == 2
     for bad in ("no call here", "<tool_call>not json</tool_call>", '<tool_call>{"name": "rm"}</tool_call>',
                 '<tool_call>{"name": "add", "arguments": {}}', '<tool_call>["add"]</tool_call>',
                 '<tool_call>{"name": "add", "arguments": 5}</tool_call>'):
-        assert R.parse_tool_calls(bad, {"add"}) == (bad, [])  # not JSON, unknown tool, cut short, wrong shapes
+        # not JSON, unknown tool, cut short, wrong shapes
+        assert openai_responses.parse_tool_calls(bad, {"add"}) == (bad, [])
     mixed = ('A <tool_call>{"name": "rm", "arguments": {}}</tool_call> B <tool_call>{"name": "add", "arguments": '
              '{"a": 1}}</tool_call> C <tool_call>{"name": "add"')
-    content, calls = R.parse_tool_calls(mixed, {"add"})
+    content, calls = openai_responses.parse_tool_calls(mixed, {"add"})
     assert [c["function"]["name"] for c in calls] == ["add"]
     assert content == 'A <tool_call>{"name": "rm", "arguments": {}}</tool_call> B  C <tool_call>{"name": "add"'
-    _, calls = R.parse_tool_calls('<tool_call>{"name": "anything", "parameters": {"x": 1}}</tool_call>')
+    _, calls = openai_responses.parse_tool_calls('<tool_call>{"name": "anything", "parameters": {"x": 1}}</tool_call>')
     assert calls[0]["function"]["name"] == "anything" and json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
 
 
 def _finished_acc(tok, req, text, fr=None, lps=None):
-    acc = P.Accumulator(req, tok)
+    acc = sglang_protocol.Accumulator(req, tok)
     ids = tok.encode(text)
     acc.add(EngineChunk(rid=req.rid, new_ids=ids, new_logprobs=lps or [-0.1] * len(ids), weight_version="3",
                         finish_reason=fr or {"type": "length", "length": len(ids)}))
@@ -323,11 +324,12 @@ def _finished_acc(tok, req, text, fr=None, lps=None):
 
 def test_chat_response_with_tool_call(tok):
     tools = [{"type": "function", "function": {"name": "add"}}]
-    plan = O.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 40,
-                              "logprobs": True, "return_token_ids": True}), tok, LIMITS, _template(tok))
+    plan = openai_requests.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                            "max_tokens": 40, "logprobs": True, "return_token_ids": True}),
+                                      tok, LIMITS, _template(tok))
     out_text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     acc = _finished_acc(tok, plan.requests[0], out_text, fr={"type": "stop", "matched": 1})
-    resp = R.chat_response(plan, [acc], "m", "id1", 0)
+    resp = openai_responses.chat_response(plan, [acc], "m", "id1", 0)
     ch = resp["choices"][0]
     assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None
     assert ch["message"]["tool_calls"][0]["function"]["name"] == "add"
@@ -340,15 +342,15 @@ def test_chat_response_with_tool_call(tok):
 
 
 def test_completion_response_logprobs_and_echo(tok):
-    plan = O.parse_completion(body({"prompt": "ab", "logprobs": 1, "echo": True, "max_tokens": 3,
-                                    "return_token_ids": True}), tok, LIMITS)
+    plan = openai_requests.parse_completion(body({"prompt": "ab", "logprobs": 1, "echo": True, "max_tokens": 3,
+                                                  "return_token_ids": True}), tok, LIMITS)
     req = plan.requests[0]
-    acc = P.Accumulator(req, tok)
+    acc = sglang_protocol.Accumulator(req, tok)
     ids = tok.encode("cd")
     acc.add(EngineChunk(rid=req.rid, new_ids=ids, new_logprobs=[-1.0, -2.0], input_logprobs=[None, -0.5],
                         new_top_logprobs=[[(-1.0, ids[0])], [(-2.0, ids[1])]],
                         finish_reason={"type": "length", "length": 2}))
-    ch = R.completion_response(plan, [acc], "m", "c1", 0)["choices"][0]
+    ch = openai_responses.completion_response(plan, [acc], "m", "c1", 0)["choices"][0]
     assert ch["text"] == "abcd" and ch["finish_reason"] == "length"
     lp = ch["logprobs"]
     assert lp["tokens"] == ["a", "b", "c", "d"] and lp["token_logprobs"] == [None, -0.5, -1.0, -2.0]
@@ -358,18 +360,18 @@ def test_completion_response_logprobs_and_echo(tok):
 
 def test_stream_deltas_concatenate_to_final_text(tok):
     tools = [{"type": "function", "function": {"name": "add"}}]
-    plan = O.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 50}),
-                        tok, LIMITS, _template(tok))
+    plan = openai_requests.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                            "max_tokens": 50}), tok, LIMITS, _template(tok))
     req = plan.requests[0]
-    acc = P.Accumulator(req, tok)
-    st = R.StreamDelta(hold_tool_calls=True)
+    acc = sglang_protocol.Accumulator(req, tok)
+    st = openai_responses.StreamDelta(hold_tool_calls=True)
     pieces, calls, finish = [], [], None
     text = 'hi <tool_call>{"name": "add", "arguments": {}}</tool_call>'
     for k, tid in enumerate(tok.encode(text)):
         last = k == len(text) - 1
         acc.add(EngineChunk(rid=req.rid, new_ids=[tid], new_logprobs=[-0.1],
                             finish_reason={"type": "stop", "matched": 1} if last else None))
-        ev = R.chat_chunk(plan, 0, acc, st, "m", "id", 0)
+        ev = openai_responses.chat_chunk(plan, 0, acc, st, "m", "id", 0)
         if ev is None:
             continue
         d = ev["choices"][0]["delta"]
@@ -380,31 +382,32 @@ def test_stream_deltas_concatenate_to_final_text(tok):
     assert "".join(pieces) == "hi " and finish == "tool_calls"
     assert [c["function"]["name"] for c in calls] == ["add"] and calls[0]["index"] == 0
 
-    cplan = O.parse_completion(body({"prompt": "a", "max_tokens": 5, "stop": "zz"}), tok, LIMITS)
+    cplan = openai_requests.parse_completion(body({"prompt": "a", "max_tokens": 5, "stop": "zz"}), tok, LIMITS)
     creq = cplan.requests[0]
-    cacc = P.Accumulator(creq, tok)
-    cst = R.StreamDelta()
+    cacc = sglang_protocol.Accumulator(creq, tok)
+    cst = openai_responses.StreamDelta()
     out = []
     for k, tid in enumerate(tok.encode("xyzz")):
         cacc.add(EngineChunk(rid=creq.rid, new_ids=[tid], new_logprobs=[],
                              finish_reason={"type": "stop", "matched": "zz"} if k == 3 else None))
-        ev = R.completion_chunk(cplan, 0, cacc, cst, "m", "id", 0)
+        ev = openai_responses.completion_chunk(cplan, 0, cacc, cst, "m", "id", 0)
         if ev is not None:
             out.append(ev["choices"][0]["text"])
     assert "".join(out) == "xy"
 
 
 def test_control_bodies():
-    assert P.parse_pause(b"") == "abort" and P.parse_pause(b"{}") == "abort"
-    assert P.parse_pause(body({"mode": "in_place"})) == "in_place"
-    with pytest.raises(P.ProtocolError, match="unknown pause mode"):
-        P.parse_pause(body({"mode": "later"}))
-    u = P.decode_body(body({"model_path": "/x", "weight_version": 3}), P.UpdateFromDiskIn)
-    assert P.version_str(u.weight_version) == "3" and u.flush_cache and not u.abort_all_requests
-    with pytest.raises(P.ProtocolError, match="model_path"):
-        P.decode_body(body({}), P.UpdateFromDiskIn)
-    d = P.decode_body(body({"names": ["a"], "dtypes": [], "shapes": [[1]]}), P.UpdateFromDistributedIn)
-    with pytest.raises(P.ProtocolError, match="equal lengths"):
+    assert sglang_protocol.parse_pause(b"") == "abort" and sglang_protocol.parse_pause(b"{}") == "abort"
+    assert sglang_protocol.parse_pause(body({"mode": "in_place"})) == "in_place"
+    with pytest.raises(sglang_protocol.ProtocolError, match="unknown pause mode"):
+        sglang_protocol.parse_pause(body({"mode": "later"}))
+    u = sglang_protocol.decode_body(body({"model_path": "/x", "weight_version": 3}), sglang_protocol.UpdateFromDiskIn)
+    assert sglang_protocol.version_str(u.weight_version) == "3" and u.flush_cache and not u.abort_all_requests
+    with pytest.raises(sglang_protocol.ProtocolError, match="model_path"):
+        sglang_protocol.decode_body(body({}), sglang_protocol.UpdateFromDiskIn)
+    d = sglang_protocol.decode_body(body({"names": ["a"], "dtypes": [], "shapes": [[1]]}),
+                                    sglang_protocol.UpdateFromDistributedIn)
+    with pytest.raises(sglang_protocol.ProtocolError, match="equal lengths"):
         d.check()
 
 
@@ -423,7 +426,7 @@ def test_incremental_text_never_splits_a_character_and_matches_full_decode():
     final = "héllo wörld — ✓ done"
     ids = bt.encode(final)
     req = EngineRequest(rid="r", input_ids=[104], sampling=EngineSampling(max_new_tokens=64))
-    acc = P.Accumulator(req, bt)
+    acc = sglang_protocol.Accumulator(req, bt)
     seen = []
     for k, t in enumerate(ids):
         acc.add(EngineChunk(rid="r", new_ids=[t], new_logprobs=[],
@@ -435,16 +438,17 @@ def test_incremental_text_never_splits_a_character_and_matches_full_decode():
 
 
 def test_streamed_completion_logprobs_have_running_text_offsets(tok):
-    plan = O.parse_completion(body({"prompt": "ab", "max_tokens": 4, "logprobs": 0, "echo": True}), tok, LIMITS)
+    plan = openai_requests.parse_completion(body({"prompt": "ab", "max_tokens": 4, "logprobs": 0, "echo": True}),
+                                            tok, LIMITS)
     req = plan.requests[0]
-    acc = P.Accumulator(req, tok)
-    st = R.StreamDelta()
+    acc = sglang_protocol.Accumulator(req, tok)
+    st = openai_responses.StreamDelta()
     offsets, texts = [], []
     for k, tid in enumerate(tok.encode("wxyz")):
         acc.add(EngineChunk(rid=req.rid, new_ids=[tid], new_logprobs=[-1.0],
                             input_logprobs=[None, -0.5] if k == 0 else None,
                             finish_reason={"type": "length", "length": 4} if k == 3 else None))
-        ev = R.completion_chunk(plan, 0, acc, st, "m", "id", 0)
+        ev = openai_responses.completion_chunk(plan, 0, acc, st, "m", "id", 0)
         offsets += ev["choices"][0]["logprobs"]["text_offset"]
         texts.append(ev["choices"][0]["text"])
     assert "".join(texts) == "abwxyz" and offsets == [0, 1, 2, 3, 4, 5]
@@ -455,14 +459,14 @@ def test_priority_per_request_or_per_item(tok):
     assert [r.priority for r in gen(tok, {"text": "1+1=", "priority": 3}).requests] == [3]
     plan = gen(tok, {"text": ["a", "b"], "priority": [1, 0], "sampling_params": {"n": 2}})
     assert [r.priority for r in plan.requests] == [1, 1, 0, 0]
-    with pytest.raises(P.ProtocolError, match="priority"):
+    with pytest.raises(sglang_protocol.ProtocolError, match="priority"):
         gen(tok, {"text": ["a", "b"], "priority": [1]})
-    with pytest.raises(P.ProtocolError):
+    with pytest.raises(sglang_protocol.ProtocolError):
         gen(tok, {"text": "a", "priority": "high"})
 
 
 def test_weight_version_spans_mark_where_the_version_changed(tok):
-    acc = P.Accumulator(_req(tok), tok)
+    acc = sglang_protocol.Accumulator(_req(tok), tok)
     assert acc.meta_info()["weight_version_spans"] == []  # no output yet
     chunks = [EngineChunk(rid="r1", new_ids=ids, new_logprobs=[], weight_version=v)
               for ids, v in [([], "3"), ([5, 6], "3"), ([7], "3"), ([], "4"), ([8, 9, 10], "4"), ([11], "5")]]

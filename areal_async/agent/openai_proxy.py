@@ -51,8 +51,8 @@ import msgspec
 from aiohttp import web
 
 from areal_async.agent.episode import CallRecord, Episode, ExportMode
-from areal_async.protocol import openai_requests as O
-from areal_async.protocol import openai_responses as R
+from areal_async.protocol import openai_requests
+from areal_async.protocol import openai_responses
 from areal_async.protocol.engine_api import EngineSampling
 from areal_async.protocol.sglang import Limits
 from areal_async.inference.transport import InferenceError
@@ -106,7 +106,7 @@ class RewardRequest(msgspec.Struct, kw_only=True):
 
 
 # re-exported: the one tool-call parser (see protocol/openai_responses.py)
-parse_tool_calls = R.parse_tool_calls
+parse_tool_calls = openai_responses.parse_tool_calls
 
 
 # ---- messages as chat templates expect them ---------------------------------------------------------------------
@@ -366,9 +366,10 @@ class OpenAIProxy:
             raise ProxyError("the proxy has no generator for this episode", 500)
         return list(await asyncio.gather(*(gen.agenerate(list(p), sp, session_key=st.episode.id) for p in prompts)))
 
-    def _views(self, gens: list[GenerationResult], s: EngineSampling) -> list[R.GenerationChoice]:
-        return [R.GenerationChoice(g, self.tok, skip_special_tokens=s.skip_special_tokens,
-                                   no_stop_trim=s.no_stop_trim, token_texts=self._token_texts) for g in gens]
+    def _views(self, gens: list[GenerationResult], s: EngineSampling) -> list[openai_responses.GenerationChoice]:
+        return [openai_responses.GenerationChoice(g, self.tok, skip_special_tokens=s.skip_special_tokens,
+                                                  no_stop_trim=s.no_stop_trim, token_texts=self._token_texts)
+                for g in gens]
 
     def _extras(self, body: dict, gens: list[GenerationResult], sp: SamplingParams, overridden: list[str],
                 trainable: bool, continued: str | None = None) -> None:
@@ -380,19 +381,19 @@ class OpenAIProxy:
             areal["continued_call"] = continued
         body["areal"] = areal
 
-    async def _answer(self, request: web.Request, plan: O.OpenAIPlan, body: dict, views: list[R.GenerationChoice]
-                      ) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, plan: openai_requests.OpenAIPlan, body: dict,
+                      views: list[openai_responses.GenerationChoice]) -> web.StreamResponse:
         if not plan.stream:
             return _json(body)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        chunk = R.chat_chunk if plan.kind == "chat" else R.completion_chunk
+        chunk = openai_responses.chat_chunk if plan.kind == "chat" else openai_responses.completion_chunk
         for idx, view in enumerate(views):  # generation is over: one chunk per choice carries all of it
-            ev = chunk(plan, idx, view, R.StreamDelta(), body["model"], body["id"], body["created"])
+            ev = chunk(plan, idx, view, openai_responses.StreamDelta(), body["model"], body["id"], body["created"])
             if ev is not None:
                 await _sse(resp, ev)
         if plan.include_usage:
-            await _sse(resp, R.usage_chunk(plan, views, body["model"], body["id"], body["created"]))
+            await _sse(resp, openai_responses.usage_chunk(plan, views, body["model"], body["id"], body["created"]))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -436,7 +437,8 @@ class OpenAIProxy:
             ids, seen["continued"] = self._chat_prompt(st.episode, messages, tools, seen["tools_json"])
             return ids
 
-        plan = O.parse_chat(raw, self.tok, self.limits, render, default_max_tokens=self.default_max_tokens)
+        plan = openai_requests.parse_chat(raw, self.tok, self.limits, render,
+                                          default_max_tokens=self.default_max_tokens)
         plan.return_token_ids = True
         s = plan.requests[0].sampling
         sp, overridden = self._sampling(raw, s, plan.n, st.trainable)
@@ -444,7 +446,7 @@ class OpenAIProxy:
         gens = await self._generate(st, [prompt_ids] * plan.n, sp)
         views = self._views(gens, s)
         rid = "chatcmpl-" + uuid.uuid4().hex
-        body = R.chat_response(plan, views, self.model_name, rid, int(time.time()))
+        body = openai_responses.chat_response(plan, views, self.model_name, rid, int(time.time()))
         for i, (g, choice) in enumerate(zip(gens, body["choices"])):
             st.episode.add(CallRecord(
                 call_id=rid if plan.n == 1 else f"{rid}/{i}", kind="chat", prompt_ids=list(prompt_ids),
@@ -475,7 +477,7 @@ class OpenAIProxy:
             texts.append(text)
             return self._continue_text(st.episode, text)
 
-        plan = O.parse_completion(raw, self.tok, self.limits, encode=encode)
+        plan = openai_requests.parse_completion(raw, self.tok, self.limits, encode=encode)
         if plan.echo_texts is not None:
             raise ProxyError("echo is not supported", param="echo")
         plan.return_token_ids = True
@@ -484,7 +486,7 @@ class OpenAIProxy:
         gens = await self._generate(st, [r.input_ids for r in plan.requests], sp)
         views = self._views(gens, s)
         rid = "cmpl-" + uuid.uuid4().hex
-        body = R.completion_response(plan, views, self.model_name, rid, int(time.time()))
+        body = openai_responses.completion_response(plan, views, self.model_name, rid, int(time.time()))
         for idx, (g, view, choice) in enumerate(zip(gens, views, body["choices"])):
             ptext = texts[idx // plan.n] if texts else None
             text = view.text()

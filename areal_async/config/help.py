@@ -1,8 +1,8 @@
 """Every config key with its default and documentation (`python -m areal_async.run --help`).
 
-The documentation of a field is the string literal under it in config/run_config.py or config/cluster.py (an attribute
-docstring, as Sphinx reads them); it is read from the modules' source, so it works from an installed copy too. tests/test_config.py checks that
-no field goes without one. No torch here.
+The documentation of a field is the string literal under it in config/run_config.py or config/cluster.py (an
+attribute docstring, as Sphinx reads them); it is read from the modules' source, so it works from an installed copy
+too. tests/test_config.py checks that no field goes without one. No torch here.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ value is parsed as YAML: `eta=null`, `server.urls=[a, b]`; for a text field the 
 word). `mode`, `eta`, `steps` and `total_steps` are short override names for their `schedule.` keys.
 
 Validation runs in two layers: msgspec checks types on conversion (an unknown or ill-typed key is an error naming its
-dotted path), and each section's `validate()` checks ranges and cross-field rules, again naming the key. Keys that
-moved to another section are an error that names the new place.
+dotted path), and each section's `validate()` checks ranges and cross-field rules, again naming the key.
 
 Two fields are derived, in one place (`RunConfig.__post_init__`), because another section owns the value:
 `train.optim.total_steps` (the LR schedule's horizon) is `schedule.total_steps`, and `train.temperature` (the
@@ -41,8 +40,22 @@ from areal_async.config.types import field_info, format_validation_error, text_k
 # re-exported: the public names of the config live here
 __all__ = ["ConfigError", "RunConfig", "ModelConfig", "DataConfig", "ServerConfig", "ScheduleConfig",
            "MultiTurnConfig", "RolloutConfig", "LossConfig", "AdvantageConfig", "OptimConfig", "TrainConfig",
-           "EvalConfig", "RendezvousConfig", "SlurmConfig", "RecoveryConfig", "ALIASES", "MOVED", "DERIVED",
-           "apply_overrides", "read_yaml", "from_dict", "load_config", "to_dict", "text_kind"]
+           "EvalConfig", "RendezvousConfig", "SlurmConfig", "RecoveryConfig", "ALIASES", "DERIVED",
+           "RESERVED_REWARD_ARGS", "GREEDY_TEMPERATURE", "logprob_temperature", "apply_overrides", "read_yaml",
+           "from_dict", "load_config", "to_dict", "text_kind"]
+
+
+# the reward call's own arguments (RewardRunner.score's): neither data.reward_options nor a sample's meta may set them
+RESERVED_REWARD_ARGS = frozenset({"completion", "answer", "prompt", "fn_spec", "timeout_s"})
+
+GREEDY_TEMPERATURE = 1e-6
+"""A sampling temperature at or below this is greedy decoding, for the trainer's logprobs."""
+
+
+def logprob_temperature(sampling_temperature: float) -> float:
+    """The temperature the trainer computes logprobs at for rollouts sampled at `sampling_temperature`: the same
+    one, so behaviour and trainer logprobs agree, and 1.0 for greedy rollouts (there is no distribution at 0)."""
+    return sampling_temperature if sampling_temperature > GREEDY_TEMPERATURE else 1.0
 
 
 class ModelConfig(Section):
@@ -88,7 +101,7 @@ class DataConfig(Section):
         check(self.num_train >= 1, key_of(prefix, "num_train"), "must be >= 1")
         check(self.num_eval >= 0, key_of(prefix, "num_eval"), "must be >= 0")
         check(bool(self.reward), key_of(prefix, "reward"), "must not be empty")
-        clash = sorted(set(self.reward_options) & {"completion", "answer", "prompt", "fn_spec", "timeout_s"})
+        clash = sorted(set(self.reward_options) & RESERVED_REWARD_ARGS)
         check(not clash, key_of(prefix, "reward_options"), f"{clash} are the reward call's own arguments")
 
 
@@ -430,10 +443,6 @@ class EvalConfig(Section):
         check(self.max_new_tokens >= 1, key_of(prefix, "max_new_tokens"), "must be >= 1")
 
 
-def _sampling_temperature(t: float) -> float:
-    return t if t > 1e-6 else 1.0
-
-
 class RunConfig(Section):
     """Top level of `python -m areal_async.run`."""
 
@@ -469,7 +478,7 @@ class RunConfig(Section):
         # the derived fields (see the module docstring); copies, so a section shared by two configs stays put
         optim = msgspec.structs.replace(self.train.optim, total_steps=self.schedule.total_steps)
         self.train = msgspec.structs.replace(self.train, optim=optim,
-                                             temperature=_sampling_temperature(self.rollout.temperature))
+                                             temperature=logprob_temperature(self.rollout.temperature))
 
     def validate(self, prefix: str = "") -> None:
         check(bool(self.run_dir), key_of(prefix, "run_dir"), "must not be empty")
@@ -486,31 +495,11 @@ class RunConfig(Section):
 
 # ---- loading ----------------------------------------------------------------------------------------------------
 
-# keys that moved: an old config gets an error that names the new place
-MOVED = {
-    "total_steps": "schedule.total_steps",
-    "max_wall_s": "schedule.max_wall_s",
-    "rollout.mode": "schedule.mode",
-    "rollout.eta": "schedule.eta",
-    "rollout.batch_size": "schedule.batch_size",
-    "rollout.max_concurrent_groups": "schedule.max_concurrent_groups",
-    "rollout.interruptible": "schedule.interruptible",
-    "rollout.filter_uniform_reward": "schedule.filter_uniform_reward",
-    "eval.every_steps": "schedule.eval_every",
-    "train.checkpoint_every": "schedule.checkpoint_every",
-}
-
 # derived keys: (derived key, the key it comes from, how)
 DERIVED = {
     "train.optim.total_steps": ("schedule.total_steps", lambda v: v),
-    "train.temperature": ("rollout.temperature", _sampling_temperature),
+    "train.temperature": ("rollout.temperature", logprob_temperature),
 }
-
-
-def _check_moved(raw: dict[str, Any]) -> None:
-    for old, new in MOVED.items():
-        if lookup(raw, old)[0]:
-            raise ConfigError(f"{old}: moved to {new}")
 
 
 def _check_derived(raw: dict[str, Any], cfg: RunConfig) -> None:
@@ -538,12 +527,10 @@ def text_kind(cls: type[msgspec.Struct] | None = None) -> Callable[[str], TextKi
 
 
 def from_dict(raw: dict[str, Any], cls: type[msgspec.Struct] = RunConfig) -> Any:
-    """Convert and validate; every error names the dotted key. For a RunConfig, moved and derived keys are checked
-    too. Sections convert on their own as well (`from_dict(d, TrainConfig)`: what a trainer rank does)."""
+    """Convert and validate; every error names the dotted key. For a RunConfig, derived keys are checked too.
+    Sections convert on their own as well (`from_dict(d, TrainConfig)`: what a trainer rank does)."""
     if not isinstance(raw, dict):
         raise ConfigError("<root>: the config must be a mapping")
-    if cls is RunConfig:
-        _check_moved(raw)
     try:
         cfg = msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as e:

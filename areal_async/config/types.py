@@ -71,7 +71,10 @@ def format_validation_error(e: msgspec.ValidationError, root: type[msgspec.Struc
             names += list(ALIASES)
         close = difflib.get_close_matches(field, names, n=1)
         if close:  # a short override name (top level only) is suggested as itself
-            hint = f"; did you mean {close[0] if not where and close[0] in ALIASES else key_of(where, close[0])}?"
+            suggestion = close[0] if not where and close[0] in ALIASES else key_of(where, close[0])
+            if suggestion == field:  # a short override name used as a file key: files spell the key out
+                suggestion = ALIASES[field]
+            hint = f"; did you mean {suggestion}?"
         else:
             hint = ""
         return ConfigError(f"{key_of(where, field)}: unknown key{hint}")

@@ -452,56 +452,21 @@ class ServerPool:
         last_err: BaseException | None = None
         deadline: float | None = None
         while True:
-            # a slot first, then the server: a request waiting for a connection holds no aiohttp state, and the
-            # least-outstanding choice is made with the load at the moment the request actually goes out
-            await slots.acquire()
-            try:
-                server = self.router.pick(session_key, tried)
-                if server is not None:
-                    body = make_body(attempt, server.url)
-                    if body is None:
-                        return b"", None
-                    if tried and server.url not in tried:
-                        self.counts["failovers"] += 1
-                    attempt += 1
-                    before = progress() if progress is not None else 0
-                    try:
-                        answer: tuple[int, bytes] | BaseException = await self.send(
-                            server, method, path, body, on_event=on_event, routed=True)
-                    except (ConnectionFailed, StreamError) as e:
-                        answer = e
-            finally:
-                slots.release()
-            if server is None:
+            sent = await self._send_one(slots, method, path, make_body, session_key, tried, attempt, on_event,
+                                        progress)
+            if sent is None:  # no healthy server: wait for one, up to unavailable_timeout_s
                 if deadline is None:
                     deadline = time.monotonic() + self.unavailable_timeout_s
                 await self._wait_for_healthy(deadline, last_err)
                 continue
+            server, answer, before = sent
+            if answer is None:
+                return b"", None
+            attempt += 1
             deadline = None
-            if isinstance(answer, ConnectionFailed):
-                self.server_failed(server, str(answer))
-                last_err = answer
-            elif isinstance(answer, StreamError):
-                last_err = InferenceError(f"{server.url}{path}: error in stream: {answer}", status=answer.status,
-                                          url=server.url)
-                if not 500 <= answer.status < 600 and answer.status != 429:
-                    self.counts["errors"] += 1
-                    raise last_err
-                server.num_failures += 1
-            else:
-                status, data = answer
-                if status == 200:
-                    return data, server
-                msg = error_message(data)
-                last_err = InferenceError(f"{server.url}{path} -> HTTP {status}: {msg}", status=status,
-                                          url=server.url)
-                if status not in RETRY_STATUS:
-                    self.counts["errors"] += 1
-                    raise last_err
-                if status in DOWN_STATUS:
-                    self.server_failed(server, f"HTTP {status}")
-                else:
-                    server.num_failures += 1
+            if isinstance(answer, tuple) and answer[0] == 200:
+                return answer[1], server
+            last_err = self._failed_attempt(server, path, answer)
             if progress is not None and progress() > before:
                 failures = 0  # it got somewhere: a request that outlives several servers is not failing
             failures += 1
@@ -512,6 +477,63 @@ class ServerPool:
             tried.append(server.url)
             if not any(s.url not in tried for s in self.router.healthy()):  # nowhere new to go: back off first
                 await asyncio.sleep(self.backoff_s * 2 ** (failures - 1) * (0.5 + random.random()))
+
+    async def _send_one(self, slots: asyncio.Semaphore, method: str, path: str, make_body: BodyFn,
+                        session_key: str | None, tried: list[str], attempt: int, on_event: EventSink | None,
+                        progress: Callable[[], int] | None
+                        ) -> tuple[ServerState, tuple[int, bytes] | BaseException | None, int] | None:
+        """One attempt of `routed`: None when no server is healthy, else (the server picked, its answer: (status,
+        data), the ConnectionFailed or StreamError it raised, or None when `make_body` has nothing left to ask,
+        `progress()` before the attempt)."""
+        # a slot first, then the server: a request waiting for a connection holds no aiohttp state, and the
+        # least-outstanding choice is made with the load at the moment the request actually goes out
+        await slots.acquire()
+        try:
+            server = self.router.pick(session_key, tried)
+            if server is None:
+                return None
+            body = make_body(attempt, server.url)
+            if body is None:
+                return server, None, 0
+            if tried and server.url not in tried:
+                self.counts["failovers"] += 1
+            before = progress() if progress is not None else 0
+            try:
+                answer: tuple[int, bytes] | BaseException = await self.send(
+                    server, method, path, body, on_event=on_event, routed=True)
+            except (ConnectionFailed, StreamError) as e:
+                answer = e
+            return server, answer, before
+        finally:
+            slots.release()
+
+    def _failed_attempt(self, server: ServerState, path: str, answer: tuple[int, bytes] | BaseException
+                        ) -> InferenceError | ConnectionFailed:
+        """Book a failed attempt against `server` and return its error, or raise it when retrying cannot help
+        (a client error: the request itself is wrong)."""
+        if isinstance(answer, ConnectionFailed):
+            self.server_failed(server, str(answer))
+            return answer
+        if isinstance(answer, StreamError):
+            err = InferenceError(f"{server.url}{path}: error in stream: {answer}", status=answer.status,
+                                 url=server.url)
+            if not 500 <= answer.status < 600 and answer.status != 429:
+                self.counts["errors"] += 1
+                raise err
+            server.num_failures += 1
+            return err
+        assert isinstance(answer, tuple)
+        status, data = answer
+        msg = error_message(data)
+        err = InferenceError(f"{server.url}{path} -> HTTP {status}: {msg}", status=status, url=server.url)
+        if status not in RETRY_STATUS:
+            self.counts["errors"] += 1
+            raise err
+        if status in DOWN_STATUS:
+            self.server_failed(server, f"HTTP {status}")
+        else:
+            server.num_failures += 1
+        return err
 
     # ---- admin fan-out ------------------------------------------------------------------------------------------
 

@@ -139,10 +139,20 @@ def plan_placement(cfg: "RunConfig", gpus: tuple[str, ...] | None = None) -> Pla
     if cfg.launcher != "local":  # Slurm gives each step its GPUs
         return Placement(gpus=(), servers=(), server_devices=(), server_visible=(), trainer_visible=(None,) * here)
     gpus = visible_gpus() if gpus is None else tuple(gpus)
+    servers, devices, server_visible, seen = _place_servers(cfg, gpus, per_server)
+    visible, trainer_gpus = _place_trainers(cfg, gpus, here, seen)
+    shared = _check_shared(cfg, gpus, seen, trainer_gpus)
+    return Placement(gpus=gpus, servers=tuple(servers), server_devices=tuple(devices),
+                     server_visible=tuple(server_visible), trainer_visible=tuple(visible), shared=shared)
+
+
+def _place_servers(cfg: "RunConfig", gpus: tuple[str, ...], per_server: int
+                   ) -> tuple[list[tuple[int, ...]], list[str], list[str | None], dict[int, int]]:
+    """Per launched server: its GPU indices, its --device and its CUDA_VISIBLE_DEVICES (embedded servers); and which
+    server takes each GPU index. Refuses overlapping servers and GPUs past the host's count."""
+    srv = cfg.server
     n = len(gpus)
     launched = srv.backend in ("embedded", "sglang")
-
-    # ---- servers ----
     servers: list[tuple[int, ...]] = []
     devices: list[str] = []
     server_visible: list[str | None] = []
@@ -176,8 +186,15 @@ def plan_placement(cfg: "RunConfig", gpus: tuple[str, ...] | None = None) -> Pla
             if g in seen:
                 raise ConfigError(f"server.gpus_per_server: servers {seen[g]} and {i} would share GPU {g}")
             seen[g] = i
+    return servers, devices, server_visible, seen
 
-    # ---- trainers ----
+
+def _place_trainers(cfg: "RunConfig", gpus: tuple[str, ...], here: int, seen: dict[int, int]
+                    ) -> tuple[list[str | None], list[str]]:
+    """Per torchrun agent on this host: its CUDA_VISIBLE_DEVICES (None: as is); and the GPUs (entries of `gpus`)
+    the trainer ranks take. `seen`: the GPU indices servers take. Refuses two ranks on one GPU."""
+    srv, t = cfg.server, cfg.train
+    n = len(gpus)
     need = t.nproc * here
     visible: list[str | None] = [t.cuda_visible_devices] * here
     trainer_gpus: list[str] = []
@@ -209,8 +226,15 @@ def plan_placement(cfg: "RunConfig", gpus: tuple[str, ...] | None = None) -> Pla
             pick = list(range(need))
         trainer_gpus = [gpus[i] for i in pick]
         visible = [",".join(trainer_gpus[k * t.nproc:(k + 1) * t.nproc]) for k in range(here)]
+    return visible, trainer_gpus
 
-    server_entries = {gpus[g] for g in seen} if n else set()
+
+def _check_shared(cfg: "RunConfig", gpus: tuple[str, ...], seen: dict[int, int], trainer_gpus: list[str]
+                  ) -> tuple[str, ...]:
+    """The GPUs a server and a trainer rank both use; refused for SGLang servers with the broadcast or without
+    --mem-fraction-static, a warning otherwise."""
+    srv = cfg.server
+    server_entries = {gpus[g] for g in seen} if gpus else set()
     shared = tuple(sorted(server_entries & set(trainer_gpus)))
     if shared and srv.backend == "sglang":
         if cfg.train.weight_sync == "broadcast":
@@ -225,5 +249,4 @@ def plan_placement(cfg: "RunConfig", gpus: tuple[str, ...] | None = None) -> Pla
     if shared:
         log.warning("GPU(s) %s hold both a server and a trainer rank%s", ", ".join(shared),
                     " (the weight broadcast goes over gloo)" if cfg.train.weight_sync == "broadcast" else "")
-    return Placement(gpus=gpus, servers=tuple(servers), server_devices=tuple(devices),
-                     server_visible=tuple(server_visible), trainer_visible=tuple(visible), shared=shared)
+    return shared

@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING, Callable, TextIO
 
 from areal_async.config import ConfigError
-from areal_async.launch.slurm import SlurmError, job_nodes, place, slurm_cmd
+from areal_async.launch.slurm import SlurmError, in_allocation, job_nodes, place, slurm_cmd
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -277,8 +277,6 @@ def follow(job: str, log_file: str, *, queue_timeout_s: float | None, node_timeo
 
 
 def needs_submission(cfg: "RunConfig") -> bool:
-    from areal_async.launch.slurm import in_allocation
-
     return cfg.launcher == "slurm" and not in_allocation()
 
 

@@ -154,12 +154,13 @@ def _job_resources(job: str) -> tuple[list[str], dict[str, int]]:
     return nodes, cpus
 
 
-# ---- placement ----------------------------------------------------------------------------------------------------
+# ---- node assignment ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Which node runs what, and what each step asks Slurm for."""
+class NodeAssignment:
+    """Which node of the allocation runs which server and trainer step, and what each step asks Slurm for (the
+    local launcher's GPU-level plan is launch/placement.py's `Placement`)."""
 
     nodes: list[str]
     server_nodes: list[str]  # node of server i (empty for server.backend=external)
@@ -193,7 +194,7 @@ def _loopback(host: str) -> bool:
     return host == "localhost"
 
 
-def place(cfg: "RunConfig", nodes: list[str], controller_node: str | None) -> Placement:
+def place(cfg: "RunConfig", nodes: list[str], controller_node: str | None) -> NodeAssignment:
     """Lay the run out on `nodes`; every impossibility is a ConfigError naming the key to change."""
     s, srv, t = cfg.slurm, cfg.server, cfg.train
     if s.nodes is not None:
@@ -230,10 +231,10 @@ def place(cfg: "RunConfig", nodes: list[str], controller_node: str | None) -> Pl
     gpus = s.gpus_per_node > 0
     server_gpus = 0 if not gpus else (srv.gpus_per_server if srv.backend == "sglang"
                                       else int(srv.device != "cpu"))
-    p = Placement(nodes=nodes, server_nodes=server_nodes, trainer_nodes=nodes[: t.nnodes],
-                  cpus_per_server=s.cpus_per_server or srv.torch_threads + 1, gpus_per_server=server_gpus,
-                  cpus_per_trainer_node=t.nproc * (s.cpus_per_trainer or t.torch_threads + 1),
-                  gpus_per_trainer_node=t.nproc if gpus and t.device != "cpu" else 0)
+    p = NodeAssignment(nodes=nodes, server_nodes=server_nodes, trainer_nodes=nodes[: t.nnodes],
+                       cpus_per_server=s.cpus_per_server or srv.torch_threads + 1, gpus_per_server=server_gpus,
+                       cpus_per_trainer_node=t.nproc * (s.cpus_per_trainer or t.torch_threads + 1),
+                       gpus_per_trainer_node=t.nproc if gpus and t.device != "cpu" else 0)
     for node in nodes:
         _, g = p.needs(node)
         if g > s.gpus_per_node:
@@ -244,7 +245,7 @@ def place(cfg: "RunConfig", nodes: list[str], controller_node: str | None) -> Pl
     return p
 
 
-def check_allocation(p: Placement, alloc: Allocation) -> None:
+def check_allocation(p: NodeAssignment, alloc: Allocation) -> None:
     for node in p.nodes:
         c, _ = p.needs(node)
         if c > alloc.cpus.get(node, 0):
@@ -419,14 +420,14 @@ class SlurmLauncher:
 
     async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> SlurmCluster:
         alloc = await asyncio.to_thread(Allocation.current)
-        placement = place(cfg, alloc.nodes, alloc.controller_node)
-        check_allocation(placement, alloc)
+        assignment = place(cfg, alloc.nodes, alloc.controller_node)
+        check_allocation(assignment, alloc)
         if os.environ.get("SLURM_STEP_ID"):
             log.warning("the controller runs inside step %s.%s: the CPUs it holds are not free for the run's steps",
                         alloc.job_id, os.environ["SLURM_STEP_ID"])
         secret = os.urandom(32)
         registry = Registry(secret, cfg.run_dir)
-        others = [n for n in placement.nodes if n != alloc.controller_node]
+        others = [n for n in assignment.nodes if n != alloc.controller_node]
         remote = bool(others or cfg.slurm.controller_address)
         advertise = cfg.slurm.controller_address or (route_address(_node_address(others[0])) if others else None)
         await registry.start("0.0.0.0" if remote else "127.0.0.1", advertise)
@@ -436,9 +437,9 @@ class SlurmLauncher:
         try:
             world = cfg.train.nnodes * cfg.train.nproc
             cluster = SlurmCluster(alloc, procs, registry, tag, [], world, secret, cfg.run_dir,
-                                   _node_address(placement.trainer_nodes[0]))
-            trainer = self._start_trainers(cluster, cfg, placement, model_path, trainer_resume, secret, remote)
-            servers = self._start_servers(cluster, cfg, placement, model_path, secret)
+                                   _node_address(assignment.trainer_nodes[0]))
+            trainer = self._start_trainers(cluster, cfg, assignment, model_path, trainer_resume, secret, remote)
+            servers = self._start_servers(cluster, cfg, assignment, model_path, secret)
             await self._wait_created(cluster, [trainer, *servers], cfg.slurm.node_timeout_s)
             for child in servers:
                 reg = await _wait_or_fail(procs, registry.wait_for(child.name), cfg.slurm.node_timeout_s,
@@ -462,7 +463,7 @@ class SlurmLauncher:
         return cluster
 
     @staticmethod
-    def _start_trainers(cluster: SlurmCluster, cfg: "RunConfig", p: Placement, model_path: str,
+    def _start_trainers(cluster: SlurmCluster, cfg: "RunConfig", p: NodeAssignment, model_path: str,
                         resume: str | None, secret: bytes, remote: bool) -> Child:
         t, alloc = cfg.train, cluster.alloc
         rdzv: list[str] = []
@@ -483,7 +484,7 @@ class SlurmLauncher:
         return cluster.processes.spawn("trainer", srun + cmd, env, role="trainer", unset=SRUN_UNSET)
 
     @staticmethod
-    def _start_servers(cluster: SlurmCluster, cfg: "RunConfig", p: Placement, model_path: str,
+    def _start_servers(cluster: SlurmCluster, cfg: "RunConfig", p: NodeAssignment, model_path: str,
                        secret: bytes) -> list[Child]:
         srv, out = cfg.server, []
         for i, node in enumerate(p.server_nodes):

@@ -27,6 +27,8 @@ import os
 from collections import Counter
 from typing import IO, Any
 
+from areal_async.atomic_write import write_lines_atomic
+
 FILE_NAME = "trained_index.jsonl"
 
 
@@ -99,7 +101,7 @@ class SampleLedger:
 
 def truncate(path: str, version: int) -> int:
     """Cut `path` back to its train lines with version <= `version` (what a checkpoint at that version has seen);
-    an end line, later lines and a torn last line go. Atomic (a new file renamed over the old). Returns lines kept."""
+    an end line, later lines and a torn last line go. Atomic and durable (atomic_write.py). Returns lines kept."""
     if not os.path.exists(path):
         return 0
     kept: list[str] = []
@@ -112,12 +114,7 @@ def truncate(path: str, version: int) -> int:
             if rec.get("end") or rec.get("version", version + 1) > version:
                 break
             kept.append(json.dumps(rec) + "\n")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_lines_atomic(path, kept)
     return len(kept)
 
 

@@ -5,9 +5,10 @@ the very protocol they will meet on GPUs. This server answers the same requests 
 0.5's native endpoints: /generate, pause and weight control, info), so a real SGLang server can replace it without
 the client noticing.
 
-Parsing, validation and response shapes are in protocol/sglang.py and protocol/openai_requests.py (pure functions); this module
-only moves bytes between HTTP and the engine, and owns three pieces of server state: readiness (503 while starting
-or stopping), the set of request ids in flight (a duplicate rid is a 400), and the API key.
+Parsing, validation and response shapes are in protocol/sglang.py and protocol/openai_requests.py (pure
+functions); this module only moves bytes between HTTP and the engine, and owns three pieces of server state:
+readiness (503 while starting or stopping), the set of request ids in flight (a duplicate rid is a 400), and the API
+key.
 
 In-process use (tests, launchers, notebooks):
 
@@ -38,9 +39,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from areal_async.protocol import openai_requests as O
-from areal_async.protocol import openai_responses as R
-from areal_async.protocol import sglang as P
+from areal_async import __version__
+from areal_async.protocol import openai_requests
+from areal_async.protocol import openai_responses
+from areal_async.protocol import sglang as sglang_protocol
 from areal_async.protocol.engine_api import Engine, EngineRequest, EngineSampling
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 def error_response(message: str, status: int) -> web.Response:
-    return json_response(P.error_body(message, status), status)
+    return json_response(sglang_protocol.error_body(message, status), status)
 
 
 def sse_event(obj: Any) -> bytes:
@@ -72,7 +74,7 @@ class _Run:
     even when the handler itself is being cancelled by a client disconnect.
     """
 
-    def __init__(self, server: "SGLangServer", accs: list[P.Accumulator]):
+    def __init__(self, server: "SGLangServer", accs: list[sglang_protocol.Accumulator]):
         self.server = server
         self.engine = server.engine
         self.accs = accs
@@ -143,14 +145,15 @@ class SGLangServer:
     # ---- shared machinery ---------------------------------------------------------------------------------------
 
     @property
-    def limits(self) -> P.Limits:
-        return P.Limits(vocab_size=self.engine.vocab_size, context_len=self.engine.context_len)
+    def limits(self) -> sglang_protocol.Limits:
+        return sglang_protocol.Limits(vocab_size=self.engine.vocab_size, context_len=self.engine.context_len)
 
     def claim(self, rids: list[str]) -> None:
         """Reserve request ids for this call; a rid already in flight is a 400, as in SGLang."""
         dup = next((r for r in rids if r in self.inflight), None)
         if dup is not None:
-            raise P.ProtocolError(f"duplicate request id {dup!r}: a request with this rid is already in flight")
+            raise sglang_protocol.ProtocolError(
+                f"duplicate request id {dup!r}: a request with this rid is already in flight")
         self.inflight.update(rids)
 
     def release(self, rids: list[str]) -> None:
@@ -174,17 +177,18 @@ class SGLangServer:
     def start_run(self, reqs: list[EngineRequest], *, text_in_logprobs: bool = False) -> _Run:
         started = time.perf_counter()
         self.claim([r.rid for r in reqs])
-        accs = [P.Accumulator(r, self.engine, text_in_logprobs=text_in_logprobs, started=started) for r in reqs]
+        accs = [sglang_protocol.Accumulator(r, self.engine, text_in_logprobs=text_in_logprobs, started=started)
+                for r in reqs]
         return _Run(self, accs)
 
     async def run_to_end(self, run: _Run) -> None:
         try:
             async for _ in run.progress():
                 pass
-        except P.ProtocolError:
+        except sglang_protocol.ProtocolError:
             raise
         except ValueError as e:  # the engine refused the request (Engine.generate's contract)
-            raise P.ProtocolError(str(e)) from None
+            raise sglang_protocol.ProtocolError(str(e)) from None
         finally:
             await run.close()
 
@@ -223,13 +227,13 @@ class SGLangServer:
         except Exception as e:
             if resp is None:
                 await run.close()
-                if isinstance(e, ValueError) and not isinstance(e, P.ProtocolError):
-                    raise P.ProtocolError(str(e)) from None
+                if isinstance(e, ValueError) and not isinstance(e, sglang_protocol.ProtocolError):
+                    raise sglang_protocol.ProtocolError(str(e)) from None
                 raise
             log.exception("error while streaming %s", request.path)
-            status = e.status if isinstance(e, P.ProtocolError) else 500
+            status = e.status if isinstance(e, sglang_protocol.ProtocolError) else 500
             with contextlib.suppress(ConnectionResetError):
-                await resp.write(sse_event(P.error_body(f"{type(e).__name__}: {e}", status)))
+                await resp.write(sse_event(sglang_protocol.error_body(f"{type(e).__name__}: {e}", status)))
         await run.close()
         with contextlib.suppress(ConnectionResetError):
             await resp.write(SSE_DONE)
@@ -239,7 +243,7 @@ class SGLangServer:
     # ---- native SGLang endpoints --------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        plan = P.parse_generate(await request.read(), self.engine, self.limits)
+        plan = sglang_protocol.parse_generate(await request.read(), self.engine, self.limits)
         run = self.start_run(plan.requests, text_in_logprobs=plan.return_text_in_logprobs)
         if not plan.stream:
             await self.run_to_end(run)
@@ -261,7 +265,7 @@ class SGLangServer:
         return await self.stream(request, run, render)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        mode = P.parse_pause(await request.read())
+        mode = sglang_protocol.parse_pause(await request.read())
         await self.shielded(self.engine.pause(mode))
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -271,7 +275,8 @@ class SGLangServer:
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        a: P.AbortIn = P.decode_body(await request.read(), P.AbortIn, empty_ok=True)
+        a: sglang_protocol.AbortIn = sglang_protocol.decode_body(await request.read(), sglang_protocol.AbortIn,
+                                                                 empty_ok=True)
         if a.abort_all:
             await self.engine.abort(abort_all=True)
         elif a.rid:  # an empty rid would prefix-match everything; only abort_all may do that
@@ -284,32 +289,35 @@ class SGLangServer:
         return web.Response(status=400, text="Cache not flushed: requests are running or waiting.\n")
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        u: P.UpdateFromDiskIn = P.decode_body(await request.read(), P.UpdateFromDiskIn)
+        u: sglang_protocol.UpdateFromDiskIn = sglang_protocol.decode_body(await request.read(),
+                                                                          sglang_protocol.UpdateFromDiskIn)
         try:
             ok, msg, paused = await self.shielded(self.engine.update_weights_from_disk(
-                u.model_path, P.version_str(u.weight_version), u.abort_all_requests, u.flush_cache))
+                u.model_path, sglang_protocol.version_str(u.weight_version), u.abort_all_requests, u.flush_cache))
         except Exception as e:
             log.exception("update_weights_from_disk(%s) failed", u.model_path)
             ok, msg, paused = False, f"{type(e).__name__}: {e}", 0
         return json_response({"success": ok, "message": msg, "num_paused_requests": paused}, 200 if ok else 400)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        g: P.InitGroupIn = P.decode_body(await request.read(), P.InitGroupIn)
+        g: sglang_protocol.InitGroupIn = sglang_protocol.decode_body(await request.read(), sglang_protocol.InitGroupIn)
         return await self._success_call("init_weights_update_group", self.engine.init_weights_update_group(
             g.master_address, g.master_port, g.rank_offset, g.world_size, g.group_name, g.backend))
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        g: P.DestroyGroupIn = P.decode_body(await request.read(), P.DestroyGroupIn, empty_ok=True)
+        g: sglang_protocol.DestroyGroupIn = sglang_protocol.decode_body(await request.read(),
+                                                                        sglang_protocol.DestroyGroupIn, empty_ok=True)
         return await self._success_call("destroy_weights_update_group",
                                         self.engine.destroy_weights_update_group(g.group_name))
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        u: P.UpdateFromDistributedIn = P.decode_body(await request.read(), P.UpdateFromDistributedIn)
+        u: sglang_protocol.UpdateFromDistributedIn = sglang_protocol.decode_body(
+            await request.read(), sglang_protocol.UpdateFromDistributedIn)
         u.check()
         if u.abort_all_requests:
             await self.engine.abort(abort_all=True)
         return await self._success_call("update_weights_from_distributed", self.engine.update_weights_from_distributed(
-            u.names, u.dtypes, u.shapes, u.group_name, P.version_str(u.weight_version), u.flush_cache))
+            u.names, u.dtypes, u.shapes, u.group_name, sglang_protocol.version_str(u.weight_version), u.flush_cache))
 
     async def _success_call(self, what: str, coro) -> web.Response:
         try:
@@ -320,7 +328,8 @@ class SGLangServer:
         return json_response({"success": ok, "message": msg}, 200 if ok else 400)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        u: P.UpdateWeightVersionIn = P.decode_body(await request.read(), P.UpdateWeightVersionIn)
+        u: sglang_protocol.UpdateWeightVersionIn = sglang_protocol.decode_body(await request.read(),
+                                                                               sglang_protocol.UpdateWeightVersionIn)
         version = str(u.new_version)
         if u.abort_all_requests:
             await self.engine.abort(abort_all=True)
@@ -361,8 +370,6 @@ class SGLangServer:
                               "vocab_size": e.vocab_size})
 
     async def get_server_info(self, request: web.Request) -> web.Response:
-        from areal_async import __version__
-
         e = self.engine
         info = {k: v for k, v in e.server_args().items() if k != "api_key"}  # never echo a secret
         info.update({"served_model_name": self.served_model_name, "url": self.url, "version": __version__,
@@ -379,16 +386,19 @@ class SGLangServer:
     # ---- OpenAI-compatible endpoints ----------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        plan = O.parse_completion(await request.read(), self.engine, self.limits)
-        return await self._openai(request, plan, "cmpl-", R.completion_response, R.completion_chunk)
+        plan = openai_requests.parse_completion(await request.read(), self.engine, self.limits)
+        return await self._openai(request, plan, "cmpl-", openai_responses.completion_response,
+                                  openai_responses.completion_chunk)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         engine = self.engine
-        plan = O.parse_chat(await request.read(), engine, self.limits,
-                            lambda msgs, tools: engine.apply_chat_template(msgs, tools, add_generation_prompt=True))
-        return await self._openai(request, plan, "chatcmpl-", R.chat_response, R.chat_chunk)
+        plan = openai_requests.parse_chat(
+            await request.read(), engine, self.limits,
+            lambda msgs, tools: engine.apply_chat_template(msgs, tools, add_generation_prompt=True))
+        return await self._openai(request, plan, "chatcmpl-", openai_responses.chat_response,
+                                  openai_responses.chat_chunk)
 
-    async def _openai(self, request: web.Request, plan: O.OpenAIPlan, id_prefix: str, respond, chunk
+    async def _openai(self, request: web.Request, plan: openai_requests.OpenAIPlan, id_prefix: str, respond, chunk
                       ) -> web.StreamResponse:
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         created = int(time.time())
@@ -398,7 +408,7 @@ class SGLangServer:
             await self.run_to_end(run)
             return json_response(respond(plan, run.accs, model, rid, created))
 
-        deltas = [R.StreamDelta(hold_tool_calls=bool(plan.tools)) for _ in run.accs]
+        deltas = [openai_responses.StreamDelta(hold_tool_calls=bool(plan.tools)) for _ in run.accs]
         done = [False] * len(run.accs)
 
         def render(i: int) -> list[dict]:
@@ -410,7 +420,7 @@ class SGLangServer:
             return [] if ev is None else [ev]
 
         def tail() -> list[dict]:
-            return [R.usage_chunk(plan, run.accs, model, rid, created)] if plan.include_usage else []
+            return [openai_responses.usage_chunk(plan, run.accs, model, rid, created)] if plan.include_usage else []
 
         return await self.stream(request, run, render, tail)
 
@@ -458,7 +468,7 @@ async def _error_middleware(request: web.Request, handler):
     """Every failure becomes a JSON error; a bug in a handler is a logged 500, never a dead server."""
     try:
         return await handler(request)
-    except P.ProtocolError as e:
+    except sglang_protocol.ProtocolError as e:
         return error_response(str(e), e.status)
     except web.HTTPException as e:
         if e.status < 400:
@@ -545,7 +555,7 @@ async def start_server(model: str, host: str = "127.0.0.1", port: int = 30000, a
     port is already bound and /health answers 503, as SGLang's does.
     """
     if engine is None:
-        from areal_async.server.engine import AsyncEngine
+        from areal_async.server.engine import AsyncEngine  # lazy: torch; the app serves any Engine without it
 
         # loading a checkpoint takes seconds to minutes: keep the caller's event loop responsive meanwhile
         engine = await asyncio.to_thread(AsyncEngine, model, **engine_kw)

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 
+from areal_async.server.app import start_server
 from areal_async.torch_threads import one_thread_until_set
 
 READY_PREFIX = "areal_async server ready at "
@@ -47,8 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT."""
-    from areal_async.server.app import start_server
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -34,20 +34,21 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import threading
 import time
 from typing import AsyncIterator, Callable
 
 import torch
 
-from areal_async.net.custom_group import bind_cuda, device_uuid
 from areal_async.host_memory import keep_freed_memory
+from areal_async.net.custom_group import bind_cuda, device_uuid
 from areal_async.protocol.engine_api import EngineChunk, EngineRequest, PauseMode
+from areal_async.server.device import resolve_dtype, resolve_visible_device
 from areal_async.server.model import DecoderModel, KVCache, ModelSpec, UnsupportedModelError
 from areal_async.server.scheduler import Request, Scheduler, abort_reason, validate_request
+from areal_async.server.weights import (DTYPES, WeightError, check_tensors, destroy_group, eos_token_ids,
+                                        init_custom_group, load_checkpoint, receive_tensors)
 from areal_async.torch_threads import single_torch_thread, to_side_thread
-from areal_async.server.weights import DTYPES, WeightError, check_tensors, eos_token_ids, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -57,34 +58,6 @@ IN_PLACE_FLUSH_REFUSED = (
     "flush_cache=true cannot be honoured: generation is paused in place and {n} running request(s) hold KV cache "
     "(SGLang's scheduler fails the same flush). Update with flush_cache=false to continue them under the new "
     "weights, or pause with mode 'abort' or 'retract' first.")
-
-
-def resolve_device(device: str) -> torch.device:
-    """"auto" is the current CUDA device with its index (a process group and `set_device` need one), else CPU.
-    A CUDA device that is not there is a ValueError naming it, not a CUDA error at the first allocation."""
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device {device!r}: no CUDA device is visible to this process")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        elif dev.index >= count:
-            raise ValueError(f"device {device!r}: this process sees {count} CUDA device(s) "
-                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
-    return DTYPES[dtype]
 
 
 class _Stream:
@@ -105,7 +78,7 @@ class AsyncEngine:
                  chunked_prefill_size: int | None = None, prefix_cache: bool = True, threads: int | None = None):
         from transformers import AutoTokenizer
 
-        self.device = resolve_device(device)
+        self.device = resolve_visible_device(device)
         bind_cuda(self.device)  # this thread loads the weights; the engine thread binds itself
         self.dtype = resolve_dtype(dtype, self.device)
         if chunked_prefill_size is None:
@@ -344,8 +317,6 @@ class AsyncEngine:
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> tuple[bool, str]:
         """Join the trainer's broadcast group as rank `rank_offset` (SGLang's receiving side; see weight_sync)."""
-        from areal_async.server.weights import init_custom_group
-
         if group_name in self._groups:
             return False, f"weight update group {group_name!r} already exists"
         if backend == "nccl" and self.device.type != "cuda":
@@ -377,8 +348,6 @@ class AsyncEngine:
                                               flush_cache: bool = True) -> tuple[bool, str]:
         """Receive each tensor by broadcast(src=0), in order, then swap them in like a disk update: at once while
         paused, else once the running requests have finished."""
-        from areal_async.server.weights import receive_tensors
-
         group = self._groups.get(group_name)
         if group is None:
             return False, f"no weight update group {group_name!r}; call init_weights_update_group first"
@@ -597,8 +566,6 @@ def _next_version(current: str, given: str | None) -> str:
 
 
 def _destroy_group(group, raise_errors: bool = False) -> None:
-    from areal_async.server.weights import destroy_group
-
     try:
         destroy_group(group)
     except Exception:  # best effort at shutdown

@@ -403,8 +403,8 @@ class DecoderModel:
     whole fused q|k|v row at once with tables that leave v unchanged and fold the softmax scale into q; the k|v
     half is then stored with a single `index_copy_`; residual adds are fused into `addmm`. On CPU in fp32, C kernels
     take over where torch is slow at decode sizes (each falls back to torch where it cannot be built): decode
-    attention (kernels/attention.py), matmuls of few rows with the residual added in place (kernels/gemm.py), RMSNorm and
-    SiLU-gating (kernels/elementwise.py)."""
+    attention (kernels/attention.py), matmuls of few rows with the residual added in place (kernels/gemm.py),
+    RMSNorm and SiLU-gating (kernels/elementwise.py)."""
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.spec = spec

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from areal_async.net.custom_group import bind_cuda, connect_store, new_custom_group
 from areal_async.server.model import ModelSpec, UnsupportedModelError
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -152,8 +153,6 @@ def init_custom_group(backend: str, init_method: str, world_size: int, rank: int
 
     The trainer (rank 0) hosts a TCPStore at `init_method` (`tcp://host:port`). `device` may lack an index ("cuda"
     from an "auto" device): it is taken as the current CUDA device."""
-    from areal_async.net.custom_group import connect_store, new_custom_group
-
     if not 0 < rank < world_size:
         raise ValueError(f"rank {rank} is not a receiving rank of a group of {world_size} (rank 0 is the trainer)")
     if backend not in ("gloo", "nccl"):
@@ -167,8 +166,6 @@ def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[lis
                     device: torch.device) -> dict[str, torch.Tensor]:
     """Receive each tensor with broadcast(src=0) in the listed order. gloo moves host tensors, nccl device ones."""
     import torch.distributed as dist
-
-    from areal_async.net.custom_group import bind_cuda
 
     on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     bind_cuda(on)  # this runs in a worker thread, whose current CUDA device is not the engine's

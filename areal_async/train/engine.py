@@ -49,17 +49,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from areal_async.config import OptimConfig, TrainConfig
+from areal_async.config import OptimConfig, TrainConfig, logprob_temperature
 from areal_async.cpu_features import model_hidden_size, resolve_mixed_precision
 from areal_async.host_memory import keep_freed_memory
+from areal_async.net.custom_group import device_uuid
+from areal_async.train import checkpoint
 from areal_async.train.advantages import (batch_normalize_with, group_advantages, mean_std_from_moments,
                                           normalization_moments, shape_rewards)
+from areal_async.train.broadcast import WeightBroadcaster, plan_buckets
 from areal_async.train.dist import agree, all_reduce_floats, any_rank, bind_device, init_distributed, resolve_device
 from areal_async.train.errors import BatchError
 from areal_async.train.fsdp import clip_grad_norm, load_sharded, rng_state, set_rng_state
 from areal_async.train.layouts import Layout, select_layout
 from areal_async.train.losses import actor_loss, loss_normalizer
 from areal_async.train.packing import split_minibatches
+from areal_async.train.publish import publish_hf
 from areal_async.train.shard import Shard, decode_shard
 from areal_async.train.stats import StatSums, StepResult, summarize_step
 from areal_async.types import (BroadcastRequest, BroadcastResult, InitBroadcastRequest, PublishResult, TrainBatch,
@@ -117,7 +121,7 @@ class TrainEngine:
         cfg.validate("train")
         self.cfg = cfg
         self.model_path = model_path
-        self.temperature = float(cfg.temperature) if cfg.temperature > 1e-6 else 1.0
+        self.temperature = float(logprob_temperature(cfg.temperature))
         self.device = device if device is not None else resolve_device(cfg.device)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -127,8 +131,6 @@ class TrainEngine:
         self.bind_device()
         if self.device.type == "cpu":  # steps allocate and free the same large host tensors (host_memory.py)
             keep_freed_memory(single_arena=True)
-        from areal_async.net.custom_group import device_uuid
-
         self._gpu_uuid = device_uuid(self.device)
         torch.manual_seed(seed + self.rank)
 
@@ -364,14 +366,10 @@ class TrainEngine:
 
     def weight_plan(self, bucket_bytes: int) -> list[WeightSpec]:
         """How `broadcast` buckets the weights: names, dtypes, shapes in send order (local, no collective)."""
-        from areal_async.train.broadcast import plan_buckets
-
         self.bind_device()
         return plan_buckets(self.model, skip=self.tied_names, dtype=self.checkpoint_dtype, bucket_bytes=bucket_bytes)
 
     def _weight_broadcaster(self):
-        from areal_async.train.broadcast import WeightBroadcaster
-
         if self._broadcaster is None:
             self._broadcaster = WeightBroadcaster(timeout_s=self._broadcast_timeout_s)
         return self._broadcaster
@@ -398,27 +396,21 @@ class TrainEngine:
 
     def publish(self, root: str, version: int, keep: int = 2) -> PublishResult:
         """Write the full model as an HF directory `root/v<version>` (collective; rank 0 writes)."""
-        from areal_async.train.publish import publish_hf
-
         self.bind_device()
         return publish_hf(self.model, source_dir=self.model_path, root=root, version=version, keep=keep,
                           dtype=self.checkpoint_dtype, skip=self.tied_names)
 
     def save_checkpoint(self, path: str) -> float:
-        from areal_async.train.checkpoint import save_checkpoint
-
         self.bind_device()
         t0 = time.perf_counter()
-        save_checkpoint(path, self.model, self.optimizer, trainer_state=self._trainer_state(),
-                        rng_state=rng_state(self.device))
+        checkpoint.save_checkpoint(path, self.model, self.optimizer, trainer_state=self._trainer_state(),
+                                   rng_state=rng_state(self.device))
         return time.perf_counter() - t0
 
     def load_checkpoint(self, path: str) -> float:
-        from areal_async.train.checkpoint import load_checkpoint
-
         self.bind_device()
         t0 = time.perf_counter()
-        state, rng = load_checkpoint(path, self.model, self.optimizer)
+        state, rng = checkpoint.load_checkpoint(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         if rng is not None:

@@ -91,20 +91,7 @@ def _ppo(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor
          *, normalizer: float, seq_ids: Tensor | None) -> tuple[Tensor, dict, Tensor]:
     """`ppo_actor_loss`, plus the per-token weight [N] of everything else in the loss: 1 / normalizer on the tokens
     the importance-weight cap kept (divided by the sequence's trained tokens for GSPO), 0 elsewhere."""
-    if logp.dim() != 1:
-        raise ValueError(f"logp must be a flat [N] tensor, got shape {tuple(logp.shape)}")
-    n = logp.shape[0]
-    for name, t in (("logp", logp), ("prox_logp", prox_logp), ("behav_logp", behav_logp),
-                    ("advantages", advantages), ("mask", mask)):
-        _check_flat(name, t, n)
-    if not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0 (the global number of response tokens), got {normalizer}")
-    sequence_level = cfg.ratio_level == "sequence"
-    if sequence_level:
-        if seq_ids is None:
-            raise ValueError("ratio_level='sequence' (GSPO) needs seq_ids: each token's sequence index")
-        _check_flat("seq_ids", seq_ids, n)
-
+    _check_ppo_inputs(logp, prox_logp, behav_logp, advantages, mask, cfg, normalizer=normalizer, seq_ids=seq_ids)
     m = mask.bool()  # [N]
     mf = m.float()
     logp32 = logp.float()
@@ -112,45 +99,10 @@ def _ppo(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor
     prox = prox_logp.detach().float() if cfg.decoupled else behav
     adv = advantages.detach().float()
 
-    # Behaviour importance weight; masked-out positions (prompt tokens, behav=0) must not reach exp().
-    if cfg.decoupled:
-        raw_w = torch.exp(torch.where(m, prox - behav, 0.0).clamp(max=_MAX_LOG_RATIO))  # [N]
-    else:
-        raw_w = torch.ones_like(logp32)
-    keep = m
-    w = raw_w
-    cap = cfg.behav_imp_weight_cap
-    over_cap = m & (raw_w > cap) if (cap is not None and cfg.decoupled) else torch.zeros_like(m)
-    if cap is not None and cfg.decoupled:
-        if cfg.behav_imp_weight_mode == "mask":
-            keep = m & ~over_cap
-        else:
-            w = raw_w.clamp(max=cap)
+    raw_w, w, keep, over_cap = _behav_weight(m, prox, behav, logp32, cfg)
     keepf = keep.float()
-
-    log_ratio = torch.where(keep, logp32 - prox, 0.0)  # [N]
-    per_seq = torch.ones_like(mf)  # [N] 1 / trained tokens of the token's sequence (GSPO), else 1
-    seq_count = torch.zeros((), device=logp.device)
-    if sequence_level:
-        sid = seq_ids.long()
-        log_ratio = _segment_mean(log_ratio, keepf, sid)
-        num = int(sid.max().item()) + 1 if sid.numel() else 0
-        trained = torch.zeros(num, dtype=mf.dtype, device=mf.device).index_add(0, sid, mf)  # [S]
-        per_seq = 1.0 / trained.clamp(min=1.0)[sid]
-        seq_count = (trained > 0).float().sum()
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [N]
-
-    eps_low = cfg.eps_clip
-    eps_high = cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    clipped = keep & (pg_clipped > pg_unclipped)
-    dual_clipped = torch.zeros_like(m)
-    if cfg.dual_clip is not None:
-        bound = -adv * cfg.dual_clip  # only binds for A < 0, where it is positive
-        dual_clipped = keep & (adv < 0) & (pg > bound)
-        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
+    ratio, per_seq, seq_count = _policy_ratio(logp32, prox, keep, mf, cfg, seq_ids)
+    pg, clipped, dual_clipped = _clipped_objective(adv, ratio, keep, m, cfg)
 
     per_token = pg * w.detach() * keepf * per_seq  # [N]
     loss = per_token.sum() / normalizer
@@ -173,6 +125,81 @@ def _ppo(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor
             "pg_loss_sum": per_token.detach().sum(),
         }
     return loss, {k: v.detach().float() for k, v in stats.items()}, keepf * per_seq / normalizer
+
+
+def _check_ppo_inputs(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
+                      cfg: LossConfig, *, normalizer: float, seq_ids: Tensor | None) -> None:
+    if logp.dim() != 1:
+        raise ValueError(f"logp must be a flat [N] tensor, got shape {tuple(logp.shape)}")
+    n = logp.shape[0]
+    for name, t in (("logp", logp), ("prox_logp", prox_logp), ("behav_logp", behav_logp),
+                    ("advantages", advantages), ("mask", mask)):
+        _check_flat(name, t, n)
+    if not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0 (the global number of response tokens), got {normalizer}")
+    if cfg.ratio_level == "sequence":
+        if seq_ids is None:
+            raise ValueError("ratio_level='sequence' (GSPO) needs seq_ids: each token's sequence index")
+        _check_flat("seq_ids", seq_ids, n)
+
+
+def _behav_weight(m: Tensor, prox: Tensor, behav: Tensor, logp32: Tensor, cfg: LossConfig
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The behaviour importance weight pi_prox / pi_behav and its cap. Returns (raw weight [N], the weight the loss
+    uses [N], the tokens kept [N] bool, the tokens over the cap [N] bool)."""
+    # masked-out positions (prompt tokens, behav=0) must not reach exp()
+    if cfg.decoupled:
+        raw_w = torch.exp(torch.where(m, prox - behav, 0.0).clamp(max=_MAX_LOG_RATIO))  # [N]
+    else:
+        raw_w = torch.ones_like(logp32)
+    keep = m
+    w = raw_w
+    cap = cfg.behav_imp_weight_cap
+    over_cap = m & (raw_w > cap) if (cap is not None and cfg.decoupled) else torch.zeros_like(m)
+    if cap is not None and cfg.decoupled:
+        if cfg.behav_imp_weight_mode == "mask":
+            keep = m & ~over_cap
+        else:
+            w = raw_w.clamp(max=cap)
+    return raw_w, w, keep, over_cap
+
+
+def _policy_ratio(logp32: Tensor, prox: Tensor, keep: Tensor, mf: Tensor, cfg: LossConfig,
+                  seq_ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The ratio pi_theta / pi_prox per token, or per sequence broadcast to its tokens (GSPO). Returns (ratio [N],
+    1 / trained tokens of the token's sequence [N] (GSPO, else 1), the number of trained sequences (GSPO, else 0))."""
+    keepf = keep.float()
+    log_ratio = torch.where(keep, logp32 - prox, 0.0)  # [N]
+    per_seq = torch.ones_like(mf)  # [N]
+    seq_count = torch.zeros((), device=logp32.device)
+    if cfg.ratio_level == "sequence":
+        assert seq_ids is not None  # _check_ppo_inputs
+        sid = seq_ids.long()
+        log_ratio = _segment_mean(log_ratio, keepf, sid)
+        num = int(sid.max().item()) + 1 if sid.numel() else 0
+        trained = torch.zeros(num, dtype=mf.dtype, device=mf.device).index_add(0, sid, mf)  # [S]
+        per_seq = 1.0 / trained.clamp(min=1.0)[sid]
+        seq_count = (trained > 0).float().sum()
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [N]
+    return ratio, per_seq, seq_count
+
+
+def _clipped_objective(adv: Tensor, ratio: Tensor, keep: Tensor, m: Tensor, cfg: LossConfig
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """The clipped (and optionally dual-clipped) policy-gradient term per token. Returns (pg [N], clipped [N] bool,
+    dual-clipped [N] bool)."""
+    eps_low = cfg.eps_clip
+    eps_high = cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    clipped = keep & (pg_clipped > pg_unclipped)
+    dual_clipped = torch.zeros_like(m)
+    if cfg.dual_clip is not None:
+        bound = -adv * cfg.dual_clip  # only binds for A < 0, where it is positive
+        dual_clipped = keep & (adv < 0) & (pg > bound)
+        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
+    return pg, clipped, dual_clipped
 
 
 def actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,

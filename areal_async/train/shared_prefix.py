@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -141,6 +142,36 @@ def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, se
     must be equal (checked: ValueError otherwise). Always exactly two model calls, so data-parallel ranks running
     this layout make matching FSDP collectives whatever their data.
     """
+    lay = _family_layout(input_ids, seq_lens, family, prefix_lens, model_device(model), pad_id)
+    logits_p, cache = _prefix_pass(model, lay)
+    logits_s, head = _suffix_pass(model, lay, cache, logits_p.dtype)
+    del cache
+    kw = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
+              entropy_grad=entropy_grad)
+    parts = _next_token_logprobs(lay, logits_p, logits_s, head, pad_id, kw)
+    return _gather_tokens(lay, parts, compute_entropy)
+
+
+@dataclass
+class _FamilyLayout:
+    """The batch as pass 1 and pass 2 see it: F family prefixes [F, P] and S member suffixes [S, R], right-padded."""
+
+    ids: Tensor  # [N] the input tokens on the model's device
+    starts: Tensor  # [S] first token of each sequence in `ids`
+    lens: Tensor  # [S]
+    pre: Tensor  # [S] prefix length of each sequence's family
+    row: Tensor  # [S] pass-1 row (family) of each sequence
+    prefix_ids: Tensor  # [F, P]
+    suffix_ids: Tensor  # [S, R]
+    n_fam: int
+    n_seq: int
+    p_max: int
+    r_max: int
+
+
+def _family_layout(input_ids: Tensor, seq_lens: Sequence[int], family: Sequence[int], prefix_lens: Sequence[int],
+                   device: torch.device, pad_id: int) -> _FamilyLayout:
+    """Check the arguments (ValueError naming what is wrong) and cut the token rows of both passes."""
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be a flat [N] tensor, got shape {tuple(input_ids.shape)}")
     lens = [int(n) for n in seq_lens]
@@ -164,9 +195,7 @@ def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, se
         if pre[s] != pre[firsts[slot[f]]]:
             raise ValueError(f"family {f} has members with different prefix lengths")
 
-    device = model_device(model)
     ids = input_ids.to(device=device, dtype=torch.long)  # [N]
-    n_fam = len(firsts)
     starts_l = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
     starts = torch.as_tensor(starts_l, device=device)  # [S]
     lens_t = torch.as_tensor(lens, device=device)  # [S]
@@ -189,55 +218,77 @@ def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, se
     if not torch.equal(member_prefix.masked_fill(~member_valid, pad_id), prefix_ids[row_t]):
         raise ValueError("the members of a family must share their first prefix_lens tokens")
     suffix_ids, _ = rows(starts + pre_t, lens_t - pre_t, r_max)  # [S, R]
+    return _FamilyLayout(ids=ids, starts=starts, lens=lens_t, pre=pre_t, row=row_t, prefix_ids=prefix_ids,
+                         suffix_ids=suffix_ids, n_fam=len(firsts), n_seq=n_seq, p_max=p_max, r_max=r_max)
 
-    # pass 1: each family's prefix once; right padding needs no mask under causal attention
-    out, head = forward_features(model, input_ids=prefix_ids, use_cache=True)
-    logits_p = out.logits  # [F, P, H] the head's inputs ([F, P, V] logits for a model without a plain head)
+
+def _prefix_pass(model: torch.nn.Module, lay: _FamilyLayout) -> tuple[Tensor, object]:
+    """Pass 1: each family's prefix once; right padding needs no mask under causal attention. Returns the head's
+    inputs [F, P, H] ([F, P, V] logits for a model without a plain head) and the key/value cache, reordered to one
+    row per member."""
+    out, _ = forward_features(model, input_ids=lay.prefix_ids, use_cache=True)
+    logits_p = out.logits  # [F, P, H]
     cache = _output_cache(out)
     if cache is None:
         raise RuntimeError(f"{type(model).__name__} returned no key/value cache; use the rows layout")
-    cache.reorder_cache(row_t)  # every layer's keys/values [F, Hkv, P, D] -> [S, Hkv, P, D], differentiable
+    cache.reorder_cache(lay.row)  # every layer's keys/values [F, Hkv, P, D] -> [S, Hkv, P, D], differentiable
+    return logits_p, cache
 
-    # pass 2: the suffixes, seeing their family's real prefix keys and themselves causally
+
+def _suffix_pass(model: torch.nn.Module, lay: _FamilyLayout, cache: object, dtype: torch.dtype
+                 ) -> tuple[Tensor, object]:
+    """Pass 2: the suffixes, seeing their family's real prefix keys and themselves causally. `dtype` is the compute
+    dtype (an eager mask is added to the scores in it). Returns the head's inputs [S, R, H] ([S, R, V]) and the
+    head."""
+    device = lay.ids.device
+    p_max, r_max = lay.p_max, lay.r_max
     key_pos = torch.arange(p_max + r_max, device=device)  # [P + R]
     q_pos = torch.arange(r_max, device=device)  # [R]
-    see_prefix = key_pos[None, None, :] < pre_t[:, None, None]  # [S, 1, P + R]
+    see_prefix = key_pos[None, None, :] < lay.pre[:, None, None]  # [S, 1, P + R]
     see_suffix = (key_pos[None, :] >= p_max) & (key_pos[None, :] - p_max <= q_pos[:, None])  # [R, P + R]
     allowed = (see_prefix | see_suffix[None]).unsqueeze(1)  # [S, 1, R, P + R]
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     if impl == "eager":  # eager attention adds the mask to the scores
-        dtype = logits_p.dtype  # the compute dtype (hidden states or logits alike)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     else:
         mask = allowed
-    positions = pre_t[:, None] + q_pos[None, :]  # [S, R]
-    out, head = forward_features(model, input_ids=suffix_ids, attention_mask=mask, position_ids=positions,
+    positions = lay.pre[:, None] + q_pos[None, :]  # [S, R]
+    out, head = forward_features(model, input_ids=lay.suffix_ids, attention_mask=mask, position_ids=positions,
                                  use_cache=True, **{_cache_kwarg(model): cache})
-    logits_s = out.logits  # [S, R, H] ([S, R, V])
-    del out, cache
-    width = logits_s.shape[-1]
+    return out.logits, head
 
-    # next-token logprobs of three kinds of rows: prefix row t -> prefix token t + 1, the prefix's last row ->
-    # each member's first suffix token, suffix row t -> suffix token t + 1 (the last column of a row predicts
-    # padding and is never read)
-    kw = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
-              entropy_grad=entropy_grad)
+
+def _next_token_logprobs(lay: _FamilyLayout, logits_p: Tensor, logits_s: Tensor, head, pad_id: int, kw: dict
+                         ) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor | None, Tensor | None, Tensor | None]]:
+    """Next-token logprobs (and entropies) of three kinds of rows: prefix row t -> prefix token t + 1 [F * P], the
+    prefix's last row -> each member's first suffix token [S], suffix row t -> suffix token t + 1 [S * R] (the last
+    column of a row predicts padding and is never read)."""
+    n_fam, n_seq, p_max, r_max = lay.n_fam, lay.n_seq, lay.p_max, lay.r_max
+    prefix_ids, suffix_ids = lay.prefix_ids, lay.suffix_ids
+    width = logits_s.shape[-1]
     pad_col_p = prefix_ids.new_full((n_fam, 1), pad_id)
     lp_p, ent_p = token_logprobs(logits_p.reshape(n_fam * p_max, width),
                                  torch.cat([prefix_ids[:, 1:], pad_col_p], 1).reshape(-1), head, **kw)  # [F * P]
-    boundary = logits_p[row_t, pre_t - 1]  # [S, H]
+    boundary = logits_p[lay.row, lay.pre - 1]  # [S, H]
     lp_b, ent_b = token_logprobs(boundary, suffix_ids[:, 0], head, **kw)  # [S]
     pad_col_s = suffix_ids.new_full((n_seq, 1), pad_id)
     lp_s, ent_s = token_logprobs(logits_s.reshape(n_seq * r_max, width),
                                  torch.cat([suffix_ids[:, 1:], pad_col_s], 1).reshape(-1), head, **kw)  # [S * R]
+    return (lp_p, lp_b, lp_s), (ent_p, ent_b, ent_s)
 
-    # where each output token's value lives in cat([0, lp_p, lp_b, lp_s]); prefix slots repeat across members,
-    # so their gradients add up in the shared rows
-    seq_of_tok = torch.repeat_interleave(torch.arange(n_seq, device=device), lens_t)  # [N]
-    t = torch.arange(ids.numel(), device=device) - starts[seq_of_tok]  # [N] position in its sequence
-    p_tok = pre_t[seq_of_tok]  # [N]
+
+def _gather_tokens(lay: _FamilyLayout, parts: tuple[tuple[Tensor, Tensor, Tensor], tuple],
+                   compute_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """Each output token's value from where it lives in cat([0, lp_p, lp_b, lp_s]); prefix slots repeat across
+    members, so their gradients add up in the shared rows. Returns logp [N] and entropy [N] | None."""
+    (lp_p, lp_b, lp_s), (ent_p, ent_b, ent_s) = parts
+    device = lay.ids.device
+    n_fam, n_seq, p_max, r_max = lay.n_fam, lay.n_seq, lay.p_max, lay.r_max
+    seq_of_tok = torch.repeat_interleave(torch.arange(n_seq, device=device), lay.lens)  # [N]
+    t = torch.arange(lay.ids.numel(), device=device) - lay.starts[seq_of_tok]  # [N] position in its sequence
+    p_tok = lay.pre[seq_of_tok]  # [N]
     base_b, base_s = 1 + n_fam * p_max, 1 + n_fam * p_max + n_seq
-    where = torch.where(t < p_tok, 1 + row_t[seq_of_tok] * p_max + (t - 1),
+    where = torch.where(t < p_tok, 1 + lay.row[seq_of_tok] * p_max + (t - 1),
                         torch.where(t == p_tok, base_b + seq_of_tok, base_s + seq_of_tok * r_max + (t - p_tok - 1)))
     where = torch.where(t == 0, 0, where)  # [N]
     zero = lp_p.new_zeros(1)

@@ -78,7 +78,7 @@ def test_router_least_outstanding_and_sticky():
 
 def test_client_module_does_not_import_torch():
     mods = ["inference.client", "inference.routing", "inference.transport", "inference.resume",
-            "inference.sglang_wire", "inference.fleet", "inference.openai_protocol", "inference.openai_responses",
+            "inference.sglang_wire", "inference.fleet", "protocol.openai_requests", "protocol.openai_responses",
             "agent", "agent.workflow", "testing.fake_sglang"]
     code = (f"import sys; import {', '.join('areal_async.' + m for m in mods)}; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")

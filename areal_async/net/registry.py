@@ -27,6 +27,7 @@ from typing import Literal
 
 import msgspec
 
+from areal_async.atomic_write import write_json_atomic
 from areal_async.net.rpc import RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
@@ -96,12 +97,7 @@ def reachable_address(bound: str, registry: str) -> str:
 
 def _write_atomic(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(path, data)  # a unique temporary name: the rank and the Registry may write one file at once
 
 
 def rank_files_dir(run_dir: str) -> str:

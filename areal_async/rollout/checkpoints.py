@@ -18,6 +18,7 @@ import shutil
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from areal_async.atomic_write import write_json_atomic
 from areal_async.metrics import cut_back
 from areal_async.rollout.ledger import FILE_NAME as LEDGER_FILE
 from areal_async.rollout.ledger import truncate
@@ -48,27 +49,13 @@ def checkpoint_dir(run_dir: str, version: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"v{version}")
 
 
-def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)
-
-
 def save_state(run_dir: str, state: RunState, ckpt_path: str) -> None:
     """Write the controller state next to the trainer checkpoint, then point `latest.json` at it; each file is
     written to a temporary name and renamed, so a kill at any moment leaves the previous checkpoint intact."""
     os.makedirs(ckpt_path, exist_ok=True)
     data = {**state.__dict__, "checkpoint": os.path.abspath(ckpt_path)}
-    _write_json_atomic(os.path.join(ckpt_path, CONTROLLER_FILE), data)
-    _write_json_atomic(os.path.join(run_dir, "checkpoints", LATEST), data)
+    write_json_atomic(os.path.join(ckpt_path, CONTROLLER_FILE), data, indent=2)
+    write_json_atomic(os.path.join(run_dir, "checkpoints", LATEST), data, indent=2)
 
 
 def load_state(run_dir: str) -> tuple[RunState, str] | None:

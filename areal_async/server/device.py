@@ -2,7 +2,7 @@
 
 The server's rule, not the trainer's: "auto" is the process's current CUDA device (a server launched with one GPU
 in CUDA_VISIBLE_DEVICES sees it as its current one) and a CUDA device this process cannot see is refused up front.
-A trainer rank picks its device by LOCAL_RANK instead (train/dist.py's `resolve_device`).
+A trainer rank picks its device by LOCAL_RANK instead (train/dist.py's `rank_device`).
 """
 
 from __future__ import annotations

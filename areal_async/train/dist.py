@@ -21,12 +21,12 @@ import torch.distributed as dist
 from areal_async.net.address import ADDRESS_ENV, host_address
 from areal_async.train.errors import TrainerFailure, peer_error
 
-__all__ = ["resolve_device", "init_distributed", "any_rank", "agree", "all_reduce_floats", "bind_device",
+__all__ = ["rank_device", "init_distributed", "any_rank", "agree", "all_reduce_floats", "bind_device",
            "host_address", "ADDRESS_ENV"]
 
 
 
-def resolve_device(device: str = "auto") -> torch.device:
+def rank_device(device: str = "auto") -> torch.device:
     """"auto": this rank's CUDA device (LOCAL_RANK) when CUDA is available, else CPU. "cuda" without an index is
     this rank's device too, so a device string never leaves the index to whatever thread runs the code."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -43,7 +43,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> torch.d
 
     Without torchrun's variables this becomes a private world of one, so the engine also works in a plain process.
     """
-    dev = resolve_device(device)
+    dev = rank_device(device)
     bind_device(dev)
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"

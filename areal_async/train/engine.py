@@ -57,7 +57,7 @@ from areal_async.train import checkpoint
 from areal_async.train.advantages import (batch_normalize_with, group_advantages, mean_std_from_moments,
                                           normalization_moments, shape_rewards)
 from areal_async.train.broadcast import WeightBroadcaster, plan_buckets
-from areal_async.train.dist import agree, all_reduce_floats, any_rank, bind_device, init_distributed, resolve_device
+from areal_async.train.dist import agree, all_reduce_floats, any_rank, bind_device, init_distributed, rank_device
 from areal_async.train.errors import BatchError
 from areal_async.train.fsdp import clip_grad_norm, load_sharded, rng_state, set_rng_state
 from areal_async.train.layouts import Layout, select_layout
@@ -70,9 +70,9 @@ from areal_async.types import (BroadcastRequest, BroadcastResult, InitBroadcastR
                                TrainerInfo, WeightSpec)
 
 log = logging.getLogger(__name__)
-# init_distributed, resolve_device, any_rank and BatchError live in train/dist.py and train/errors.py; they are
+# init_distributed, rank_device, any_rank and BatchError live in train/dist.py and train/errors.py; they are
 # re-exported here because scripts start an engine with `from areal_async.train.engine import ...`.
-__all__ = ["TrainEngine", "lr_factor", "init_distributed", "resolve_device", "any_rank", "BatchError"]
+__all__ = ["TrainEngine", "lr_factor", "init_distributed", "rank_device", "any_rank", "BatchError"]
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:
@@ -122,7 +122,7 @@ class TrainEngine:
         self.cfg = cfg
         self.model_path = model_path
         self.temperature = float(logprob_temperature(cfg.temperature))
-        self.device = device if device is not None else resolve_device(cfg.device)
+        self.device = device if device is not None else rank_device(cfg.device)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.version = 0

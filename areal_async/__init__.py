@@ -14,14 +14,36 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_EMBED = ("AgentContext", "Env", "RunResult", "Sample", "Trajectory", "Workflow", "agent_workflow", "atrain",
-          "env_workflow", "reward_fn", "train")
+_EMBED = (
+    "AgentContext",
+    "Env",
+    "RunResult",
+    "Sample",
+    "Trajectory",
+    "Workflow",
+    "agent_workflow",
+    "atrain",
+    "env_workflow",
+    "reward_fn",
+    "train",
+)
 __all__ = ["__version__", "embed", *_EMBED]
 
 if TYPE_CHECKING:
     from areal_async import embed
-    from areal_async.embed import (AgentContext, Env, RunResult, Sample, Trajectory, Workflow, agent_workflow,
-                                   atrain, env_workflow, reward_fn, train)
+    from areal_async.embed import (
+        AgentContext,
+        Env,
+        RunResult,
+        Sample,
+        Trajectory,
+        Workflow,
+        agent_workflow,
+        atrain,
+        env_workflow,
+        reward_fn,
+        train,
+    )
 
 
 def __getattr__(name: str) -> Any:

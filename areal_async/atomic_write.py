@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["write_text_atomic", "write_lines_atomic", "write_json_atomic", "fsync_dir"]
 

@@ -24,7 +24,7 @@ import os
 import shutil
 import stat
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 ENV_VAR = "AREAL_CACHE"
 
@@ -80,9 +80,13 @@ def code_fingerprint(modules: list[str]) -> str:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
-            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                    and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                    and isinstance(body[0].value.value, str)):
+            if (
+                isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 node.body = body[1:] or [ast.Pass()]
         h.update(name.encode() + b"\0" + ast.dump(tree).encode() + b"\0")
     return h.hexdigest()[:16]

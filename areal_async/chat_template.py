@@ -23,11 +23,12 @@ Templates are compiled once per source text (cached).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is the one templates usually read
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -38,11 +39,19 @@ class ChatTemplateError(ValueError):
     """A template cannot be compiled or rendered (including its own `raise_exception`); the message says which."""
 
 
-def render(source: str, messages: list[dict], *, tools: list[dict] | None = None,
-           documents: list[dict] | None = None, add_generation_prompt: bool = False,
-           continue_final_message: bool | str = False, special_tokens: Mapping[str, str] | None = None,
-           track_generation: bool = False, origin: str = "chat template",
-           **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
+def render(
+    source: str,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool | str = False,
+    special_tokens: Mapping[str, str] | None = None,
+    track_generation: bool = False,
+    origin: str = "chat template",
+    **kwargs: Any,
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and, when `track_generation`, the character spans of its `{% generation %}`
     blocks (else []). `origin` names the template in error messages (a file path)."""
     if continue_final_message and add_generation_prompt:
@@ -71,13 +80,23 @@ def render(source: str, messages: list[dict], *, tools: list[dict] | None = None
             blocks: list[str] = []
             spans: list[tuple[int, int]] = []
             with template.environment.generation_tracking(blocks, spans):
-                for block in template.generate(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                                               add_generation_prompt=add_generation_prompt, **variables):
+                for block in template.generate(
+                    messages=chat,
+                    tools=_plain(tools),
+                    documents=_plain(documents),
+                    add_generation_prompt=add_generation_prompt,
+                    **variables,
+                ):
                     blocks.append(block)
                 text = "".join(blocks)
         else:
-            text = template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                                   add_generation_prompt=add_generation_prompt, **variables)
+            text = template.render(
+                messages=chat,
+                tools=_plain(tools),
+                documents=_plain(documents),
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
             spans = []
     except ChatTemplateError as e:
         raise ChatTemplateError(f"{origin}: {e}") from None
@@ -114,10 +133,12 @@ def _tag_final_message(chat: list[dict], field: bool | str, source: str) -> str:
 def _cut_at_tag(text: str, final_message: str) -> str:
     tag = _CONTINUE_TAG.strip()
     if final_message.strip() not in text or tag not in text:
-        raise ValueError("continue_final_message is set but the final message does not appear in the rendered "
-                         "chat (the template changes or drops it)")
+        raise ValueError(
+            "continue_final_message is set but the final message does not appear in the rendered "
+            "chat (the template changes or drops it)"
+        )
     at = text.rindex(tag)
-    if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()  # the template trimmed the message's trailing space, and the tag's with it
 
@@ -226,7 +247,8 @@ def _environment():
         def _check(name: Any) -> None:
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}")
+                    f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}"
+                )
 
     class DictBuilder:
         """`dict(...)` and `dict.fromkeys(...)`, without handing the template the type itself."""
@@ -240,16 +262,23 @@ def _environment():
     def raise_exception(message: str) -> None:
         raise ChatTemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | str | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlocks, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=DictBuilder(),
-                       namespace=SafeNamespace)
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=strftime_now, dict=DictBuilder(), namespace=SafeNamespace
+    )
     return env

@@ -14,16 +14,30 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
-__all__ = ["CpuInfo", "read_cpu_info", "cpu_bf16_choice", "resolve_mixed_precision", "model_hidden_size",
-           "describe"]
+__all__ = ["CpuInfo", "read_cpu_info", "cpu_bf16_choice", "resolve_mixed_precision", "model_hidden_size", "describe"]
 
 # oneDNN's ISA names from weakest to strongest (its dnnl_cpu_isa_t); a cap admits every ISA up to its own
-_ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
-                "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
-                "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")
+_ONEDNN_ISAS = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+)
 _ONEDNN_BF16_AVX512 = _ONEDNN_ISAS.index("AVX512_CORE_BF16")
 _ONEDNN_BF16_AMX = _ONEDNN_ISAS.index("AVX10_1_512_AMX")
 
@@ -101,8 +115,13 @@ def cpu_bf16_choice(info: CpuInfo | None = None, env: Mapping[str, str] | None =
 BF16_MIN_HIDDEN = 512
 
 
-def resolve_mixed_precision(setting: str, device_type: str, hidden_size: int | None = None,
-                            info: CpuInfo | None = None, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+def resolve_mixed_precision(
+    setting: str,
+    device_type: str,
+    hidden_size: int | None = None,
+    info: CpuInfo | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[str, str]:
     """`train.mixed_precision` as "bf16" or "fp32" for a trainer on `device_type` training a model of
     `hidden_size` (None: unknown), and why (for the logs)."""
     if setting != "auto":
@@ -132,6 +151,9 @@ def model_hidden_size(model_dir: str) -> int | None:
 def describe(info: CpuInfo | None = None) -> str:
     """One line for logs and benchmark records: model, ISA and the caps set in the environment."""
     info = info if info is not None else read_cpu_info()
-    caps = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
-                                            "AREAL_KERNEL_MARCH") if os.environ.get(k)]
+    caps = [
+        f"{k}={os.environ[k]}"
+        for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "AREAL_KERNEL_MARCH")
+        if os.environ.get(k)
+    ]
     return f"{info.model} ({info.isa}{', ' + ' '.join(caps) if caps else ''})"

@@ -29,8 +29,9 @@ import json
 import logging
 import math
 import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from areal_async.agent.episode import ExportMode
 from areal_async.agent.workflow import AgentContext, AgentFn
@@ -43,10 +44,33 @@ if TYPE_CHECKING:
     from areal_async.launch import Launcher
     from areal_async.tokenizer import Tokenizer
 
-__all__ = ["AgentContext", "AgentFn", "CheckerEnv", "Env", "EnvFactory", "ExportMode", "GenerationResult",
-           "Generator", "GroupCallback", "Observation", "RewardLike", "RunResult", "Sample", "SamplingParams",
-           "ScoreFn", "Trajectory", "Workflow", "WorkflowFactory", "agent_workflow", "atrain", "env_workflow",
-           "reward_fn", "rollout_sampling", "train", "trajectory_from_generation"]
+__all__ = [
+    "AgentContext",
+    "AgentFn",
+    "CheckerEnv",
+    "Env",
+    "EnvFactory",
+    "ExportMode",
+    "GenerationResult",
+    "Generator",
+    "GroupCallback",
+    "Observation",
+    "RewardLike",
+    "RunResult",
+    "Sample",
+    "SamplingParams",
+    "ScoreFn",
+    "Trajectory",
+    "Workflow",
+    "WorkflowFactory",
+    "agent_workflow",
+    "atrain",
+    "env_workflow",
+    "reward_fn",
+    "rollout_sampling",
+    "train",
+    "trajectory_from_generation",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +78,10 @@ WorkflowFactory = Callable[["RunConfig", "Tokenizer", ScoreFn], Workflow]
 """What the run calls once the tokenizer exists: `f(cfg, tokenizer, score)`, `score` being the config's reward."""
 
 RewardValue = Union[float, "tuple[float, str | None]"]
-RewardLike = Callable[..., Union[RewardValue, Awaitable[RewardValue]]]
+RewardLike = Callable[..., RewardValue | Awaitable[RewardValue]]
 """`fn(completion, answer, prompt="", **meta) -> float` (or `(float, reason)`), plain or async."""
 
-GroupCallback = Callable[[Sample, "list[Trajectory]"], Union[None, Awaitable[None]]]
+GroupCallback = Callable[[Sample, "list[Trajectory]"], None | Awaitable[None]]
 """`on_group(sample, trajectories)`: called with every group a workflow finishes, before the run checks it."""
 
 
@@ -79,8 +103,9 @@ def reward_fn(fn: RewardLike) -> ScoreFn:
     except (TypeError, ValueError):
         var_kw = takes_prompt = True
 
-    async def score(completion: str, answer: str, prompt: str = "",
-                    meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]:
+    async def score(
+        completion: str, answer: str, prompt: str = "", meta: Mapping[str, Any] | None = None
+    ) -> tuple[float, str | None]:
         kw: dict[str, Any] = dict(meta or {}) if var_kw else {}
         if takes_prompt:
             kw["prompt"] = prompt
@@ -103,16 +128,21 @@ def reward_fn(fn: RewardLike) -> ScoreFn:
 # ---- the workflows of the three routes ------------------------------------------------------------------------------
 
 
-def rollout_sampling(cfg: "RunConfig") -> SamplingParams:
+def rollout_sampling(cfg: RunConfig) -> SamplingParams:
     """The run's rollout sampling (`rollout.max_new_tokens`, temperature, top_p, top_k). Sample trained tokens
     with these: the trainer recomputes logprobs at the same temperature and cut-offs."""
     r = cfg.rollout
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
 
-def env_workflow(make_env: EnvFactory, *, max_turns: int | None = None, max_total_tokens: int | None = None,
-                 chat: bool | None = None, truncated_reward: float | None | Literal["config"] = "config"
-                 ) -> WorkflowFactory:
+def env_workflow(
+    make_env: EnvFactory,
+    *,
+    max_turns: int | None = None,
+    max_total_tokens: int | None = None,
+    chat: bool | None = None,
+    truncated_reward: float | None | Literal["config"] = "config",
+) -> WorkflowFactory:
     """A workflow factory over your environment: `rollout.group_size` episodes of `make_env(sample)` per prompt,
     each episode (every turn) one trajectory whose reward is the sum of the step rewards, trained on the model's
     tokens only (the environment's text has loss mask 0). Token in, token out: the model's text is never
@@ -122,14 +152,19 @@ def env_workflow(make_env: EnvFactory, *, max_turns: int | None = None, max_tota
     truncated_reward 0.0); `chat` from `rollout.multi_turn.chat` or `data.apply_chat_template`. Sampling is the
     run's (`rollout_sampling`). See rollout/workflows/multi_turn.py for the turn loop."""
 
-    def factory(cfg: "RunConfig", tokenizer: "Tokenizer", score: ScoreFn) -> Workflow:
+    def factory(cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn) -> Workflow:
         mt = cfg.rollout.multi_turn
         use_chat = chat if chat is not None else (mt.chat or bool(cfg.data.apply_chat_template))
         return MultiTurnWorkflow(
-            tokenizer, make_env, rollout_sampling(cfg), cfg.rollout.group_size,
+            tokenizer,
+            make_env,
+            rollout_sampling(cfg),
+            cfg.rollout.group_size,
             max_turns=max_turns if max_turns is not None else mt.max_turns,
             max_total_tokens=max_total_tokens if max_total_tokens is not None else mt.max_total_tokens,
-            chat=use_chat, truncated_reward=mt.truncated_reward if truncated_reward == "config" else truncated_reward)
+            chat=use_chat,
+            truncated_reward=mt.truncated_reward if truncated_reward == "config" else truncated_reward,
+        )
 
     return factory
 
@@ -138,8 +173,15 @@ class AgentWorkflowFactory:
     """What `agent_workflow` returns: a workflow factory that also closes the proxies it started (`aclose`, which
     `train` calls when the run ends)."""
 
-    def __init__(self, agent: AgentFn, *, export: ExportMode, discount: float, sampling: Literal["enforce", "reject"],
-                 max_context_tokens: int | None) -> None:
+    def __init__(
+        self,
+        agent: AgentFn,
+        *,
+        export: ExportMode,
+        discount: float,
+        sampling: Literal["enforce", "reject"],
+        max_context_tokens: int | None,
+    ) -> None:
         self.agent = agent
         self.export: ExportMode = export
         self.discount = discount
@@ -147,14 +189,20 @@ class AgentWorkflowFactory:
         self.max_context_tokens = max_context_tokens
         self.workflows: list[Any] = []
 
-    def __call__(self, cfg: "RunConfig", tokenizer: "Tokenizer", score: ScoreFn) -> Workflow:
+    def __call__(self, cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn) -> Workflow:
         from areal_async.agent import AgentWorkflow, OpenAIProxy, PolicySampling
 
         r = cfg.rollout
         # trainable calls are sampled at the run's settings whatever the agent asks (see agent/openai_proxy.py)
         policy = PolicySampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        proxy = OpenAIProxy(None, tokenizer, policy=policy, sampling=self.sampling,
-                            default_max_tokens=r.max_new_tokens, max_context_tokens=self.max_context_tokens)
+        proxy = OpenAIProxy(
+            None,
+            tokenizer,
+            policy=policy,
+            sampling=self.sampling,
+            default_max_tokens=r.max_new_tokens,
+            max_context_tokens=self.max_context_tokens,
+        )
         wf = AgentWorkflow(proxy, self.agent, r.group_size, discount=self.discount, export=self.export)
         self.workflows.append(wf)
         return wf
@@ -167,9 +215,14 @@ class AgentWorkflowFactory:
         self.workflows.clear()
 
 
-def agent_workflow(agent: AgentFn, *, export: ExportMode = "auto", discount: float = 1.0,
-                   sampling: Literal["enforce", "reject"] = "enforce",
-                   max_context_tokens: int | None = None) -> AgentWorkflowFactory:
+def agent_workflow(
+    agent: AgentFn,
+    *,
+    export: ExportMode = "auto",
+    discount: float = 1.0,
+    sampling: Literal["enforce", "reject"] = "enforce",
+    max_context_tokens: int | None = None,
+) -> AgentWorkflowFactory:
     """A workflow factory over an agent written against the `openai` SDK. Per prompt, `rollout.group_size`
     episodes each run `await agent(ctx)`; the agent talks to `ctx.base_url` with `ctx.api_key` (the episode id;
     `ctx.openai()` builds that client), may use chat completions with `tools` (the model's `<tool_call>` blocks
@@ -179,8 +232,9 @@ def agent_workflow(agent: AgentFn, *, export: ExportMode = "auto", discount: flo
     token, else one per call; see agent/episode.py). A failing agent loses its own episode only. Calls sample at
     the run's rollout settings (`sampling="enforce"` overrides what the agent asks; "reject" answers 400);
     `max_tokens` defaults to `rollout.max_new_tokens`."""
-    return AgentWorkflowFactory(agent, export=export, discount=discount, sampling=sampling,
-                                max_context_tokens=max_context_tokens)
+    return AgentWorkflowFactory(
+        agent, export=export, discount=discount, sampling=sampling, max_context_tokens=max_context_tokens
+    )
 
 
 class _Tapped:
@@ -252,8 +306,14 @@ class RunResult:
         return ledger.read(os.path.join(self.run_dir, ledger.FILE_NAME))
 
 
-async def atrain(overrides: Sequence[str] = (), *, config: str | None = None, workflow: Any = None,
-                 on_group: GroupCallback | None = None, launcher: "Launcher | None" = None) -> RunResult:
+async def atrain(
+    overrides: Sequence[str] = (),
+    *,
+    config: str | None = None,
+    workflow: Any = None,
+    on_group: GroupCallback | None = None,
+    launcher: Launcher | None = None,
+) -> RunResult:
     """`train` on a running event loop (for a program that is already async)."""
     from areal_async.config import load_config
     from areal_async.run import run
@@ -268,9 +328,15 @@ async def atrain(overrides: Sequence[str] = (), *, config: str | None = None, wo
     return RunResult(cfg.run_dir, summary)
 
 
-def train(overrides: Sequence[str] = (), *, config: str | None = None, workflow: Any = None,
-          on_group: GroupCallback | None = None, launcher: "Launcher | None" = None,
-          log_to_console: bool = False) -> RunResult:
+def train(
+    overrides: Sequence[str] = (),
+    *,
+    config: str | None = None,
+    workflow: Any = None,
+    on_group: GroupCallback | None = None,
+    launcher: Launcher | None = None,
+    log_to_console: bool = False,
+) -> RunResult:
     """One whole asynchronous RL run, as `python -m areal_async.run [--config FILE] [key=value ...]` does it, with
     your workflow: a `Workflow`, or a factory `f(cfg, tokenizer, score)` such as `env_workflow(...)` or
     `agent_workflow(...)`; None keeps `rollout.workflow` from the config.

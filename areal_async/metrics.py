@@ -33,8 +33,11 @@ class MetricsLogger:
             from tensorboard.compat.proto.event_pb2 import Event
             from tensorboard.compat.proto.summary_pb2 import Summary
 
-            vals = [Summary.Value(tag=f"{kind}/{k}", simple_value=float(v)) for k, v in values.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            vals = [
+                Summary.Value(tag=f"{kind}/{k}", simple_value=float(v))
+                for k, v in values.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            ]
             if vals:
                 self._tb.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=vals)))
 
@@ -91,14 +94,24 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     evals = [r for r in records if r["kind"] == "eval"]
     fig, ax1 = plt.subplots(figsize=(7, 4))
     if train:
-        ax1.plot([r["wall_s"] for r in train], [r["reward_mean"] for r in train], color="tab:blue", alpha=0.7,
-                 label="train reward (mean)")
+        ax1.plot(
+            [r["wall_s"] for r in train],
+            [r["reward_mean"] for r in train],
+            color="tab:blue",
+            alpha=0.7,
+            label="train reward (mean)",
+        )
     ax1.set_xlabel("wall time (s)")
     ax1.set_ylabel("train reward", color="tab:blue")
     ax2 = ax1.twinx()
     if evals:
-        ax2.plot([r["wall_s"] for r in evals], [100 * r["accuracy"] for r in evals], "o-", color="tab:red",
-                 label="held-out greedy accuracy")
+        ax2.plot(
+            [r["wall_s"] for r in evals],
+            [100 * r["accuracy"] for r in evals],
+            "o-",
+            color="tab:red",
+            label="held-out greedy accuracy",
+        )
     ax2.set_ylabel("held-out accuracy (%)", color="tab:red")
     ax2.set_ylim(0, 100)
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))

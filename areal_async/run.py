@@ -34,8 +34,18 @@ import yaml
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config.help import describe
 from areal_async.inference.client import InferenceClient
-from areal_async.launch import (ChildFailed, Cluster, ElasticBroadcastSync, Launcher, RecoveryLog, RunRecovery,
-                                failure_policy, interrupt_on_sigterm, launcher_for, supervise)
+from areal_async.launch import (
+    ChildFailed,
+    Cluster,
+    ElasticBroadcastSync,
+    Launcher,
+    RecoveryLog,
+    RunRecovery,
+    failure_policy,
+    interrupt_on_sigterm,
+    launcher_for,
+    supervise,
+)
 from areal_async.launch.outcomes import NoServerServing, RunStopped, TrainerLost
 from areal_async.launch.processes import Processes
 from areal_async.launch.recovery import LOG_FILE as RECOVERY_LOG_FILE
@@ -63,8 +73,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("areal_async.run")
 
-__all__ = ["Session", "check_before_submission", "main", "make_score", "open_run_dir", "prepare", "resolve_model",
-           "rewind_records", "roll_back", "run", "setup_logging", "train"]
+__all__ = [
+    "Session",
+    "check_before_submission",
+    "main",
+    "make_score",
+    "open_run_dir",
+    "prepare",
+    "resolve_model",
+    "rewind_records",
+    "roll_back",
+    "run",
+    "setup_logging",
+    "train",
+]
 
 
 def open_run_dir(plan: RunPlan) -> RunState:
@@ -76,8 +98,13 @@ def open_run_dir(plan: RunPlan) -> RunState:
     if plan.resumed:
         state, ckpt = plan.resumed
         rewind_records(run_dir, state.version)
-        log.info("resuming from %s at version %d (next draw %d, %d to draw again)", ckpt, state.version,
-                 state.data_position, len(state.pending))
+        log.info(
+            "resuming from %s at version %d (next draw %d, %d to draw again)",
+            ckpt,
+            state.version,
+            state.data_position,
+            len(state.pending),
+        )
     else:
         state = RunState()
         for name in ("metrics.jsonl", LEDGER_FILE, RECOVERY_LOG_FILE):
@@ -111,8 +138,13 @@ class Session:
 
     async def close(self) -> None:
         """Close what is open, trainers first (they exit on request); each part once."""
-        ctrl, trainers, client, rewards, logger = (self.controller, self.trainers, self.client, self.rewards,
-                                                   self.logger)
+        ctrl, trainers, client, rewards, logger = (
+            self.controller,
+            self.trainers,
+            self.client,
+            self.rewards,
+            self.logger,
+        )
         self.controller = self.trainers = self.client = self.rewards = self.logger = None
         if self.recovery is not None:
             await self.recovery.close()
@@ -190,9 +222,14 @@ def _record_controller_restart(rlog: RecoveryLog, crashed: dict[str, Any], plan:
     rlog.record("fault", "controller_exited", "controller", what, "rerun with the same run_dir")
     if plan.resumed:
         st, ckpt = plan.resumed
-        rlog.record("recovered", "controller_resumed", "controller", f"resumed from {ckpt}",
-                    f"version {st.version}, next draw {st.data_position}, {len(st.pending)} draws to draw again; "
-                    "records after the checkpoint cut back")
+        rlog.record(
+            "recovered",
+            "controller_resumed",
+            "controller",
+            f"resumed from {ckpt}",
+            f"version {st.version}, next draw {st.data_position}, {len(st.pending)} draws to draw again; "
+            "records after the checkpoint cut back",
+        )
     else:
         rlog.record("recovered", "controller_resumed", "controller", "no checkpoint yet", "started over")
 
@@ -216,22 +253,27 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
     rc = cfg.recovery
     # with recovery, requests wait for a server as long as the run does (no_server_timeout_s) before failing
     session.client = client = InferenceClient(
-        urls, api_key=cfg.server.api_key, health_timeout_s=rc.health_timeout_s,
-        **({"unavailable_timeout_s": rc.no_server_timeout_s} if rc.enabled else {}))
+        urls,
+        api_key=cfg.server.api_key,
+        health_timeout_s=rc.health_timeout_s,
+        **({"unavailable_timeout_s": rc.no_server_timeout_s} if rc.enabled else {}),
+    )
     weights = await connect_weights(plan, trainers, client, cluster)
     if rec is not None:
         rec.attach(client)
     if plan.resumed:  # the servers start from the base model: bring them to the resumed version
         await bring_servers_to(weights, state.version)
-    log.info("servers %s and %d trainer rank(s) ready in %.1fs", urls, cluster.trainers.world_size,
-             time.monotonic() - t0)
+    log.info(
+        "servers %s and %d trainer rank(s) ready in %.1fs", urls, cluster.trainers.world_size, time.monotonic() - t0
+    )
     checkpointed = plan.resumed is not None
     while True:
         session.controller = ctrl = make_controller(plan, state, session, weights, checkpointed)
         segment_t0, segment_wall0 = time.monotonic(), state.wall_s
         try:
-            state = await (rec.guard(run_and_save(ctrl), stop=ctrl.request_stop) if rec is not None
-                           else run_and_save(ctrl))
+            state = await (
+                rec.guard(run_and_save(ctrl), stop=ctrl.request_stop) if rec is not None else run_and_save(ctrl)
+            )
             break
         except TrainerLost as lost:
             if rec is None:  # recovery.enabled=false: a lost trainer ends the run
@@ -243,8 +285,14 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
             raise RunStopped(await _stop_without_servers(ctrl, session, e)) from e
     ctrl.finish(completed=True)
     final = await _copy_final(ctrl, cfg.run_dir)
-    summary = summarize(plan, ctrl, state, num_servers=len(urls), final_checkpoint=final,
-                        recovery=session.recovery_log.summary() if session.recovery_log else None)
+    summary = summarize(
+        plan,
+        ctrl,
+        state,
+        num_servers=len(urls),
+        final_checkpoint=final,
+        recovery=session.recovery_log.summary() if session.recovery_log else None,
+    )
     write_outputs(cfg.run_dir, summary, session.logger)
     return summary
 
@@ -254,17 +302,28 @@ async def connect_trainers(cluster: Cluster, cfg: RunConfig) -> TrainerGroup:
     return await TrainerGroup.connect(tr.rendezvous_dir, tr.world_size, tr.secret, timeout=cfg.train.connect_timeout_s)
 
 
-def make_controller(plan: RunPlan, state: RunState, session: Session, weights: WeightSync,
-                    checkpointed: bool) -> AsyncRLController:
+def make_controller(
+    plan: RunPlan, state: RunState, session: Session, weights: WeightSync, checkpointed: bool
+) -> AsyncRLController:
     cfg, client = plan.cfg, session.client
     assert client is not None and session.trainers is not None
     urls, api_key = list(client.urls), cfg.server.api_key
     return AsyncRLController(
-        cfg.schedule, client, session.trainers, plan.workflow, SampleStream(plan.train_samples, seed=cfg.seed),
-        cfg.run_dir, weights=weights, evaluator=make_evaluator(plan, client) if plan.eval_samples else None,
-        logger=session.logger, state=state, ledger=SampleLedger(os.path.join(cfg.run_dir, LEDGER_FILE)),
-        busy_probe=lambda: server_busy_s(urls, api_key), keep_checkpoints=cfg.recovery.keep_checkpoints,
-        checkpointed=checkpointed)
+        cfg.schedule,
+        client,
+        session.trainers,
+        plan.workflow,
+        SampleStream(plan.train_samples, seed=cfg.seed),
+        cfg.run_dir,
+        weights=weights,
+        evaluator=make_evaluator(plan, client) if plan.eval_samples else None,
+        logger=session.logger,
+        state=state,
+        ledger=SampleLedger(os.path.join(cfg.run_dir, LEDGER_FILE)),
+        busy_probe=lambda: server_busy_s(urls, api_key),
+        keep_checkpoints=cfg.recovery.keep_checkpoints,
+        checkpointed=checkpointed,
+    )
 
 
 async def run_and_save(ctrl: AsyncRLController) -> RunState:
@@ -276,8 +335,9 @@ async def run_and_save(ctrl: AsyncRLController) -> RunState:
 # ---- when the trainer job fails (docs/recovery.md) --------------------------------------------------------------
 
 
-async def roll_back(plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException,
-                    launch_state: RunState, weights: WeightSync) -> tuple[RunState, WeightSync, bool]:
+async def roll_back(
+    plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException, launch_state: RunState, weights: WeightSync
+) -> tuple[RunState, WeightSync, bool]:
     """The trainer job failed: restart it from the last checkpoint (or the base model when there is none yet),
     bring the controller state, the sample ledger, metrics.jsonl and the servers' weights back to that version,
     and return (state, weight sync, whether the state is a checkpoint's). Raises `RunStopped` once
@@ -304,8 +364,9 @@ def retire_controller(session: Session, launch_state: RunState) -> tuple[int, fl
     return ctrl.state.version, ctrl.state.base_accuracy
 
 
-async def restart_trainers(plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException,
-                           launch_state: RunState, failed_at: int) -> tuple[RunState, str | None]:
+async def restart_trainers(
+    plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException, launch_state: RunState, failed_at: int
+) -> tuple[RunState, str | None]:
     """Restart the trainer job from the rollback target (with backoff; a new job that fails too counts as another
     restart) and connect to it; returns the target and its checkpoint directory (None: the base model)."""
     cfg, rec, rlog = plan.cfg, session.recovery, session.recovery_log
@@ -315,9 +376,15 @@ async def restart_trainers(plan: RunPlan, cluster: Cluster, session: Session, lo
         delay = rec.trainer_restart_delay()
         if delay is None:
             raise _restarts_spent(plan, rec, rlog, lost, target, ckpt, failed_at)
-        rlog.record("fault", "trainer_failed", "trainer", str(lost),
-                    f"restart {rec.trainer_restarts} of {cfg.recovery.max_trainer_restarts} in {delay:.1f}s from "
-                    f"{_where(target, ckpt)}", version=failed_at)
+        rlog.record(
+            "fault",
+            "trainer_failed",
+            "trainer",
+            str(lost),
+            f"restart {rec.trainer_restarts} of {cfg.recovery.max_trainer_restarts} in {delay:.1f}s from "
+            f"{_where(target, ckpt)}",
+            version=failed_at,
+        )
         if session.trainers is not None:
             with contextlib.suppress(Exception):
                 await session.trainers.close()
@@ -329,8 +396,10 @@ async def restart_trainers(plan: RunPlan, cluster: Cluster, session: Session, lo
             return target, ckpt
         except NotImplementedError as e:  # e.g. agents started by hand on other nodes
             rlog.record("gave_up", "trainer_not_restartable", "trainer", str(e), "the run stops", version=failed_at)
-            raise RunStopped(f"the trainer job failed ({str(lost).splitlines()[0]}) and cannot be restarted by "
-                             f"this run ({e}); the last checkpoint resumes it") from e
+            raise RunStopped(
+                f"the trainer job failed ({str(lost).splitlines()[0]}) and cannot be restarted by "
+                f"this run ({e}); the last checkpoint resumes it"
+            ) from e
         except (TrainerLost, TrainerError, ConnectionError, TimeoutError, ChildFailed) as e:
             lost = e  # the new job failed too: counts as another restart
 
@@ -339,17 +408,34 @@ def _where(target: RunState, ckpt: str | None) -> str:
     return f"checkpoint v{target.version} ({ckpt})" if ckpt else "the base model (no checkpoint yet)"
 
 
-def _restarts_spent(plan: RunPlan, rec: RunRecovery, rlog: RecoveryLog, lost: BaseException, target: RunState,
-                    ckpt: str | None, failed_at: int) -> RunStopped:
+def _restarts_spent(
+    plan: RunPlan,
+    rec: RunRecovery,
+    rlog: RecoveryLog,
+    lost: BaseException,
+    target: RunState,
+    ckpt: str | None,
+    failed_at: int,
+) -> RunStopped:
     """Record that the trainer restarts are spent; the error that stops the run, saying what resumes it."""
-    resume = (f"its last checkpoint (v{target.version}, {ckpt}) resumes it: run the same command again"
-              if ckpt else "no checkpoint was saved, so a rerun starts over")
+    resume = (
+        f"its last checkpoint (v{target.version}, {ckpt}) resumes it: run the same command again"
+        if ckpt
+        else "no checkpoint was saved, so a rerun starts over"
+    )
     rlog.record("fault", "trainer_failed", "trainer", str(lost), "no restart left", version=failed_at)
-    rlog.record("gave_up", "trainer_restarts_spent", "trainer",
-                f"{rec.trainer_restarts} restart(s) spent (recovery.max_trainer_restarts)",
-                "the run stops; " + resume, version=failed_at)
-    return RunStopped(f"the trainer job failed ({str(lost).splitlines()[0]}) and its restarts are spent "
-                      f"(recovery.max_trainer_restarts={plan.cfg.recovery.max_trainer_restarts}); {resume}")
+    rlog.record(
+        "gave_up",
+        "trainer_restarts_spent",
+        "trainer",
+        f"{rec.trainer_restarts} restart(s) spent (recovery.max_trainer_restarts)",
+        "the run stops; " + resume,
+        version=failed_at,
+    )
+    return RunStopped(
+        f"the trainer job failed ({str(lost).splitlines()[0]}) and its restarts are spent "
+        f"(recovery.max_trainer_restarts={plan.cfg.recovery.max_trainer_restarts}); {resume}"
+    )
 
 
 def rewind(session: Session, run_dir: str, version: int) -> None:
@@ -368,15 +454,21 @@ async def bring_servers_to(weights: WeightSync, version: int) -> None:
     await weights.apply(version, flush_cache=True)
 
 
-def _record_rolled_back(session: Session, failed_at: int, target: RunState, ckpt: str | None,
-                        recover_s: float) -> None:
+def _record_rolled_back(session: Session, failed_at: int, target: RunState, ckpt: str | None, recover_s: float) -> None:
     assert session.client is not None and session.recovery_log is not None
     held = {u: st["version"] for u, st in session.client.stats()["servers"].items() if st["state"] == "serving"}
     session.recovery_log.record(
-        "recovered", "trainer_recovered", "trainer", f"the trainer job failed at version {failed_at}",
+        "recovered",
+        "trainer_recovered",
+        "trainer",
+        f"the trainer job failed at version {failed_at}",
         f"trainers restarted from {_where(target, ckpt)}; controller state, sample ledger, metrics and the servers' "
-        f"weights rolled back to version {target.version}", recover_s=recover_s,
-        steps_redone=failed_at - target.version, version=target.version, server_versions=held)
+        f"weights rolled back to version {target.version}",
+        recover_s=recover_s,
+        steps_redone=failed_at - target.version,
+        version=target.version,
+        server_versions=held,
+    )
 
 
 async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: NoServerServing) -> str:
@@ -389,8 +481,12 @@ async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: 
         where = f"checkpoint v{ctrl.state.version} ({path}) saved: a rerun with the same run_dir resumes from it"
     except Exception as e:
         found = load_state(ctrl.run_dir)
-        where = (f"no checkpoint saved now ({type(e).__name__}: {e}); the last one (v{found[0].version}, "
-                 f"{found[1]}) resumes the run" if found else f"no checkpoint saved now ({e}), and there is none")
+        where = (
+            f"no checkpoint saved now ({type(e).__name__}: {e}); the last one (v{found[0].version}, "
+            f"{found[1]}) resumes the run"
+            if found
+            else f"no checkpoint saved now ({e}), and there is none"
+        )
     ctrl.finish(completed=False)
     session.controller = None
     return f"{why}; the run stops: {where}"
@@ -399,8 +495,13 @@ async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: 
 # ---- weights and evals ------------------------------------------------------------------------------------------
 
 
-async def connect_weights(plan: RunPlan, trainers: TrainerGroup | None, client: InferenceClient | None,
-                          cluster: Cluster, previous: WeightSync | None = None) -> WeightSync:
+async def connect_weights(
+    plan: RunPlan,
+    trainers: TrainerGroup | None,
+    client: InferenceClient | None,
+    cluster: Cluster,
+    previous: WeightSync | None = None,
+) -> WeightSync:
     """The weight transport `train.weight_sync` names (docs/weights.md). Broadcast first joins trainer rank 0 and
     every server rank into one torch.distributed group; the group follows the fleet (rollout/broadcast_sync.py),
     and a server that comes back catches up from a checkpoint the trainers publish on demand. `previous`: the
@@ -417,9 +518,15 @@ async def connect_weights(plan: RunPlan, trainers: TrainerGroup | None, client: 
     else:
         device = (await trainers.info())[0].device
         per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
-        sync = ElasticBroadcastSync(trainers, client, cluster.trainers.master_address, ranks_per_server=per_server,
-                                    backend="nccl" if device.startswith("cuda") else "gloo",
-                                    api_key=cfg.server.api_key, catch_up_root=os.path.join(cfg.run_dir, "weights"))
+        sync = ElasticBroadcastSync(
+            trainers,
+            client,
+            cluster.trainers.master_address,
+            ranks_per_server=per_server,
+            backend="nccl" if device.startswith("cuda") else "gloo",
+            api_key=cfg.server.api_key,
+            catch_up_root=os.path.join(cfg.run_dir, "weights"),
+        )
     await sync.form_group()
     client.weight_source = sync.publish_current
     return sync
@@ -432,9 +539,15 @@ def make_evaluator(plan: RunPlan, client: InferenceClient) -> Any:
         priority = 1
 
     async def evaluator() -> dict[str, float]:
-        return await evaluate(client, plan.tokenizer, plan.eval_samples, plan.score,
-                              max_new_tokens=cfg.eval.max_new_tokens,
-                              use_chat_template=cfg.data.apply_chat_template, priority=priority)
+        return await evaluate(
+            client,
+            plan.tokenizer,
+            plan.eval_samples,
+            plan.score,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            use_chat_template=cfg.data.apply_chat_template,
+            priority=priority,
+        )
 
     return evaluator
 
@@ -464,14 +577,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags and key=value overrides in any order (`mode=sync --print-config eta=0`): overrides keep their order,
     which decides when a key is given twice."""
     p = argparse.ArgumentParser(
-        prog=program_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=program_name(),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="configuration keys (set in a --config file or as key=value; mode, eta, steps and total_steps are "
-               "short for their schedule. keys):\n" + describe())
-    p.add_argument("--config", default=None, help="YAML config file (may start from another with `base: FILE`); "
-                                                  "without it the code defaults (= configs/default.yaml) apply")
+        "short for their schedule. keys):\n" + describe(),
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML config file (may start from another with `base: FILE`); "
+        "without it the code defaults (= configs/default.yaml) apply",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    p.add_argument("--print-sbatch", action="store_true",
-                   help="launcher=slurm: print the batch script that runs this command, and exit (docs/cluster.md)")
+    p.add_argument(
+        "--print-sbatch",
+        action="store_true",
+        help="launcher=slurm: print the batch script that runs this command, and exit (docs/cluster.md)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. mode=sync eta=2 train.optim.lr=1e-4")
     return p.parse_intermixed_args(argv)
 
@@ -551,8 +674,13 @@ def main(argv: list[str] | None = None, workflow: Any = None, launcher: Launcher
         return 0
     interrupt_on_sigterm()  # SIGTERM tears down like Ctrl-C
     # launcher=slurm outside an allocation: submit the job (or print its script) and return
-    code = slurm_submission(cfg, args.config, args.overrides, print_sbatch=args.print_sbatch,
-                            check=lambda c: check_before_submission(c, workflow))
+    code = slurm_submission(
+        cfg,
+        args.config,
+        args.overrides,
+        print_sbatch=args.print_sbatch,
+        check=lambda c: check_before_submission(c, workflow),
+    )
     if code is not None:
         return code
     setup_logging()  # run.log lands in run_dir once the checks before launch pass

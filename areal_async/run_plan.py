@@ -12,8 +12,9 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import msgspec
 
@@ -33,8 +34,16 @@ from areal_async.types import Sample
 
 log = logging.getLogger("areal_async.run")
 
-__all__ = ["RunPlan", "resolve_model", "prepare", "make_score", "check_devices", "check_backend_installed",
-           "check_ports", "SGLANG_TESTED"]
+__all__ = [
+    "RunPlan",
+    "resolve_model",
+    "prepare",
+    "make_score",
+    "check_devices",
+    "check_backend_installed",
+    "check_ports",
+    "SGLANG_TESTED",
+]
 
 SGLANG_TESTED = ">=0.5.6,<0.5.11"  # the releases the sglang extra allows (pyproject.toml says what each pins)
 
@@ -102,12 +111,15 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     score = make_score(rewards, cfg.data.reward, cfg.rollout.reward_timeout_s, cfg.data.reward_options)
     wf = _build_workflow(cfg, tokenizer, score, workflow)  # the runner starts its workers on first use only
     if cfg.schedule.interrupt_mode == "in_place" and cfg.server.backend != "embedded":
-        log.warning("schedule.interrupt_mode=in_place: SGLang stamps a whole response with its last weight version, "
-                    "so tokens made before an update are labelled newer than they are (the staleness bound holds; "
-                    "the staleness statistics undercount)")
+        log.warning(
+            "schedule.interrupt_mode=in_place: SGLang stamps a whole response with its last weight version, "
+            "so tokens made before an update are labelled newer than they are (the staleness bound holds; "
+            "the staleness statistics undercount)"
+        )
     resumed = load_state(cfg.run_dir) if cfg.resume else None
-    return RunPlan(cfg, model_path, tokenizer, train_samples, eval_samples[: cfg.eval.num_prompts], rewards, score,
-                   wf, resumed)
+    return RunPlan(
+        cfg, model_path, tokenizer, train_samples, eval_samples[: cfg.eval.num_prompts], rewards, score, wf, resumed
+    )
 
 
 def _no_gpu_reason() -> str:
@@ -125,12 +137,16 @@ def check_devices(cfg: RunConfig, gpus: tuple[str, ...]) -> None:
         return
     srv, t = cfg.server, cfg.train
     if srv.backend == "embedded" and srv.device.startswith("cuda"):
-        raise ConfigError(f"server.device: {srv.device} on a host without a visible GPU ({_no_gpu_reason()}); use "
-                          "server.device=auto (the CPU here) or cpu")
+        raise ConfigError(
+            f"server.device: {srv.device} on a host without a visible GPU ({_no_gpu_reason()}); use "
+            "server.device=auto (the CPU here) or cpu"
+        )
     if t.device.startswith("cuda"):
         ranks = f" for train.nproc={t.nproc} ranks" if t.nproc > 1 else ""
-        raise ConfigError(f"train.device: {t.device}{ranks} on a host without a visible GPU ({_no_gpu_reason()}); "
-                          "use train.device=auto (the CPU here) or cpu")
+        raise ConfigError(
+            f"train.device: {t.device}{ranks} on a host without a visible GPU ({_no_gpu_reason()}); "
+            "use train.device=auto (the CPU here) or cpu"
+        )
 
 
 def check_backend_installed(cfg: RunConfig) -> None:
@@ -143,9 +159,11 @@ def check_backend_installed(cfg: RunConfig) -> None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        raise ConfigError(f"server.backend: sglang is not installed in {sys.executable}; pip install "
-                          f"'areal_async[sglang]' (SGLang {SGLANG_TESTED}, on a CUDA host), or use "
-                          "server.backend=embedded")
+        raise ConfigError(
+            f"server.backend: sglang is not installed in {sys.executable}; pip install "
+            f"'areal_async[sglang]' (SGLang {SGLANG_TESTED}, on a CUDA host), or use "
+            "server.backend=embedded"
+        )
 
 
 def _port_taken(host: str, port: int) -> str | None:
@@ -185,15 +203,19 @@ def check_ports(cfg: RunConfig) -> None:
             why = _port_taken(srv.host, port)
             if why == "in use":
                 which = f"server {port - srv.port} of server.num_servers={srv.num_servers}: " if last > srv.port else ""
-                raise ConfigError(f"server.port: {which}{srv.host}:{port} is already in use; pick free ports or "
-                                  "server.port=0 (each server picks a free one)")
+                raise ConfigError(
+                    f"server.port: {which}{srv.host}:{port} is already in use; pick free ports or "
+                    "server.port=0 (each server picks a free one)"
+                )
             if why is not None:
                 raise ConfigError(f"server.host: cannot serve on {srv.host}:{port}: {why}")
     if t.nnodes > 1 and t.rdzv.endpoint:
         host, _, port_text = t.rdzv.endpoint.rpartition(":")
         if _port_taken(host.strip("[]"), int(port_text)) == "in use":  # elsewhere (not bindable here): not ours
-            raise ConfigError(f"train.rdzv.endpoint: {t.rdzv.endpoint} is already in use on this host; pick another "
-                              "port or leave it null (the launcher picks one)")
+            raise ConfigError(
+                f"train.rdzv.endpoint: {t.rdzv.endpoint} is already in use on this host; pick another "
+                "port or leave it null (the launcher picks one)"
+            )
 
 
 def _log_cpu_choices(cfg: RunConfig, model_path: str, has_gpus: bool) -> None:
@@ -219,8 +241,9 @@ def _check_chat_template(cfg: RunConfig, tokenizer: Tokenizer, samples: list[Sam
         if cfg.rollout.workflow == "multi_turn":  # feedback turns are appended as rendered deltas
             ChatTokens(tokenizer).delta_ids([{"role": "user", "content": "again"}])
     except Exception as e:  # a missing template, or one that fails to render (raise_exception, syntax)
-        raise ConfigError(f"{key}: the chat template of {tokenizer.path} does not render: "
-                          f"{type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"{key}: the chat template of {tokenizer.path} does not render: {type(e).__name__}: {e}"
+        ) from None
 
 
 def _check_reward(spec: str) -> None:
@@ -252,8 +275,9 @@ def make_score(rewards: Any, reward: str, timeout_s: float, options: Mapping[str
     arguments (such as a record's extra "prompt")."""
     base = dict(options or {})
 
-    async def score(completion: str, answer: str, prompt: str = "",
-                    meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]:
+    async def score(
+        completion: str, answer: str, prompt: str = "", meta: Mapping[str, Any] | None = None
+    ) -> tuple[float, str | None]:
         extra = {k: v for k, v in {**base, **(meta or {})}.items() if k not in RESERVED_REWARD_ARGS}
         return await rewards.score(reward, completion, answer, prompt=prompt, timeout_s=timeout_s, **extra)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -15,8 +14,15 @@ if TYPE_CHECKING:
 __all__ = ["summarize", "write_outputs", "server_busy_s", "print_summary"]
 
 
-def summarize(plan: RunPlan, ctrl: AsyncRLController, state: RunState, *, num_servers: int,
-              final_checkpoint: str | None, recovery: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize(
+    plan: RunPlan,
+    ctrl: AsyncRLController,
+    state: RunState,
+    *,
+    num_servers: int,
+    final_checkpoint: str | None,
+    recovery: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     s = plan.cfg.schedule
     return {
         "mode": s.mode,
@@ -70,7 +76,7 @@ async def server_busy_s(urls: list[str], api_key: str | None) -> float | None:
                     if busy is None:
                         return None
                     total += float(busy)
-    except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
         return None
     return total
 
@@ -79,12 +85,16 @@ def print_summary(s: dict[str, Any]) -> None:
     def pct(x: float | None) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
-    gain = (None if s["base_accuracy"] is None or s["final_accuracy"] is None
-            else s["final_accuracy"] - s["base_accuracy"])
+    gain = (
+        None if s["base_accuracy"] is None or s["final_accuracy"] is None else s["final_accuracy"] - s["base_accuracy"]
+    )
     rows = [
         ("mode", f"{s['mode']} (eta={s['eta']}, in-flight updates: {s['interrupt_mode']})"),
-        ("held-out accuracy", f"{pct(s['base_accuracy'])} -> {pct(s['final_accuracy'])}"
-                              + (f"  ({100 * gain:+.1f} pts)" if gain is not None else "")),
+        (
+            "held-out accuracy",
+            f"{pct(s['base_accuracy'])} -> {pct(s['final_accuracy'])}"
+            + (f"  ({100 * gain:+.1f} pts)" if gain is not None else ""),
+        ),
         ("train steps", str(s["steps"])),
         ("trained samples", f"{s['trained_samples']}  ({s['trained_samples_per_s']:.1f}/s)"),
         ("dropped groups", ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"),
@@ -94,8 +104,14 @@ def print_summary(s: dict[str, Any]) -> None:
     ]
     rec = s.get("recovery")
     if rec and rec.get("faults"):
-        rows.insert(-1, ("faults recovered", f"{rec['recovered']} of {rec['faults']} "
-                                             f"({', '.join(f'{k} {v}' for k, v in sorted(rec['by_event'].items()))})"))
+        rows.insert(
+            -1,
+            (
+                "faults recovered",
+                f"{rec['recovered']} of {rec['faults']} "
+                f"({', '.join(f'{k} {v}' for k, v in sorted(rec['by_event'].items()))})",
+            ),
+        )
     width = max(len(k) for k, _ in rows)
     print("\n" + "=" * 60)
     for k, v in rows:

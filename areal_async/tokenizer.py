@@ -42,8 +42,10 @@ class Tokenizer:
             raise TokenizerError(f"{path}: no such directory (expected an HF checkpoint with tokenizer.json)")
         tj = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tj):
-            raise TokenizerError(f"{path}: no tokenizer.json (only fast tokenizers are supported; transformers "
-                                 "writes one with AutoTokenizer.from_pretrained(path).save_pretrained(path))")
+            raise TokenizerError(
+                f"{path}: no tokenizer.json (only fast tokenizers are supported; transformers "
+                "writes one with AutoTokenizer.from_pretrained(path).save_pretrained(path))"
+            )
         self.path = path
         try:
             self._tok = _Fast.from_file(tj)
@@ -141,12 +143,20 @@ class Tokenizer:
 
         decoder = self._cfg.get("added_tokens_decoder") or {}
         for _, tok in sorted(decoder.items(), key=lambda kv: int(kv[0])):  # in id order: each gets the next id
-            if isinstance(tok, dict) and isinstance(tok.get("content"), str) and \
-                    self._tok.token_to_id(tok["content"]) is None:
+            if (
+                isinstance(tok, dict)
+                and isinstance(tok.get("content"), str)
+                and self._tok.token_to_id(tok["content"]) is None
+            ):
                 special = bool(tok.get("special", False))
-                added = AddedToken(tok["content"], single_word=bool(tok.get("single_word", False)),
-                                   lstrip=bool(tok.get("lstrip", False)), rstrip=bool(tok.get("rstrip", False)),
-                                   normalized=bool(tok.get("normalized", not special)), special=special)
+                added = AddedToken(
+                    tok["content"],
+                    single_word=bool(tok.get("single_word", False)),
+                    lstrip=bool(tok.get("lstrip", False)),
+                    rstrip=bool(tok.get("rstrip", False)),
+                    normalized=bool(tok.get("normalized", not special)),
+                    special=special,
+                )
                 (self._tok.add_special_tokens if special else self._tok.add_tokens)([added])
 
     # ---- chat templates ---------------------------------------------------------------------------------------
@@ -176,12 +186,17 @@ class Tokenizer:
             return {"default": src}, {"default": f"{cfg_path} (chat_template)"}, False
         if isinstance(src, dict):
             src = [{"name": k, "template": v} for k, v in src.items()]
-        if isinstance(src, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
-                                         and isinstance(t.get("template"), str) for t in src):
-            return ({t["name"]: t["template"] for t in src},
-                    {t["name"]: f"{cfg_path} (chat_template {t['name']!r})" for t in src}, True)
-        raise TokenizerError(f"{cfg_path}: chat_template must be a string or a list of "
-                             "{'name': str, 'template': str} entries")
+        if isinstance(src, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in src
+        ):
+            return (
+                {t["name"]: t["template"] for t in src},
+                {t["name"]: f"{cfg_path} (chat_template {t['name']!r})" for t in src},
+                True,
+            )
+        raise TokenizerError(
+            f"{cfg_path}: chat_template must be a string or a list of {{'name': str, 'template': str}} entries"
+        )
 
     @property
     def has_chat_template(self) -> bool:
@@ -204,31 +219,51 @@ class Tokenizer:
             if chat_template is None:
                 name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
                 if name not in self._templates:
-                    raise TokenizerError(f"{self.path}: the tokenizer has several chat templates and none named "
-                                         f"'default'; name one of {self.chat_template_names}")
+                    raise TokenizerError(
+                        f"{self.path}: the tokenizer has several chat templates and none named "
+                        f"'default'; name one of {self.chat_template_names}"
+                    )
                 return self._templates[name], self._template_origin[name]
             return chat_template, "the chat_template argument"
         if chat_template is not None:
             return chat_template, "the chat_template argument"
         if not self._templates:
-            raise TokenizerError(f"{self.path}: the tokenizer has no chat template (neither {TEMPLATE_FILE} nor "
-                                 "a chat_template entry in tokenizer_config.json)")
+            raise TokenizerError(
+                f"{self.path}: the tokenizer has no chat template (neither {TEMPLATE_FILE} nor "
+                "a chat_template entry in tokenizer_config.json)"
+            )
         return self._templates["default"], self._template_origin["default"]
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, tokenize: bool = True, *,
-                            documents: list[dict] | None = None, continue_final_message: bool | str = False,
-                            chat_template: str | None = None, return_assistant_tokens_mask: bool = False,
-                            **kwargs: Any) -> list[int] | str | dict[str, list[int]]:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        *,
+        documents: list[dict] | None = None,
+        continue_final_message: bool | str = False,
+        chat_template: str | None = None,
+        return_assistant_tokens_mask: bool = False,
+        **kwargs: Any,
+    ) -> list[int] | str | dict[str, list[int]]:
         """The conversation rendered exactly as transformers' `apply_chat_template` renders it, as ids (`tokenize`)
         or text. Unlike transformers, `add_generation_prompt` defaults to True: prompts for generation are what
         the controller renders. With `return_assistant_tokens_mask` the result is {"input_ids", "assistant_masks"}:
         1 for tokens inside the template's `{% generation %}` blocks (the assistant text to train on)."""
         source, origin = self._select(chat_template, tools)
-        text, spans = render(source, messages, tools=tools, documents=documents,
-                             add_generation_prompt=add_generation_prompt,
-                             continue_final_message=continue_final_message, special_tokens=self._special,
-                             track_generation=return_assistant_tokens_mask, origin=origin, **kwargs)
+        text, spans = render(
+            source,
+            messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            special_tokens=self._special,
+            track_generation=return_assistant_tokens_mask,
+            origin=origin,
+            **kwargs,
+        )
         if return_assistant_tokens_mask:
             enc = self._tok.encode(text, add_special_tokens=False)
             return {"input_ids": enc.ids, "assistant_masks": _span_mask(enc.offsets, spans)}
@@ -241,17 +276,23 @@ def check_tokenizer(path: str, need_chat_template: bool = False) -> Tokenizer:
     that compiles and renders a one-message conversation. Returns the tokenizer; raises TokenizerError."""
     tok = Tokenizer(path)
     if not tok.eos_token_ids:
-        raise TokenizerError(f"{path}: no end-of-sequence token (none of generation_config.json eos_token_id, "
-                             "config.json eos_token_id, tokenizer_config.json eos_token); generation could not stop")
+        raise TokenizerError(
+            f"{path}: no end-of-sequence token (none of generation_config.json eos_token_id, "
+            "config.json eos_token_id, tokenizer_config.json eos_token); generation could not stop"
+        )
     model_vocab = tok._model_cfg.get("vocab_size")
     if isinstance(model_vocab, int) and tok.vocab_size > model_vocab:
-        raise TokenizerError(f"{path}: the tokenizer has {tok.vocab_size} tokens but config.json vocab_size is "
-                             f"{model_vocab}: some ids have no embedding")
+        raise TokenizerError(
+            f"{path}: the tokenizer has {tok.vocab_size} tokens but config.json vocab_size is "
+            f"{model_vocab}: some ids have no embedding"
+        )
     if need_chat_template:
         if not tok.has_chat_template:
-            raise TokenizerError(f"{path}: the tokenizer has no chat template (neither {TEMPLATE_FILE} nor a "
-                                 "chat_template entry in tokenizer_config.json), which data.apply_chat_template "
-                                 "needs")
+            raise TokenizerError(
+                f"{path}: the tokenizer has no chat template (neither {TEMPLATE_FILE} nor a "
+                "chat_template entry in tokenizer_config.json), which data.apply_chat_template "
+                "needs"
+            )
         for name in tok.chat_template_names:
             try:
                 compile_template(tok._templates[name])
@@ -287,8 +328,18 @@ def _token_text(v: Any) -> str | None:
 
 
 def _clean_up_spaces(text: str) -> str:
-    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for a, b in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(a, b)
     return text
 

@@ -28,7 +28,7 @@ class Array(msgspec.Struct, frozen=True):
     data: memoryview  # bytes and bytearray values encode too; decoding gives a view into the frame
 
     @classmethod
-    def from_numpy(cls, a: np.ndarray) -> "Array":
+    def from_numpy(cls, a: np.ndarray) -> Array:
         a = np.ascontiguousarray(a)
         return cls(dtype=a.dtype.name, shape=list(a.shape), data=memoryview(a).cast("B"))
 
@@ -133,8 +133,9 @@ class TrainBatch(msgspec.Struct, kw_only=True, omit_defaults=True):
     baseline_weights: Array | None = None
 
 
-def pack_trajectories(trajs: list[Trajectory], policy_version: int, global_response_tokens: int,
-                      global_num_seqs: int) -> TrainBatch:
+def pack_trajectories(
+    trajs: list[Trajectory], policy_version: int, global_response_tokens: int, global_num_seqs: int
+) -> TrainBatch:
     """Concatenate trajectories into one `TrainBatch` of flat arrays; `baseline_weights` only when some
     trajectory's `baseline_weight` (as float32) is not 1.0."""
     seq_lens = np.array([len(t.input_ids) for t in trajs], dtype=np.int32)

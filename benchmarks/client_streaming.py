@@ -46,16 +46,25 @@ async def one_run(url: str, server_pid: int, stream: bool, prompts: list[list[in
 
     async with InferenceClient([url], stream=stream, max_connections=4096, timeout_s=3600) as c:
         srv0, cli0, t0 = proc_cpu_s(server_pid), time.process_time(), time.perf_counter()
-        results = await asyncio.gather(*(
-            c.agenerate(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-            for p, n in zip(prompts, lengths)))
+        results = await asyncio.gather(
+            *(
+                c.agenerate(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+                for p, n in zip(prompts, lengths)
+            )
+        )
         wall = time.perf_counter() - t0
         srv_cpu, cli_cpu = proc_cpu_s(server_pid) - srv0, time.process_time() - cli0
     made = sum(len(r.output_ids) for r in results)
     if made != sum(lengths):
         raise RuntimeError(f"made {made} tokens, expected {sum(lengths)}")
-    return {"wall_s": wall, "tokens_per_s": made / wall, "client_cpu_s": cli_cpu, "server_cpu_s": srv_cpu,
-            "tokens": made, "outputs": [r.output_ids for r in results]}
+    return {
+        "wall_s": wall,
+        "tokens_per_s": made / wall,
+        "client_cpu_s": cli_cpu,
+        "server_cpu_s": srv_cpu,
+        "tokens": made,
+        "outputs": [r.output_ids for r in results],
+    }
 
 
 async def bench(url: str, server_pid: int, workloads: dict[str, tuple[list, list]], rounds: int) -> dict:
@@ -70,8 +79,7 @@ async def bench(url: str, server_pid: int, workloads: dict[str, tuple[list, list
         for r in range(rounds):
             order = [False, True] if r % 2 == 0 else [True, False]
             for stream in order:
-                runs["stream" if stream else "json"].append(await one_run(url, server_pid, stream, prompts,
-                                                                          lengths))
+                runs["stream" if stream else "json"].append(await one_run(url, server_pid, stream, prompts, lengths))
         if any(a["outputs"] != b["outputs"] for a, b in zip(runs["json"], runs["stream"])):
             raise RuntimeError(f"{name}: streaming changed the greedy tokens")
         ratios = [s["tokens_per_s"] / j["tokens_per_s"] for j, s in zip(runs["json"], runs["stream"])]
@@ -80,12 +88,19 @@ async def bench(url: str, server_pid: int, workloads: dict[str, tuple[list, list
             return statistics.median(x[key] for x in runs[mode])
 
         out[name] = {
-            "requests": len(prompts), "tokens": sum(lengths), "longest": max(lengths),
-            "json_tokens_per_s": med("json", "tokens_per_s"), "stream_tokens_per_s": med("stream", "tokens_per_s"),
-            "ratio_each_round": ratios, "ratio_median": statistics.median(ratios),
-            "json_client_cpu_s": med("json", "client_cpu_s"), "stream_client_cpu_s": med("stream", "client_cpu_s"),
-            "json_server_cpu_s": med("json", "server_cpu_s"), "stream_server_cpu_s": med("stream", "server_cpu_s"),
-            "runs": {m: [{k: v for k, v in x.items() if k != "outputs"} for x in xs] for m, xs in runs.items()}}
+            "requests": len(prompts),
+            "tokens": sum(lengths),
+            "longest": max(lengths),
+            "json_tokens_per_s": med("json", "tokens_per_s"),
+            "stream_tokens_per_s": med("stream", "tokens_per_s"),
+            "ratio_each_round": ratios,
+            "ratio_median": statistics.median(ratios),
+            "json_client_cpu_s": med("json", "client_cpu_s"),
+            "stream_client_cpu_s": med("stream", "client_cpu_s"),
+            "json_server_cpu_s": med("json", "server_cpu_s"),
+            "stream_server_cpu_s": med("stream", "server_cpu_s"),
+            "runs": {m: [{k: v for k, v in x.items() if k != "outputs"} for x in xs] for m, xs in runs.items()},
+        }
     return out
 
 
@@ -115,8 +130,9 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 3)
 
     with tempfile.TemporaryDirectory(prefix="bench_stream_") as tmp:
-        model_dir = make_tiny_checkpoint(os.path.join(tmp, "model"), "qwen2", seed=args.seed,
-                                         max_position_embeddings=2048, **model_kw)
+        model_dir = make_tiny_checkpoint(
+            os.path.join(tmp, "model"), "qwen2", seed=args.seed, max_position_embeddings=2048, **model_kw
+        )
         with open(os.path.join(model_dir, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         mixed = make_workload(n_req, args.seed, len(SPECIAL_TOKENS), vocab, mean_new, sigma, max_new)
@@ -129,19 +145,32 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
 
-    result = {"workloads": res, "settings": {"quick": args.quick, "rounds": rounds, "threads": args.threads,
-                                             "model": model_kw, "greedy": True, "ignore_eos": True}}
+    result = {
+        "workloads": res,
+        "settings": {
+            "quick": args.quick,
+            "rounds": rounds,
+            "threads": args.threads,
+            "model": model_kw,
+            "greedy": True,
+            "ignore_eos": True,
+        },
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print("| workload | requests x tokens | json tok/s | stream tok/s | stream / json (median) | client CPU s json "
-          "/ stream | server CPU s json / stream |")
+    print(
+        "| workload | requests x tokens | json tok/s | stream tok/s | stream / json (median) | client CPU s json "
+        "/ stream | server CPU s json / stream |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, w in res.items():
-        print(f"| {name} | {w['requests']} x {w['tokens'] // w['requests']} avg (longest {w['longest']}) | "
-              f"{w['json_tokens_per_s']:.0f} | {w['stream_tokens_per_s']:.0f} | {w['ratio_median']:.2f} "
-              f"({' / '.join(f'{r:.2f}' for r in w['ratio_each_round'])}) | {w['json_client_cpu_s']:.2f} / "
-              f"{w['stream_client_cpu_s']:.2f} | {w['json_server_cpu_s']:.2f} / {w['stream_server_cpu_s']:.2f} |")
+        print(
+            f"| {name} | {w['requests']} x {w['tokens'] // w['requests']} avg (longest {w['longest']}) | "
+            f"{w['json_tokens_per_s']:.0f} | {w['stream_tokens_per_s']:.0f} | {w['ratio_median']:.2f} "
+            f"({' / '.join(f'{r:.2f}' for r in w['ratio_each_round'])}) | {w['json_client_cpu_s']:.2f} / "
+            f"{w['stream_client_cpu_s']:.2f} | {w['json_server_cpu_s']:.2f} / {w['stream_server_cpu_s']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -86,8 +86,8 @@ class _StandIn(asyncio.Protocol):
                     length = int(value)
             if len(self.buf) < end + 4 + length:
                 return
-            body = bytes(self.buf[end + 4:end + 4 + length])
-            del self.buf[:end + 4 + length]
+            body = bytes(self.buf[end + 4 : end + 4 + length])
+            del self.buf[: end + 4 + length]
             path = lines[0].split(" ")[1]
             if path == "/generate":
                 req = self.dec.decode(body)
@@ -100,15 +100,23 @@ class _StandIn(asyncio.Protocol):
     def _generate(self, req: _GenerateRequest) -> bytes:
         n = max(1, min(STAND_IN_TOKENS, int(req.sampling_params.get("max_new_tokens", STAND_IN_TOKENS))))
         triples = _TRIPLES[n]
-        meta = {"id": req.rid, "finish_reason": {"type": "stop", "matched": 1}, "prompt_tokens": len(req.input_ids),
-                "completion_tokens": n, "cached_tokens": 0, "weight_version": "0", "e2e_latency": self.mean_s,
-                "output_token_logprobs": triples}
+        meta = {
+            "id": req.rid,
+            "finish_reason": {"type": "stop", "matched": 1},
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "weight_version": "0",
+            "e2e_latency": self.mean_s,
+            "output_token_logprobs": triples,
+        }
         return self.enc.encode({"text": "x" * n, "output_ids": [t[1] for t in triples], "meta_info": meta})
 
     def _write(self, body: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                                 % len(body) + body)
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            )
 
 
 _TRIPLES = {n: [(-0.5, 7, "x")] * (n - 1) + [(-0.5, 1, "")] for n in range(1, STAND_IN_TOKENS + 1)}
@@ -118,8 +126,9 @@ def stand_in_main(port: int, mean_latency_ms: float) -> None:
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         rng = random.Random(0)
-        server = await loop.create_server(lambda: _StandIn(mean_latency_ms / 1000, rng), "127.0.0.1", port,
-                                          backlog=16384)
+        server = await loop.create_server(
+            lambda: _StandIn(mean_latency_ms / 1000, rng), "127.0.0.1", port, backlog=16384
+        )
         async with server:
             await server.serve_forever()
 
@@ -137,8 +146,9 @@ def _run(coro):
 # ---- the controller side (this process) --------------------------------------------------------------------------
 
 
-async def measure(url: str, inflight: int, seconds: float, mean_latency_s: float, tok_dir: str,
-                  pace_gc: bool = True) -> dict:
+async def measure(
+    url: str, inflight: int, seconds: float, mean_latency_s: float, tok_dir: str, pace_gc: bool = True
+) -> dict:
     from areal_async.inference.client import InferenceClient
     from areal_async.rollout.buffer import StalenessBuffer
     from areal_async.rollout.manager import RolloutManager
@@ -158,8 +168,7 @@ async def measure(url: str, inflight: int, seconds: float, mean_latency_s: float
     client = InferenceClient([url], max_connections=inflight, timeout_s=600, connect_timeout_s=60)
     workflow = RLVRWorkflow(tok, score, SamplingParams(max_new_tokens=STAND_IN_TOKENS), group_size=1)
     # pace_gc is the default; --no-gc-pacing shows what CPython's own collection schedule costs
-    manager = RolloutManager(client, workflow, SampleStream(samples), buffer,
-                             **({} if pace_gc else {"pace_gc": False}))
+    manager = RolloutManager(client, workflow, SampleStream(samples), buffer, **({} if pace_gc else {"pace_gc": False}))
     lags: list[float] = []
     stop = asyncio.Event()
 
@@ -192,8 +201,9 @@ async def measure(url: str, inflight: int, seconds: float, mean_latency_s: float
     # warm up: every slot started and turned over once, so connections are open and answer times have spread out
     t_w = time.monotonic()
     warm_limit = 60 + 3 * mean_latency_s
-    while (manager.in_flight < inflight * 0.95 or manager.stats.samples < inflight) \
-            and time.monotonic() - t_w < warm_limit:
+    while (
+        manager.in_flight < inflight * 0.95 or manager.stats.samples < inflight
+    ) and time.monotonic() - t_w < warm_limit:
         await asyncio.sleep(0.05)
     lags.clear()
     gc.callbacks.append(on_gc)
@@ -260,8 +270,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny settings for the smoke test")
     ap.add_argument("--inflight", type=int, nargs="*", default=None)
     ap.add_argument("--seconds", type=float, default=None, help="measured window per target (default 15)")
-    ap.add_argument("--offered-rate", type=float, default=500.0,
-                    help="requests/s offered: mean stand-in latency = in_flight / rate (default 500)")
+    ap.add_argument(
+        "--offered-rate",
+        type=float,
+        default=500.0,
+        help="requests/s offered: mean stand-in latency = in_flight / rate (default 500)",
+    )
     ap.add_argument("--latency-ms", type=float, default=None, help="fixed mean stand-in latency for every target")
     ap.add_argument("--no-gc-pacing", action="store_true", help="RolloutManager(pace_gc=False), for comparison")
     ap.add_argument("--stand-in", type=int, default=None, help=argparse.SUPPRESS)
@@ -282,31 +296,49 @@ def main() -> None:
         for inflight in targets:
             mean_ms = fixed_ms if fixed_ms is not None else 1000 * inflight / args.offered_rate
             port = free_port()
-            proc = subprocess.Popen([sys.executable, __file__, "--out", os.devnull, "--stand-in", str(port),
-                                     "--latency-ms", str(mean_ms)])
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--out", os.devnull, "--stand-in", str(port), "--latency-ms", str(mean_ms)]
+            )
             try:
                 _wait_port(port)
-                runs.append(_run(measure(f"http://127.0.0.1:{port}", inflight, seconds, mean_ms / 1000, tok_dir,
-                                         pace_gc=not args.no_gc_pacing)))
+                runs.append(
+                    _run(
+                        measure(
+                            f"http://127.0.0.1:{port}",
+                            inflight,
+                            seconds,
+                            mean_ms / 1000,
+                            tok_dir,
+                            pace_gc=not args.no_gc_pacing,
+                        )
+                    )
+                )
             finally:
                 proc.terminate()
                 proc.wait(10)
-    result = {"runs": runs, "seconds": seconds,
-              "measured": "controller process only: real RolloutManager + StalenessBuffer + RLVRWorkflow + "
-                          "InferenceClient (aiohttp, one connection per in-flight request) over loopback HTTP to a "
-                          "stand-in SGLang /generate in its own process (raw asyncio protocol, uniform [0.5, 1.5] x "
-                          "mean hold time, 32-token answers); the stand-in shares the same cores",
-              "cpu_count": os.cpu_count()}
+    result = {
+        "runs": runs,
+        "seconds": seconds,
+        "measured": "controller process only: real RolloutManager + StalenessBuffer + RLVRWorkflow + "
+        "InferenceClient (aiohttp, one connection per in-flight request) over loopback HTTP to a "
+        "stand-in SGLang /generate in its own process (raw asyncio protocol, uniform [0.5, 1.5] x "
+        "mean hold time, 32-token answers); the stand-in shares the same cores",
+        "cpu_count": os.cpu_count(),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{'in flight':>10} {'latency s':>9} {'req/s':>8} {'p50 lag ms':>10} {'p99 lag ms':>10} "
-          f"{'max lag ms':>10} {'CPU ms/smp':>10} {'CPU frac':>8} {'full GCs':>8} {'forced GC ms':>12} {'load':>5}")
+    print(
+        f"{'in flight':>10} {'latency s':>9} {'req/s':>8} {'p50 lag ms':>10} {'p99 lag ms':>10} "
+        f"{'max lag ms':>10} {'CPU ms/smp':>10} {'CPU frac':>8} {'full GCs':>8} {'forced GC ms':>12} {'load':>5}"
+    )
     for r in runs:
-        print(f"{r['inflight']:>10} {r['stand_in_mean_latency_ms'] / 1000:>9.2f} {r['requests_per_s']:>8.0f} "
-              f"{r['p50_loop_lag_ms']:>10.2f} {r['p99_loop_lag_ms']:>10.2f} {r['max_loop_lag_ms']:>10.1f} "
-              f"{r['cpu_ms_per_sample']:>10.3f} {r['controller_cpu_fraction']:>8.2f} {r['full_gc_count']:>8} "
-              f"{r['forced_full_gc_ms']:>12.0f} {r['loadavg_1m'][1]:>5.1f}")
+        print(
+            f"{r['inflight']:>10} {r['stand_in_mean_latency_ms'] / 1000:>9.2f} {r['requests_per_s']:>8.0f} "
+            f"{r['p50_loop_lag_ms']:>10.2f} {r['p99_loop_lag_ms']:>10.2f} {r['max_loop_lag_ms']:>10.1f} "
+            f"{r['cpu_ms_per_sample']:>10.3f} {r['controller_cpu_fraction']:>8.2f} {r['full_gc_count']:>8} "
+            f"{r['forced_full_gc_ms']:>12.0f} {r['loadavg_1m'][1]:>5.1f}"
+        )
 
 
 def _wait_port(port: int, timeout: float = 30.0) -> None:

@@ -69,7 +69,7 @@ def main() -> None:
     order = torch.randperm(b * max_pages, generator=torch.Generator().manual_seed(args.seed)) + 1  # scattered pages
     seqs = []
     for i, c in enumerate(ctxs):
-        pages = order[i * max_pages:(i + 1) * max_pages].tolist()
+        pages = order[i * max_pages : (i + 1) * max_pages].tolist()
         table[i] = torch.tensor(pages)
         seqs.append(([rng.randrange(spec.vocab_size)], c, pages, i))
 
@@ -109,12 +109,23 @@ def main() -> None:
         if k in best:
             res[f"{k}_tokens_per_s"] = b / best[k]
             res[f"{k}_mfu"] = best["gemm_only"] / best[k]
-    res.update({"roofline_tokens_per_s": b / best["gemm_only"], "max_logit_diff_paged_vs_gather": diff,
-                "settings": {"model": args.model, "batch": b, "mean_context": sum(ctxs) / b, "threads": args.threads,
-                             "rounds": args.rounds, "clock": "process_time" if args.cpu_time else "wall",
-                             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                             "kernel_march": os.environ.get("AREAL_KERNEL_MARCH", "native"),
-                             "load_average": os.getloadavg()}})
+    res.update(
+        {
+            "roofline_tokens_per_s": b / best["gemm_only"],
+            "max_logit_diff_paged_vs_gather": diff,
+            "settings": {
+                "model": args.model,
+                "batch": b,
+                "mean_context": sum(ctxs) / b,
+                "threads": args.threads,
+                "rounds": args.rounds,
+                "clock": "process_time" if args.cpu_time else "wall",
+                "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "kernel_march": os.environ.get("AREAL_KERNEL_MARCH", "native"),
+                "load_average": os.getloadavg(),
+            },
+        }
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)

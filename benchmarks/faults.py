@@ -33,19 +33,30 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from areal_async.net.registry import rank_file
 from areal_async.testing.faults import RunProcess, accounting, run_children, summary, wait_gone
 
 B, N = 8, 4
-BASE = [f"schedule.batch_size={B}", f"rollout.group_size={N}", "schedule.eval_every=0", "eval.num_prompts=20",
-        "recovery.restart_backoff_s=0.5", "recovery.health_interval_s=1", "recovery.health_timeout_s=2"]
+BASE = [
+    f"schedule.batch_size={B}",
+    f"rollout.group_size={N}",
+    "schedule.eval_every=0",
+    "eval.num_prompts=20",
+    "recovery.restart_backoff_s=0.5",
+    "recovery.health_interval_s=1",
+    "recovery.health_timeout_s=2",
+]
 
 
 def first_record(run: RunProcess, event: str, after: float, timeout: float = 300) -> dict[str, Any]:
-    return run.wait_for(lambda: next((r for r in run.recoveries() if r.get("event") == event and r["time"] >= after),
-                                     None), f"a {event} record", timeout)
+    return run.wait_for(
+        lambda: next((r for r in run.recoveries() if r.get("event") == event and r["time"] >= after), None),
+        f"a {event} record",
+        timeout,
+    )
 
 
 def result(name: str, run_dir: str, steps: int, **extra: Any) -> dict[str, Any]:
@@ -53,13 +64,20 @@ def result(name: str, run_dir: str, steps: int, **extra: Any) -> dict[str, Any]:
     s = summary(run_dir)
     lost = len(acc["lost"]) + len(acc["twice"]) + max(0, steps * B * N - s.get("trained_samples", 0))
     survived = bool(s.get("completed")) and acc["versions"] == list(range(1, steps + 1)) and acc["ended"]
-    return {"scenario": name, "survived": survived, "samples_lost": lost, "trained_samples": s.get("trained_samples"),
-            "steps": steps, "recovery": {k: s["recovery"][k] for k in ("faults", "recovered", "gave_up", "by_event")},
-            **extra}
+    return {
+        "scenario": name,
+        "survived": survived,
+        "samples_lost": lost,
+        "trained_samples": s.get("trained_samples"),
+        "steps": steps,
+        "recovery": {k: s["recovery"][k] for k in ("faults", "recovered", "gave_up", "by_event")},
+        **extra,
+    }
 
 
-def server_kill(args_: list[str], run_dir: str, steps: int, at: int, *, name: str, sig: int,
-                extra: list[str]) -> dict[str, Any]:
+def server_kill(
+    args_: list[str], run_dir: str, steps: int, at: int, *, name: str, sig: int, extra: list[str]
+) -> dict[str, Any]:
     run = RunProcess([*args_, f"total_steps={steps}", "server.num_servers=2", *extra], run_dir).start()
     try:
         run.wait_version(at)
@@ -71,9 +89,14 @@ def server_kill(args_: list[str], run_dir: str, steps: int, at: int, *, name: st
     finally:
         run.kill()
     assert rc == 0, run.output()[-3000:]
-    return result(name, run_dir, steps, recover_s=rec["time"] - t0, steps_redone=0,
-                  detail=f"{victim}: back with weight version {rec['server_version']} (current "
-                         f"{rec['current_version']})")
+    return result(
+        name,
+        run_dir,
+        steps,
+        recover_s=rec["time"] - t0,
+        steps_redone=0,
+        detail=f"{victim}: back with weight version {rec['server_version']} (current {rec['current_version']})",
+    )
 
 
 def trainer_kill(args_: list[str], run_dir: str, steps: int, at: int) -> dict[str, Any]:
@@ -87,8 +110,14 @@ def trainer_kill(args_: list[str], run_dir: str, steps: int, at: int) -> dict[st
     finally:
         run.kill()
     assert rc == 0, run.output()[-3000:]
-    return result("trainer_sigkill", run_dir, steps, recover_s=rec["time"] - t0, steps_redone=rec["steps_redone"],
-                  detail=f"rolled back to version {rec['version']}")
+    return result(
+        "trainer_sigkill",
+        run_dir,
+        steps,
+        recover_s=rec["time"] - t0,
+        steps_redone=rec["steps_redone"],
+        detail=f"rolled back to version {rec['version']}",
+    )
 
 
 def controller_kill(args_: list[str], run_dir: str, steps: int, at: int, *, in_save: bool) -> dict[str, Any]:
@@ -130,20 +159,30 @@ def controller_kill(args_: list[str], run_dir: str, steps: int, at: int, *, in_s
     rerun = RunProcess(args_, run_dir).start()
     try:
         # the rerun cuts the ledger back to the checkpoint (a new file), then appends version resumed_at + 1
-        rerun.wait_for(lambda: os.stat(ledger_path).st_ino != before and rerun.version() > resumed_at,
-                       "the rerun's first step", 600)
+        rerun.wait_for(
+            lambda: os.stat(ledger_path).st_ino != before and rerun.version() > resumed_at,
+            "the rerun's first step",
+            600,
+        )
         recover_s = time.time() - t0
         rc = rerun.wait(600)
     finally:
         rerun.kill()
     assert rc == 0, rerun.output()[-3000:]
-    return result("controller_in_save" if in_save else "controller_mid_step", run_dir, steps, recover_s=recover_s,
-                  steps_redone=max(0, killed_at - resumed_at), detail=detail)
+    return result(
+        "controller_in_save" if in_save else "controller_mid_step",
+        run_dir,
+        steps,
+        recover_s=recover_s,
+        steps_redone=max(0, killed_at - resumed_at),
+        detail=detail,
+    )
 
 
 def all_servers_dead(args_: list[str], run_dir: str, steps: int, at: int) -> dict[str, Any]:
-    run = RunProcess([*args_, f"total_steps={steps}", "recovery.max_server_restarts=0",
-                      "recovery.no_server_timeout_s=5"], run_dir).start()
+    run = RunProcess(
+        [*args_, f"total_steps={steps}", "recovery.max_server_restarts=0", "recovery.no_server_timeout_s=5"], run_dir
+    ).start()
     try:
         run.wait_version(at)
         t0 = time.time()
@@ -158,8 +197,14 @@ def all_servers_dead(args_: list[str], run_dir: str, steps: int, at: int) -> dic
         assert rerun.wait(600) == 0, rerun.output()[-3000:]
     finally:
         rerun.kill()
-    out = result("all_servers_dead", run_dir, steps, recover_s=None, steps_redone=0,
-                 detail=f"stopped with a checkpoint {stop_s:.1f}s after the kill: {stopped}; the rerun finished")
+    out = result(
+        "all_servers_dead",
+        run_dir,
+        steps,
+        recover_s=None,
+        steps_redone=0,
+        detail=f"stopped with a checkpoint {stop_s:.1f}s after the kill: {stopped}; the rerun finished",
+    )
     out["survived"] = out["survived"] and stopped
     return out
 
@@ -174,16 +219,25 @@ def cold_starts(model: str) -> dict[str, float]:
         try:
             t0 = time.monotonic()
             port = free_port()
-            child = procs.start_embedded_server(0, model, host="127.0.0.1", port=port, device="cpu",
-                                                max_total_tokens=65536, max_running_requests=256, api_key=None,
-                                                torch_threads=1)
+            child = procs.start_embedded_server(
+                0,
+                model,
+                host="127.0.0.1",
+                port=port,
+                device="cpu",
+                max_total_tokens=65536,
+                max_running_requests=256,
+                api_key=None,
+                torch_threads=1,
+            )
             import asyncio
 
             asyncio.run(procs.wait_healthy([child], 300))
             out["server_s"] = time.monotonic() - t0
             t0 = time.monotonic()
-            procs.start_trainers(model=model, nproc=1, config_json="{}", seed=1, secret_hex=os.urandom(32).hex(),
-                                 torch_threads=1)
+            procs.start_trainers(
+                model=model, nproc=1, config_json="{}", seed=1, secret_hex=os.urandom(32).hex(), torch_threads=1
+            )
             rank = rank_file(d, 0)
             while not os.path.exists(rank):
                 assert not procs.exited(), "the trainer died"
@@ -202,12 +256,13 @@ def resolve_model(overrides: list[str]) -> str:
 
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
-    "server_sigkill": lambda a, d, s, at: server_kill(a, d, s, at, name="server_sigkill", sig=signal.SIGKILL,
-                                                      extra=[]),
-    "server_sigstop": lambda a, d, s, at: server_kill(a, d, s, at, name="server_sigstop", sig=signal.SIGSTOP,
-                                                      extra=["recovery.unhealthy_restart_s=5"]),
-    "broadcast_sigkill": lambda a, d, s, at: server_kill(a, d, s, at, name="broadcast_sigkill", sig=signal.SIGKILL,
-                                                         extra=["train.weight_sync=broadcast"]),
+    "server_sigkill": lambda a, d, s, at: server_kill(a, d, s, at, name="server_sigkill", sig=signal.SIGKILL, extra=[]),
+    "server_sigstop": lambda a, d, s, at: server_kill(
+        a, d, s, at, name="server_sigstop", sig=signal.SIGSTOP, extra=["recovery.unhealthy_restart_s=5"]
+    ),
+    "broadcast_sigkill": lambda a, d, s, at: server_kill(
+        a, d, s, at, name="broadcast_sigkill", sig=signal.SIGKILL, extra=["train.weight_sync=broadcast"]
+    ),
     "trainer_sigkill": trainer_kill,
     "controller_mid_step": lambda a, d, s, at: controller_kill(a, d, s, at, in_save=False),
     "controller_in_save": lambda a, d, s, at: controller_kill(a, d, s, at, in_save=True),
@@ -216,13 +271,18 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
 
 
 def markdown(rows: list[dict[str, Any]], cold: dict[str, float]) -> str:
-    lines = ["| scenario | faults injected | survived | time to recover s | cold start s (limit) | steps redone | "
-             "samples lost | what happened |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| scenario | faults injected | survived | time to recover s | cold start s (limit) | steps redone | "
+        "samples lost | what happened |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         limit = cold.get("trainer_s") if r["scenario"].startswith(("trainer", "controller")) else cold.get("server_s")
         rec = "n/a" if r["recover_s"] is None else f"{r['recover_s']:.1f}"
-        lines.append(f"| {r['scenario']} | 1 | {'yes' if r['survived'] else 'NO'} | {rec} | {limit:.1f} | "
-                     f"{r['steps_redone']} | {r['samples_lost']} | {r['detail']} |")
+        lines.append(
+            f"| {r['scenario']} | 1 | {'yes' if r['survived'] else 'NO'} | {rec} | {limit:.1f} | "
+            f"{r['steps_redone']} | {r['samples_lost']} | {r['detail']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -248,14 +308,26 @@ def main() -> None:
         try:
             row = SCENARIOS[name](common, run_dir, args.steps, args.at)
         except AssertionError as e:
-            row = {"scenario": name, "survived": False, "samples_lost": None, "recover_s": None, "steps_redone": None,
-                   "detail": f"FAILED: {str(e)[:300]}"}
+            row = {
+                "scenario": name,
+                "survived": False,
+                "samples_lost": None,
+                "recover_s": None,
+                "steps_redone": None,
+                "detail": f"FAILED: {str(e)[:300]}",
+            }
         row["wall_s"] = time.monotonic() - t0
         row["leftover_processes"] = len(wait_gone(run_children(run_dir), 60))  # must be 0
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "recovery"}), flush=True)
-    report = {"cold_start": cold, "batch": {"groups": B, "group_size": N}, "steps": args.steps, "at": args.at,
-              "rows": rows, "command": " ".join([sys.executable, *sys.argv])}
+    report = {
+        "cold_start": cold,
+        "batch": {"groups": B, "group_size": N},
+        "steps": args.steps,
+        "at": args.at,
+        "rows": rows,
+        "command": " ".join([sys.executable, *sys.argv]),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -32,11 +32,21 @@ import sys
 import textwrap
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=32768,
-                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
+QWEN25_15B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    intermediate_size=8960,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
 
 
 def _part(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
@@ -46,8 +56,12 @@ def _part(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) 
         out = fn()
         results[name] = {"ok": True, **out, "seconds": round(time.perf_counter() - t0, 2)}
     except Exception as e:  # reported, not raised: the other parts still run
-        results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:],
-                         "seconds": round(time.perf_counter() - t0, 2)}
+        results[name] = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}",
+            "trace": traceback.format_exc()[-3000:],
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
     print(f"{name}: {json.dumps(results[name])[:600]}", flush=True)
 
 
@@ -67,8 +81,7 @@ def unbound() -> dict[str, Any]:
     backend = default._get_backend(dev)
     before = backend.comm_split_count()
     store = open_store("127.0.0.1", 0, 1, 60.0)
-    pg = new_custom_group("nccl", store, world_size=1, rank=0, group_name="gpu-check-wug", device=dev,
-                          timeout_s=60.0)
+    pg = new_custom_group("nccl", store, world_size=1, rank=0, group_name="gpu-check-wug", device=dev, timeout_s=60.0)
     t = torch.arange(1 << 20, dtype=torch.bfloat16, device=dev)  # [1M]
     dist.broadcast(t, group=pg, group_src=0)
     torch.cuda.synchronize(dev)
@@ -77,9 +90,14 @@ def unbound() -> dict[str, Any]:
     dist.destroy_process_group(pg)
     dist.destroy_process_group()
     ok = bound is not None and before == 0 and after == 0 and rebound == bound
-    return {"ok": ok, "default_bound_to": str(bound), "comm_split_count_before": before,
-            "comm_split_count_after": after, "binding_restored": rebound == bound,
-            "cumem": os.environ.get("NCCL_CUMEM_ENABLE", "<unset>")}
+    return {
+        "ok": ok,
+        "default_bound_to": str(bound),
+        "comm_split_count_before": before,
+        "comm_split_count_after": after,
+        "binding_restored": rebound == bound,
+        "cumem": os.environ.get("NCCL_CUMEM_ENABLE", "<unset>"),
+    }
 
 
 def build_checkpoint(path: str) -> dict[str, Any]:
@@ -92,8 +110,14 @@ def build_checkpoint(path: str) -> dict[str, Any]:
 
     os.makedirs(path, exist_ok=True)
     save_char_tokenizer(path)
-    cfg = transformers.Qwen2Config(**QWEN25_15B, use_sliding_window=False, initializer_range=0.02, eos_token_id=1,
-                                   pad_token_id=0, bos_token_id=None)
+    cfg = transformers.Qwen2Config(
+        **QWEN25_15B,
+        use_sliding_window=False,
+        initializer_range=0.02,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
@@ -121,9 +145,13 @@ def lm_head_check() -> dict[str, Any]:
     lp, ent = logprobs_from_hidden(hidden, LMHead(weight, None), targets, compute_entropy=True)
     (lp.sum() + 0.01 * ent.sum()).backward()
     torch.cuda.synchronize()
-    return {"tokens": m, "vocab": v, "fwd_bwd_s": round(time.perf_counter() - t0, 3),
-            "peak_above_inputs_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2),
-            "finite": bool(torch.isfinite(lp).all() and torch.isfinite(weight.grad.float()).all())}
+    return {
+        "tokens": m,
+        "vocab": v,
+        "fwd_bwd_s": round(time.perf_counter() - t0, 3),
+        "peak_above_inputs_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2),
+        "finite": bool(torch.isfinite(lp).all() and torch.isfinite(weight.grad.float()).all()),
+    }
 
 
 def train_step_check(path: str) -> dict[str, Any]:
@@ -133,8 +161,9 @@ def train_step_check(path: str) -> dict[str, Any]:
     from areal_async.train.logprobs import packed_forward_logprobs
 
     dev = torch.device("cuda")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="sdpa").to(dev)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(
+        dev
+    )
     model.config.use_cache = False
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
@@ -149,9 +178,12 @@ def train_step_check(path: str) -> dict[str, Any]:
     opt.step()
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    out = {"tokens": sum(lens), "step_s": round(time.perf_counter() - t0, 3),
-           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-           "params": sum(p.numel() for p in model.parameters())}
+    out = {
+        "tokens": sum(lens),
+        "step_s": round(time.perf_counter() - t0, 3),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     del model, opt
     torch.cuda.empty_cache()
     return out
@@ -160,17 +192,26 @@ def train_step_check(path: str) -> dict[str, Any]:
 def decode_check(path: str, requests: int = 32, prompt: int = 128, new: int = 128) -> dict[str, Any]:
     import asyncio
 
-    from areal_async.server.engine import AsyncEngine
     from areal_async.protocol.engine_api import EngineRequest, EngineSampling
+    from areal_async.server.engine import AsyncEngine
 
     async def run() -> dict[str, Any]:
-        engine = AsyncEngine(path, device="cuda", dtype="bfloat16", max_total_tokens=requests * (prompt + new) * 2,
-                             max_running_requests=requests)
+        engine = AsyncEngine(
+            path,
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=requests * (prompt + new) * 2,
+            max_running_requests=requests,
+        )
         await engine.start()
         try:
+
             async def one(i: int) -> int:
-                req = EngineRequest(rid=f"d{i}", input_ids=[2 + (i + k) % 50 for k in range(prompt)],
-                                    sampling=EngineSampling(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+                req = EngineRequest(
+                    rid=f"d{i}",
+                    input_ids=[2 + (i + k) % 50 for k in range(prompt)],
+                    sampling=EngineSampling(max_new_tokens=new, temperature=0.0, ignore_eos=True),
+                )
                 made = 0
                 async for chunk in engine.generate(req):
                     made += len(chunk.new_ids)
@@ -182,8 +223,14 @@ def decode_check(path: str, requests: int = 32, prompt: int = 128, new: int = 12
             wall = time.perf_counter() - t0
         finally:
             await engine.shutdown()
-        return {"requests": requests, "prompt_tokens": prompt, "new_tokens_each": new, "tokens": sum(made),
-                "wall_s": round(wall, 2), "tokens_per_s": round(sum(made) / wall, 1)}
+        return {
+            "requests": requests,
+            "prompt_tokens": prompt,
+            "new_tokens_each": new,
+            "tokens": sum(made),
+            "wall_s": round(wall, 2),
+            "tokens_per_s": round(sum(made) / wall, 1),
+        }
 
     return asyncio.run(run())
 
@@ -219,22 +266,31 @@ def broadcast_check(path: str) -> dict[str, Any]:
     wb = WeightBroadcaster(timeout_s=300.0)
     port = wb.open_store("gpu-check-bcast", 2, "127.0.0.1", 0)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    recv = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(port), json.dumps(plan)], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    recv = subprocess.Popen(
+        [sys.executable, "-c", _RECEIVER, str(port), json.dumps(plan)], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
-        wb.init_group(InitBroadcastRequest(group_name="gpu-check-bcast", world_size=2, master_address="127.0.0.1",
-                                           master_port=port, backend="gloo"), torch.device("cuda"))
-        res = wb.broadcast(model, group_name="gpu-check-bcast", skip=tied, dtype=torch.bfloat16,
-                           bucket_bytes=512 << 20)
+        wb.init_group(
+            InitBroadcastRequest(
+                group_name="gpu-check-bcast", world_size=2, master_address="127.0.0.1", master_port=port, backend="gloo"
+            ),
+            torch.device("cuda"),
+        )
+        res = wb.broadcast(model, group_name="gpu-check-bcast", skip=tied, dtype=torch.bfloat16, bucket_bytes=512 << 20)
         got = json.loads(recv.communicate(timeout=300)[0].strip().splitlines()[-1])
     finally:
         if recv.poll() is None:
             recv.kill()
         wb.close()
-    return {"backend": "gloo (trainer on CUDA, receiver on the host)", "bytes": res.num_bytes,
-            "buckets": len(buckets), "seconds": round(res.seconds, 2),
-            "gb_per_s": round(res.num_bytes / res.seconds / 1e9, 3), "received_bytes": got["received_bytes"],
-            "held_peak_mib": round(res.held_peak_bytes / 2**20, 1)}
+    return {
+        "backend": "gloo (trainer on CUDA, receiver on the host)",
+        "bytes": res.num_bytes,
+        "buckets": len(buckets),
+        "seconds": round(res.seconds, 2),
+        "gb_per_s": round(res.num_bytes / res.seconds / 1e9, 3),
+        "received_bytes": got["received_bytes"],
+        "held_peak_mib": round(res.held_peak_bytes / 2**20, 1),
+    }
 
 
 def real_shape(scratch: str) -> dict[str, Any]:

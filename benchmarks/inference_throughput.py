@@ -46,8 +46,10 @@ from typing import Any
 import numpy as np
 
 MODEL_NAMES = ("tiny", "smollm2-135m-instruct")
-WORDS = ("the cat sat on a mat while seven quick foxes ran over lazy dogs near old red barns under bright "
-         "stars and one small bird sang songs about rivers mountains numbers apples code tests trains").split()
+WORDS = (
+    "the cat sat on a mat while seven quick foxes ran over lazy dogs near old red barns under bright "
+    "stars and one small bird sang songs about rivers mountains numbers apples code tests trains"
+).split()
 
 
 def machine_info(torch, load_start: tuple[float, float, float]) -> dict[str, Any]:
@@ -59,11 +61,19 @@ def machine_info(torch, load_start: tuple[float, float, float]) -> dict[str, Any
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "kernel_march": os.environ.get("AREAL_KERNEL_MARCH", "native"),
-            "isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                                   "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
-            "load_average_start": load_start, "load_average_end": os.getloadavg()}
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_march": os.environ.get("AREAL_KERNEL_MARCH", "native"),
+        "isa_env": {
+            k: os.environ[k]
+            for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+            if k in os.environ
+        },
+        "load_average_start": load_start,
+        "load_average_end": os.getloadavg(),
+    }
 
 
 def resolve_model(name: str, tmp: str, seed: int, quick: bool) -> str:
@@ -73,15 +83,18 @@ def resolve_model(name: str, tmp: str, seed: int, quick: bool) -> str:
     if name == "tiny":
         from areal_async.testing.tiny import make_tiny_checkpoint
 
-        kw = (dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128) if quick else
-              dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=768))
-        return make_tiny_checkpoint(os.path.join(tmp, "model"), "qwen2", seed=seed, max_position_embeddings=1024,
-                                    **kw)
+        kw = (
+            dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+            if quick
+            else dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=768)
+        )
+        return make_tiny_checkpoint(os.path.join(tmp, "model"), "qwen2", seed=seed, max_position_embeddings=1024, **kw)
     try:
         from areal_async.model_store import resolve_model_path
     except ImportError:
-        raise SystemExit(f"--model {name}: areal_async.model_store is not available here; pass a checkpoint "
-                         "directory instead") from None
+        raise SystemExit(
+            f"--model {name}: areal_async.model_store is not available here; pass a checkpoint directory instead"
+        ) from None
     return resolve_model_path(name)
 
 
@@ -89,8 +102,9 @@ def _lengths(rng, n: int, median: float, sigma: float, max_new: int) -> list[int
     return np.clip(rng.lognormal(np.log(median), sigma, size=n), 8, max_new).astype(int).tolist()
 
 
-def make_workload(n: int, seed: int, vocab_lo: int, vocab_hi: int, median: float, sigma: float,
-                  max_new: int) -> tuple[list[list[int]], list[int]]:
+def make_workload(
+    n: int, seed: int, vocab_lo: int, vocab_hi: int, median: float, sigma: float, max_new: int
+) -> tuple[list[list[int]], list[int]]:
     """Prompts of 16-64 random token ids in [vocab_lo, vocab_hi) and lognormal completion lengths (also used by
     benchmarks/client_streaming.py)."""
     rng = np.random.default_rng(seed)
@@ -98,15 +112,15 @@ def make_workload(n: int, seed: int, vocab_lo: int, vocab_hi: int, median: float
     return prompts, _lengths(rng, n, median, sigma, max_new)
 
 
-def make_chat_workload(tok, n: int, seed: int, median: float, sigma: float,
-                       max_new: int) -> tuple[list[list[int]], list[int]]:
+def make_chat_workload(
+    tok, n: int, seed: int, median: float, sigma: float, max_new: int
+) -> tuple[list[list[int]], list[int]]:
     """Chat-templated user messages of 8-40 random words, and lognormal completion lengths."""
     rng = np.random.default_rng(seed)
     prompts = []
     for _ in range(n):
         words = " ".join(rng.choice(WORDS, size=int(rng.integers(8, 40))))
-        text = tok.apply_chat_template([{"role": "user", "content": words}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": "user", "content": words}], tokenize=False, add_generation_prompt=True)
         prompts.append(tok.encode(text, add_special_tokens=False))
     return prompts, _lengths(rng, n, median, sigma, max_new)
 
@@ -123,9 +137,13 @@ def _drain(stream) -> None:
 def start_server(model_dir: str, threads: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
     """Launch `python -m areal_async.serve` and return (process, URL) once it printed its URL."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.serve", "--model", model_dir, "--port", "0",
-                             "--device", "cpu", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_async.serve", "--model", model_dir, "--port", "0", "--device", "cpu", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     deadline = time.monotonic() + 600
     lines = []
     assert proc.stdout is not None
@@ -154,9 +172,12 @@ async def embedded_run(client, prompts: list[list[int]], lengths: list[int]) -> 
     from areal_async.types import SamplingParams
 
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(
-        client.agenerate(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-        for p, n in zip(prompts, lengths)))
+    results = await asyncio.gather(
+        *(
+            client.agenerate(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+            for p, n in zip(prompts, lengths)
+        )
+    )
     wall = time.perf_counter() - t0
     made = sum(len(r.output_ids) for r in results)
     if made != sum(lengths):
@@ -165,9 +186,15 @@ async def embedded_run(client, prompts: list[list[int]], lengths: list[int]) -> 
 
 
 async def raw_generate(client, prompt: list[int], n: int, logprobs: bool = False) -> dict:
-    return await client.acompletion_raw("/generate", {
-        "input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-        "return_logprob": logprobs, "stream": False})
+    return await client.acompletion_raw(
+        "/generate",
+        {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+            "return_logprob": logprobs,
+            "stream": False,
+        },
+    )
 
 
 async def server_info(url: str) -> dict:
@@ -177,8 +204,7 @@ async def server_info(url: str) -> dict:
         return await r.json()
 
 
-async def pause_latency(client, url: str, prompts: list[list[int]], pause_new: int, prefill_s: float
-                        ) -> dict[str, Any]:
+async def pause_latency(client, url: str, prompts: list[list[int]], pause_new: int, prefill_s: float) -> dict[str, Any]:
     """Every request admitted and decoding (as the RL client sends them: non-streamed, with logprobs), then
     pause(abort): the time until the last one has come back. `prefill_s` (how long these prompts took to prefill in
     the decode runs) is waited out after the last admission, so the pause lands in decode."""
@@ -204,10 +230,17 @@ async def pause_latency(client, url: str, prompts: list[list[int]], pause_new: i
     aborted = sum(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
     decoded = sum(len(o["output_ids"]) > 0 for o in outs)
     if aborted < len(prompts) or decoded < len(prompts):
-        print(f"warning: {aborted} of {len(prompts)} requests aborted by the pause, {decoded} had started decoding",
-              file=sys.stderr)
-    return {"pause_latency_ms": (max(returned) - t_pause) * 1000, "pause_call_ms": (t_call - t_pause) * 1000,
-            "pause_aborted_requests": aborted, "pause_decoding_requests": decoded, "pause_in_flight": len(prompts)}
+        print(
+            f"warning: {aborted} of {len(prompts)} requests aborted by the pause, {decoded} had started decoding",
+            file=sys.stderr,
+        )
+    return {
+        "pause_latency_ms": (max(returned) - t_pause) * 1000,
+        "pause_call_ms": (t_call - t_pause) * 1000,
+        "pause_aborted_requests": aborted,
+        "pause_decoding_requests": decoded,
+        "pause_in_flight": len(prompts),
+    }
 
 
 # ---- transformers and the roofline --------------------------------------------------------------------------------
@@ -227,15 +260,22 @@ class HFGenerate:
         self.ids = torch.full((len(prompts), self.width), self.pad, dtype=torch.long)  # [B, T] left padded
         self.mask = torch.zeros_like(self.ids)  # [B, T]
         for i, p in enumerate(prompts):
-            self.ids[i, self.width - len(p):] = torch.tensor(p)
-            self.mask[i, self.width - len(p):] = 1
+            self.ids[i, self.width - len(p) :] = torch.tensor(p)
+            self.mask[i, self.width - len(p) :] = 1
 
     def run(self, n_new: int) -> float:
         """Seconds for one generate of `n_new` tokens per row."""
         t0 = time.perf_counter()
         with self.torch.inference_mode():
-            out = self.model.generate(input_ids=self.ids, attention_mask=self.mask, max_new_tokens=n_new,
-                                      min_new_tokens=n_new, do_sample=False, use_cache=True, pad_token_id=self.pad)
+            out = self.model.generate(
+                input_ids=self.ids,
+                attention_mask=self.mask,
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=self.pad,
+            )
         wall = time.perf_counter() - t0
         assert out.shape[1] == self.width + n_new  # [B, T + n_new]
         return wall
@@ -247,7 +287,7 @@ class HFGenerate:
         got = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
         with torch.inference_mode():
             logits = self.model(torch.tensor([prompt + ids])).logits[0].float()  # [T, V]
-        lp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+        lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
         return float((lp - got).abs().max())
 
 
@@ -256,11 +296,19 @@ def model_flops(cfg: dict) -> dict[str, Any]:
     h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     d = cfg.get("head_dim") or h // heads
-    shapes = [((h, (heads + 2 * kv) * d), layers), ((heads * d, h), layers), ((h, 2 * i), layers), ((i, h), layers),
-              ((h, cfg["vocab_size"]), 1)]
+    shapes = [
+        ((h, (heads + 2 * kv) * d), layers),
+        ((heads * d, h), layers),
+        ((h, 2 * i), layers),
+        ((i, h), layers),
+        ((h, cfg["vocab_size"]), 1),
+    ]
     per_token = sum(2 * a * b * n for (a, b), n in shapes)
-    return {"shapes": shapes, "matmul_flops_per_token": per_token,
-            "attn_flops_per_ctx_token": 4 * layers * heads * d}  # q.k and p.v, per token of context
+    return {
+        "shapes": shapes,
+        "matmul_flops_per_token": per_token,
+        "attn_flops_per_ctx_token": 4 * layers * heads * d,
+    }  # q.k and p.v, per token of context
 
 
 def gemm_roofline(shapes: list, rows: int, threads: int, seconds: float = 3.0) -> float:
@@ -289,8 +337,9 @@ def gemm_roofline(shapes: list, rows: int, threads: int, seconds: float = 3.0) -
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 
-async def bench(url: str, model_dir: str, cfg: dict, prompts: list[list[int]], lengths: list[int], args,
-                threads: int) -> dict[str, Any]:
+async def bench(
+    url: str, model_dir: str, cfg: dict, prompts: list[list[int]], lengths: list[int], args, threads: int
+) -> dict[str, Any]:
     from areal_async.inference.client import InferenceClient
     from areal_async.types import SamplingParams
 
@@ -300,8 +349,9 @@ async def bench(url: str, model_dir: str, cfg: dict, prompts: list[list[int]], l
     res: dict[str, Any] = {}
     async with InferenceClient([url], probe_interval_s=0.2) as client:
         await wait_healthy(client)
-        await asyncio.gather(*(client.agenerate(p, SamplingParams(max_new_tokens=8, temperature=0.0,
-                                                                  ignore_eos=True)) for p in prompts))  # warm-up
+        await asyncio.gather(
+            *(client.agenerate(p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts)
+        )  # warm-up
         emb_wall, hf_wall, results = math.inf, math.inf, []
         for _ in range(args.repeats):
             wall, out = await embedded_run(client, prompts, lengths)
@@ -311,15 +361,27 @@ async def bench(url: str, model_dir: str, cfg: dict, prompts: list[list[int]], l
                 hf_wall = min(hf_wall, hf.run(longest))
         made = sum(lengths)
         lat = sorted(r.latency_s for r in results)
-        res.update({"embedded_tokens_per_s": made / emb_wall, "embedded_wall_s": emb_wall, "tokens": made,
-                    "embedded_latency_p50_s": lat[len(lat) // 2], "embedded_latency_max_s": lat[-1]})
+        res.update(
+            {
+                "embedded_tokens_per_s": made / emb_wall,
+                "embedded_wall_s": emb_wall,
+                "tokens": made,
+                "embedded_latency_p50_s": lat[len(lat) // 2],
+                "embedded_latency_max_s": lat[-1],
+            }
+        )
         if not args.skip_hf:
-            res.update({"hf_tokens_per_s": made / hf_wall, "hf_wall_s": hf_wall,
-                        "hf_padded_tokens_per_s": len(prompts) * longest / hf_wall})
+            res.update(
+                {
+                    "hf_tokens_per_s": made / hf_wall,
+                    "hf_wall_s": hf_wall,
+                    "hf_padded_tokens_per_s": len(prompts) * longest / hf_wall,
+                }
+            )
 
         # decode at a fixed batch: the difference of two runs of the same prompts is pure decode
-        batch = prompts[:args.decode_batch] * -(-args.decode_batch // len(prompts))
-        batch = batch[:args.decode_batch]
+        batch = prompts[: args.decode_batch] * -(-args.decode_batch // len(prompts))
+        batch = batch[: args.decode_batch]
         short, long_ = 16, 16 + args.decode_steps
         walls = {short: math.inf, long_: math.inf}
         for _ in range(args.repeats):
@@ -332,15 +394,24 @@ async def bench(url: str, model_dir: str, cfg: dict, prompts: list[list[int]], l
         fl = model_flops(cfg)
         flops_per_token = fl["matmul_flops_per_token"] + fl["attn_flops_per_ctx_token"] * mean_ctx
         roof = gemm_roofline(fl["shapes"], len(batch), threads)
-        res.update({"decode_batch": len(batch), "decode_steps": args.decode_steps, "decode_tokens_per_s": decode_tps,
-                    "decode_mean_context": mean_ctx, "flops_per_token": flops_per_token,
-                    "gemm_roofline_gflops": roof / 1e9, "decode_gflops": decode_tps * flops_per_token / 1e9,
-                    "decode_mfu": decode_tps * flops_per_token / roof,
-                    "roofline_tokens_per_s": roof / fl["matmul_flops_per_token"],
-                    "embedded_mfu": made * flops_per_token / emb_wall / roof})
+        res.update(
+            {
+                "decode_batch": len(batch),
+                "decode_steps": args.decode_steps,
+                "decode_tokens_per_s": decode_tps,
+                "decode_mean_context": mean_ctx,
+                "flops_per_token": flops_per_token,
+                "gemm_roofline_gflops": roof / 1e9,
+                "decode_gflops": decode_tps * flops_per_token / 1e9,
+                "decode_mfu": decode_tps * flops_per_token / roof,
+                "roofline_tokens_per_s": roof / fl["matmul_flops_per_token"],
+                "embedded_mfu": made * flops_per_token / emb_wall / roof,
+            }
+        )
 
-        outs = await asyncio.gather(*(raw_generate(client, p, min(n, 64), logprobs=True)
-                                      for p, n in zip(prompts[:4], lengths[:4])))
+        outs = await asyncio.gather(
+            *(raw_generate(client, p, min(n, 64), logprobs=True) for p, n in zip(prompts[:4], lengths[:4]))
+        )
         res["max_logprob_diff_vs_hf"] = max(hf.max_logprob_diff(p, o) for p, o in zip(prompts[:4], outs))
         res.update(await pause_latency(client, url, prompts, args.pause_new, walls[short]))
     return res
@@ -402,29 +473,48 @@ def main() -> None:
 
     if "hf_tokens_per_s" in res:
         res["ratio"] = res["embedded_tokens_per_s"] / res["hf_tokens_per_s"]
-    result = {**res, "settings": {
-        "model": args.model, "quick": args.quick, "requests": n_req, "threads": threads, "repeats": args.repeats,
-        "chat_prompts": chat, "prompt_tokens": {"min": min(map(len, prompts)), "max": max(map(len, prompts))},
-        "max_new_tokens_lognormal": {"median": median, "sigma": sigma, "max": max_new},
-        "sum_new_tokens": sum(lengths), "longest": max(lengths), "pause_max_new_tokens": args.pause_new,
-        "server_args": args.server_arg, "greedy": True, "ignore_eos": True},
-        "machine": machine_info(torch, load_start)}
+    result = {
+        **res,
+        "settings": {
+            "model": args.model,
+            "quick": args.quick,
+            "requests": n_req,
+            "threads": threads,
+            "repeats": args.repeats,
+            "chat_prompts": chat,
+            "prompt_tokens": {"min": min(map(len, prompts)), "max": max(map(len, prompts))},
+            "max_new_tokens_lognormal": {"median": median, "sigma": sigma, "max": max_new},
+            "sum_new_tokens": sum(lengths),
+            "longest": max(lengths),
+            "pause_max_new_tokens": args.pause_new,
+            "server_args": args.server_arg,
+            "greedy": True,
+            "ignore_eos": True,
+        },
+        "machine": machine_info(torch, load_start),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
     rows = [("embedded tokens/s (HTTP)", f"{res['embedded_tokens_per_s']:.0f}")]
     if "ratio" in res:
-        rows += [("transformers useful / padded tokens/s",
-                  f"{res['hf_tokens_per_s']:.0f} / {res['hf_padded_tokens_per_s']:.0f}"),
-                 ("ratio to useful (target >= 4)", f"{res['ratio']:.2f}")]
-    rows += [(f"decode tokens/s at batch {res['decode_batch']}", f"{res['decode_tokens_per_s']:.0f}"),
-             ("GEMM roofline GFLOP/s (same rows, threads)", f"{res['gemm_roofline_gflops']:.0f}"),
-             ("decode MFU (target >= 0.5)", f"{res['decode_mfu']:.2f}"),
-             ("whole-run MFU", f"{res['embedded_mfu']:.2f}"),
-             ("pause to all returned ms (target < 50)", f"{res['pause_latency_ms']:.1f}"),
-             ("max |logprob - transformers| (target < 1e-3)", f"{res['max_logprob_diff_vs_hf']:.2e}"),
-             ("requests / tokens", f"{n_req} / {sum(lengths)} (longest {max(lengths)})")]
+        rows += [
+            (
+                "transformers useful / padded tokens/s",
+                f"{res['hf_tokens_per_s']:.0f} / {res['hf_padded_tokens_per_s']:.0f}",
+            ),
+            ("ratio to useful (target >= 4)", f"{res['ratio']:.2f}"),
+        ]
+    rows += [
+        (f"decode tokens/s at batch {res['decode_batch']}", f"{res['decode_tokens_per_s']:.0f}"),
+        ("GEMM roofline GFLOP/s (same rows, threads)", f"{res['gemm_roofline_gflops']:.0f}"),
+        ("decode MFU (target >= 0.5)", f"{res['decode_mfu']:.2f}"),
+        ("whole-run MFU", f"{res['embedded_mfu']:.2f}"),
+        ("pause to all returned ms (target < 50)", f"{res['pause_latency_ms']:.1f}"),
+        ("max |logprob - transformers| (target < 1e-3)", f"{res['max_logprob_diff_vs_hf']:.2e}"),
+        ("requests / tokens", f"{n_req} / {sum(lengths)} (longest {max(lengths)})"),
+    ]
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")

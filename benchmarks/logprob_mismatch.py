@@ -46,19 +46,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
-def start_server(model_dir: str, device: str, dtype: str, threads: int, max_total_tokens: int,
-                 max_running: int) -> tuple[subprocess.Popen, str]:
+def start_server(
+    model_dir: str, device: str, dtype: str, threads: int, max_total_tokens: int, max_running: int
+) -> tuple[subprocess.Popen, str]:
     """The embedded server in its own process, as a run launches it; returns (process, base URL)."""
     from areal_async.server.cli import READY_PREFIX
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "areal_async.serve", "--model", model_dir, "--port", "0", "--device", device,
-           "--dtype", dtype, "--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.serve",
+        "--model",
+        model_dir,
+        "--port",
+        "0",
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--max-running-requests",
+        str(max_running),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith(READY_PREFIX):
-            return proc, line[len(READY_PREFIX):].strip()
+            return proc, line[len(READY_PREFIX) :].strip()
     proc.wait()
     raise SystemExit(f"the server for {model_dir} did not start (exit status {proc.returncode})")
 
@@ -68,13 +84,17 @@ async def sample_all(url: str, prompts: list[list[int]], samples: int, sampling:
     from areal_async.inference.client import InferenceClient
 
     async with InferenceClient([url]) as client:
-        tasks = [client.agenerate(ids, sampling, session_key=f"p{i}") for i, ids in enumerate(prompts)
-                 for _ in range(samples)]
+        tasks = [
+            client.agenerate(ids, sampling, session_key=f"p{i}")
+            for i, ids in enumerate(prompts)
+            for _ in range(samples)
+        ]
         return await asyncio.gather(*tasks)
 
 
-def mismatch_stats(train_logp: np.ndarray, server_logp: np.ndarray, positions: np.ndarray,
-                   cap: float) -> dict[str, Any]:
+def mismatch_stats(
+    train_logp: np.ndarray, server_logp: np.ndarray, positions: np.ndarray, cap: float
+) -> dict[str, Any]:
     """The figures over response tokens: train_logp, server_logp [T] (the same sampled tokens), positions [T]
     (each token's index in its response)."""
     diff = train_logp - server_logp  # [T] log r, r = pi_trainer / pi_server
@@ -101,9 +121,15 @@ def mismatch_stats(train_logp: np.ndarray, server_logp: np.ndarray, positions: n
     for lo, hi in ((0, 8), (8, 32), (32, 128), (128, 1 << 30)):
         sel = (positions >= lo) & (positions < hi)
         if sel.any():
-            by_pos.append({"positions": f"{lo}-{hi - 1}" if hi < 1 << 30 else f"{lo}+", "tokens": int(sel.sum()),
-                           "mean_abs_diff": float(absd[sel].mean()), "max_abs_diff": float(absd[sel].max()),
-                           "kl_k3_mean": float(k3[sel].mean())})
+            by_pos.append(
+                {
+                    "positions": f"{lo}-{hi - 1}" if hi < 1 << 30 else f"{lo}+",
+                    "tokens": int(sel.sum()),
+                    "mean_abs_diff": float(absd[sel].mean()),
+                    "max_abs_diff": float(absd[sel].max()),
+                    "kl_k3_mean": float(k3[sel].mean()),
+                }
+            )
     out["by_position"] = by_pos
     return out
 
@@ -132,15 +158,28 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32, help="training prompts of the config's dataset")
     ap.add_argument("--samples", type=int, default=4, help="completions per prompt")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1: both sides")
-    ap.add_argument("--dtype", default="auto", choices=sorted(DTYPE_NAMES),
-                    help="both sides; auto: fp32 on CPU, bf16 on CUDA")
+    ap.add_argument(
+        "--dtype", default="auto", choices=sorted(DTYPE_NAMES), help="both sides; auto: fp32 on CPU, bf16 on CUDA"
+    )
     ap.add_argument("--server-dtype", default=None, choices=sorted(DTYPE_NAMES), help="the server's only")
-    ap.add_argument("--train-dtype", default=None, choices=("auto", "fp32", "bf16", "float32", "bfloat16"),
-                    help="the trainer's compute precision only (train.mixed_precision)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads of the server and of the trainer; default: the config's")
-    ap.add_argument("--cap", type=float, default=None,
-                    help="importance-weight cap; default: the config's train.loss.behav_imp_weight_cap")
+    ap.add_argument(
+        "--train-dtype",
+        default=None,
+        choices=("auto", "fp32", "bf16", "float32", "bfloat16"),
+        help="the trainer's compute precision only (train.mixed_precision)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the server and of the trainer; default: the config's",
+    )
+    ap.add_argument(
+        "--cap",
+        type=float,
+        default=None,
+        help="importance-weight cap; default: the config's train.loss.behav_imp_weight_cap",
+    )
     ap.add_argument("--quick", action="store_true", help="4 prompts x 2 samples, 16 new tokens: a smoke test")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the config (as for areal_async.run)")
     args = ap.parse_args()
@@ -179,15 +218,15 @@ def main() -> None:
     tok = Tokenizer(model_dir)
     data = msgspec.structs.replace(cfg.data, num_train=max(args.prompts, 1), num_eval=1)
     train, _ = load_samples(data)
-    items = train[:args.prompts]
+    items = train[: args.prompts]
     prompts = [prompt_ids(tok, s, cfg.data.apply_chat_template) for s in items]
     r = cfg.rollout
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k)
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
     server_threads = threads or cfg.server.torch_threads
-    proc, url = start_server(model_dir, device, server_dtype, server_threads, cfg.server.max_total_tokens,
-                             cfg.server.max_running_requests)
+    proc, url = start_server(
+        model_dir, device, server_dtype, server_threads, cfg.server.max_total_tokens, cfg.server.max_running_requests
+    )
     try:
         t0 = time.perf_counter()
         gens = asyncio.run(sample_all(url, prompts, args.samples, sampling))
@@ -218,27 +257,45 @@ def main() -> None:
     stats = mismatch_stats(logp.astype(np.float64)[mask], server, positions, cap)
     report = {
         "config": os.path.relpath(args.config, ROOT) if os.path.isabs(args.config) else args.config,
-        "overrides": args.overrides, "model": cfg.model.path, "model_dir": model_dir, "device": device,
-        "server_dtype": server_dtype, "train_dtype": train_dtype, "temperature": r.temperature,
-        "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens, "prompts": len(items),
-        "samples_per_prompt": args.samples, "sequences": len(trajs), "train_layout": train_cfg.layout,
-        "micro_batch_tokens": train_cfg.micro_batch_tokens, "threads": {"server": server_threads,
-                                                                         "train": threads or cfg.train.torch_threads},
+        "overrides": args.overrides,
+        "model": cfg.model.path,
+        "model_dir": model_dir,
+        "device": device,
+        "server_dtype": server_dtype,
+        "train_dtype": train_dtype,
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+        "max_new_tokens": r.max_new_tokens,
+        "prompts": len(items),
+        "samples_per_prompt": args.samples,
+        "sequences": len(trajs),
+        "train_layout": train_cfg.layout,
+        "micro_batch_tokens": train_cfg.micro_batch_tokens,
+        "threads": {"server": server_threads, "train": threads or cfg.train.torch_threads},
         "finish_reasons": {k: sum(g.finish_reason == k for g in gens) for k in ("stop", "length", "abort")},
-        "sample_s": round(sample_s, 2), "score_s": round(score_s, 2), **stats,
+        "sample_s": round(sample_s, 2),
+        "score_s": round(score_s, 2),
+        **stats,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"model {cfg.model.path} on {device}: server {server_dtype}, trainer {train_dtype}; temperature "
-          f"{r.temperature}; {len(trajs)} sequences ({len(items)} prompts x {args.samples}), {stats['tokens']} "
-          "sampled tokens")
-    print("| device | server | trainer | tokens | max abs diff | mean abs diff | p99 abs diff | KL k3 | "
-          f"past cap {cap:g} | below 1/cap |")
+    print(
+        f"model {cfg.model.path} on {device}: server {server_dtype}, trainer {train_dtype}; temperature "
+        f"{r.temperature}; {len(trajs)} sequences ({len(items)} prompts x {args.samples}), {stats['tokens']} "
+        "sampled tokens"
+    )
+    print(
+        "| device | server | trainer | tokens | max abs diff | mean abs diff | p99 abs diff | KL k3 | "
+        f"past cap {cap:g} | below 1/cap |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {device} | {server_dtype} | {train_dtype} | {stats['tokens']} | {stats['max_abs_diff']:.3g} | "
-          f"{stats['mean_abs_diff']:.3g} | {stats['abs_diff_quantiles']['0.99']:.3g} | {stats['kl_k3_mean']:.3g} | "
-          f"{stats['frac_over_cap']:.4f} | {stats['frac_under_inv_cap']:.4f} |")
+    print(
+        f"| {device} | {server_dtype} | {train_dtype} | {stats['tokens']} | {stats['max_abs_diff']:.3g} | "
+        f"{stats['mean_abs_diff']:.3g} | {stats['abs_diff_quantiles']['0.99']:.3g} | {stats['kl_k3_mean']:.3g} | "
+        f"{stats['frac_over_cap']:.4f} | {stats['frac_under_inv_cap']:.4f} |"
+    )
     print(f"written to {args.out}")
 
 

@@ -25,8 +25,12 @@ async def _round(engine, prompts: list[list[int]], group: int, max_new: int, tag
     from areal_async.protocol.engine_api import EngineRequest, EngineSampling
 
     async def one(i: int, ids: list[int]) -> tuple[int, int]:
-        req = EngineRequest(rid=f"{tag}-{i}", input_ids=ids, return_logprob=True,
-                            sampling=EngineSampling(max_new_tokens=max_new, temperature=1.0))
+        req = EngineRequest(
+            rid=f"{tag}-{i}",
+            input_ids=ids,
+            return_logprob=True,
+            sampling=EngineSampling(max_new_tokens=max_new, temperature=1.0),
+        )
         n, cached = 0, 0
         async for chunk in engine.generate(req):
             n += len(chunk.new_ids)
@@ -36,9 +40,13 @@ async def _round(engine, prompts: list[list[int]], group: int, max_new: int, tag
     busy0, t0 = engine.busy_s, time.perf_counter()
     results = await asyncio.gather(*(one(i, p) for i, p in enumerate(q for q in prompts for _ in range(group))))
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "busy_s": engine.busy_s - busy0, "tokens": sum(n for n, _ in results),
-            "cached_prompt_tokens": sum(c for _, c in results),
-            "prompt_tokens": sum(len(p) for p in prompts) * group}
+    return {
+        "wall_s": wall,
+        "busy_s": engine.busy_s - busy0,
+        "tokens": sum(n for n, _ in results),
+        "cached_prompt_tokens": sum(c for _, c in results),
+        "prompt_tokens": sum(len(p) for p in prompts) * group,
+    }
 
 
 async def _main(args: argparse.Namespace, model: str, prompts: list[list[int]]) -> dict:
@@ -50,8 +58,8 @@ async def _main(args: argparse.Namespace, model: str, prompts: list[list[int]]) 
     rounds: dict[bool, list[dict]] = {True: [], False: []}
     try:
         for r in range(args.rounds):
-            batch = prompts[(r * args.prompts) % len(prompts):][:args.prompts]
-            for on in ((True, False) if r % 2 == 0 else (False, True)):  # alternate which goes first
+            batch = prompts[(r * args.prompts) % len(prompts) :][: args.prompts]
+            for on in (True, False) if r % 2 == 0 else (False, True):  # alternate which goes first
                 rounds[on].append(await _round(engines[on], batch, args.group, args.max_new_tokens, f"r{r}{on}"))
     finally:
         for e in engines.values():
@@ -59,12 +67,14 @@ async def _main(args: argparse.Namespace, model: str, prompts: list[list[int]]) 
     out = {}
     for on, rs in rounds.items():
         key = "prefix_cache_on" if on else "prefix_cache_off"
-        out[key] = {"wall_s_per_round": statistics.median(x["wall_s"] for x in rs),
-                    "busy_s_per_round": statistics.median(x["busy_s"] for x in rs),
-                    "tokens_per_s": sum(x["tokens"] for x in rs) / sum(x["wall_s"] for x in rs),
-                    "cached_prompt_frac": sum(x["cached_prompt_tokens"] for x in rs)
-                    / max(sum(x["prompt_tokens"] for x in rs), 1),
-                    "rounds": rs}
+        out[key] = {
+            "wall_s_per_round": statistics.median(x["wall_s"] for x in rs),
+            "busy_s_per_round": statistics.median(x["busy_s"] for x in rs),
+            "tokens_per_s": sum(x["tokens"] for x in rs) / sum(x["wall_s"] for x in rs),
+            "cached_prompt_frac": sum(x["cached_prompt_tokens"] for x in rs)
+            / max(sum(x["prompt_tokens"] for x in rs), 1),
+            "rounds": rs,
+        }
     out["speedup_wall"] = out["prefix_cache_off"]["wall_s_per_round"] / out["prefix_cache_on"]["wall_s_per_round"]
     return out
 
@@ -104,14 +114,18 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{args.rounds} rounds of {args.prompts} prompts x {args.group} samples, max_new_tokens "
-          f"{args.max_new_tokens}, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"{args.rounds} rounds of {args.prompts} prompts x {args.group} samples, max_new_tokens "
+        f"{args.max_new_tokens}, load {os.getloadavg()[0]:.2f}"
+    )
     print("| prefix cache | s per round | busy s per round | tokens/s | prompt tokens mapped |")
     print("|---|---|---|---|---|")
     for key in ("prefix_cache_on", "prefix_cache_off"):
         r = result[key]
-        print(f"| {key.rsplit('_', 1)[1]} | {r['wall_s_per_round']:.3f} | {r['busy_s_per_round']:.3f} | "
-              f"{r['tokens_per_s']:.0f} | {100 * r['cached_prompt_frac']:.0f}% |")
+        print(
+            f"| {key.rsplit('_', 1)[1]} | {r['wall_s_per_round']:.3f} | {r['busy_s_per_round']:.3f} | "
+            f"{r['tokens_per_s']:.0f} | {100 * r['cached_prompt_frac']:.0f}% |"
+        )
     print(f"speed-up (s per round): {result['speedup_wall']:.2f}x")
     tmp.cleanup()
 

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from areal_async.net.rpc import RpcClient, RpcServer
-from areal_async.types import Array, Empty, TrainBatch, Trajectory, TrainStepRequest, TrainStepResult, pack_trajectories
+from areal_async.types import Array, Empty, TrainBatch, TrainStepRequest, TrainStepResult, Trajectory, pack_trajectories
 
 SECRET_ENV = "AREAL_BENCH_RPC_SECRET"
 _LEN = struct.Struct(">Q")
@@ -49,17 +49,20 @@ def make_batch(num_trajs: int, mean_len: int, seed: int = 0) -> TrainBatch:
         n = int(rng.integers(mean_len // 2, mean_len * 3 // 2))
         p = min(256, n - 1)
         gen = n - p
-        trajs.append(Trajectory(
-            input_ids=rng.integers(0, 150_000, n).tolist(),
-            loss_mask=[0] * p + [1] * gen,
-            logprobs=[0.0] * p + (-rng.exponential(1.0, gen)).tolist(),
-            versions=[-1] * p + [7] * gen,
-            reward=float(rng.random() < 0.5),
-            group_id=i // 8,
-            prompt_len=p,
-        ))
-    return pack_trajectories(trajs, policy_version=7, global_response_tokens=sum(t.response_len for t in trajs),
-                             global_num_seqs=num_trajs)
+        trajs.append(
+            Trajectory(
+                input_ids=rng.integers(0, 150_000, n).tolist(),
+                loss_mask=[0] * p + [1] * gen,
+                logprobs=[0.0] * p + (-rng.exponential(1.0, gen)).tolist(),
+                versions=[-1] * p + [7] * gen,
+                reward=float(rng.random() < 0.5),
+                group_id=i // 8,
+                prompt_len=p,
+            )
+        )
+    return pack_trajectories(
+        trajs, policy_version=7, global_response_tokens=sum(t.response_len for t in trajs), global_num_seqs=num_trajs
+    )
 
 
 def batch_arrays(batch: TrainBatch) -> dict[str, np.ndarray]:
@@ -141,8 +144,12 @@ def serve_pickle() -> None:
 
 
 def start_child(mode: str, loop: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", mode, "--loop", loop],
-                            stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", mode, "--loop", loop],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
     line = proc.stdout.readline().strip()
     if not line.startswith(("tcp://", "unix://")):
         proc.kill()
@@ -165,7 +172,7 @@ class PickleClient:
     """The baseline's controller side: pickle.dumps, sendall(header + data), recv the pickled reply."""
 
     def __init__(self, address: str) -> None:
-        host, port = address[len("tcp://"):].rsplit(":", 1)
+        host, port = address[len("tcp://") :].rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -181,13 +188,18 @@ class PickleClient:
         self.sock.close()
 
 
-async def measure(rpc_address: str, pickle_address: str | None, batch: TrainBatch, iters: int,
-                  pings: int) -> dict[str, list[float]]:
+async def measure(
+    rpc_address: str, pickle_address: str | None, batch: TrainBatch, iters: int, pings: int
+) -> dict[str, list[float]]:
     """Batch calls, RPC and pickle interleaved so that noise from a shared machine hits both alike; then pings."""
     secret = bytes.fromhex(os.environ[SECRET_ENV])
     request = TrainStepRequest(batch=batch)
-    msg = {"arrays": batch_arrays(batch), "policy_version": batch.policy_version,
-           "global_response_tokens": batch.global_response_tokens, "global_num_seqs": batch.global_num_seqs}
+    msg = {
+        "arrays": batch_arrays(batch),
+        "policy_version": batch.policy_version,
+        "global_response_tokens": batch.global_response_tokens,
+        "global_num_seqs": batch.global_num_seqs,
+    }
     expected = int(batch.loss_mask.to_numpy().sum())
     times: dict[str, list[float]] = {"rpc": [], "pickle": [], "ping": []}
     baseline = PickleClient(pickle_address) if pickle_address else None
@@ -263,8 +275,10 @@ def main() -> None:
     for lp in loops:
         children = [start_child("rpc", lp)] + ([start_child("pickle", "asyncio")] if lp == loops[0] else [])
         try:
-            times = run_loop(lp, measure(children[0][1], children[1][1] if len(children) > 1 else None, batch,
-                                         args.iters, args.pings))
+            times = run_loop(
+                lp,
+                measure(children[0][1], children[1][1] if len(children) > 1 else None, batch, args.iters, args.pings),
+            )
         finally:
             for proc, _ in children:
                 stop_child(proc)
@@ -291,8 +305,10 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
-    print(f"payload: {out['tokens']} tokens in {args.trajectories} trajectories = {out['payload_mb']:.1f} MB "
-          f"of arrays, {args.iters} calls")
+    print(
+        f"payload: {out['tokens']} tokens in {args.trajectories} trajectories = {out['payload_mb']:.1f} MB "
+        f"of arrays, {args.iters} calls"
+    )
     print(f"{'measure':<32}{'value':>12}")
     for key, value in results.items():
         unit = "MB/s" if "mb_per_s" in key else "us"

@@ -21,13 +21,18 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # a process of the run belongs to the first role whose marker is in its command line
-ROLES = (("server", ("areal_async.serve", "sglang.launch_server")), ("trainer", ("areal_async.train.worker",)),
-         ("reward", ("areal_async.rewards",)), ("torchrun", ("torch.distributed.run",)),
-         ("controller", ("areal_async.run",)))
+ROLES = (
+    ("server", ("areal_async.serve", "sglang.launch_server")),
+    ("trainer", ("areal_async.train.worker",)),
+    ("reward", ("areal_async.rewards",)),
+    ("torchrun", ("torch.distributed.run",)),
+    ("controller", ("areal_async.run",)),
+)
 
 
-def run_one(name: str, run_dir: str, overrides: list[str], *, config: str | None = None,
-            timeout_s: float = 3600) -> dict[str, Any]:
+def run_one(
+    name: str, run_dir: str, overrides: list[str], *, config: str | None = None, timeout_s: float = 3600
+) -> dict[str, Any]:
     """One training run as a child process; returns its summary plus the eval and train records, the load average
     during the run (`load`) and the CPU seconds each role's processes got (`cpu_s`)."""
     cmd = [sys.executable, "-m", "areal_async.run"]
@@ -168,10 +173,17 @@ class ProcessMonitor:
         "machine_series": [[epoch s, load, {role: CPU s so far}], ...]}; empty where nothing could be read."""
         if not self.loads:
             return {}
-        return {"load": {"mean": round(sum(self.loads) / len(self.loads), 2), "min": min(self.loads),
-                         "max": max(self.loads), "samples": len(self.loads)},
-                "cpu_s": self._by_role(), "monitored_s": round(self.t1 - self.t0, 1),
-                "machine_series": self.series}
+        return {
+            "load": {
+                "mean": round(sum(self.loads) / len(self.loads), 2),
+                "min": min(self.loads),
+                "max": max(self.loads),
+                "samples": len(self.loads),
+            },
+            "cpu_s": self._by_role(),
+            "monitored_s": round(self.t1 - self.t0, 1),
+            "machine_series": self.series,
+        }
 
 
 def window(series: list, t_from: float, t_to: float) -> dict[str, Any]:
@@ -182,8 +194,12 @@ def window(series: list, t_from: float, t_to: float) -> dict[str, Any]:
         return {}
     (ta, _, ca), (tb, _, cb) = inside[0], inside[-1]
     loads = [s[1] for s in inside]
-    return {"seconds": round(tb - ta, 1), "load_mean": round(sum(loads) / len(loads), 2), "load_max": max(loads),
-            "cpu_s": {r: round(cb.get(r, 0.0) - ca.get(r, 0.0), 1) for r in cb}}
+    return {
+        "seconds": round(tb - ta, 1),
+        "load_mean": round(sum(loads) / len(loads), 2),
+        "load_max": max(loads),
+        "cpu_s": {r: round(cb.get(r, 0.0) - ca.get(r, 0.0), 1) for r in cb},
+    }
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:

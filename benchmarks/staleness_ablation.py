@@ -32,32 +32,57 @@ def main() -> None:
     if args.quick:
         etas = ["0", "none"]
         args.steps = 2
-        extra = ["schedule.batch_size=2", "rollout.group_size=2", "eval.num_prompts=8", "rollout.max_new_tokens=24",
-                 "eval.max_new_tokens=24", *extra]
+        extra = [
+            "schedule.batch_size=2",
+            "rollout.group_size=2",
+            "eval.num_prompts=8",
+            "rollout.max_new_tokens=24",
+            "eval.max_new_tokens=24",
+            *extra,
+        ]
     out_dir = os.path.splitext(os.path.abspath(args.out))[0] + "_runs"
     rows = []
     for eta in etas:
         for objective in ("naive", "decoupled"):
             mode = ["mode=sync"] if eta == "0" else ["mode=async", f"eta={'null' if eta == 'none' else eta}"]
             name = f"eta={eta} {objective}"
-            s = run_one(name, os.path.join(out_dir, f"eta{eta}_{objective}"),
-                        [*mode, f"train.loss.decoupled={'true' if objective == 'decoupled' else 'false'}",
-                         f"total_steps={args.steps}", "schedule.eval_every=0", *extra])
-            rows.append({"eta": eta, "objective": objective, "final_accuracy": s["final_accuracy"],
-                         "base_accuracy": s["base_accuracy"], "wall_s": s["wall_s"],
-                         "trained_samples_per_s": s["trained_samples"] / s["wall_s"],
-                         "max_staleness_seen": s["max_staleness_seen"]})
+            s = run_one(
+                name,
+                os.path.join(out_dir, f"eta{eta}_{objective}"),
+                [
+                    *mode,
+                    f"train.loss.decoupled={'true' if objective == 'decoupled' else 'false'}",
+                    f"total_steps={args.steps}",
+                    "schedule.eval_every=0",
+                    *extra,
+                ],
+            )
+            rows.append(
+                {
+                    "eta": eta,
+                    "objective": objective,
+                    "final_accuracy": s["final_accuracy"],
+                    "base_accuracy": s["base_accuracy"],
+                    "wall_s": s["wall_s"],
+                    "trained_samples_per_s": s["trained_samples"] / s["wall_s"],
+                    "max_staleness_seen": s["max_staleness_seen"],
+                }
+            )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "steps": args.steps, "overrides": extra}, f, indent=2)
-    lines = ["| eta | naive PPO acc | decoupled PPO acc | samples/s (naive / decoupled) | max staleness |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| eta | naive PPO acc | decoupled PPO acc | samples/s (naive / decoupled) | max staleness |",
+        "|---|---|---|---|---|",
+    ]
     for eta in etas:
         n = next(r for r in rows if r["eta"] == eta and r["objective"] == "naive")
         d = next(r for r in rows if r["eta"] == eta and r["objective"] == "decoupled")
-        lines.append(f"| {'unbounded' if eta == 'none' else eta} | {100 * n['final_accuracy']:.1f} | "
-                     f"{100 * d['final_accuracy']:.1f} | {n['trained_samples_per_s']:.2f} / "
-                     f"{d['trained_samples_per_s']:.2f} | {max(n['max_staleness_seen'], d['max_staleness_seen'])} |")
+        lines.append(
+            f"| {'unbounded' if eta == 'none' else eta} | {100 * n['final_accuracy']:.1f} | "
+            f"{100 * d['final_accuracy']:.1f} | {n['trained_samples_per_s']:.2f} / "
+            f"{d['trained_samples_per_s']:.2f} | {max(n['max_staleness_seen'], d['max_staleness_seen'])} |"
+        )
     table = "\n".join(lines)
     base = os.path.splitext(args.out)[0]
     with open(base + ".md", "w") as f:
@@ -75,8 +100,9 @@ def _plot(rows: list[dict], etas: list[str], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = list(range(len(etas)))
     for objective, marker in (("naive", "s--"), ("decoupled", "o-")):
-        ys = [100 * next(r["final_accuracy"] for r in rows if r["eta"] == e and r["objective"] == objective)
-              for e in etas]
+        ys = [
+            100 * next(r["final_accuracy"] for r in rows if r["eta"] == e and r["objective"] == objective) for e in etas
+        ]
         ax.plot(xs, ys, marker, label=f"{objective} PPO")
     ax.set_xticks(xs, ["inf" if e == "none" else e for e in etas])
     ax.set_xlabel("max staleness eta")

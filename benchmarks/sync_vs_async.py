@@ -45,8 +45,15 @@ MODES = [
     ("async eta=2, no interruption", ["mode=async", "eta=2", "schedule.interruptible=false"]),
     ("async eta=2, in place", ["mode=async", "eta=2", "schedule.interrupt_mode=in_place"]),
 ]
-DEFAULT_MODES = ["sync", "async eta=1", "async eta=2", "async eta=4", "async eta=8", "async eta=4, no interruption",
-                 "async eta=4, in place"]
+DEFAULT_MODES = [
+    "sync",
+    "async eta=1",
+    "async eta=2",
+    "async eta=4",
+    "async eta=8",
+    "async eta=4, no interruption",
+    "async eta=4, in place",
+]
 
 
 def main() -> None:
@@ -56,11 +63,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="2 modes, 2 steps, tiny batches: a smoke test")
-    ap.add_argument("--modes", nargs="*", default=None,
-                    help=f"mode names (default: {', '.join(DEFAULT_MODES)}); all: {', '.join(m[0] for m in MODES)}")
+    ap.add_argument(
+        "--modes",
+        nargs="*",
+        default=None,
+        help=f"mode names (default: {', '.join(DEFAULT_MODES)}); all: {', '.join(m[0] for m in MODES)}",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode (paired speedups, medians)")
-    ap.add_argument("--report-only", action="store_true",
-                    help="rebuild the JSON, table and plot from the runs already in the output folder")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild the JSON, table and plot from the runs already in the output folder",
+    )
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
     names = args.modes or DEFAULT_MODES
@@ -71,8 +85,14 @@ def main() -> None:
     extra = list(args.overrides)
     if args.quick:
         modes = [MODES[0], MODES[3]]
-        extra = ["schedule.batch_size=2", "rollout.group_size=2", "eval.num_prompts=8", "rollout.max_new_tokens=24",
-                 "eval.max_new_tokens=24", *extra]
+        extra = [
+            "schedule.batch_size=2",
+            "rollout.group_size=2",
+            "eval.num_prompts=8",
+            "rollout.max_new_tokens=24",
+            "eval.max_new_tokens=24",
+            *extra,
+        ]
         args.steps = 2
     out_dir = os.path.splitext(os.path.abspath(args.out))[0] + "_runs"
     rounds: list[list[dict]] = []
@@ -85,9 +105,18 @@ def main() -> None:
                 s = load_run(name, run_dir)
             else:
                 # no wall-time cap (a config may set one): every mode trains the same number of samples
-                s = run_one(name, run_dir,
-                            [*ov, f"total_steps={args.steps}", f"schedule.eval_every={args.eval_every}",
-                             "schedule.max_wall_s=null", *extra], config=args.config)
+                s = run_one(
+                    name,
+                    run_dir,
+                    [
+                        *ov,
+                        f"total_steps={args.steps}",
+                        f"schedule.eval_every={args.eval_every}",
+                        "schedule.max_wall_s=null",
+                        *extra,
+                    ],
+                    config=args.config,
+                )
             runs.append(_row(name, s, rnd))
         sync = next((r for r in runs if r["mode"] == "sync"), None)
         limit = overlap_limit(sync) if sync else None
@@ -98,22 +127,41 @@ def main() -> None:
             r["limit_frac"] = r["speedup_vs_sync"] / limit if limit else None
         rounds.append(runs)
     runs = [_median_round([rnd[i] for rnd in rounds]) for i in range(len(modes))]
-    result = {"runs": runs, "rounds": rounds, "repeats": args.repeats, "steps": args.steps, "overrides": extra,
-              "config": args.config}
+    result = {
+        "runs": runs,
+        "rounds": rounds,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "overrides": extra,
+        "config": args.config,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    table = markdown_table(runs, [
-        ("name", "mode", ""), ("wall_s", "wall s", ".1f"), ("speedup_vs_sync", "speedup", ".2f"),
-        ("wall_rounds", "wall s, each round", ""), ("speedup_rounds", "speedup, each round", ""),
-        ("wall_excl_eval_s", "wall s w/o eval", ".1f"), ("speedup_excl_eval", "speedup w/o eval", ".2f"),
-        ("overlap_limit", "overlap limit", ".2f"), ("limit_frac", "of limit", ".2f"),
-        ("trained_samples", "samples", "d"), ("trained_samples_per_s", "samples/s", ".2f"),
-        ("generated_tokens_per_s", "gen tok/s", ".0f"), ("server_busy_frac", "server busy", ".2f"),
-        ("trainer_busy_frac", "trainer busy", ".2f"), ("base_accuracy", "base acc", ".3f"),
-        ("final_accuracy", "final acc", ".3f"), ("staleness_mean", "mean stale", ".2f"),
-        ("max_staleness_seen", "max stale", "d"), ("load_mean", "load", ".1f"),
-    ])
+    table = markdown_table(
+        runs,
+        [
+            ("name", "mode", ""),
+            ("wall_s", "wall s", ".1f"),
+            ("speedup_vs_sync", "speedup", ".2f"),
+            ("wall_rounds", "wall s, each round", ""),
+            ("speedup_rounds", "speedup, each round", ""),
+            ("wall_excl_eval_s", "wall s w/o eval", ".1f"),
+            ("speedup_excl_eval", "speedup w/o eval", ".2f"),
+            ("overlap_limit", "overlap limit", ".2f"),
+            ("limit_frac", "of limit", ".2f"),
+            ("trained_samples", "samples", "d"),
+            ("trained_samples_per_s", "samples/s", ".2f"),
+            ("generated_tokens_per_s", "gen tok/s", ".0f"),
+            ("server_busy_frac", "server busy", ".2f"),
+            ("trainer_busy_frac", "trainer busy", ".2f"),
+            ("base_accuracy", "base acc", ".3f"),
+            ("final_accuracy", "final acc", ".3f"),
+            ("staleness_mean", "mean stale", ".2f"),
+            ("max_staleness_seen", "max stale", "d"),
+            ("load_mean", "load", ".1f"),
+        ],
+    )
     base = os.path.splitext(args.out)[0]
     with open(base + ".md", "w") as f:
         f.write(table + "\n")
@@ -125,22 +173,33 @@ def _row(name: str, s: dict, rnd: int) -> dict:
     wall = s["wall_s"]
     t = s["timings"]
     return {
-        "name": name, "round": rnd, "mode": s["mode"], "eta": s["eta"], "interruptible": s["interruptible"],
+        "name": name,
+        "round": rnd,
+        "mode": s["mode"],
+        "eta": s["eta"],
+        "interruptible": s["interruptible"],
         # the base and final evals lie outside wall_s; periodic ones count only where the trainer waited for them
-        "wall_s": wall, "eval_s": t["eval_s"], "eval_wait_s": t["eval_wait_s"],
+        "wall_s": wall,
+        "eval_s": t["eval_s"],
+        "eval_wait_s": t["eval_wait_s"],
         "wall_excl_eval_s": wall - t["eval_wait_s"],
-        "train_s": t["train_s"], "wait_batch_s": t["wait_batch_s"],
+        "train_s": t["train_s"],
+        "wait_batch_s": t["wait_batch_s"],
         "trained_samples": s["trained_samples"],
         "trained_samples_per_s": s["trained_samples"] / wall,
         "generated_tokens_per_s": s["rollout"]["generated_tokens"] / wall,
-        "server_busy_frac": (s["server_busy_s"] / (wall * s.get("num_servers", 1))
-                             if s.get("server_busy_s") is not None else None),
+        "server_busy_frac": (
+            s["server_busy_s"] / (wall * s.get("num_servers", 1)) if s.get("server_busy_s") is not None else None
+        ),
         "trainer_busy_frac": (t["train_s"] + t["publish_s"]) / wall,
-        "base_accuracy": s["base_accuracy"], "final_accuracy": s["final_accuracy"],
-        "max_staleness_seen": s["max_staleness_seen"], "staleness_hist": s["staleness_hist"],
+        "base_accuracy": s["base_accuracy"],
+        "final_accuracy": s["final_accuracy"],
+        "max_staleness_seen": s["max_staleness_seen"],
+        "staleness_hist": s["staleness_hist"],
         "staleness_mean": _hist_mean(s["staleness_hist"]),
         "eval_curve": [(e["wall_s"], e["accuracy"]) for e in s["evals"]],
-        "load_mean": (s.get("load") or {}).get("mean"), "load_max": (s.get("load") or {}).get("max"),
+        "load_mean": (s.get("load") or {}).get("mean"),
+        "load_max": (s.get("load") or {}).get("max"),
         "cpu_s": s.get("cpu_s"),
     }
 

@@ -36,8 +36,14 @@ def sample_lengths(n: int, lo: int, hi: int, median: float, sigma: float, seed: 
     return [int(x) for x in np.clip(rng.lognormal(np.log(median), sigma, n), lo, hi).round()]
 
 
-def train_pass(model, seqs: list[torch.Tensor], adv: list[float], micro_batches: list[list[int]], padded: bool,
-               opt: torch.optim.Optimizer | None) -> float:
+def train_pass(
+    model,
+    seqs: list[torch.Tensor],
+    adv: list[float],
+    micro_batches: list[list[int]],
+    padded: bool,
+    opt: torch.optim.Optimizer | None,
+) -> float:
     """One pass over the batch; returns seconds. The loss normaliser is the batch's token count, as in training."""
     cfg = LossConfig(behav_imp_weight_cap=None)
     total = float(sum(s.numel() - 1 for s in seqs))
@@ -92,10 +98,17 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_checkpoint(os.path.join(tmp, "qwen2"), "qwen2", hidden_size=args.hidden,
-                                    num_layers=args.layers, num_heads=4, num_kv_heads=2,
-                                    intermediate_size=4 * args.hidden, max_position_embeddings=2 * args.max_len,
-                                    seed=args.seed)
+        path = make_tiny_checkpoint(
+            os.path.join(tmp, "qwen2"),
+            "qwen2",
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=4 * args.hidden,
+            max_position_embeddings=2 * args.max_len,
+            seed=args.seed,
+        )
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
     model.to(args.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if args.optim else None
@@ -131,21 +144,34 @@ def main(argv: list[str] | None = None) -> dict:
         "packed_micro_batches": len(packed_mbs),
         "padded_micro_batches": len(padded_mbs),
         "max_packed_tokens": max(sum(lens[i] for i in mb) for mb in packed_mbs),
-        "lengths": {"min": min(lens), "median": int(statistics.median(lens)), "mean": real_tokens / len(lens),
-                    "max": max(lens)},
+        "lengths": {
+            "min": min(lens),
+            "median": int(statistics.median(lens)),
+            "mean": real_tokens / len(lens),
+            "max": max(lens),
+        },
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "env": {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                "python": platform.python_version(), "cpu_count": os.cpu_count()},
+        "env": {
+            "device": args.device,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+        },
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"{'layout':<8} {'micro-batches':>13} {'token slots':>12} {'seconds':>8} {'tokens/s':>10}")
-    for name, mbs, slots, secs in (("packed", packed_mbs, real_tokens, packed_s),
-                                   ("padded", padded_mbs, padded_slots, padded_s)):
+    for name, mbs, slots, secs in (
+        ("packed", packed_mbs, real_tokens, packed_s),
+        ("padded", padded_mbs, padded_slots, padded_s),
+    ):
         print(f"{name:<8} {len(mbs):>13} {slots:>12} {secs:>8.2f} {real_tokens / secs:>10.0f}")
-    print(f"ratio packed/padded throughput: {result['ratio']:.2f}x  (padding {result['padding_fraction']:.0%}, "
-          f"{len(lens)} sequences, lengths {min(lens)}..{max(lens)}, median {result['lengths']['median']})")
+    print(
+        f"ratio packed/padded throughput: {result['ratio']:.2f}x  (padding {result['padding_fraction']:.0%}, "
+        f"{len(lens)} sequences, lengths {min(lens)}..{max(lens)}, median {result['lengths']['median']})"
+    )
     return result
 
 

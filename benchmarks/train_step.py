@@ -52,9 +52,17 @@ import numpy as np
 WORDS = ("apples", "boxes", "trains", "miles", "coins", "books", "hours", "tickets", "students", "pencils")
 
 
-def make_batch(num_groups: int, group_size: int, prompt_len: tuple[int, int], resp_len: tuple[int, int],
-               vocab: int, policy_version: int, seed: int, resp_spread: int | None = None,
-               prompts: list[list[int]] | None = None):
+def make_batch(
+    num_groups: int,
+    group_size: int,
+    prompt_len: tuple[int, int],
+    resp_len: tuple[int, int],
+    vocab: int,
+    policy_version: int,
+    seed: int,
+    resp_spread: int | None = None,
+    prompts: list[list[int]] | None = None,
+):
     """A TrainBatch of `num_groups` x `group_size` trajectories: a shared prompt per group (`prompts[g]` when given,
     else random tokens of a length uniform in `prompt_len`), behaviour logprobs around log(1 / vocab) with a few far
     below (so the importance-weight cap bites), 0/1 rewards varying within groups. `resp_spread`: answers to one
@@ -77,11 +85,18 @@ def make_batch(num_groups: int, group_size: int, prompt_len: tuple[int, int], re
             else:
                 r_len = max(1, base + int(rng.integers(-resp_spread, resp_spread + 1)))
             resp = rng.integers(2, vocab, r_len).tolist()
-            behav = (np.log(1.0 / vocab) + rng.normal(0.0, 0.3, r_len)
-                     - 2.5 * (rng.random(r_len) < 0.05)).tolist()
-            trajs.append(Trajectory(input_ids=prompt + resp, loss_mask=[0] * p_len + [1] * r_len,
-                                    logprobs=[0.0] * p_len + behav, versions=[-1] * p_len + [policy_version] * r_len,
-                                    reward=float(rng.integers(0, 2)), group_id=g, prompt_len=p_len))
+            behav = (np.log(1.0 / vocab) + rng.normal(0.0, 0.3, r_len) - 2.5 * (rng.random(r_len) < 0.05)).tolist()
+            trajs.append(
+                Trajectory(
+                    input_ids=prompt + resp,
+                    loss_mask=[0] * p_len + [1] * r_len,
+                    logprobs=[0.0] * p_len + behav,
+                    versions=[-1] * p_len + [policy_version] * r_len,
+                    reward=float(rng.integers(0, 2)),
+                    group_id=g,
+                    prompt_len=p_len,
+                )
+            )
     resp_tokens = sum(t.response_len for t in trajs)
     return pack_trajectories(trajs, policy_version, resp_tokens, len(trajs)), trajs
 
@@ -101,8 +116,9 @@ def chat_prompts(model_dir: str, n: int, length: tuple[int, int], seed: int) -> 
             w1, w2 = (str(x) for x in rng.choice(WORDS, 2))
             clauses.append(f"A shop has {a} {w1} and sells {b} {w2} each day.")
             text = " ".join(clauses) + " How many are left after a week? Think step by step."
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=True)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
             if len(ids) >= length[0]:
                 break
@@ -118,8 +134,10 @@ def resolve_model(name: str) -> str:
     try:
         from areal_async.model_store import resolve_model_path
     except ImportError:
-        raise SystemExit(f"--model {name}: not a directory, and areal_async.model_store (which converts named "
-                         f"models) is not available; pass the converted checkpoint directory") from None
+        raise SystemExit(
+            f"--model {name}: not a directory, and areal_async.model_store (which converts named "
+            f"models) is not available; pass the converted checkpoint directory"
+        ) from None
     return resolve_model_path(name)
 
 
@@ -141,8 +159,14 @@ def gemm_shapes(hf_config) -> list[tuple[int, int, float]]:
     h, inter, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    return [(h, q, layers), (h, kv, 2 * layers), (q, h, layers), (h, inter, 2 * layers), (inter, h, layers),
-            (h, c.vocab_size, 1)]
+    return [
+        (h, q, layers),
+        (h, kv, 2 * layers),
+        (q, h, layers),
+        (h, inter, 2 * layers),
+        (inter, h, layers),
+        (h, c.vocab_size, 1),
+    ]
 
 
 def gemm_roofline(hf_config, rows: int, dtype, reps: int = 2) -> dict:
@@ -224,12 +248,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per thread count first")
     ap.add_argument("--groups", type=int, default=None, help="prompt groups (default 16, real model 8)")
     ap.add_argument("--group-size", type=int, default=None, help="samples per prompt (default 8, real model 4)")
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=None,
-                    help="prompt length range (default 26-36: the default task; real model 60-100)")
+    ap.add_argument(
+        "--prompt-len",
+        type=int,
+        nargs=2,
+        default=None,
+        help="prompt length range (default 26-36: the default task; real model 60-100)",
+    )
     ap.add_argument("--resp-len", type=int, nargs=2, default=None, help="answer lengths (15-60; real model 30-200)")
-    ap.add_argument("--resp-spread", type=int, default=None,
-                    help="answers to one prompt differ by up to this many tokens; -1: every length independent "
-                         "(default 6; real model -1)")
+    ap.add_argument(
+        "--resp-spread",
+        type=int,
+        default=None,
+        help="answers to one prompt differ by up to this many tokens; -1: every length independent "
+        "(default 6; real model -1)",
+    )
     ap.add_argument("--hidden", type=int, default=128, help="tiny model only")
     ap.add_argument("--layers", type=int, default=4, help="tiny model only")
     ap.add_argument("--threads", default="1", help="torch intra-op threads, comma-separated counts alternate")
@@ -242,8 +275,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("overrides", nargs="*", help="TrainConfig key=value overrides, e.g. train.ppo_minibatches=2")
     args = ap.parse_args(argv)
     real = args.model != "tiny"
-    defaults = dict(steps=3, groups=8, group_size=4, prompt_len=(60, 100), resp_len=(30, 200), resp_spread=-1) \
-        if real else dict(steps=5, groups=16, group_size=8, prompt_len=(26, 36), resp_len=(15, 60), resp_spread=6)
+    defaults = (
+        dict(steps=3, groups=8, group_size=4, prompt_len=(60, 100), resp_len=(30, 200), resp_spread=-1)
+        if real
+        else dict(steps=5, groups=16, group_size=8, prompt_len=(26, 36), resp_len=(15, 60), resp_spread=6)
+    )
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -258,9 +294,16 @@ def main(argv: list[str] | None = None) -> dict:
     from areal_async.train.engine import TrainEngine, init_distributed
 
     # the default run's trainer settings (configs/default.yaml), then the command line's
-    cfg_dict = _apply_overrides({"device": "cpu", "micro_batch_tokens": 2048 if real else 1024, "ppo_minibatches": 1,
-                                 "loss": {"eps_clip": 0.2, "behav_imp_weight_cap": 5.0},
-                                 "optim": {"lr": 1e-6 if real else 1e-4, "grad_clip": 1.0}}, args.overrides)
+    cfg_dict = _apply_overrides(
+        {
+            "device": "cpu",
+            "micro_batch_tokens": 2048 if real else 1024,
+            "ppo_minibatches": 1,
+            "loss": {"eps_clip": 0.2, "behav_imp_weight_cap": 5.0},
+            "optim": {"lr": 1e-6 if real else 1e-4, "grad_clip": 1.0},
+        },
+        args.overrides,
+    )
     cfg = from_dict(cfg_dict, TrainConfig)
     device = init_distributed(cfg.device)
     per_threads: dict[int, list[dict]] = {t: [] for t in threads}
@@ -268,11 +311,20 @@ def main(argv: list[str] | None = None) -> dict:
         if real:
             path = resolve_model(args.model)
         else:
-            path = make_tiny_checkpoint(os.path.join(tmp, "qwen2"), "qwen2", hidden_size=args.hidden,
-                                        num_layers=args.layers, num_heads=4, num_kv_heads=2,
-                                        intermediate_size=4 * args.hidden, seed=args.seed)
-        switches = {**({"layout": args.layout} if args.layout != "auto" else {}),
-                    **({"fold_prox": False} if args.no_fold else {})}
+            path = make_tiny_checkpoint(
+                os.path.join(tmp, "qwen2"),
+                "qwen2",
+                hidden_size=args.hidden,
+                num_layers=args.layers,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=4 * args.hidden,
+                seed=args.seed,
+            )
+        switches = {
+            **({"layout": args.layout} if args.layout != "auto" else {}),
+            **({"fold_prox": False} if args.no_fold else {}),
+        }
         engine = TrainEngine(path, cfg, seed=args.seed, device=device, **switches)
         if args.compile:
             for layer in engine.model.model.layers:
@@ -285,11 +337,17 @@ def main(argv: list[str] | None = None) -> dict:
         for i, nthreads in enumerate(order):
             timed = i >= args.warmup * len(threads)
             torch.set_num_threads(nthreads)
-            batch, trajs = make_batch(args.groups, args.group_size, tuple(args.prompt_len), tuple(args.resp_len),
-                                      engine.vocab_size, engine.version, args.seed + i,
-                                      None if args.resp_spread < 0 else args.resp_spread,
-                                      prompts=prompts[i * args.groups % len(prompts):][:args.groups]
-                                      if prompts else None)
+            batch, trajs = make_batch(
+                args.groups,
+                args.group_size,
+                tuple(args.prompt_len),
+                tuple(args.resp_len),
+                engine.vocab_size,
+                engine.version,
+                args.seed + i,
+                None if args.resp_spread < 0 else args.resp_spread,
+                prompts=prompts[i * args.groups % len(prompts) :][: args.groups] if prompts else None,
+            )
             roof = gemm_roofline(engine.hf_config, args.gemm_rows, engine.compute_dtype) if timed else None
             if timed and args.profile and profiler is None:
                 import cProfile
@@ -319,17 +377,30 @@ def main(argv: list[str] | None = None) -> dict:
             flops = 6.0 * n_matmul * tokens_run + attention_flops(rows, n_layers, attn_width)
             parts = dict(engine.last_timings)
             parts["other"] = max(wall - sum(parts.values()), 0.0)
-            per_threads[nthreads].append({
-                "wall_s": wall, "cpu_s": cpu, "parts": parts, "tokens": stats["tokens"], "tokens_run": tokens_run,
-                "model_gflop": flops / 1e9, "gflops": flops / wall / 1e9, "roofline_gflops": roof["gflops"],
-                "mfu": flops / wall / 1e9 / roof["gflops"], "roofline_shapes": roof["per_shape_gflops"],
-                # the same ratio in process CPU seconds (step and GEMMs alike): steadier on a shared machine, where
-                # wall time includes the time other processes held the cores
-                "roofline_gflops_per_cpu_s": roof["gflops_per_cpu_s"],
-                "mfu_cpu": flops / cpu / 1e9 / roof["gflops_per_cpu_s"],
-                "rss_before_gb": rss_before / 2**20, "peak_rss_gb": peak / 2**20,
-                "num_seqs": stats["num_seqs"], "loss": stats["loss"], "grad_norm": stats["grad_norm"],
-                "loadavg_1m": os.getloadavg()[0]})
+            per_threads[nthreads].append(
+                {
+                    "wall_s": wall,
+                    "cpu_s": cpu,
+                    "parts": parts,
+                    "tokens": stats["tokens"],
+                    "tokens_run": tokens_run,
+                    "model_gflop": flops / 1e9,
+                    "gflops": flops / wall / 1e9,
+                    "roofline_gflops": roof["gflops"],
+                    "mfu": flops / wall / 1e9 / roof["gflops"],
+                    "roofline_shapes": roof["per_shape_gflops"],
+                    # the same ratio in process CPU seconds (step and GEMMs alike): steadier on a shared machine, where
+                    # wall time includes the time other processes held the cores
+                    "roofline_gflops_per_cpu_s": roof["gflops_per_cpu_s"],
+                    "mfu_cpu": flops / cpu / 1e9 / roof["gflops_per_cpu_s"],
+                    "rss_before_gb": rss_before / 2**20,
+                    "peak_rss_gb": peak / 2**20,
+                    "num_seqs": stats["num_seqs"],
+                    "loss": stats["loss"],
+                    "grad_norm": stats["grad_norm"],
+                    "loadavg_1m": os.getloadavg()[0],
+                }
+            )
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(args.profile)
@@ -355,36 +426,60 @@ def main(argv: list[str] | None = None) -> dict:
             "steps": steps,
         }
     result = {
-        "model": args.model, "model_path": path if real else "tiny", "num_params": engine.num_params,
-        "matmul_params": n_matmul, "by_threads": summary,
+        "model": args.model,
+        "model_path": path if real else "tiny",
+        "num_params": engine.num_params,
+        "matmul_params": n_matmul,
+        "by_threads": summary,
         "tokens_per_step": statistics.mean(s["tokens"] for st in per_threads.values() for s in st),
         "tokens_run_per_step": statistics.mean(s["tokens_run"] for st in per_threads.values() for s in st),
-        "seqs_per_step": args.groups * args.group_size, "rss_after_load_gb": rss_loaded / 2**20,
-        "layout": engine.layout, "step_layout": getattr(engine, "last_step_layout", engine.layout),
-        "fold_prox": engine.fold_prox, "compute_dtype": str(engine.compute_dtype),
-        "compile": args.compile, "train_config": cfg_dict,
+        "seqs_per_step": args.groups * args.group_size,
+        "rss_after_load_gb": rss_loaded / 2**20,
+        "layout": engine.layout,
+        "step_layout": getattr(engine, "last_step_layout", engine.layout),
+        "fold_prox": engine.fold_prox,
+        "compute_dtype": str(engine.compute_dtype),
+        "compile": args.compile,
+        "train_config": cfg_dict,
         "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
-        "env": {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
-                "cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]},
+        "env": {
+            "device": str(device),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_1m": os.getloadavg()[0],
+        },
     }
     # the tiny model's earlier reports read these at the top level
     first = summary[str(threads[0])]
-    result.update({"s_per_step": first["s_per_step"], "cpu_s_per_step": first["cpu_s_per_step"],
-                   "tokens_per_s": first["trained_tokens_per_s"], "breakdown_s": first["breakdown_s"]})
+    result.update(
+        {
+            "s_per_step": first["s_per_step"],
+            "cpu_s_per_step": first["cpu_s_per_step"],
+            "tokens_per_s": first["trained_tokens_per_s"],
+            "breakdown_s": first["breakdown_s"],
+        }
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{args.model}: {args.groups}x{args.group_size} seqs, {result['tokens_per_step']:.0f} tokens/step "
-          f"({result['tokens_run_per_step']:.0f} run), micro_batch_tokens={cfg.micro_batch_tokens}, "
-          f"layout={engine.layout} (last step: {result['step_layout']}), dtype={engine.compute_dtype}, "
-          f"compile={args.compile}, "
-          f"load {os.getloadavg()[0]:.2f}")
-    print(f"{'threads':>7} {'s/step':>8} {'tok/s':>8} {'GFLOP/s':>8} {'roof':>8} {'MFU':>6} {'MFU cpu':>7} "
-          f"{'peak GB':>8}   breakdown s")
+    print(
+        f"{args.model}: {args.groups}x{args.group_size} seqs, {result['tokens_per_step']:.0f} tokens/step "
+        f"({result['tokens_run_per_step']:.0f} run), micro_batch_tokens={cfg.micro_batch_tokens}, "
+        f"layout={engine.layout} (last step: {result['step_layout']}), dtype={engine.compute_dtype}, "
+        f"compile={args.compile}, "
+        f"load {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'threads':>7} {'s/step':>8} {'tok/s':>8} {'GFLOP/s':>8} {'roof':>8} {'MFU':>6} {'MFU cpu':>7} "
+        f"{'peak GB':>8}   breakdown s"
+    )
     for t, s in summary.items():
         parts = " ".join(f"{k}={v:.2f}" for k, v in s["breakdown_s"].items())
-        print(f"{t:>7} {s['s_per_step']:>8.2f} {s['trained_tokens_per_s']:>8.0f} {s['model_gflops']:>8.1f} "
-              f"{s['roofline_gflops']:>8.1f} {s['mfu']:>6.1%} {s['mfu_cpu']:>7.1%} {s['peak_rss_gb']:>8.2f}   {parts}")
+        print(
+            f"{t:>7} {s['s_per_step']:>8.2f} {s['trained_tokens_per_s']:>8.0f} {s['model_gflops']:>8.1f} "
+            f"{s['roofline_gflops']:>8.1f} {s['mfu']:>6.1%} {s['mfu_cpu']:>7.1%} {s['peak_rss_gb']:>8.2f}   {parts}"
+        )
     return result
 
 

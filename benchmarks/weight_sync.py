@@ -49,15 +49,16 @@ SHAPES = {
 
 async def _measure(model_dir: str, work: str, args: argparse.Namespace) -> dict:
     from areal_async.inference.client import InferenceClient
-    from areal_async.server.app import start_server
     from areal_async.launch import Processes
+    from areal_async.server.app import start_server
     from areal_async.train.client import TrainerGroup
 
     secret = secrets.token_bytes(32)
     launcher = Processes(os.path.join(work, "run"))
     cfg = json.dumps({"torch_threads": args.threads})
-    child = launcher.start_trainers(model=model_dir, nproc=args.nproc, config_json=cfg, seed=1,
-                                    secret_hex=secret.hex(), torch_threads=args.threads)
+    child = launcher.start_trainers(
+        model=model_dir, nproc=args.nproc, config_json=cfg, seed=1, secret_hex=secret.hex(), torch_threads=args.threads
+    )
     server = client = group = None
     try:
         server = await start_server(model_dir, port=0, device="cpu", max_total_tokens=1024, max_running_requests=4)
@@ -87,13 +88,20 @@ async def _measure(model_dir: str, work: str, args: argparse.Namespace) -> dict:
             peak.append(res.memory_peak_bytes)
         med = statistics.median
         row = {
-            "weights_gb": gb, "num_buckets": len(plan.buckets), "nproc": args.nproc,
-            "publish_s": med(publish), "load_s": med(load), "disk_total_s": med(publish) + med(load),
-            "broadcast_s": med(bcast), "broadcast_trainer_s": med(bcast_trainer), "broadcast_init_s": init_s,
+            "weights_gb": gb,
+            "num_buckets": len(plan.buckets),
+            "nproc": args.nproc,
+            "publish_s": med(publish),
+            "load_s": med(load),
+            "disk_total_s": med(publish) + med(load),
+            "broadcast_s": med(bcast),
+            "broadcast_trainer_s": med(bcast_trainer),
+            "broadcast_init_s": init_s,
             # rank 0 during a broadcast: the most gathered bytes it held at once (bounded by the largest bucket),
             # and its peak memory above the level at the start (host RSS high-water mark here, on CPU)
             "largest_bucket_gb": max(sum(math.prod(sh) * 4 for sh in b.shapes) for b in plan.buckets) / 1e9,
-            "held_peak_gb": max(held) / 1e9, "memory_peak_gb": max(peak) / 1e9,
+            "held_peak_gb": max(held) / 1e9,
+            "memory_peak_gb": max(peak) / 1e9,
         }
         for key in ("publish_s", "load_s", "disk_total_s", "broadcast_s"):
             row[key[:-2] + "_s_per_gb"] = row[key] / gb
@@ -138,26 +146,50 @@ def main() -> None:
     try:
         for size in sizes:
             work = os.path.join(work_root, f"m{size}")
-            model_dir = make_tiny_checkpoint(os.path.join(work, "base"), "qwen2", max_position_embeddings=2048,
-                                             tie_word_embeddings=False, **SHAPES[size])
+            model_dir = make_tiny_checkpoint(
+                os.path.join(work, "base"),
+                "qwen2",
+                max_position_embeddings=2048,
+                tie_word_embeddings=False,
+                **SHAPES[size],
+            )
             row = {"size_label_mb": size, **asyncio.run(_measure(model_dir, work, args))}
             rows.append(row)
             shutil.rmtree(work, ignore_errors=True)
-            print(f"  {size} MB model done: broadcast {row['broadcast_s']:.2f}s, publish+load "
-                  f"{row['disk_total_s']:.2f}s", file=sys.stderr, flush=True)
+            print(
+                f"  {size} MB model done: broadcast {row['broadcast_s']:.2f}s, publish+load {row['disk_total_s']:.2f}s",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         shutil.rmtree(work_root, ignore_errors=True)
-    out = {"benchmark": "weight_sync", "quick": args.quick, "nproc": args.nproc, "repeats": args.repeats,
-           "bucket_mb": args.bucket_mb, "device": "cpu", "backend": "gloo", "machine": platform.platform(),
-           "cpus": os.cpu_count(), "rows": rows}
+    out = {
+        "benchmark": "weight_sync",
+        "quick": args.quick,
+        "nproc": args.nproc,
+        "repeats": args.repeats,
+        "bucket_mb": args.bucket_mb,
+        "device": "cpu",
+        "backend": "gloo",
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
-    cols = [("weights_gb", "GB", "{:.3f}"), ("publish_s", "publish s", "{:.2f}"), ("load_s", "load s", "{:.2f}"),
-            ("disk_total_s_per_gb", "disk s/GB", "{:.2f}"), ("broadcast_s", "bcast s", "{:.2f}"),
-            ("broadcast_s_per_gb", "bcast s/GB", "{:.2f}"), ("broadcast_speedup_vs_disk", "bcast x", "{:.2f}"),
-            ("largest_bucket_gb", "bucket GB", "{:.3f}"), ("held_peak_gb", "held GB", "{:.3f}"),
-            ("memory_peak_gb", "peak GB", "{:.3f}")]
+    cols = [
+        ("weights_gb", "GB", "{:.3f}"),
+        ("publish_s", "publish s", "{:.2f}"),
+        ("load_s", "load s", "{:.2f}"),
+        ("disk_total_s_per_gb", "disk s/GB", "{:.2f}"),
+        ("broadcast_s", "bcast s", "{:.2f}"),
+        ("broadcast_s_per_gb", "bcast s/GB", "{:.2f}"),
+        ("broadcast_speedup_vs_disk", "bcast x", "{:.2f}"),
+        ("largest_bucket_gb", "bucket GB", "{:.3f}"),
+        ("held_peak_gb", "held GB", "{:.3f}"),
+        ("memory_peak_gb", "peak GB", "{:.3f}"),
+    ]
     print("".join(f"{title:>12}" for _, title, _ in cols))
     for row in rows:
         print("".join(f"{fmt.format(row[key]):>12}" for key, _, fmt in cols))

@@ -11,8 +11,8 @@ correct attempt divided by the number of attempts it took).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from areal_async import embed
 from areal_async.tasks.arith import extract_answer
@@ -61,12 +61,22 @@ def workflow(reward: Reward = exact_answer) -> embed.WorkflowFactory:
 make_workflow = workflow()  # by name, with examples/ on PYTHONPATH: rollout.workflow=custom_env:make_workflow
 
 
-def main(overrides: Sequence[str] = (), *, reward: Reward = exact_answer,
-         on_group: embed.GroupCallback | None = None, log_to_console: bool = False) -> embed.RunResult:
+def main(
+    overrides: Sequence[str] = (),
+    *,
+    reward: Reward = exact_answer,
+    on_group: embed.GroupCallback | None = None,
+    log_to_console: bool = False,
+) -> embed.RunResult:
     """Train with configs/multiturn.yaml (the tiny model on the arithmetic task) and HintEnv; `overrides` as on
     the command line."""
-    return embed.train(["run_dir=runs/custom_env", *overrides], config=MULTITURN, workflow=workflow(reward),
-                       on_group=on_group, log_to_console=log_to_console)
+    return embed.train(
+        ["run_dir=runs/custom_env", *overrides],
+        config=MULTITURN,
+        workflow=workflow(reward),
+        on_group=on_group,
+        log_to_console=log_to_console,
+    )
 
 
 if __name__ == "__main__":

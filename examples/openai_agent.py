@@ -21,22 +21,28 @@ import ast
 import json
 import operator
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from areal_async import embed
 from areal_async.tasks.arith import extract_answer
 
-CALCULATOR_TOOL: dict[str, Any] = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an integer arithmetic expression (+, -, *, parentheses).",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALCULATOR_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an integer arithmetic expression (+, -, *, parentheses).",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 MAX_TOOL_ROUNDS = 3
 
-_OPS: dict[type, Callable[[int, int], int]] = {ast.Add: operator.add, ast.Sub: operator.sub,
-                                                ast.Mult: operator.mul}
+_OPS: dict[type, Callable[[int, int], int]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def calculator(expression: str) -> str:
     """The tool: integer arithmetic only, evaluated on the syntax tree (never `eval`: the model writes the input)."""
+
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
             return node.value
@@ -72,8 +78,9 @@ def run_tool(tools: Mapping[str, Callable[..., str]], name: str, arguments: str)
         return f"error: {e}"
 
 
-def make_agent(reward: Callable[[str, str], float] = exact_answer,
-               tools: Mapping[str, Callable[..., str]] = TOOLS) -> embed.AgentFn:
+def make_agent(
+    reward: Callable[[str, str], float] = exact_answer, tools: Mapping[str, Callable[..., str]] = TOOLS
+) -> embed.AgentFn:
     """The agent: plain `openai` SDK code; only the client comes from the episode (`ctx.openai()`)."""
     specs = [CALCULATOR_TOOL] if "calculator" in tools else []
 
@@ -87,8 +94,13 @@ def make_agent(reward: Callable[[str, str], float] = exact_answer,
                 return reward(msg.content or "", ctx.sample.answer)
             messages.append(msg.model_dump(exclude_none=True))  # the assistant turn exactly as returned
             for call in msg.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": run_tool(tools, call.function.name, call.function.arguments)})
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id,
+                        "content": run_tool(tools, call.function.name, call.function.arguments),
+                    }
+                )
         return 0.0
 
     return agent
@@ -98,12 +110,21 @@ def make_agent(reward: Callable[[str, str], float] = exact_answer,
 make_workflow = embed.agent_workflow(make_agent())
 
 
-def main(overrides: Sequence[str] = (), *, agent: embed.AgentFn | None = None,
-         on_group: embed.GroupCallback | None = None, log_to_console: bool = False) -> embed.RunResult:
+def main(
+    overrides: Sequence[str] = (),
+    *,
+    agent: embed.AgentFn | None = None,
+    on_group: embed.GroupCallback | None = None,
+    log_to_console: bool = False,
+) -> embed.RunResult:
     """Train the agent with the default config (the tiny model on the arithmetic task); `overrides` as on the
     command line."""
-    return embed.train(["run_dir=runs/openai_agent", *overrides], workflow=embed.agent_workflow(agent or make_agent()),
-                       on_group=on_group, log_to_console=log_to_console)
+    return embed.train(
+        ["run_dir=runs/openai_agent", *overrides],
+        workflow=embed.agent_workflow(agent or make_agent()),
+        on_group=on_group,
+        log_to_console=log_to_console,
+    )
 
 
 if __name__ == "__main__":

@@ -90,21 +90,25 @@ def pytest_sessionstart(session):
         return
     root = str(session.config.rootpath)
     whole = {os.path.realpath(root), os.path.realpath(os.path.join(root, "tests"))}
-    if session.config.getoption("keyword") or session.config.getoption("markexpr") or any(
-            os.path.realpath(a) not in whole for a in session.config.args):
+    if (
+        session.config.getoption("keyword")
+        or session.config.getoption("markexpr")
+        or any(os.path.realpath(a) not in whole for a in session.config.args)
+    ):
         return
     from areal_async.tasks.base_model import cached_path, is_built
 
     if is_built(cached_path()):
         return
     log = open(os.path.join(session.config.rootpath, ".pytest_base_model.log"), "w")
-    _prebuild = subprocess.Popen([sys.executable, "-m", "areal_async.tasks.base_model", "--from-recipe"], stdout=log,
-                                 stderr=subprocess.STDOUT)
+    _prebuild = subprocess.Popen(
+        [sys.executable, "-m", "areal_async.tasks.base_model", "--from-recipe"], stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def pytest_sessionfinish(session, exitstatus):
     if _prebuild is not None and _prebuild.poll() is None:  # no test needed it after all: stop it (SIGINT, so
-        _prebuild.send_signal(signal.SIGINT)               # that it removes its temporary directory)
+        _prebuild.send_signal(signal.SIGINT)  # that it removes its temporary directory)
         try:
             _prebuild.wait(30)
         except subprocess.TimeoutExpired:
@@ -122,8 +126,17 @@ def pytest_sessionfinish(session, exitstatus):
 # and a server of the real model hold 6-9 GB each), and the modules that share the one-node Slurm cluster.
 _GROUPS = {"test_real_model.py": "smollm2", "test_model_store.py": "smollm2", "test_slurm.py": "slurm"}
 # the longest groups go out first, so that the two workers finish together; the rest keep their (random) order
-_LONG_FIRST = ("smollm2", "test_faults.py", "test_e2e.py", "slurm", "test_benchmark_e2e.py", "test_learning.py",
-               "test_fleet.py", "test_multinode.py", "test_clean_runs.py")
+_LONG_FIRST = (
+    "smollm2",
+    "test_faults.py",
+    "test_e2e.py",
+    "slurm",
+    "test_benchmark_e2e.py",
+    "test_learning.py",
+    "test_fleet.py",
+    "test_multinode.py",
+    "test_clean_runs.py",
+)
 
 
 def _distributing(config) -> bool:
@@ -299,8 +312,10 @@ def _fail_on_leftovers(session: pytest.Session) -> None:
         with_test = _seen.get((pid, start))
         lines.append(f"pid {pid} [{_comm(pid)}] {cmd!r}" + (f", first seen after {with_test}" if with_test else ""))
     for pid, _ in procs:
-        for kill in (lambda: os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else None,
-                     lambda: os.kill(pid, signal.SIGKILL)):
+        for kill in (
+            lambda: os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else None,
+            lambda: os.kill(pid, signal.SIGKILL),
+        ):
             try:
                 kill()
             except OSError:

@@ -10,7 +10,7 @@ and u the unit roundoff. They are worst cases, so they hold on every CPU and sum
 
 from __future__ import annotations
 
-U32 = 2.0 ** -24  # fp32 unit roundoff (half of torch.finfo(torch.float32).eps)
+U32 = 2.0**-24  # fp32 unit roundoff (half of torch.finfo(torch.float32).eps)
 # relative error of the kernels' exp polynomial (cpu_build.EXP_POLY_C): its truncation (ln2 / 2)^7 / 7! = 1.2e-7
 # plus four roundings (argument reduction, the Horner steps that matter at |r| <= 0.35, the scaling)
 EXP_POLY_REL = 1.2e-7 + 4 * U32
@@ -27,8 +27,9 @@ def sum_bound(n: int, sum_abs: float, u: float = U32) -> float:
     return gamma(n, u) * sum_abs
 
 
-def decoder_logit_bound(hidden: int, intermediate: int, layers: int, context: int, vocab: int,
-                        scale: float, u: float = U32) -> float:
+def decoder_logit_bound(
+    hidden: int, intermediate: int, layers: int, context: int, vocab: int, scale: float, u: float = U32
+) -> float:
     """First-order bound on how far two fp32 implementations of a decoder's forward may put one logit or logprob
     apart: each side's matmuls on one residual path (q/k/v and o over `hidden`, gate/up over `hidden`, down over
     `intermediate`, attention over `context` keys, per layer; the head over `hidden`; log-softmax over `vocab`)
@@ -43,8 +44,9 @@ def decoder_logit_bound(hidden: int, intermediate: int, layers: int, context: in
 
 def spec_logit_bound(spec, context: int, scale: float) -> float:
     """decoder_logit_bound for a ModelSpec (areal_async.server.model) at `context` tokens and logit `scale`."""
-    return decoder_logit_bound(spec.hidden_size, spec.intermediate_size, spec.num_layers, context, spec.vocab_size,
-                               scale)
+    return decoder_logit_bound(
+        spec.hidden_size, spec.intermediate_size, spec.num_layers, context, spec.vocab_size, scale
+    )
 
 
 def checkpoint_logit_bound(path: str, context: int, scale: float) -> float:

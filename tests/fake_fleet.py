@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 
 async def until(cond: Callable[[], bool], timeout: float = 10.0, poll_s: float = 0.01) -> None:

@@ -16,12 +16,14 @@ __all__ = ["RpcSyncClient", "start_unix"]
 class RpcSyncClient:
     """Blocking wrapper for scripts and tests: its own event loop, one call at a time. Not for use inside a loop."""
 
-    def __init__(self, address: str, secret: bytes, *, timeout: float = 30.0,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self, address: str, secret: bytes, *, timeout: float = 30.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         try:
             self._client = self._loop.run_until_complete(
-                RpcClient.connect(address, secret, timeout=timeout, max_frame_bytes=max_frame_bytes))
+                RpcClient.connect(address, secret, timeout=timeout, max_frame_bytes=max_frame_bytes)
+            )
         except BaseException:
             self._loop.close()
             raise

@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from areal_async.config import AdvantageConfig
-from areal_async.train.advantages import (batch_normalize, batch_normalize_with, compute_advantages,
-                                          group_advantages, mean_std_from_moments, normalization_moments,
-                                          shape_rewards)
+from areal_async.train.advantages import (
+    batch_normalize,
+    batch_normalize_with,
+    compute_advantages,
+    group_advantages,
+    mean_std_from_moments,
+    normalization_moments,
+    shape_rewards,
+)
 
 EPS = 1e-6
 
@@ -95,8 +101,9 @@ def test_compute_advantages_chain():
     # shaped 2, 0, 6, 2 -> drgrpo 1, -1, 2, -2 -> mean 0, std sqrt(2.5)
     s = math.sqrt(2.5)
     assert adv.tolist() == pytest.approx([1 / s, -1 / s, 2 / s, -2 / s], abs=1e-5)
-    glob = compute_advantages(torch.tensor([1.0, 0.0, 3.0, 1.0]), torch.tensor([0, 0, 1, 1]), cfg,
-                              batch_stats=(1.0, 2.0), eps=0.0)
+    glob = compute_advantages(
+        torch.tensor([1.0, 0.0, 3.0, 1.0]), torch.tensor([0, 0, 1, 1]), cfg, batch_stats=(1.0, 2.0), eps=0.0
+    )
     assert glob.tolist() == pytest.approx([0.0, -1.0, 0.5, -1.5])
 
 
@@ -115,21 +122,25 @@ def test_weighted_baseline_counts_every_episode_once():
     assert group_advantages(EP_REWARDS, EP_GROUPS, "drgrpo").tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
     # grpo: weighted population std sqrt((1 * 0.25 + 3 * 1/3 * 0.25) / 2) = 0.5, so +-0.5 / (0.5 + eps)
     k = 0.5 / (0.5 + EPS)
-    assert group_advantages(EP_REWARDS, EP_GROUPS, "grpo", EPS, weights=EP_WEIGHTS).tolist() == \
-        pytest.approx([k, -k, -k, -k], abs=1e-6)
+    assert group_advantages(EP_REWARDS, EP_GROUPS, "grpo", EPS, weights=EP_WEIGHTS).tolist() == pytest.approx(
+        [k, -k, -k, -k], abs=1e-6
+    )
     # the same as one trajectory per episode (what the concat export gives)
     per_episode = group_advantages(torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long), "grpo", EPS)
     assert per_episode.tolist() == pytest.approx([k, -k], abs=1e-6)
     # rloo, leaving out the trajectory (not its episode): A: 1 - (1/3 * 0 * 3) / 1 = 1;
     # each B call: 0 - (1 * 1 + 2 * 1/3 * 0) / (1 + 2/3) = -0.6
-    assert group_advantages(EP_REWARDS, EP_GROUPS, "rloo", weights=EP_WEIGHTS).tolist() == \
-        pytest.approx([1.0, -0.6, -0.6, -0.6], abs=1e-6)
+    assert group_advantages(EP_REWARDS, EP_GROUPS, "rloo", weights=EP_WEIGHTS).tolist() == pytest.approx(
+        [1.0, -0.6, -0.6, -0.6], abs=1e-6
+    )
     assert group_advantages(EP_REWARDS, EP_GROUPS, "rloo").tolist() == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
     # only ratios within a group matter; a group of one still gets 0 whatever its weight
-    assert group_advantages(EP_REWARDS, EP_GROUPS, "grpo", weights=EP_WEIGHTS * 7.0).tolist() == \
-        pytest.approx([k, -k, -k, -k], abs=1e-6)
-    assert group_advantages(torch.tensor([3.0]), torch.tensor([5]), "rloo", weights=torch.tensor([0.5])).tolist() \
-        == [0.0]
+    assert group_advantages(EP_REWARDS, EP_GROUPS, "grpo", weights=EP_WEIGHTS * 7.0).tolist() == pytest.approx(
+        [k, -k, -k, -k], abs=1e-6
+    )
+    assert group_advantages(torch.tensor([3.0]), torch.tensor([5]), "rloo", weights=torch.tensor([0.5])).tolist() == [
+        0.0
+    ]
 
 
 def test_weighted_per_call_groups_equal_per_episode_groups():
@@ -172,8 +183,12 @@ def test_weighted_batch_norm_keeps_the_episode_baseline():
 
 
 def test_bad_weights_are_refused():
-    for bad in ([1.0, 0.0, 1.0, 1.0], [1.0, -1.0, 1.0, 1.0], [1.0, float("nan"), 1.0, 1.0],
-                [float("inf"), 1.0, 1.0, 1.0]):
+    for bad in (
+        [1.0, 0.0, 1.0, 1.0],
+        [1.0, -1.0, 1.0, 1.0],
+        [1.0, float("nan"), 1.0, 1.0],
+        [float("inf"), 1.0, 1.0, 1.0],
+    ):
         with pytest.raises(ValueError, match="finite and > 0"):
             group_advantages(EP_REWARDS, EP_GROUPS, weights=torch.tensor(bad))
     with pytest.raises(ValueError, match="weights shape"):
@@ -220,8 +235,9 @@ def test_no_weights_or_all_ones_is_bit_identical_to_before():
     assert torch.equal(normalization_moments(adv, ones), moments_before)
     cfg = AdvantageConfig(estimator="grpo", batch_norm=True, reward_scale=0.5)
     group_before = _unweighted_before(shape_rewards(rewards, cfg), groups, "grpo", EPS).double()
-    stats_before = mean_std_from_moments(torch.stack([torch.tensor(300.0, dtype=torch.float64), group_before.sum(),
-                                                      group_before.square().sum()]))
+    stats_before = mean_std_from_moments(
+        torch.stack([torch.tensor(300.0, dtype=torch.float64), group_before.sum(), group_before.square().sum()])
+    )
     chain_before = batch_normalize_with(group_before.float(), *stats_before, eps=EPS)
     assert torch.equal(compute_advantages(rewards, groups, cfg), chain_before)
     assert torch.equal(compute_advantages(rewards, groups, cfg, weights=ones), chain_before)

@@ -11,8 +11,17 @@ import pytest
 from areal_async.tasks import base_model as bm
 
 # a few warm-up steps of a very small model: seconds, not the real minutes
-QUICK = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, sft_steps=4,
-             bare_phase_steps=2, batch_size=4, bucket_batches=2)
+QUICK = dict(
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    sft_steps=4,
+    bare_phase_steps=2,
+    batch_size=4,
+    bucket_batches=2,
+)
 
 
 def _files_mtimes(path: str) -> dict[str, int]:
@@ -157,9 +166,25 @@ def _greedy_accuracy(model_dir: str, out: str) -> float:
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(root, "benchmarks", "task_accuracy.py"), "--model", model_dir, "--datasets",
-           "arith", "--reward", "arith", "--num", "200", "--no-chat-template", "--max-new-tokens", "96",
-           "--threads", "1", "--out", out]
+    cmd = [
+        sys.executable,
+        os.path.join(root, "benchmarks", "task_accuracy.py"),
+        "--model",
+        model_dir,
+        "--datasets",
+        "arith",
+        "--reward",
+        "arith",
+        "--num",
+        "200",
+        "--no-chat-template",
+        "--max-new-tokens",
+        "96",
+        "--threads",
+        "1",
+        "--out",
+        out,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(out) as f:

@@ -10,8 +10,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "controller_
 
 def test_controller_overhead_quick(tmp_path):
     out = tmp_path / "co.json"
-    subprocess.run([sys.executable, BENCH, "--out", str(out), "--quick",
-                    "--seconds", "1"], check=True, timeout=120)
+    subprocess.run([sys.executable, BENCH, "--out", str(out), "--quick", "--seconds", "1"], check=True, timeout=120)
     data = json.loads(out.read_text())
     run = data["runs"][0]
     assert run["inflight"] == 50 and run["requests_per_s"] > 0 and run["failed"] == 0

@@ -10,14 +10,30 @@ import pytest
 
 pytestmark = pytest.mark.slow
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-TINY = ["data.num_train=100", "data.num_eval=8", "server.max_total_tokens=8192", "server.device=cpu",
-        "train.device=cpu"]
+TINY = [
+    "data.num_train=100",
+    "data.num_eval=8",
+    "server.max_total_tokens=8192",
+    "server.device=cpu",
+    "train.device=cpu",
+]
 
 
 def test_sync_vs_async_quick(tiny_ckpt, tmp_path):
     out = tmp_path / "sva.json"
-    subprocess.run([sys.executable, os.path.join(BENCH, "sync_vs_async.py"), f"model.path={tiny_ckpt}", *TINY,
-                    "--out", str(out), "--quick"], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(BENCH, "sync_vs_async.py"),
+            f"model.path={tiny_ckpt}",
+            *TINY,
+            "--out",
+            str(out),
+            "--quick",
+        ],
+        check=True,
+        timeout=300,
+    )
     runs = json.loads(out.read_text())["runs"]
     assert [r["mode"] for r in runs] == ["sync", "async"]
     assert all(r["trained_samples"] == 2 * 2 * 2 for r in runs)
@@ -29,9 +45,24 @@ def test_sync_vs_async_quick(tiny_ckpt, tmp_path):
 
 def test_staleness_ablation_quick(tiny_ckpt, tmp_path):
     out = tmp_path / "st.json"
-    subprocess.run([sys.executable, os.path.join(BENCH, "staleness_ablation.py"), f"model.path={tiny_ckpt}",
-                    *TINY, "--out", str(out), "--quick"], check=True, timeout=400)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(BENCH, "staleness_ablation.py"),
+            f"model.path={tiny_ckpt}",
+            *TINY,
+            "--out",
+            str(out),
+            "--quick",
+        ],
+        check=True,
+        timeout=400,
+    )
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["eta"], r["objective"]) for r in rows} == {("0", "naive"), ("0", "decoupled"), ("none", "naive"),
-                                                          ("none", "decoupled")}
+    assert {(r["eta"], r["objective"]) for r in rows} == {
+        ("0", "naive"),
+        ("0", "decoupled"),
+        ("none", "naive"),
+        ("none", "decoupled"),
+    }
     assert (tmp_path / "st.md").read_text().count("\n") == 4

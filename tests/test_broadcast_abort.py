@@ -22,10 +22,10 @@ import sys
 import textwrap
 
 import pytest
+from fake_fleet import until
 
 from areal_async.inference.client import InferenceClient
 from areal_async.testing.fake_sglang import FakeSGLang
-from fake_fleet import until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -98,8 +98,12 @@ async def rig(tmp_path):
 
     secret = secrets.token_bytes(32)
     log = open(tmp_path / "trainer.log", "w")
-    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(tmp_path), secret.hex(), str(DEADLINE_S)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(tmp_path), secret.hex(), str(DEADLINE_S)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     log.close()
     fakes = [await FakeSGLang().start() for _ in range(2)]
     for f in fakes:
@@ -174,7 +178,8 @@ async def test_member_failing_a_bucket_aborts_the_update_and_the_next_group_leav
     await apply(sync, 1)
     assert sync.group_name != first and sync.members == (a.url,)
     assert [(g, i, names) for g, i, names in a.buckets if g == sync.group_name] == [
-        (sync.group_name, i, [f"w{i}"]) for i in range(6)]
+        (sync.group_name, i, [f"w{i}"]) for i in range(6)
+    ]
     assert len(dist_calls(b)) == 2  # still nothing more for B
     assert dist_calls(a)[-1].get("weight_version") == "1"
     await asyncio.wait_for(until(lambda: c.stats()["servers"][a.url]["state"] == "serving", 30.0, 0.02), GUARD_S)
@@ -196,8 +201,6 @@ async def test_member_failing_mid_bucket_is_retried_without_it_in_the_same_updat
     assert [names for g, _, names in a.buckets if g == sync.group_name] == [["w0", "w1"], ["w2", "w3"], ["w4", "w5"]]
     assert a.version == "3"
     await asyncio.wait_for(until(lambda: c.stats()["servers"][a.url]["state"] == "serving", 30.0, 0.02), GUARD_S)
-
-
 
 
 # ---- rank 0's side alone, with two trainer ranks ----------------------------------------------------------------
@@ -261,9 +264,25 @@ _RANKS = textwrap.dedent("""
 def test_abort_stops_rank_0_and_every_trainer_rank_answers(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(_RANKS)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "--tee", "3", str(script), _MEMBER], capture_output=True, text=True, timeout=150,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=str(tmp_path))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "--tee",
+            "3",
+            str(script),
+            _MEMBER,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=str(tmp_path),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = {line.split("]:", 1)[-1].strip() for line in out.stdout.splitlines()}
     assert "abort while running: True" in lines, out.stdout

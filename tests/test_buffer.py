@@ -10,8 +10,9 @@ from areal_async.types import Trajectory
 
 
 def group(tag: int) -> Group:
-    t = Trajectory(input_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, 0], reward=float(tag),
-                   group_id=tag)
+    t = Trajectory(
+        input_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=[-1, 0], reward=float(tag), group_id=tag
+    )
     return Group([t], start_version=0, finish_version=0)
 
 
@@ -175,11 +176,14 @@ def fast_and_slow(slow: set[int], slow_s: float = 20.0):
     return lambda i, rng: slow_s if i in slow else 0.1
 
 
-@pytest.mark.parametrize("name,b,eta,cap,slow,old_worst", [
-    ("eta2_b1", 1, 2, 100, {1, 2}, 3),  # two slow groups under 0
-    ("eta4_b2", 2, 4, 100, set(range(2, 10)), 7),  # 8 slow of the 10 started under 0: steps 4..7 went 4..7 old
-    ("defaults", 16, 4, 64, set(range(16, 64)), 6),  # B=16, eta=4, 64 concurrent: 48 slow groups under 0
-])
+@pytest.mark.parametrize(
+    "name,b,eta,cap,slow,old_worst",
+    [
+        ("eta2_b1", 1, 2, 100, {1, 2}, 3),  # two slow groups under 0
+        ("eta4_b2", 2, 4, 100, set(range(2, 10)), 7),  # 8 slow of the 10 started under 0: steps 4..7 went 4..7 old
+        ("defaults", 16, 4, 64, set(range(16, 64)), 6),  # B=16, eta=4, 64 concurrent: 48 slow groups under 0
+    ],
+)
 def test_issue_counterexamples_hold_the_bound(name, b, eta, cap, slow, old_worst):
     """The issue's schedules on a simulated clock: the old rule reproduces the reported staleness, the new one stays
     at eta (and reaches it: the old groups are trained exactly at their deadline)."""

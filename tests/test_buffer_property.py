@@ -70,15 +70,27 @@ def random_schedule(seed: int, eta: int | None) -> tuple[SimConfig, dict[int, fl
     crash_at = start_at + rng.randint(1, n_steps - 1) if rng.random() < 0.25 else None
     duration, durations = _durations(rng.choice(["pareto", "lognormal", "bimodal"]), rng, seed)
     reject = _rejections(rng.choice(["none", "none", "random", "filter", "bursts"]), rng, seed)
-    cfg = SimConfig(batch_size=b, eta=eta, max_running=cap, steps=start_at + n_steps, seed=seed,
-                    train_s=rng.choice([0.1, 1.0, 3.0]), duration=duration, reject=reject, start_at=start_at,
-                    crash_at=crash_at, budget_s=1e7)
+    cfg = SimConfig(
+        batch_size=b,
+        eta=eta,
+        max_running=cap,
+        steps=start_at + n_steps,
+        seed=seed,
+        train_s=rng.choice([0.1, 1.0, 3.0]),
+        duration=duration,
+        reject=reject,
+        start_at=start_at,
+        crash_at=crash_at,
+        budget_s=1e7,
+    )
     return cfg, durations
 
 
 def check(cfg: SimConfig, durations: dict[int, float], res: SimResult) -> None:
-    where = (f"seed={cfg.seed} B={cfg.batch_size} eta={cfg.eta} cap={cfg.max_running} steps={cfg.start_at}.."
-             f"{cfg.steps} crash_at={cfg.crash_at}")
+    where = (
+        f"seed={cfg.seed} B={cfg.batch_size} eta={cfg.eta} cap={cfg.max_running} steps={cfg.start_at}.."
+        f"{cfg.steps} crash_at={cfg.crash_at}"
+    )
     assert not res.violations, f"{where}: {res.violations}"
     assert [b.version for b in res.batches] == list(range(cfg.start_at, cfg.steps)), where
     if cfg.eta is not None:
@@ -90,7 +102,7 @@ def check(cfg: SimConfig, durations: dict[int, float], res: SimResult) -> None:
 
 @pytest.mark.parametrize("eta", ETAS, ids=lambda e: f"eta{e}")
 def test_bound_liveness_and_no_needless_wait(eta):
-    worst, held, stragglers_seen = 0, 0, 0
+    worst, held, _stragglers_seen = 0, 0, 0
     for k in range(PER_ETA):
         cfg, durations = random_schedule(10_000 * (ETAS.index(eta) + 1) + k, eta)
         res = simulate(cfg)
@@ -151,6 +163,7 @@ def test_old_rule_held_for_eta_up_to_one_and_nothing_changes_there(eta):
         cfg.audit_starvation = False
         old, new = simulate(cfg, OldStragglerRule), simulate(cfg)
         assert old.max_staleness <= eta
-        assert [(b.version, b.start_versions) for b in old.batches] == [(b.version, b.start_versions)
-                                                                        for b in new.batches]
+        assert [(b.version, b.start_versions) for b in old.batches] == [
+            (b.version, b.start_versions) for b in new.batches
+        ]
         assert old.sim_s == new.sim_s and old.trainer_wait_s == new.trainer_wait_s

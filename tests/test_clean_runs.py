@@ -16,19 +16,33 @@ import time
 import pytest
 
 from areal_async import run as run_module
-from areal_async.net.registry import rank_file
 from areal_async.launch.recovery import LOCK_FILE, RunLock
+from areal_async.net.registry import rank_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["schedule.batch_size=4", "rollout.group_size=4", "eval.num_prompts=8", "eval.max_new_tokens=16",
-         "data.num_train=200", "data.num_eval=8", "schedule.eval_every=0", "server.device=cpu", "train.device=cpu"]
+SMALL = [
+    "schedule.batch_size=4",
+    "rollout.group_size=4",
+    "eval.num_prompts=8",
+    "eval.max_new_tokens=16",
+    "data.num_train=200",
+    "data.num_eval=8",
+    "schedule.eval_every=0",
+    "server.device=cpu",
+    "train.device=cpu",
+]
 HANG_S = 300  # hang guards, far above what any machine needs: never speed bars
 
 
 def controller(args: list[str], out_path: str) -> subprocess.Popen:
     with open(out_path, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "areal_async.run", *args], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "areal_async.run", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
 
 
 def wait_for_text(path: str, text: str, proc: subprocess.Popen) -> None:
@@ -148,8 +162,14 @@ async def test_signalled_rank_leaves_promptly_mid_call(tiny_ckpt, tmp_path):
 
     secret = secrets_mod.token_bytes(32)
     procs = Processes(str(tmp_path / "job"))
-    child = procs.start_trainers(model=tiny_ckpt, nproc=2, config_json=json.dumps({"device": "cpu"}), seed=3,
-                                 secret_hex=secret.hex(), torch_threads=1)
+    child = procs.start_trainers(
+        model=tiny_ckpt,
+        nproc=2,
+        config_json=json.dumps({"device": "cpu"}),
+        seed=3,
+        secret_hex=secret.hex(),
+        torch_threads=1,
+    )
     stopped: list[int] = []
     client = None
     try:
@@ -164,8 +184,9 @@ async def test_signalled_rank_leaves_promptly_mid_call(tiny_ckpt, tmp_path):
         os.kill(pids[1], signal.SIGSTOP)
         stopped.append(pids[1])
         client = await RpcClient.connect(address, secret, timeout=60)
-        call = asyncio.ensure_future(client.call("save_checkpoint", CheckpointRequest(path=str(tmp_path / "ck")),
-                                                 CheckpointResult))
+        call = asyncio.ensure_future(
+            client.call("save_checkpoint", CheckpointRequest(path=str(tmp_path / "ck")), CheckpointResult)
+        )
         await asyncio.sleep(1.0)  # the call has reached rank 0's barrier, where it waits for rank 1
         assert not call.done()
         os.kill(pids[0], signal.SIGTERM)

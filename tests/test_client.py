@@ -77,11 +77,23 @@ def test_router_least_outstanding_and_sticky():
 
 
 def test_client_module_does_not_import_torch():
-    mods = ["inference.client", "inference.routing", "inference.transport", "inference.resume",
-            "inference.sglang_wire", "inference.fleet", "protocol.openai_requests", "protocol.openai_responses",
-            "agent", "agent.workflow", "testing.fake_sglang"]
-    code = (f"import sys; import {', '.join('areal_async.' + m for m in mods)}; "
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    mods = [
+        "inference.client",
+        "inference.routing",
+        "inference.transport",
+        "inference.resume",
+        "inference.sglang_wire",
+        "inference.fleet",
+        "protocol.openai_requests",
+        "protocol.openai_responses",
+        "agent",
+        "agent.workflow",
+        "testing.fake_sglang",
+    ]
+    code = (
+        f"import sys; import {', '.join('areal_async.' + m for m in mods)}; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -91,8 +103,7 @@ def test_client_module_does_not_import_torch():
 async def test_payload_shape_auth_and_result(fakes):
     (srv,) = await fakes(1, version="7")
     async with fast_client([srv.url], api_key="sekret") as c:
-        res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=5, temperature=0.0), rid="r1",
-                                return_text=True)
+        res = await c.agenerate(PROMPT, SamplingParams(max_new_tokens=5, temperature=0.0), rid="r1", return_text=True)
     body = srv.received[0]
     assert set(body) == {"input_ids", "sampling_params", "return_logprob", "stream", "rid"}
     assert body["return_logprob"] is True and body["stream"] is False and body["rid"] == "r1"
@@ -150,8 +161,7 @@ async def test_retries_5xx_with_fresh_rids(fakes):
 async def test_least_outstanding_spreads_load(fakes):
     a, b = await fakes(2, token_delay=0.002)
     async with fast_client([a.url, b.url]) as c:
-        results = await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=20))
-                                         for _ in range(20)))
+        results = await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=20)) for _ in range(20)))
         assert all(len(r.output_ids) == 20 for r in results)
         n_a, n_b = len(a.received), len(b.received)
         assert n_a + n_b == 20 and abs(n_a - n_b) <= 1
@@ -248,8 +258,10 @@ async def test_503_takes_server_out(fakes):
 async def test_pause_resume_resubmits_with_new_version(fakes):
     (srv,) = await fakes(1, token_delay=0.002)
     async with fast_client([srv.url]) as c:
-        tasks = [asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=100, min_new_tokens=90),
-                                                 rid=f"g{i}")) for i in range(4)]
+        tasks = [
+            asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=100, min_new_tokens=90), rid=f"g{i}"))
+            for i in range(4)
+        ]
         await srv.wait_progress(4, 5)
         await c.pause()
         assert c.paused
@@ -258,7 +270,7 @@ async def test_pause_resume_resubmits_with_new_version(fakes):
         await c.update_weights_from_disk("/ckpt/v1", 1)
         await c.resume()
         results = await asyncio.gather(*tasks)
-    for i, r in enumerate(results):
+    for r in results:
         assert len(r.output_ids) == 100 and r.finish_reason == "length" and r.num_interruptions == 1
         expect = [FIRST + (2 + k) % NUM for k in range(100)]
         assert r.output_ids == expect  # seamless
@@ -272,8 +284,10 @@ async def test_pause_resume_resubmits_with_new_version(fakes):
         done = len(b["input_ids"]) - len(PROMPT)
         assert b["rid"] == f"g{i}-1" and b["sampling_params"]["max_new_tokens"] == 100 - done
         assert b["sampling_params"]["min_new_tokens"] == max(0, 90 - done)
-    assert ("update", {"model_path": "/ckpt/v1", "weight_version": "1", "abort_all_requests": False,
-                       "flush_cache": True}) in srv.admin
+    assert (
+        "update",
+        {"model_path": "/ckpt/v1", "weight_version": "1", "abort_all_requests": False, "flush_cache": True},
+    ) in srv.admin
     assert c.stats()["interruptions"] == 4
 
 
@@ -333,8 +347,10 @@ async def test_connection_cap_holds_generations_back_but_not_admin_calls(fakes):
     pause/continue/health still get through at once: they must never queue behind the generations."""
     (srv,) = await fakes(1, token_delay=0.002)
     async with fast_client([srv.url], max_connections=2) as c:
-        tasks = [asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=5000), rid=f"cap{i}"))
-                 for i in range(5)]
+        tasks = [
+            asyncio.create_task(c.agenerate(PROMPT, SamplingParams(max_new_tokens=5000), rid=f"cap{i}"))
+            for i in range(5)
+        ]
         await srv.wait_progress(2, 1)
         await asyncio.sleep(0.05)
         assert srv.num_inflight == 2 and c.stats()["servers"][srv.url]["outstanding"] == 2
@@ -376,8 +392,10 @@ async def test_failed_weight_load_leaves_rotation_until_it_holds_the_weights(fak
         b.update_ok = True  # the retry in the background now succeeds, under the current label
         await _wait_healthy(c, b.url)
         assert b.version == "4"
-        assert ("update", {"model_path": "/ckpt/v3", "weight_version": "4", "abort_all_requests": False,
-                           "flush_cache": True}) in b.admin
+        assert (
+            "update",
+            {"model_path": "/ckpt/v3", "weight_version": "4", "abort_all_requests": False, "flush_cache": True},
+        ) in b.admin
         n_b = len(b.received)
         out = await asyncio.gather(*(c.agenerate(PROMPT, SamplingParams(max_new_tokens=2)) for _ in range(6)))
         assert all(r.output_versions == [4, 4] for r in out) and len(b.received) > n_b
@@ -400,12 +418,24 @@ async def test_distributed_update_payloads(fakes):
         await c.flush_cache()
         with pytest.raises(ValueError):
             await c.init_weights_update_group("10.0.0.1", 29555, ranks_per_server=[1])
-    init = {"master_address": "10.0.0.1", "master_port": 29555, "world_size": 4,
-            "group_name": "weight_update_group", "backend": "gloo"}
+    init = {
+        "master_address": "10.0.0.1",
+        "master_port": 29555,
+        "world_size": 4,
+        "group_name": "weight_update_group",
+        "backend": "gloo",
+    }
     assert ("/init_weights_update_group", {**init, "rank_offset": 1}) in a.admin  # trainer is rank 0
     assert ("/init_weights_update_group", {**init, "rank_offset": 3}) in b.admin  # after a's two ranks
-    upd = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2, 3]], "group_name": "weight_update_group",
-           "flush_cache": True, "abort_all_requests": False, "weight_version": "7"}
+    upd = {
+        "names": ["w"],
+        "dtypes": ["float32"],
+        "shapes": [[2, 3]],
+        "group_name": "weight_update_group",
+        "flush_cache": True,
+        "abort_all_requests": False,
+        "weight_version": "7",
+    }
     assert ("/update_weights_from_distributed", upd) in a.admin and ("/update_weights_from_distributed", upd) in b.admin
     assert ("/flush_cache", {}) in a.admin
 
@@ -423,8 +453,14 @@ async def test_restarted_server_catches_up_weights(fakes):
                 break
             await asyncio.sleep(0.02)
         assert c.stats()["servers"][a.url]["healthy"]
-        assert a2.version == "5" and ("update", {"model_path": "/ckpt/v5", "weight_version": "5",
-                                                 "abort_all_requests": False, "flush_cache": True}) in a2.admin
+        assert (
+            a2.version == "5"
+            and (
+                "update",
+                {"model_path": "/ckpt/v5", "weight_version": "5", "abort_all_requests": False, "flush_cache": True},
+            )
+            in a2.admin
+        )
 
 
 async def test_closed_client_refuses(fakes):
@@ -453,17 +489,21 @@ async def test_real_server_greedy_and_many_concurrent(tiny_ckpt):
 
     prompt = [10, 11, 12, 13, 14]
     async with await start_server(tiny_ckpt, port=0, device="cpu") as server, fast_client([server.url]) as c:
-        one = await c.agenerate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
-                                return_text=True)
+        one = await c.agenerate(
+            prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True), return_text=True
+        )
         two = await c.agenerate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
         assert one.output_ids == two.output_ids and len(one.output_ids) == 24
         assert max(abs(a - b) for a, b in zip(one.output_logprobs, two.output_logprobs)) < 1e-4
         assert all(lp <= 0 for lp in one.output_logprobs) and one.output_versions == [0] * 24
         assert isinstance(one.text, str) and one.text
         lengths = [8 + (7 * i) % 25 for i in range(64)]
-        results = await asyncio.gather(*(
-            c.agenerate([10 + i % 50, 11, 12], SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=1.0))
-            for i, n in enumerate(lengths)))
+        results = await asyncio.gather(
+            *(
+                c.agenerate([10 + i % 50, 11, 12], SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=1.0))
+                for i, n in enumerate(lengths)
+            )
+        )
         assert [len(r.output_ids) for r in results] == lengths
         assert all(r.finish_reason == "length" and len(r.output_logprobs) == len(r.output_ids) for r in results)
         assert c.stats()["tokens"] == 48 + sum(lengths) and c.stats()["retries"] == 0

@@ -16,8 +16,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(240)
 def test_client_streaming_quick(tmp_path):
     out = tmp_path / "client_streaming.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "client_streaming.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=230)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "client_streaming.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     for name in ("mixed", "long"):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fake_fleet import until
 
 from areal_async.inference.client import InferenceClient, InferenceError
 from areal_async.inference.sglang_wire import span_versions
 from areal_async.testing.fake_sglang import FIRST, NUM, tok_logprob
-from fake_fleet import until
 
 PROMPT = [FIRST + 0, FIRST + 1]  # "ab": the stand-in continues c, d, e, ...
 
@@ -25,11 +25,8 @@ def expected(n: int, start: int = 2) -> list[int]:
 
 
 def client(urls: list[str], **kw) -> InferenceClient:
-    kw = {"backoff_s": 0.01, "probe_interval_s": 0.05, "unavailable_timeout_s": 10.0, "health_timeout_s": 0.3,
-          **kw}
+    kw = {"backoff_s": 0.01, "probe_interval_s": 0.05, "unavailable_timeout_s": 10.0, "health_timeout_s": 0.3, **kw}
     return InferenceClient(urls, **kw)
-
-
 
 
 def sp(n: int, **kw):
@@ -218,8 +215,14 @@ async def test_added_server_catches_up_before_it_serves(fakes):
     async with client([a.url]) as c:
         await c.update_weights_from_disk("/ckpt/v2", 2)
         await c.add_server(b.url, wait=True, timeout_s=5)
-        assert b.version == "2" and ("update", {"model_path": "/ckpt/v2", "weight_version": "2",
-                                                "abort_all_requests": False, "flush_cache": True}) in b.admin
+        assert (
+            b.version == "2"
+            and (
+                "update",
+                {"model_path": "/ckpt/v2", "weight_version": "2", "abort_all_requests": False, "flush_cache": True},
+            )
+            in b.admin
+        )
         assert ("continue", {}) in b.admin  # not paused: made sure it is not left paused either
         res = await asyncio.gather(*(c.agenerate(PROMPT, sp(2)) for _ in range(4)))
         assert {r.server for r in res} == {a.url, b.url} and all(r.output_versions == [2, 2] for r in res)
@@ -256,8 +259,15 @@ async def test_broadcast_weights_a_restarted_server_waits_for_a_checkpoint(fakes
         await c.wait_serving(b.url, 10)
         assert published == [4]  # published once, loaded by both
         for srv in (a2, b):
-            assert ("update", {"model_path": "/ckpt/published-v4", "weight_version": "4",
-                               "abort_all_requests": False, "flush_cache": True}) in srv.admin
+            assert (
+                "update",
+                {
+                    "model_path": "/ckpt/published-v4",
+                    "weight_version": "4",
+                    "abort_all_requests": False,
+                    "flush_cache": True,
+                },
+            ) in srv.admin
         res = await c.agenerate(PROMPT, sp(2))
         assert res.output_versions == [4, 4]
 

@@ -49,15 +49,27 @@ async def start(ckpt: str, tmp_path, name: str, port: int = 0) -> ServerProcess:
     log_path = str(tmp_path / f"{name}.log")
     with open(log_path, "w") as log:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "areal_async.serve", "--model", ckpt, "--port", str(port),
-            "--max-total-tokens", "8192", "--device", "cpu", stdout=subprocess.PIPE, stderr=log,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            sys.executable,
+            "-m",
+            "areal_async.serve",
+            "--model",
+            ckpt,
+            "--port",
+            str(port),
+            "--max-total-tokens",
+            "8192",
+            "--device",
+            "cpu",
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     line = (await asyncio.wait_for(proc.stdout.readline(), 240)).decode()
     if not line.startswith(READY_PREFIX):
         proc.kill()
         await proc.wait()
         raise AssertionError(f"server did not start: {line!r}\n{open(log_path).read()}")
-    return ServerProcess(proc, line[len(READY_PREFIX):].strip(), log_path)
+    return ServerProcess(proc, line[len(READY_PREFIX) :].strip(), log_path)
 
 
 @pytest.fixture
@@ -75,8 +87,16 @@ async def servers(tiny_ckpt, tmp_path):
 
 
 def client(urls: list[str], **kw) -> InferenceClient:
-    return InferenceClient(urls, stream=True, backoff_s=0.05, probe_interval_s=0.2, health_timeout_s=1.0,
-                           max_health_failures=2, unavailable_timeout_s=60.0, **kw)
+    return InferenceClient(
+        urls,
+        stream=True,
+        backoff_s=0.05,
+        probe_interval_s=0.2,
+        health_timeout_s=1.0,
+        max_health_failures=2,
+        unavailable_timeout_s=60.0,
+        **kw,
+    )
 
 
 async def until_tokens(c: InferenceClient, n: int) -> None:

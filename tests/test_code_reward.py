@@ -16,13 +16,20 @@ import textwrap
 import time
 
 import pytest
-
-from areal_async.rewards import plaindata as pd
-from areal_async.rewards import code as code_module
-from areal_async.rewards.code import (CodeTests, SandboxIsolationError, code_reward, evaluate_code, extract_code,
-                                      outputs_match, parse_tests)
-from areal_async.rewards.sandbox import SandboxLimits, probe_isolation
 from sandbox_host import watched_host
+
+from areal_async.rewards import code as code_module
+from areal_async.rewards import plaindata as pd
+from areal_async.rewards.code import (
+    CodeTests,
+    SandboxIsolationError,
+    code_reward,
+    evaluate_code,
+    extract_code,
+    outputs_match,
+    parse_tests,
+)
+from areal_async.rewards.sandbox import SandboxLimits, probe_isolation
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
 
@@ -30,8 +37,10 @@ LIM = SandboxLimits(wall_s=4.0, cpu_s=2)
 STDIO = json.dumps({"inputs": ["1 2\n", "10 -4\n", "0 0\n"], "outputs": ["3\n", "6\n", "0\n"]})
 # expected values no hack can guess (no small constants that also live in the grader's processes)
 FN = json.dumps({"fn_name": "add", "inputs": [[1234, 4321], [98765, 1], [-777, 333]], "outputs": [5555, 98766, -444]})
-MBPP = ("assert add(1234, 4321) == 5555\nassert add(98765, 1) == 98766\nassert abs(add(0.5, 0.25) - 0.75) < 1e-9\n"
-        "assert math.isclose(add(0.1, 0.2), 0.3)\nassert isinstance(add(811, 1), int) and add(811, 1) == 812")
+MBPP = (
+    "assert add(1234, 4321) == 5555\nassert add(98765, 1) == 98766\nassert abs(add(0.5, 0.25) - 0.75) < 1e-9\n"
+    "assert math.isclose(add(0.1, 0.2), 0.3)\nassert isinstance(add(811, 1), int) and add(811, 1) == 812"
+)
 HUMANEVAL = textwrap.dedent("""
     def check(candidate):
         assert candidate(1234, 4321) == 5555
@@ -108,17 +117,23 @@ def test_richer_solutions_and_tests(host):
                         return [seen[target - x], i]
                     seen[x] = i
     """)
-    tests = parse_tests(json.dumps([
-        "assert Stack().push(1).push(2).top() == 2",
-        "assert list(evens(7)) == [0, 2, 4, 6]",
-        "assert divmod2(7, 2) == (3, 1)",
-        "try:\n    divmod2(1, 0)\n    assert False\nexcept ZeroDivisionError:\n    pass",
-        "def ref(a, b):\n    return (a // b, a % b)\nfor a in range(30):\n    assert divmod2(a, 7) == ref(a, 7)",
-    ]))
+    tests = parse_tests(
+        json.dumps(
+            [
+                "assert Stack().push(1).push(2).top() == 2",
+                "assert list(evens(7)) == [0, 2, 4, 6]",
+                "assert divmod2(7, 2) == (3, 1)",
+                "try:\n    divmod2(1, 0)\n    assert False\nexcept ZeroDivisionError:\n    pass",
+                "def ref(a, b):\n    return (a // b, a % b)\n"
+                "for a in range(30):\n    assert divmod2(a, 7) == ref(a, 7)",
+            ]
+        )
+    )
     v = evaluate_code(code, tests, limits=LIM)
     assert (v.reward, v.failures) == (1.0, []), v
-    lc = parse_tests(json.dumps({"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9], [[3, 2, 4], 6]],
-                                 "outputs": [[0, 1], [1, 2]]}))
+    lc = parse_tests(
+        json.dumps({"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9], [[3, 2, 4], 6]], "outputs": [[0, 1], [1, 2]]})
+    )
     assert evaluate_code(code, lc, limits=LIM).reward == 1.0
 
 
@@ -144,13 +159,30 @@ def test_outputs_match_is_exact_for_integers():
     assert not outputs_match("8" + big[1:], big) and not outputs_match("-" + big, big)
 
 
-@pytest.mark.parametrize("got, want, same", [
-    (3, 3, True), (3.0, 3, True), (1000000000001, 1000000000000, False), (3.0000001, 3, False),
-    (0.30000000000000004, 0.3, True), (0.31, 0.3, False), (True, 1, False), (1, True, False),
-    ((1, 2), [1, 2], True), ([1, [2, 3.0000000001]], [1, [2, 3.0]], True), ({"a": 1}, {"a": 1}, True),
-    ({"a": 1}, {"b": 1}, False), ("abc", "abc", True), ("abc", "abd", False), (None, None, True), (None, 0, False),
-    ({1, 2}, {2, 1}, True), (float("nan"), float("nan"), True), (pd.Opaque(1, "E"), 3, False),
-])
+@pytest.mark.parametrize(
+    "got, want, same",
+    [
+        (3, 3, True),
+        (3.0, 3, True),
+        (1000000000001, 1000000000000, False),
+        (3.0000001, 3, False),
+        (0.30000000000000004, 0.3, True),
+        (0.31, 0.3, False),
+        (True, 1, False),
+        (1, True, False),
+        ((1, 2), [1, 2], True),
+        ([1, [2, 3.0000000001]], [1, [2, 3.0]], True),
+        ({"a": 1}, {"a": 1}, True),
+        ({"a": 1}, {"b": 1}, False),
+        ("abc", "abc", True),
+        ("abc", "abd", False),
+        (None, None, True),
+        (None, 0, False),
+        ({1, 2}, {2, 1}, True),
+        (float("nan"), float("nan"), True),
+        (pd.Opaque(1, "E"), 3, False),
+    ],
+)
 def test_values_match(got, want, same):
     assert pd.values_match(got, want) is same
 
@@ -192,8 +224,14 @@ def test_parse_tests_formats():
     assert he.snippets[0].endswith("check(add)\n") and he.proxies == ["add"]
     shadow = parse_tests("import math\nmath = None\nassert f(math) == 1")  # a name the test binds is its own
     assert shadow.proxies == ["f"] and shadow.modules == []
-    for bad in ("", "{not json", json.dumps({"inputs": [1], "outputs": []}), json.dumps([1, 2]), "[]",
-                json.dumps({"fn_name": "os.system('x')", "inputs": [[1]], "outputs": [1]})):
+    for bad in (
+        "",
+        "{not json",
+        json.dumps({"inputs": [1], "outputs": []}),
+        json.dumps([1, 2]),
+        "[]",
+        json.dumps({"fn_name": "os.system('x')", "inputs": [[1]], "outputs": [1]}),
+    ):
         with pytest.raises(ValueError):
             parse_tests(bad)
     with pytest.raises(ValueError):
@@ -215,7 +253,7 @@ def test_extract_code_is_linear_on_adversarial_input():
 
 HACKS = {
     "noop_exec": "import builtins\nbuiltins.exec = lambda *a, **k: None\nbuiltins.eval = lambda *a, **k: True\n"
-                 "def add(a, b):\n    return 0\n",
+    "def add(a, b):\n    return 0\n",
     "always_equal": textwrap.dedent("""
         class Anything:
             def __eq__(self, other): return True

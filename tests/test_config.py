@@ -10,8 +10,16 @@ import msgspec
 import pytest
 import yaml
 
-from areal_async.config import (ConfigError, MultiTurnConfig, RunConfig, ScheduleConfig, TrainConfig, from_dict,
-                                load_config, to_dict)
+from areal_async.config import (
+    ConfigError,
+    MultiTurnConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+    from_dict,
+    load_config,
+    to_dict,
+)
 from areal_async.config.help import describe, iter_fields
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,23 +43,26 @@ def test_yaml_file_and_null(tmp_path):
     assert cfg.schedule.eta is None and cfg.schedule.batch_size == 8 and cfg.train.loss.eps_clip == 0.1
 
 
-@pytest.mark.parametrize("override,key", [
-    ("train.optim.lrr=1", "train.optim.lrr"),
-    ("nonsense=1", "nonsense"),
-    ("train.optim.lr=abc", "train.optim.lr"),
-    ("schedule.batch_size=0", "schedule.batch_size"),
-    ("rollout.top_p=1.5", "rollout.top_p"),
-    ("schedule.mode=fast", "schedule.mode"),
-    ("train.loss.dual_clip=0.5", "train.loss.dual_clip"),
-    ("server.backend=external", "server.urls"),
-    ("eta=-1", "schedule.eta"),
-    ("rollout.multi_turn.max_turnz=3", "rollout.multi_turn.max_turnz"),
-    ("rollout.multi_turn.max_turns=0", "rollout.multi_turn.max_turns"),
-    ("rollout.multi_turn.feedback=Wrong {answer}", "rollout.multi_turn.feedback"),
-    ("train.connect_timeout_s=0", "train.connect_timeout_s"),
-    ("schedule.max_wall_s=-1", "schedule.max_wall_s"),
-    ("train.advantage.overlong_cache_len=-1", "train.advantage.overlong_cache_len"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.optim.lrr=1", "train.optim.lrr"),
+        ("nonsense=1", "nonsense"),
+        ("train.optim.lr=abc", "train.optim.lr"),
+        ("schedule.batch_size=0", "schedule.batch_size"),
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("schedule.mode=fast", "schedule.mode"),
+        ("train.loss.dual_clip=0.5", "train.loss.dual_clip"),
+        ("server.backend=external", "server.urls"),
+        ("eta=-1", "schedule.eta"),
+        ("rollout.multi_turn.max_turnz=3", "rollout.multi_turn.max_turnz"),
+        ("rollout.multi_turn.max_turns=0", "rollout.multi_turn.max_turns"),
+        ("rollout.multi_turn.feedback=Wrong {answer}", "rollout.multi_turn.feedback"),
+        ("train.connect_timeout_s=0", "train.connect_timeout_s"),
+        ("schedule.max_wall_s=-1", "schedule.max_wall_s"),
+        ("train.advantage.overlong_cache_len=-1", "train.advantage.overlong_cache_len"),
+    ],
+)
 def test_errors_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -157,24 +168,37 @@ def test_every_field_is_documented():
 
 
 def test_help_lists_keys_with_their_docs():
-    p = subprocess.run([sys.executable, "-m", "areal_async.run", "--help"], capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run([sys.executable, "-m", "areal_async.run", "--help"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
-    for needle in ("schedule.interrupt_mode = abort", "keep their KV cache", "train.loss.prox_logp = recompute",
-                   "train.loss.kl_coef = 0.0", "train.advantage.estimator = grpo", "base:", "--print-config"):
+    for needle in (
+        "schedule.interrupt_mode = abort",
+        "keep their KV cache",
+        "train.loss.prox_logp = recompute",
+        "train.loss.kl_coef = 0.0",
+        "train.advantage.estimator = grpo",
+        "base:",
+        "--print-config",
+    ):
         assert needle in p.stdout, needle
 
 
 def test_print_config_from_an_installed_copy_without_configs(tmp_path):
     """Only the package itself (no configs/ folder beside it), run from elsewhere: the defaults are the same."""
     pkg = tmp_path / "site"
-    shutil.copytree(os.path.join(REPO, "areal_async"), pkg / "areal_async",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.join(REPO, "areal_async"), pkg / "areal_async", ignore=shutil.ignore_patterns("__pycache__")
+    )
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {**os.environ, "PYTHONPATH": str(pkg)}
-    p = subprocess.run([sys.executable, "-m", "areal_async.run", "--print-config"], capture_output=True, text=True,
-                       timeout=60, cwd=work, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "areal_async.run", "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=work,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr
     assert from_dict(yaml.safe_load(p.stdout)) == load_config(os.path.join(CONFIGS, "default.yaml"))
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from error_bounds import attention_bound, spec_logit_bound
 
-from areal_async.server.kernels import attention as cpu_attention, build as cpu_build
+from areal_async.server.kernels import attention as cpu_attention
+from areal_async.server.kernels import build as cpu_build
 from areal_async.server.model import DecoderModel
 from areal_async.server.weights import load_checkpoint
-from error_bounds import attention_bound, spec_logit_bound
 
 kernel = cpu_attention.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the CPU attention kernel could not be built here")
@@ -57,9 +58,9 @@ def test_kernel_matches_attention_over_scattered_pages(target_kernel, h, hkv, d)
     kv_pages = torch.randn(num_pages, ps, 2 * hkv, d, generator=g)
     lens = torch.tensor([1, 15, 16, 17, 40, 100, 3])  # inside a page, page edges, several pages
     p = int(max(-(-lens // ps)))
-    perm = torch.randperm(num_pages - 1, generator=g)[:b * p] + 1  # pages in no particular order, never page 0
+    perm = torch.randperm(num_pages - 1, generator=g)[: b * p] + 1  # pages in no particular order, never page 0
     table = perm.view(b, p).clone()
-    q = torch.randn(b, h, d, generator=g) * d ** -0.5
+    q = torch.randn(b, h, d, generator=g) * d**-0.5
     got = cpu_attention.paged_decode_attention(kernel, q, kv_pages, table, lens, hkv)
     _assert_within(got, reference(q, kv_pages, table, lens, hkv))
     # a row's result depends on its own keys only: scrambling what lies past its length changes nothing
@@ -110,7 +111,7 @@ def test_both_attention_paths_match_transformers(tiny_ckpts_all_archs, path):
         batch = build_step_batch(chunks, table, 16, cpu, [[0], [0]], paged_decode=model.paged_decode)
         assert all((grp.table is not None) == model.paged_decode for grp in batch.groups)
         logits = model.forward(batch, cache)  # [2, V]
-        for i, (s, n) in enumerate(zip(seqs, decode_from)):
+        for i, (_s, n) in enumerate(zip(seqs, decode_from)):
             ref = want[i][n + step]
             tol = spec_logit_bound(spec, n + step + 1, float(ref.abs().max()))  # two fp32 forwards, any order
             assert torch.allclose(logits[i], ref, atol=tol, rtol=0), (path, i, step, tol)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from areal_async.server.kernels import build as cpu_build, elementwise as cpu_elementwise
 from error_bounds import EXP_POLY_REL, U32, gamma
+
+from areal_async.server.kernels import build as cpu_build
+from areal_async.server.kernels import elementwise as cpu_elementwise
 
 
 @pytest.fixture(params=cpu_build.runnable_marches())

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from areal_async.cpu_features import (CpuInfo, cpu_bf16_choice, model_hidden_size, read_cpu_info,
-                                      resolve_mixed_precision)
+from areal_async.cpu_features import CpuInfo, cpu_bf16_choice, model_hidden_size, read_cpu_info, resolve_mixed_precision
 
 AMX = CpuInfo("Intel Xeon", "x86_64", frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
 ZEN5 = CpuInfo("AMD EPYC", "x86_64", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
@@ -20,8 +19,12 @@ def test_bf16_only_with_a_bf16_dot_product():
 
 
 def test_a_cap_on_torch_wins_over_the_hardware():
-    for env in ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ONEDNN_MAX_CPU_ISA": "avx512_core"}, {"DNNL_MAX_CPU_ISA": "AVX2"},
-                {"ATEN_CPU_CAPABILITY": "avx2"}):
+    for env in (
+        {"ONEDNN_MAX_CPU_ISA": "AVX2"},
+        {"ONEDNN_MAX_CPU_ISA": "avx512_core"},
+        {"DNNL_MAX_CPU_ISA": "AVX2"},
+        {"ATEN_CPU_CAPABILITY": "avx2"},
+    ):
         fast, why = cpu_bf16_choice(ZEN5, env)
         assert not fast and next(iter(env)) in why, (env, why)
     # a cap at or above the hardware's bf16 level leaves bf16 on
@@ -56,8 +59,10 @@ def test_reads_this_machine(tmp_path):
     info = read_cpu_info()
     assert info.arch and isinstance(info.flags, frozenset)
     fake = tmp_path / "cpuinfo"
-    fake.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9B45\n"
-                    "flags\t\t: fpu avx2 fma avx512f avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    fake.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9B45\n"
+        "flags\t\t: fpu avx2 fma avx512f avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+    )
     got = read_cpu_info(str(fake))
     assert got.model == "AMD EPYC 9B45" and "avx512_bf16" in got.flags and got.isa == "avx512"
     assert read_cpu_info(str(tmp_path / "missing")).flags == frozenset()

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from areal_async.server.kernels import build as cpu_build, gemm as cpu_gemm
 from error_bounds import U32, gamma, spec_logit_bound
+
+from areal_async.server.kernels import build as cpu_build
+from areal_async.server.kernels import gemm as cpu_gemm
 
 kernel = cpu_gemm.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the CPU matmul kernel could not be built here")

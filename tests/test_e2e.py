@@ -23,17 +23,27 @@ from areal_async.rollout import ledger
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["schedule.batch_size=4", "rollout.group_size=4", "rollout.max_new_tokens=200", "eval.num_prompts=8",
-          "eval.max_new_tokens=16", "data.num_train=200", "data.num_eval=8", "train.micro_batch_tokens=1024",
-          "server.max_total_tokens=16384",
-          # the CPU paths and their fp32 numerics on any host (device=auto is CUDA and bf16 where there is a GPU;
-          # tests/test_gpu_e2e.py runs the same on CUDA)
-          "server.device=cpu", "train.device=cpu"]
+COMMON = [
+    "schedule.batch_size=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=200",
+    "eval.num_prompts=8",
+    "eval.max_new_tokens=16",
+    "data.num_train=200",
+    "data.num_eval=8",
+    "train.micro_batch_tokens=1024",
+    "server.max_total_tokens=16384",
+    # the CPU paths and their fp32 numerics on any host (device=auto is CUDA and bf16 where there is a GPU;
+    # tests/test_gpu_e2e.py runs the same on CUDA)
+    "server.device=cpu",
+    "train.device=cpu",
+]
 
 
 def run_cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "areal_async.run", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "areal_async.run", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def records(run_dir: str, kind: str) -> list[dict]:
@@ -46,8 +56,11 @@ def index_lines(run_dir: str) -> list[dict]:
 
 
 def resolved(lines: list[dict]) -> set[int]:
-    return ({i for r in lines for i in r.get("trained", [])} | {d["index"] for r in lines for d in r.get("dropped", [])}
-            | {i for r in lines for i in r.get("unfinished", [])})
+    return (
+        {i for r in lines for i in r.get("trained", [])}
+        | {d["index"] for r in lines for d in r.get("dropped", [])}
+        | {i for r in lines for i in r.get("unfinished", [])}
+    )
 
 
 def child_pids(run_dir: str) -> list[int]:
@@ -94,8 +107,19 @@ def wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
 def async_run(tiny_ckpt, tmp_path_factory) -> str:
     run_dir = str(tmp_path_factory.mktemp("e2e") / "async")
     # eta=1 over 4 steps: the bound can bite (tokens of version 0 trained at step 4 would be 3 versions stale)
-    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=1", "total_steps=4",
-                 "schedule.eval_every=2", "schedule.checkpoint_every=2", "server.max_running_requests=4", *COMMON])
+    p = run_cli(
+        [
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            "mode=async",
+            "eta=1",
+            "total_steps=4",
+            "schedule.eval_every=2",
+            "schedule.checkpoint_every=2",
+            "server.max_running_requests=4",
+            *COMMON,
+        ]
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run_dir
 
@@ -103,8 +127,17 @@ def async_run(tiny_ckpt, tmp_path_factory) -> str:
 def test_async_run_outputs_and_staleness_bound(async_run):
     with open(os.path.join(async_run, "summary.json")) as f:
         s = json.load(f)
-    for key in ("base_accuracy", "final_accuracy", "wall_s", "mode", "eta", "trained_samples", "max_staleness_seen",
-                "interrupt_mode", "dropped"):
+    for key in (
+        "base_accuracy",
+        "final_accuracy",
+        "wall_s",
+        "mode",
+        "eta",
+        "trained_samples",
+        "max_staleness_seen",
+        "interrupt_mode",
+        "dropped",
+    ):
         assert key in s
     assert s["mode"] == "async" and s["eta"] == 1 and s["steps"] == 4 and s["interrupt_mode"] == "abort"
     assert s["trained_samples"] == 4 * 4 * 4
@@ -122,8 +155,16 @@ def test_async_run_outputs_and_staleness_bound(async_run):
     # the eval at version 2 runs beside the train step that makes version 3, and that step's weight sync waits for
     # it: every eval token comes from the version the eval reports
     assert all(r["min_version"] == r["max_version"] == r["version"] for r in evals), evals
-    for path in ("progress.png", "final/config.json", "final/model.safetensors", "final/tokenizer.json",
-                 "checkpoints/latest.json", "logs/server0.log", "logs/trainer.log", "trained_index.jsonl"):
+    for path in (
+        "progress.png",
+        "final/config.json",
+        "final/model.safetensors",
+        "final/tokenizer.json",
+        "checkpoints/latest.json",
+        "logs/server0.log",
+        "logs/trainer.log",
+        "trained_index.jsonl",
+    ):
         assert os.path.exists(os.path.join(async_run, path)), path
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(os.path.join(async_run, "tensorboard")))
     # the accounting: one line per step with its B groups, an end line, every draw exactly once
@@ -143,8 +184,17 @@ def test_resume_continues_version_and_data_position(async_run, tiny_ckpt, tmp_pa
     # what the final checkpoint had not seen resolved: what the end line names (written after the checkpoint)
     end = index_lines(run_dir)[-1]
     assert set(before["pending"]) == resolved([end]) and before["pending"]
-    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=1", "total_steps=6",
-                 "schedule.eval_every=0", *COMMON])
+    p = run_cli(
+        [
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            "mode=async",
+            "eta=1",
+            "total_steps=6",
+            "schedule.eval_every=0",
+            *COMMON,
+        ]
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "resuming from" in p.stdout
     train = records(run_dir, "train")
@@ -169,10 +219,19 @@ def test_killed_controller_resumes_with_exact_accounting(tiny_ckpt, tmp_path):
     """SIGKILL the controller between two checkpoints: its children go with it, and a rerun with the same run_dir
     cuts the records back to the checkpoint and draws every sample the checkpoint had not resolved again, once."""
     run_dir = str(tmp_path / "killed")
-    args = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=2", "total_steps=6",
-            "schedule.eval_every=0", "schedule.checkpoint_every=2", *COMMON]
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    args = [
+        f"model.path={tiny_ckpt}",
+        f"run_dir={run_dir}",
+        "mode=async",
+        "eta=2",
+        "total_steps=6",
+        "schedule.eval_every=0",
+        "schedule.checkpoint_every=2",
+        *COMMON,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_async.run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     path = os.path.join(run_dir, ledger.FILE_NAME)
     try:
         deadline = time.monotonic() + 180
@@ -226,9 +285,20 @@ def embedded_server_reports_version_spans(ckpt: str) -> bool:
 @pytest.fixture(scope="module", params=["disk", "broadcast"])
 def in_place_run(request, tiny_ckpt, tmp_path_factory) -> str:
     run_dir = str(tmp_path_factory.mktemp("inplace") / request.param)
-    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=2", "total_steps=4",
-                 "schedule.interrupt_mode=in_place", f"train.weight_sync={request.param}", "schedule.eval_every=0",
-                 "server.max_running_requests=4", *COMMON])
+    p = run_cli(
+        [
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            "mode=async",
+            "eta=2",
+            "total_steps=4",
+            "schedule.interrupt_mode=in_place",
+            f"train.weight_sync={request.param}",
+            "schedule.eval_every=0",
+            "server.max_running_requests=4",
+            *COMMON,
+        ]
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run_dir
 
@@ -262,8 +332,17 @@ def test_sync_mode_never_trains_stale_tokens(tiny_ckpt, tmp_path):
     os.makedirs(run_dir)
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:  # an older run's records in the same folder
         f.write(json.dumps({"kind": "train", "step": 7, "time": 0.0, "version": 7}) + "\n")
-    p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=sync", "total_steps=3",
-                 "schedule.eval_every=0", "train.weight_sync=broadcast", *COMMON])
+    p = run_cli(
+        [
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            "mode=sync",
+            "total_steps=3",
+            "schedule.eval_every=0",
+            "train.weight_sync=broadcast",
+            *COMMON,
+        ]
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     train = records(run_dir, "train")
     assert len(train) == 3 and [r["version"] for r in train] == [1, 2, 3]  # only this run's
@@ -280,10 +359,22 @@ def test_sync_mode_never_trains_stale_tokens(tiny_ckpt, tmp_path):
 def test_crashed_trainer_ends_the_run_cleanly(tiny_ckpt, tmp_path):
     """Without trainer restarts (recovery.max_trainer_restarts=0; tests/test_faults.py covers the restarts)."""
     run_dir = str(tmp_path / "crash")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", f"model.path={tiny_ckpt}",
-                             f"run_dir={run_dir}", "total_steps=10000", "schedule.eval_every=0",
-                             "recovery.max_trainer_restarts=0", *COMMON],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.run",
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            "total_steps=10000",
+            "schedule.eval_every=0",
+            "recovery.max_trainer_restarts=0",
+            *COMMON,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -319,10 +410,26 @@ def test_waiting_updates_with_two_servers_and_two_trainer_ranks(tiny_ckpt, tmp_p
     on each server for the requests running there (nothing aborted, no response spans two versions), both servers
     generate, the two ranks train every step, and the staleness bound holds."""
     run_dir = str(tmp_path / "wait")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", f"model.path={tiny_ckpt}", f"run_dir={run_dir}",
-                             "mode=async", "eta=1", "total_steps=3", "schedule.eval_every=0",
-                             "schedule.interruptible=false", "server.num_servers=2", "train.nproc=2", *COMMON],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.run",
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            "mode=async",
+            "eta=1",
+            "total_steps=3",
+            "schedule.eval_every=0",
+            "schedule.interruptible=false",
+            "server.num_servers=2",
+            "train.nproc=2",
+            *COMMON,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     busy: dict[str, float] = {}
     try:
         deadline = time.monotonic() + 240
@@ -396,10 +503,19 @@ def test_signal_stops_the_run_cleanly_and_it_resumes(tiny_ckpt, tmp_path, sig):
     logs a step, and stays stopped through the teardown, as a rank deep in a long step would be (the run must
     neither wait for it nor leave it behind)."""
     run_dir = str(tmp_path / "sig")
-    args = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=1", "total_steps=1000",
-            "schedule.eval_every=0", "schedule.checkpoint_every=1", *COMMON]
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    args = [
+        f"model.path={tiny_ckpt}",
+        f"run_dir={run_dir}",
+        "mode=async",
+        "eta=1",
+        "total_steps=1000",
+        "schedule.eval_every=0",
+        "schedule.checkpoint_every=1",
+        *COMMON,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_async.run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     latest = os.path.join(run_dir, "checkpoints", "latest.json")
     rank = None
     try:
@@ -435,7 +551,7 @@ def test_signal_stops_the_run_cleanly_and_it_resumes(tiny_ckpt, tmp_path, sig):
     lines = index_lines(run_dir)
     assert [r.get("version") for r in lines[:-1]] == list(range(1, end + 1)) and lines[-1]["end"]
     ledger.check_invariant(lines)
-    assert set(ckpt["pending"]) <= resolved(lines[ckpt["version"]:])
+    assert set(ckpt["pending"]) <= resolved(lines[ckpt["version"] :])
 
 
 def test_bad_config_names_the_key(tmp_path):
@@ -446,14 +562,17 @@ def test_bad_config_names_the_key(tmp_path):
     assert p.returncode == 2 and "train.optim.lr" in p.stderr
 
 
-@pytest.mark.parametrize("override,key", [
-    ("data.reward=no_such_reward", "data.reward"),
-    ("data.reward=no_such_module:fn", "data.reward"),
-    ("rollout.workflow=no_such_module:make", "rollout.workflow"),
-    ("rollout.workflow=bogus", "rollout.workflow"),
-    ("data.name=/nowhere/train.jsonl", "data.name"),
-    ("model.path=/nowhere", "model.path"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("data.reward=no_such_reward", "data.reward"),
+        ("data.reward=no_such_module:fn", "data.reward"),
+        ("rollout.workflow=no_such_module:make", "rollout.workflow"),
+        ("rollout.workflow=bogus", "rollout.workflow"),
+        ("data.name=/nowhere/train.jsonl", "data.name"),
+        ("model.path=/nowhere", "model.path"),
+    ],
+)
 def test_problems_are_found_before_anything_is_launched(tiny_ckpt, tmp_path, override, key):
     run_dir = tmp_path / "pre"
     p = run_cli([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", override], timeout=60)
@@ -469,10 +588,13 @@ def test_missing_chat_template_is_found_before_launch(tiny_ckpt, tmp_path):
     tok_cfg = json.loads(cfg_path.read_text())
     tok_cfg.pop("chat_template")
     cfg_path.write_text(json.dumps(tok_cfg))
-    for override, key in (("data.apply_chat_template=true", "data.apply_chat_template"),
-                          ("rollout.multi_turn.chat=true", "rollout.multi_turn.chat")):
-        p = run_cli([f"model.path={ckpt}", f"run_dir={tmp_path / 'r'}", "rollout.workflow=multi_turn", override],
-                    timeout=60)
+    for override, key in (
+        ("data.apply_chat_template=true", "data.apply_chat_template"),
+        ("rollout.multi_turn.chat=true", "rollout.multi_turn.chat"),
+    ):
+        p = run_cli(
+            [f"model.path={ckpt}", f"run_dir={tmp_path / 'r'}", "rollout.workflow=multi_turn", override], timeout=60
+        )
         assert p.returncode == 2 and p.stderr.startswith(f"config error: {key}: the chat template"), p.stderr
     assert not (tmp_path / "r" / "logs").exists()
 
@@ -500,9 +622,22 @@ sys.exit(main(sys.argv[1:], workflow=factory))
 def test_python_api_takes_a_workflow_factory(tiny_ckpt, tmp_path):
     """`main(argv, workflow=...)`: the run drives a workflow handed in from Python, not named in the config."""
     run_dir = str(tmp_path / "embed")
-    p = subprocess.run([sys.executable, "-c", EMBED_SCRIPT, f"model.path={tiny_ckpt}", f"run_dir={run_dir}",
-                        "mode=sync", "total_steps=2", "schedule.eval_every=0", *COMMON],
-                       capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            EMBED_SCRIPT,
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            "mode=sync",
+            "total_steps=2",
+            "schedule.eval_every=0",
+            *COMMON,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(os.path.join(run_dir, "calls.txt")) as f:
         calls = f.read().split()

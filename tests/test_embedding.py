@@ -23,8 +23,17 @@ pytestmark = pytest.mark.timeout(400)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
-SMALL = ["model.path=tiny", "steps=2", "schedule.batch_size=2", "rollout.group_size=2", "schedule.eval_every=0",
-         "eval.num_prompts=4", "schedule.filter_uniform_reward=false", "server.device=cpu", "train.device=cpu"]
+SMALL = [
+    "model.path=tiny",
+    "steps=2",
+    "schedule.batch_size=2",
+    "rollout.group_size=2",
+    "schedule.eval_every=0",
+    "eval.num_prompts=4",
+    "schedule.filter_uniform_reward=false",
+    "server.device=cpu",
+    "train.device=cpu",
+]
 
 
 def example(name: str) -> ModuleType:
@@ -60,14 +69,16 @@ def check_outputs(result: embed.RunResult, steps: int) -> None:
 def test_import_is_light_and_starts_nothing():
     """`import areal_async` loads no embedding code until used, and the facade and both examples import without
     torch (the controller side never needs it)."""
-    probe = ("import sys, areal_async\n"
-             "assert 'areal_async.embed' not in sys.modules\n"
-             "assert areal_async.train is areal_async.embed.train\n"
-             "import importlib.util\n"
-             "for n in ('custom_env', 'openai_agent'):\n"
-             f"    s = importlib.util.spec_from_file_location(n, {EXAMPLES!r} + '/' + n + '.py')\n"
-             "    s.loader.exec_module(importlib.util.module_from_spec(s))\n"
-             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'openai')))\n")
+    probe = (
+        "import sys, areal_async\n"
+        "assert 'areal_async.embed' not in sys.modules\n"
+        "assert areal_async.train is areal_async.embed.train\n"
+        "import importlib.util\n"
+        "for n in ('custom_env', 'openai_agent'):\n"
+        f"    s = importlib.util.spec_from_file_location(n, {EXAMPLES!r} + '/' + n + '.py')\n"
+        "    s.loader.exec_module(importlib.util.module_from_spec(s))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'openai')))\n"
+    )
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == "[]"
@@ -101,15 +112,18 @@ def test_custom_environment_with_its_own_reward_trains(tmp_path):
         graded.append((completion, answer))
         return mod.exact_answer(completion, answer)
 
-    result = mod.main([*SMALL, f"run_dir={tmp_path / 'run'}", "rollout.max_new_tokens=24"], reward=counting_reward,
-                      on_group=lambda sample, trajs: groups.append((sample, trajs)))
+    result = mod.main(
+        [*SMALL, f"run_dir={tmp_path / 'run'}", "rollout.max_new_tokens=24"],
+        reward=counting_reward,
+        on_group=lambda sample, trajs: groups.append((sample, trajs)),
+    )
     check_outputs(result, 2)
     trained = {i for r in result.trained_index() for i in r.get("trained", [])}
     assert len(trained) == 2 * 2  # batch_size groups per step
     seen = [(s, t) for s, ts in groups for t in ts]
     assert len(seen) >= 2 * 2 * 2 and all(len(ts) == 2 for _, ts in groups)  # group_size episodes per group
     stepped = 0
-    for sample, t in seen:
+    for _sample, t in seen:
         assert check_alignment(t, 2) >= 1
         assert 1 <= t.info["turns"] <= 3
         # the trajectory's reward is the environment's: the reward of the correct try over the tries it took
@@ -189,9 +203,18 @@ def test_openai_sdk_agent_with_a_tool_trains_through_the_proxy(tool_model, tmp_p
         return mod.exact_answer(completion, answer)
 
     agent = mod.make_agent(counting_reward, {"calculator": counting_calculator})
-    result = mod.main([*SMALL, f"model.path={tool_model}", f"run_dir={tmp_path / 'run'}", f"data.name={data}",
-                       f"data.eval_path={data}", "rollout.temperature=0.7"], agent=agent,
-                      on_group=lambda sample, trajs: groups.append(trajs))
+    result = mod.main(
+        [
+            *SMALL,
+            f"model.path={tool_model}",
+            f"run_dir={tmp_path / 'run'}",
+            f"data.name={data}",
+            f"data.eval_path={data}",
+            "rollout.temperature=0.7",
+        ],
+        agent=agent,
+        on_group=lambda sample, trajs: groups.append(trajs),
+    )
     check_outputs(result, 2)
     assert tool_inputs and graded  # the model called the tool, and the agent's reward graded its answers
     episodes = {t.info["episode"] for ts in groups for t in ts}
@@ -208,7 +231,7 @@ def test_openai_sdk_agent_with_a_tool_trains_through_the_proxy(tool_model, tmp_p
         # context (loss mask 0) between the model's tool call and its final answer (both trained)
         assert t.info["export"] == "concat"
         gen = tok.decode([i for i, m in zip(t.input_ids, t.loss_mask) if m])
-        ctx = tok.decode([i for i, m in zip(t.input_ids[t.prompt_len:], t.loss_mask[t.prompt_len:]) if not m])
+        ctx = tok.decode([i for i, m in zip(t.input_ids[t.prompt_len :], t.loss_mask[t.prompt_len :]) if not m])
         assert "<tool_call>" in gen
         assert any(mod.calculator(x) in ctx for x in tool_inputs)
         fed_back += 1
@@ -223,8 +246,13 @@ def test_the_docs_workflow_listing_runs(tmp_path):
     script = tmp_path / "route1.py"
     script.write_text(listing)
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, str(script), *SMALL, f"run_dir={run_dir}", "rollout.max_new_tokens=24"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, str(script), *SMALL, f"run_dir={run_dir}", "rollout.max_new_tokens=24"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1].startswith("2 steps; max staleness")
     with open(run_dir / "summary.json") as f:

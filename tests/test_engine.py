@@ -13,11 +13,11 @@ import textwrap
 
 import pytest
 import torch
-
-from areal_async.server.engine import AsyncEngine
-from areal_async.protocol.engine_api import EngineChunk, EngineRequest, EngineSampling
-from areal_async.testing.tiny import make_tiny_checkpoint
 from error_bounds import U32, checkpoint_logit_bound, logsumexp_bound
+
+from areal_async.protocol.engine_api import EngineChunk, EngineRequest, EngineSampling
+from areal_async.server.engine import AsyncEngine
+from areal_async.testing.tiny import make_tiny_checkpoint
 
 torch.set_num_threads(1)
 
@@ -58,8 +58,7 @@ def hf_logprobs(path: str, seq: list[int], temperature: float = 1.0) -> torch.Te
 
 
 def req(rid: str, ids: list[int], **sampling) -> EngineRequest:
-    extra = {k: sampling.pop(k) for k in ("return_logprob", "logprob_start_len", "top_logprobs_num")
-             if k in sampling}
+    extra = {k: sampling.pop(k) for k in ("return_logprob", "logprob_start_len", "top_logprobs_num") if k in sampling}
     return EngineRequest(rid=rid, input_ids=ids, sampling=EngineSampling(**sampling), **extra)
 
 
@@ -86,10 +85,16 @@ async def test_greedy_matches_transformers_generate(make_engine, lively_ckpt):
     engine = await make_engine(lively_ckpt)
     for text in PROMPTS[:3]:
         ids = engine.encode(text)
-        out, lps, finish, _ = await run(engine, req(text, ids, max_new_tokens=24, temperature=0.0, ignore_eos=True,
-                                                    return_logprob=True))
-        ref = _hf(lively_ckpt).generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        out, lps, finish, _ = await run(
+            engine, req(text, ids, max_new_tokens=24, temperature=0.0, ignore_eos=True, return_logprob=True)
+        )
+        ref = (
+            _hf(lively_ckpt)
+            .generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[
+                0, len(ids) :
+            ]
+            .tolist()
+        )
         assert out == ref
         assert finish == {"type": "length", "length": 24}
         # greedy logprobs are log_softmax of the raw logits at the chosen token
@@ -103,11 +108,16 @@ async def test_batched_equals_one_at_a_time_and_is_deterministic(make_engine, li
     # prompts of 2 to 160 tokens make the decode rows split into several length buckets.
     engine = await make_engine(lively_ckpt, chunked_prefill_size=48)
     prompts = [engine.encode(t) for t in PROMPTS] + [engine.encode(f"{i}: " + "ab" * (i * i // 2)) for i in range(14)]
-    alone = [(await run(engine, req(f"a{i}", p, max_new_tokens=40 + i, temperature=0.0, ignore_eos=True)))[0]
-             for i, p in enumerate(prompts)]
-    together = await asyncio.gather(*[
-        run(engine, req(f"b{i}", p, max_new_tokens=40 + i, temperature=0.0, ignore_eos=True))
-        for i, p in enumerate(prompts)])
+    alone = [
+        (await run(engine, req(f"a{i}", p, max_new_tokens=40 + i, temperature=0.0, ignore_eos=True)))[0]
+        for i, p in enumerate(prompts)
+    ]
+    together = await asyncio.gather(
+        *[
+            run(engine, req(f"b{i}", p, max_new_tokens=40 + i, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+    )
     assert [t[0] for t in together] == alone
     assert len({tuple(a) for a in alone}) > 1
 
@@ -116,8 +126,15 @@ async def test_batched_equals_one_at_a_time_and_is_deterministic(make_engine, li
 async def test_sampled_logprobs_are_tempered_log_softmax(make_engine, lively_ckpt, temperature):
     engine = await make_engine(lively_ckpt, seed=1)
     ids = engine.encode("2+3=")
-    outs = await asyncio.gather(*[run(engine, req(f"s{i}", ids, max_new_tokens=16, temperature=temperature,
-                                                  ignore_eos=True, return_logprob=True)) for i in range(3)])
+    outs = await asyncio.gather(
+        *[
+            run(
+                engine,
+                req(f"s{i}", ids, max_new_tokens=16, temperature=temperature, ignore_eos=True, return_logprob=True),
+            )
+            for i in range(3)
+        ]
+    )
     for out, lps, _, _ in outs:
         full = hf_logprobs(lively_ckpt, ids + out, temperature)
         want = [full[len(ids) - 1 + i, t].item() for i, t in enumerate(out)]
@@ -130,8 +147,10 @@ async def test_seeded_requests_repeat_and_top_k_restricts(make_engine, lively_ck
     ids = engine.encode("abc")
     a = await run(engine, req("a", ids, max_new_tokens=20, seed=7, ignore_eos=True))
     # the same seed gives the same sample even when another request shares the batch
-    b, _ = await asyncio.gather(run(engine, req("b", ids, max_new_tokens=20, seed=7, ignore_eos=True)),
-                                run(engine, req("c", ids, max_new_tokens=20, ignore_eos=True)))
+    b, _ = await asyncio.gather(
+        run(engine, req("b", ids, max_new_tokens=20, seed=7, ignore_eos=True)),
+        run(engine, req("c", ids, max_new_tokens=20, ignore_eos=True)),
+    )
     assert a[0] == b[0]
     # top_k=1 is greedy
     greedy = await run(engine, req("g", ids, max_new_tokens=20, temperature=0.0, ignore_eos=True))
@@ -163,17 +182,29 @@ async def test_stop_rules(make_engine, lively_ckpt):
     text = engine.decode(free)
     # stop token id: ends at the first occurrence, token included (ignore_eos only concerns eos)
     tok = free[5]
-    out, _, finish, _ = await run(engine, req("tid", ids, max_new_tokens=30, temperature=0.0, stop_token_ids=[tok],
-                                              ignore_eos=True))
-    assert out == free[:free.index(tok) + 1] and finish == {"type": "stop", "matched": tok}
+    out, _, finish, _ = await run(
+        engine, req("tid", ids, max_new_tokens=30, temperature=0.0, stop_token_ids=[tok], ignore_eos=True)
+    )
+    assert out == free[: free.index(tok) + 1] and finish == {"type": "stop", "matched": tok}
     # min_new_tokens bans stop tokens until reached
-    out, _, finish, _ = await run(engine, req("min", ids, max_new_tokens=30, temperature=0.0, stop_token_ids=[tok],
-                                              min_new_tokens=free.index(tok) + 2, ignore_eos=True))
+    out, _, finish, _ = await run(
+        engine,
+        req(
+            "min",
+            ids,
+            max_new_tokens=30,
+            temperature=0.0,
+            stop_token_ids=[tok],
+            min_new_tokens=free.index(tok) + 2,
+            ignore_eos=True,
+        ),
+    )
     assert len(out) >= free.index(tok) + 2 and (finish["type"] == "length" or out[-1] == tok)
     # stop string: ends as soon as the decoded output contains it; ids keep the stop tokens
     stop = text[7:9]
-    out, _, finish, _ = await run(engine, req("str", ids, max_new_tokens=30, temperature=0.0, stop=[stop],
-                                              ignore_eos=True))
+    out, _, finish, _ = await run(
+        engine, req("str", ids, max_new_tokens=30, temperature=0.0, stop=[stop], ignore_eos=True)
+    )
     assert finish == {"type": "stop", "matched": stop}
     assert stop in engine.decode(out) and stop not in engine.decode(out[:-1])
     # eos stops unless ignore_eos; max_new_tokens caps the length
@@ -187,14 +218,16 @@ async def test_eos_ends_generation_unless_ignored(make_engine, lively_ckpt):
     engine = await make_engine(lively_ckpt, seed=3)
     ids = engine.encode("x")
     # Ban nothing, sample many short completions at high temperature: some hit eos (id 1) and stop on it.
-    outs = await asyncio.gather(*[run(engine, req(f"e{i}", ids, max_new_tokens=60, temperature=3.0))
-                                  for i in range(12)])
+    outs = await asyncio.gather(
+        *[run(engine, req(f"e{i}", ids, max_new_tokens=60, temperature=3.0)) for i in range(12)]
+    )
     stopped = [o for o in outs if o[2]["type"] == "stop"]
     assert stopped, "expected at least one eos at temperature 3"
     for out, _, finish, _ in stopped:
         assert finish == {"type": "stop", "matched": 1} and out[-1] == 1 and 1 not in out[:-1]
-    ignored = await asyncio.gather(*[run(engine, req(f"i{i}", ids, max_new_tokens=60, temperature=3.0,
-                                                     ignore_eos=True)) for i in range(6)])
+    ignored = await asyncio.gather(
+        *[run(engine, req(f"i{i}", ids, max_new_tokens=60, temperature=3.0, ignore_eos=True)) for i in range(6)]
+    )
     assert all(o[2]["type"] == "length" and len(o[0]) == 60 for o in ignored)
 
 
@@ -214,8 +247,10 @@ async def _rest(gen, first: EngineChunk) -> tuple[list[int], dict]:
 async def test_abort_by_rid_prefix(make_engine, lively_ckpt):
     engine = await make_engine(lively_ckpt)
     ids = engine.encode("abc")
-    gens = {rid: engine.generate(req(rid, ids, max_new_tokens=900, temperature=0.0, ignore_eos=True,
-                                     return_logprob=True)) for rid in ("grp-a-0", "grp-a-1", "grp-b-0")}
+    gens = {
+        rid: engine.generate(req(rid, ids, max_new_tokens=900, temperature=0.0, ignore_eos=True, return_logprob=True))
+        for rid in ("grp-a-0", "grp-a-1", "grp-b-0")
+    }
     firsts = {rid: await _first_chunk(g) for rid, g in gens.items()}
     assert await engine.abort("grp-a") == 2
     results = {rid: await _rest(g, firsts[rid]) for rid, g in gens.items()}
@@ -243,7 +278,7 @@ async def test_pause_abort_returns_partial_and_holds_new_requests(make_engine, l
     assert not task.done() and engine.num_waiting() == 1
     await engine.resume()
     later, _, finish, _ = await asyncio.wait_for(task, 30)
-    assert finish["type"] == "length" and later[:len(out)] == out[:5]
+    assert finish["type"] == "length" and later[: len(out)] == out[:5]
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
@@ -343,8 +378,10 @@ async def test_kv_budget_queues_requests_and_all_complete(make_engine, lively_ck
     engine = await make_engine(lively_ckpt, max_total_tokens=128)
     prompts = [engine.encode(t)[:10] for t in PROMPTS]
     alone = (await run(engine, req("solo", prompts[0], max_new_tokens=40, temperature=0.0, ignore_eos=True)))[0]
-    tasks = [asyncio.create_task(run(engine, req(f"q{i}", p, max_new_tokens=40, temperature=0.0, ignore_eos=True)))
-             for i, p in enumerate(prompts)]
+    tasks = [
+        asyncio.create_task(run(engine, req(f"q{i}", p, max_new_tokens=40, temperature=0.0, ignore_eos=True)))
+        for i, p in enumerate(prompts)
+    ]
     seen_waiting = 0
     while not all(t.done() for t in tasks):
         seen_waiting = max(seen_waiting, engine.num_waiting())
@@ -391,7 +428,6 @@ async def test_tokenizer_access(make_engine, tiny_ckpt):
     assert args["model_path"] == tiny_ckpt and args["max_total_tokens"] == 65536
 
 
-
 # The trainer side of SGLang's broadcast weight sync, as a trainer written for SGLang does it.
 SENDER = textwrap.dedent("""
     import os
@@ -422,8 +458,9 @@ async def test_weights_from_distributed_broadcast(make_engine, tiny_ckpt, tiny_c
     from safetensors import safe_open
 
     engine = await make_engine(tiny_ckpt, weight_version="0")
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, tiny_ckpt_b],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER, tiny_ckpt_b], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         line = await asyncio.to_thread(sender.stdout.readline)
         assert line.startswith("port "), (line, sender.stderr.read() if sender.poll() is not None else "")
@@ -453,16 +490,27 @@ async def test_weights_from_distributed_broadcast(make_engine, tiny_ckpt, tiny_c
 async def test_penalties_and_top_logprobs(make_engine, lively_ckpt):
     engine = await make_engine(lively_ckpt)
     ids = engine.encode("abc")
-    out, lps, _, chunks = await run(engine, req("pen", ids, max_new_tokens=12, temperature=0.0, ignore_eos=True,
-                                                presence_penalty=1.5, frequency_penalty=0.5,
-                                                return_logprob=True, top_logprobs_num=3))
+    out, lps, _, chunks = await run(
+        engine,
+        req(
+            "pen",
+            ids,
+            max_new_tokens=12,
+            temperature=0.0,
+            ignore_eos=True,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+            return_logprob=True,
+            top_logprobs_num=3,
+        ),
+    )
     # replay with transformers: greedy over logits minus the penalties of the tokens generated so far
     seq, want, spread = list(ids), [], 0.0
     for _ in range(12):
         with torch.no_grad():
             logits = _hf(lively_ckpt)(torch.tensor([seq])).logits[0, -1].float()
         spread = max(spread, float(logits.max() - logits.min()) + 1.5 + 0.5 * 12)  # penalties widen it
-        gen = seq[len(ids):]
+        gen = seq[len(ids) :]
         for t in set(gen):
             logits[t] -= 1.5 + 0.5 * gen.count(t)
         want.append(int(logits.argmax()))
@@ -486,17 +534,18 @@ def test_truncation_keeps_only_allowed_tokens():
     logits = torch.tensor([[3.0, 2.5, 2.0, 0.0, -1.0]]).repeat(400, 1)  # [400, 5]
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(logits[0], dim=-1)
-    for row, allowed in ((RowParams(temperature=1.0, top_k=2), {0, 1}),
-                         (RowParams(temperature=1.0, top_p=0.4), {0}),
-                         (RowParams(temperature=1.0, top_p=float(probs[:2].sum()) + 1e-3), {0, 1, 2}),
-                         (RowParams(temperature=1.0, min_p=0.5), {0, 1}),
-                         (RowParams(temperature=1.0), {0, 1, 2, 3, 4})):
+    for row, allowed in (
+        (RowParams(temperature=1.0, top_k=2), {0, 1}),
+        (RowParams(temperature=1.0, top_p=0.4), {0}),
+        (RowParams(temperature=1.0, top_p=float(probs[:2].sum()) + 1e-3), {0, 1, 2}),
+        (RowParams(temperature=1.0, min_p=0.5), {0, 1}),
+        (RowParams(temperature=1.0), {0, 1, 2, 3, 4}),
+    ):
         tokens, lps, _ = sample(logits.clone(), [row] * 400, gen)
         assert set(tokens.tolist()) == allowed
         # reported logprobs are the untruncated tempered distribution's
         # two fp32 log-softmaxes of the same 5 logits (spread 4, |lse| < 4), then log(p)'s rounding
-        assert torch.allclose(lps, torch.log(probs)[tokens], atol=2 * logsumexp_bound(5, 4.0, 4.0) + 4 * U32,
-                              rtol=0)
+        assert torch.allclose(lps, torch.log(probs)[tokens], atol=2 * logsumexp_bound(5, 4.0, 4.0) + 4 * U32, rtol=0)
 
 
 # ---- shared prompt pages -------------------------------------------------------------------------------------------
@@ -508,13 +557,27 @@ async def test_shared_prompt_pages_give_the_same_outputs(make_engine, lively_ckp
     engine = await make_engine(lively_ckpt)
     prompt = engine.encode("shared prompt: " + "0123456789" * 4)[:45]  # 2 full pages of 16 and 13 more tokens
     other = engine.encode("x" * 45)
-    alone, alone_lps, _, chunks = await run(engine, req("solo", prompt, max_new_tokens=20, temperature=0.0,
-                                                        ignore_eos=True, return_logprob=True))
+    alone, alone_lps, _, chunks = await run(
+        engine, req("solo", prompt, max_new_tokens=20, temperature=0.0, ignore_eos=True, return_logprob=True)
+    )
     assert chunks[-1].cached_tokens == 0
     await engine.flush_cache()  # forget the solo run's pages: the group below starts from nothing
-    together = await asyncio.gather(*[
-        run(engine, req(f"g{i}", prompt if i < 4 else other, max_new_tokens=20, temperature=0.0, ignore_eos=True,
-                        return_logprob=True)) for i in range(6)])
+    together = await asyncio.gather(
+        *[
+            run(
+                engine,
+                req(
+                    f"g{i}",
+                    prompt if i < 4 else other,
+                    max_new_tokens=20,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    return_logprob=True,
+                ),
+            )
+            for i in range(6)
+        ]
+    )
     cached = [t[3][-1].cached_tokens for t in together]
     assert sorted(cached[:4]) == [0, 32, 32, 32]  # one computed the prompt, three mapped both full pages
     assert sorted(cached[4:]) == [0, 32]  # the other prompt shares only with its own copy
@@ -540,8 +603,9 @@ async def test_shared_prompt_pages_are_forgotten_at_a_weight_swap(make_engine, t
     assert (await run(engine, req("b", prompt, max_new_tokens=4, ignore_eos=True)))[3][-1].cached_tokens == 32
     ok, _, _ = await engine.update_weights_from_disk(tiny_ckpt_b, "1")
     assert ok
-    out, lps, _, chunks = await run(engine, req("c", prompt, max_new_tokens=8, temperature=0.0, ignore_eos=True,
-                                                return_logprob=True))
+    out, lps, _, chunks = await run(
+        engine, req("c", prompt, max_new_tokens=8, temperature=0.0, ignore_eos=True, return_logprob=True)
+    )
     assert chunks[-1].cached_tokens == 0  # the old weights' pages are gone
     full = hf_logprobs(tiny_ckpt_b, prompt + out)
     want = [full[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
@@ -553,12 +617,18 @@ async def test_cached_prompt_pages_are_evicted_when_pages_run_short(make_engine,
     # 2 registered pages, so from the sixth prompt on admissions must evict cached pages; every output stays right.
     engine = await make_engine(lively_ckpt, max_total_tokens=192)
     prompts = [engine.encode(f"{i}: " + "pq" * 30)[:40] for i in range(6)]
-    alone = [(await run(engine, req(f"a{i}", p, max_new_tokens=40, temperature=0.0, ignore_eos=True)))[0]
-             for i, p in enumerate(prompts)]
+    alone = [
+        (await run(engine, req(f"a{i}", p, max_new_tokens=40, temperature=0.0, ignore_eos=True)))[0]
+        for i, p in enumerate(prompts)
+    ]
     assert engine.pages.num_registered < 2 * len(prompts)  # the first prompts' pages were evicted
     pairs = [p for p in prompts for _ in range(2)]
-    results = await asyncio.gather(*[run(engine, req(f"b{i}", p, max_new_tokens=40, temperature=0.0,
-                                                     ignore_eos=True)) for i, p in enumerate(pairs)])
+    results = await asyncio.gather(
+        *[
+            run(engine, req(f"b{i}", p, max_new_tokens=40, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(pairs)
+        ]
+    )
     assert [r[0] for r in results] == [a for a in alone for _ in range(2)]
     assert sum(r[3][-1].cached_tokens == 32 for r in results) >= len(prompts)
 
@@ -566,8 +636,9 @@ async def test_cached_prompt_pages_are_evicted_when_pages_run_short(make_engine,
 async def test_prefix_cache_can_be_disabled(make_engine, lively_ckpt):
     engine = await make_engine(lively_ckpt, prefix_cache=False)
     prompt = engine.encode("shared prompt: " + "0123456789" * 4)[:45]
-    results = await asyncio.gather(*[run(engine, req(f"g{i}", prompt, max_new_tokens=5, temperature=0.0))
-                                     for i in range(3)])
+    results = await asyncio.gather(
+        *[run(engine, req(f"g{i}", prompt, max_new_tokens=5, temperature=0.0)) for i in range(3)]
+    )
     assert [r[3][-1].cached_tokens for r in results] == [0, 0, 0]
     assert len({tuple(r[0]) for r in results}) == 1
     assert engine.server_args()["disable_radix_cache"] is True
@@ -581,15 +652,21 @@ async def test_priority_requests_are_admitted_first(make_engine, lively_ckpt):
     order: list[str] = []
 
     async def go(rid: str, priority: int = 0, n: int = 30) -> None:
-        await run(engine, EngineRequest(rid=rid, input_ids=ids, priority=priority,
-                                        sampling=EngineSampling(max_new_tokens=n, ignore_eos=True)))
+        await run(
+            engine,
+            EngineRequest(
+                rid=rid, input_ids=ids, priority=priority, sampling=EngineSampling(max_new_tokens=n, ignore_eos=True)
+            ),
+        )
         order.append(rid)
 
     first = asyncio.create_task(go("running", n=300))  # long enough for every other request to be queued
     while engine.num_running() == 0:
         await asyncio.sleep(0.001)
-    tasks = [asyncio.create_task(go(rid, p)) for rid, p in [("low1", 0), ("low2", 0), ("eval1", 1), ("eval2", 1),
-                                                              ("top", 5), ("low3", 0)]]
+    tasks = [
+        asyncio.create_task(go(rid, p))
+        for rid, p in [("low1", 0), ("low2", 0), ("eval1", 1), ("eval2", 1), ("top", 5), ("low3", 0)]
+    ]
     await asyncio.gather(first, *tasks)
     assert order == ["running", "top", "eval1", "eval2", "low1", "low2", "low3"]
 

@@ -36,8 +36,17 @@ def error_of(overrides: list[str], path: str | None = None) -> str:
 
 
 def test_text_fields_keep_override_text_as_typed():
-    cfg = load_config(None, ["train.cuda_visible_devices=0", "server.api_key=123456", "slurm.account=no",
-                             "slurm.partition=1e-5", "data.name=true.jsonl", "server.extra_args=[--dtype, 0.80, no]"])
+    cfg = load_config(
+        None,
+        [
+            "train.cuda_visible_devices=0",
+            "server.api_key=123456",
+            "slurm.account=no",
+            "slurm.partition=1e-5",
+            "data.name=true.jsonl",
+            "server.extra_args=[--dtype, 0.80, no]",
+        ],
+    )
     assert cfg.train.cuda_visible_devices == "0"
     assert cfg.server.api_key == "123456"
     assert cfg.slurm.account == "no"
@@ -46,16 +55,19 @@ def test_text_fields_keep_override_text_as_typed():
 
 
 def test_optional_text_takes_null_and_quoted_text():
-    cfg = load_config(None, ["server.api_key=123", "server.api_key=null", "slurm.account='null'",
-                             'slurm.partition="0,1"'])
+    cfg = load_config(
+        None, ["server.api_key=123", "server.api_key=null", "slurm.account='null'", 'slurm.partition="0,1"']
+    )
     assert cfg.server.api_key is None
     assert cfg.slurm.account == "null"
     assert cfg.slurm.partition == "0,1"
 
 
 def test_other_fields_still_read_yaml():
-    cfg = load_config(None, ["eta=null", "schedule.batch_size=4", "train.optim.lr=1e-5", "resume=no",
-                             "data.reward_options={budget_s: 3}"])
+    cfg = load_config(
+        None,
+        ["eta=null", "schedule.batch_size=4", "train.optim.lr=1e-5", "resume=no", "data.reward_options={budget_s: 3}"],
+    )
     assert cfg.schedule.eta is None and cfg.schedule.batch_size == 4 and cfg.train.optim.lr == 1e-5
     assert cfg.resume is False and cfg.data.reward_options == {"budget_s": 3}
     assert "schedule.batch_size" in error_of(["schedule.batch_size=four"])
@@ -73,24 +85,30 @@ def test_help_says_how_override_values_are_read():
     assert "server.api_key=123456" in text and "as typed" in text and '"null"' in text
 
 
-@pytest.mark.parametrize("override, key, choices", [
-    ("mode=fast", "schedule.mode", "async, sync"),
-    ("model.dtype=fp16", "model.dtype", "auto, bfloat16, float16, float32"),
-    ("server.backend=vllm", "server.backend", "embedded, external, sglang"),
-])
+@pytest.mark.parametrize(
+    "override, key, choices",
+    [
+        ("mode=fast", "schedule.mode", "async, sync"),
+        ("model.dtype=fp16", "model.dtype", "auto, bfloat16, float16, float32"),
+        ("server.backend=vllm", "server.backend", "embedded, external, sglang"),
+    ],
+)
 def test_enum_errors_list_the_choices(override, key, choices):
     msg = error_of([override])
     assert msg.startswith(f"{key}: ") and f"choose one of {choices}" in msg
 
 
-@pytest.mark.parametrize("override, suggestion", [
-    ("server.backnd=sglang", "did you mean server.backend?"),
-    ("schedule.batchsize=3", "did you mean schedule.batch_size?"),
-    ("sever.port=1", "did you mean server?"),
-    ("step=3", "did you mean steps?"),
-    ("schedule.mod=sync", "did you mean schedule.mode?"),
-    ("train.optim.weight_decy=0.1", "did you mean train.optim.weight_decay?"),
-])
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("server.backnd=sglang", "did you mean server.backend?"),
+        ("schedule.batchsize=3", "did you mean schedule.batch_size?"),
+        ("sever.port=1", "did you mean server?"),
+        ("step=3", "did you mean steps?"),
+        ("schedule.mod=sync", "did you mean schedule.mode?"),
+        ("train.optim.weight_decy=0.1", "did you mean train.optim.weight_decay?"),
+    ],
+)
 def test_unknown_keys_get_a_did_you_mean(override, suggestion):
     msg = error_of([override])
     assert "unknown key" in msg and suggestion in msg
@@ -117,12 +135,24 @@ def test_printed_config_reruns_with_steps_override(tmp_path):
 
 def test_the_cli_reruns_its_own_printed_config(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-m", "areal_async.run", "--print-config"], capture_output=True,
-                       text=True, timeout=120, env=env, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "areal_async.run", "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr
     (tmp_path / "dump.yaml").write_text(p.stdout)
-    p = subprocess.run([sys.executable, "-m", "areal_async.run", "--config", "dump.yaml", "--print-config",
-                        "steps=100"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "areal_async.run", "--config", "dump.yaml", "--print-config", "steps=100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr
     assert yaml.safe_load(p.stdout)["train"]["optim"]["total_steps"] == 100
 
@@ -207,15 +237,19 @@ def without_chat_template(tmp_path) -> str:
 
 
 def test_chat_template_asked_of_a_model_without_one(tmp_path):
-    msg = prepare_error([f"model.path={without_chat_template(tmp_path)}", "data.apply_chat_template=true"],
-                        tmp_path)
+    msg = prepare_error([f"model.path={without_chat_template(tmp_path)}", "data.apply_chat_template=true"], tmp_path)
     assert msg.startswith("data.apply_chat_template: ") and "no chat template" in msg
 
 
 def test_cli_config_errors_exit_2_before_launch(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
-    p = subprocess.run([sys.executable, "-m", "areal_async.run", f"run_dir={tmp_path / 'run'}",
-                        "server.device=cuda"], capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "areal_async.run", f"run_dir={tmp_path / 'run'}", "server.device=cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     assert "config error: server.device: " in p.stderr
     logs = tmp_path / "run" / "logs"
@@ -228,8 +262,11 @@ def test_missing_prompt_field_names_data_prompt_key(tmp_path):
     msg = prepare_error([f"data.name={data}"], tmp_path)
     assert msg.startswith("data.prompt_key: ") and "missing key 'prompt'" in msg and "'question'" in msg
     # one bad record among good ones is the record's fault: the dataset is named
-    data.write_text(json.dumps({"question": "x", "answer": "1"}) + "\n"
-                    + "".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(5)))
+    data.write_text(
+        json.dumps({"question": "x", "answer": "1"})
+        + "\n"
+        + "".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(5))
+    )
     msg = prepare_error([f"data.name={data}"], tmp_path)
     assert msg.startswith("data.name: ") and "data.prompt_key names the field" in msg
 
@@ -264,15 +301,17 @@ def test_free_and_unchecked_ports_pass(taken_port):
     run_plan.check_ports(load_config(None, [f"server.port={free}"]))
     run_plan.check_ports(load_config(None, ["server.port=0"]))
     # external servers and Slurm steps bind nothing here
-    run_plan.check_ports(load_config(None, [f"server.port={taken_port}", "server.backend=external",
-                                            "server.urls=[http://127.0.0.1:1]"]))
+    run_plan.check_ports(
+        load_config(None, [f"server.port={taken_port}", "server.backend=external", "server.urls=[http://127.0.0.1:1]"])
+    )
     run_plan.check_ports(load_config(None, [f"server.port={taken_port}", "launcher=slurm"]))
 
 
 def test_math_reward_without_math_verify(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a, **k: None if name == "math_verify" else real(name, *a, **k))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "math_verify" else real(name, *a, **k)
+    )
     with pytest.raises(ConfigError, match=r"^data\.reward: gsm8k needs the package math-verify; .*\[math\]"):
         run_plan._check_reward("gsm8k")
     run_plan._check_reward("arith")
@@ -285,10 +324,18 @@ def test_model_dtype_reaches_the_embedded_server():
     from areal_async.launch.processes import embedded_server_cmd
     from areal_async.server.cli import parse_args
 
-    cmd = embedded_server_cmd("/m", host="127.0.0.1", port="0", device="cpu", max_total_tokens=64,
-                              max_running_requests=2, api_key=None, dtype="bfloat16")
+    cmd = embedded_server_cmd(
+        "/m",
+        host="127.0.0.1",
+        port="0",
+        device="cpu",
+        max_total_tokens=64,
+        max_running_requests=2,
+        api_key=None,
+        dtype="bfloat16",
+    )
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
-    args = parse_args(cmd[cmd.index("--model"):])
+    args = parse_args(cmd[cmd.index("--model") :])
     assert args.dtype == "bfloat16" and args.device == "cpu"
 
 
@@ -356,8 +403,14 @@ def test_published_weights_follow_the_umask(tiny_ckpt, tmp_path, umask):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
     for shard_bytes in (1 << 30, 40_000):  # one model.safetensors, then several shards with an index
-        res = publish_hf(model, source_dir=tiny_ckpt, root=str(tmp_path / str(shard_bytes)), version=1,
-                         skip={"lm_head.weight"}, max_shard_bytes=shard_bytes)
+        res = publish_hf(
+            model,
+            source_dir=tiny_ckpt,
+            root=str(tmp_path / str(shard_bytes)),
+            version=1,
+            skip={"lm_head.weight"},
+            max_shard_bytes=shard_bytes,
+        )
         found = modes(res.path)
         weights = [n for n in found if n.endswith(".safetensors")]
         assert weights and all(found[n] == 0o666 & ~umask for n in weights), found
@@ -393,8 +446,11 @@ def test_follow_umask_widens_private_files_and_keeps_exec_bits(tmp_path, umask):
     os.chmod(script, 0o700)
     os.chmod(d / "sub", 0o700)
     follow_umask(str(d))
-    assert modes(str(d)) == {"sub": 0o777 & ~umask, "run.sh": 0o777 & ~umask,
-                             os.path.join("sub", "model.safetensors"): 0o666 & ~umask}
+    assert modes(str(d)) == {
+        "sub": 0o777 & ~umask,
+        "run.sh": 0o777 & ~umask,
+        os.path.join("sub", "model.safetensors"): 0o666 & ~umask,
+    }
 
 
 # ---- packaging ----------------------------------------------------------------------------------------------------
@@ -420,8 +476,13 @@ def test_typed_package_and_optional_extras():
     assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["areal_async"]
     core = " ".join(meta["project"]["dependencies"])
     extras = meta["project"]["optional-dependencies"]
-    for dist, extra in (("gguf", "gguf"), ("accelerate", "gguf"), ("math-verify", "math"), ("pyarrow", "parquet"),
-                        ("tensorboard", "tensorboard")):
+    for dist, extra in (
+        ("gguf", "gguf"),
+        ("accelerate", "gguf"),
+        ("math-verify", "math"),
+        ("pyarrow", "parquet"),
+        ("tensorboard", "tensorboard"),
+    ):
         assert dist not in core and any(d.startswith(dist) for d in extras[extra]), dist
     dev = " ".join(extras["dev"])
     for extra in ("gguf", "math", "parquet", "tensorboard"):  # make setup installs .[dev]: the tests need them

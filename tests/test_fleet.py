@@ -23,16 +23,40 @@ import pytest
 from areal_async.launch.api import ServerJoined, ServerLeft
 from areal_async.launch.membership import JoinFile, read_urls
 
-SMALL = ["schedule.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=32", "eval.num_prompts=0",
-         "schedule.eval_every=0", "server.device=cpu", "train.device=cpu",  # the CPU paths, on any host
-         "data.num_train=400", "server.max_total_tokens=8192", "train.micro_batch_tokens=1024"]
+SMALL = [
+    "schedule.batch_size=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=32",
+    "eval.num_prompts=0",
+    "schedule.eval_every=0",
+    "server.device=cpu",
+    "train.device=cpu",  # the CPU paths, on any host
+    "data.num_train=400",
+    "server.max_total_tokens=8192",
+    "train.micro_batch_tokens=1024",
+]
 
 
 def start_server(model: str, log_path: str) -> tuple[subprocess.Popen, str]:
     out = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.serve", "--model", model, "--port", "0", "--device",
-                             "cpu", "--max-total-tokens", "8192"], stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.serve",
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "8192",
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     out.close()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -82,9 +106,21 @@ def wait(cond, timeout: float, what: str, proc: subprocess.Popen, poll: float = 
 def test_server_joins_with_current_weights_and_leaves_drained(tiny_ckpt, tmp_path, sync):
     run_dir = str(tmp_path / "run")
     extra, url = start_server(tiny_ckpt, str(tmp_path / "extra.log"))
-    run = subprocess.Popen([sys.executable, "-m", "areal_async.run", f"model.path={tiny_ckpt}", f"run_dir={run_dir}",
-                            f"train.weight_sync={sync}", "total_steps=10000", *SMALL],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.run",
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            f"train.weight_sync={sync}",
+            "total_steps=10000",
+            *SMALL,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     samples: list[tuple[int, float]] = []  # (weight version, busy seconds) of the extra server, over time
 
     def sample() -> tuple[int, float]:
@@ -103,8 +139,9 @@ def test_server_joins_with_current_weights_and_leaves_drained(tiny_ckpt, tmp_pat
         assert all(busy == 0.0 for version, busy in samples if version == 0), samples
         assert samples[-1][0] >= 1
         if sync == "broadcast":
-            assert re.search(r"weight-update group areal-[0-9a-f]+-2 \(gloo\): trainer rank 0 and 2 server",
-                             run_log(run_dir))
+            assert re.search(
+                r"weight-update group areal-[0-9a-f]+-2 \(gloo\): trainer rank 0 and 2 server", run_log(run_dir)
+            )
 
         with open(os.path.join(run_dir, "servers.txt"), "w") as f:
             f.write("")

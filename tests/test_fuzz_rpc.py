@@ -81,7 +81,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
     while len(buf) < n:
         try:
             chunk = sock.recv(n - len(buf))
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             return None
         if not chunk:
             return None
@@ -99,7 +99,7 @@ def closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
                 return True
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
     return False
 
@@ -135,13 +135,16 @@ def garbage(rng: random.Random, canary: bytes) -> bytes:
     if r < 0.2:
         return rng.randbytes(rng.randint(1, 600))
     if r < 0.35:
-        return HEADER.pack(rng.choice([2 ** 63, 2 ** 64 - 1, 5 << 30, 1 << 33])) + rng.randbytes(8)
+        return HEADER.pack(rng.choice([2**63, 2**64 - 1, 5 << 30, 1 << 33])) + rng.randbytes(8)
     if r < 0.5:
         body = rng.randbytes(rng.randint(1, 200))
         return HEADER.pack(len(body)) + body
     if r < 0.6:
-        body = msgspec.msgpack.encode(rng.choice([[1, 2], [1, 99, "x", b""], {"id": 1}, "s", 3.5, None,
-                                                  [1, REQUEST], [True, REQUEST, 7, b"\x00"]]))
+        body = msgspec.msgpack.encode(
+            rng.choice(
+                [[1, 2], [1, 99, "x", b""], {"id": 1}, "s", 3.5, None, [1, REQUEST], [True, REQUEST, 7, b"\x00"]]
+            )
+        )
         return HEADER.pack(len(body)) + body
     if r < 0.7:
         return HEADER.pack(len(canary)) + canary
@@ -183,8 +186,7 @@ def test_rpc_stream_fuzz_closes_connections_and_never_unpickles(tiny_ckpt, tmp_p
     run_dir = str(tmp_path / "run")
     secret = os.urandom(32)
     procs = Processes(run_dir)
-    procs.start_trainers(model=tiny_ckpt, nproc=1, config_json="{}", seed=1, secret_hex=secret.hex(),
-                         torch_threads=1)
+    procs.start_trainers(model=tiny_ckpt, nproc=1, config_json="{}", seed=1, secret_hex=secret.hex(), torch_threads=1)
     try:
         rank_file = os.path.join(run_dir, "trainer", "rank0.json")
         deadline = time.monotonic() + 180
@@ -244,12 +246,13 @@ def test_rpc_stream_fuzz_closes_connections_and_never_unpickles(tiny_ckpt, tmp_p
         # msgpack bin included) is an ERROR answer on a connection that stays up; a bad stream (a raw pickle or
         # invalid msgpack as the payload, noise, lying headers) closes the connection
         enc = msgspec.msgpack.encode
-        wrong = [enc([1, "x"]), enc(canary), enc({"path": 5, "batch": canary}), enc(None), enc(2 ** 64 - 1)]
+        wrong = [enc([1, "x"]), enc(canary), enc({"path": 5, "batch": canary}), enc(None), enc(2**64 - 1)]
         for i in range(CASES):
             sock, _ = authenticated(address, secret)
             with sock:
-                method = rng.choice(["train_step", "save_checkpoint", "publish", "load_checkpoint", "info",
-                                     "no_such_method"])
+                method = rng.choice(
+                    ["train_step", "save_checkpoint", "publish", "load_checkpoint", "info", "no_such_method"]
+                )
                 # (info takes Empty, which any map is: unknown keys are ignored)
                 payload = rng.choice(wrong[:2] + wrong[3:] if method == "info" else wrong)
                 sock.sendall(frame(REQUEST, method, payload, req_id=7))

@@ -33,26 +33,80 @@ def seeds(ckpt: str) -> dict[str, list[tuple[str, str, Any]]]:
         "generate": [
             ("POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": sp}),
             ("POST", "/generate", {"text": "12+7=", "sampling_params": {**sp, "temperature": 1.0, "top_k": 5}}),
-            ("POST", "/generate", {"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": [sp, {**sp, "n": 2}],
-                                   "return_logprob": [True, False], "rid": ["fz-a", "fz-b"]}),
-            ("POST", "/generate", {"text": ["1+1=", "2+2="], "sampling_params": {**sp, "stop": ["\n"]},
-                                   "stream": True, "return_logprob": True, "top_logprobs_num": 2}),
-            ("POST", "/generate", {"input_ids": [4, 4, 4], "sampling_params": {**sp, "stop_token_ids": [1],
-                                   "min_new_tokens": 1, "top_p": 0.9, "ignore_eos": True},
-                                   "logprob_start_len": 0, "return_logprob": True, "priority": 3}),
+            (
+                "POST",
+                "/generate",
+                {
+                    "input_ids": [[5, 6], [7, 8, 9]],
+                    "sampling_params": [sp, {**sp, "n": 2}],
+                    "return_logprob": [True, False],
+                    "rid": ["fz-a", "fz-b"],
+                },
+            ),
+            (
+                "POST",
+                "/generate",
+                {
+                    "text": ["1+1=", "2+2="],
+                    "sampling_params": {**sp, "stop": ["\n"]},
+                    "stream": True,
+                    "return_logprob": True,
+                    "top_logprobs_num": 2,
+                },
+            ),
+            (
+                "POST",
+                "/generate",
+                {
+                    "input_ids": [4, 4, 4],
+                    "sampling_params": {
+                        **sp,
+                        "stop_token_ids": [1],
+                        "min_new_tokens": 1,
+                        "top_p": 0.9,
+                        "ignore_eos": True,
+                    },
+                    "logprob_start_len": 0,
+                    "return_logprob": True,
+                    "priority": 3,
+                },
+            ),
         ],
         "openai": [
             ("POST", "/v1/completions", {"prompt": "3+4=", "max_tokens": 4, "temperature": 0}),
-            ("POST", "/v1/completions", {"prompt": [[5, 6, 7], "8+1="], "max_tokens": 3, "logprobs": 2,
-                                         "echo": True, "n": 2, "stream": True,
-                                         "stream_options": {"include_usage": True}}),
-            ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "1+2?"}], "max_tokens": 4,
-                                              "logprobs": True, "top_logprobs": 2}),
-            ("POST", "/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"},
-                                                           {"role": "user", "content": "5+5?"}],
-                                              "max_completion_tokens": 3, "stream": True,
-                                              "tools": [{"type": "function", "function": {"name": "add",
-                                                         "parameters": {"type": "object"}}}]}),
+            (
+                "POST",
+                "/v1/completions",
+                {
+                    "prompt": [[5, 6, 7], "8+1="],
+                    "max_tokens": 3,
+                    "logprobs": 2,
+                    "echo": True,
+                    "n": 2,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ),
+            (
+                "POST",
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": "1+2?"}],
+                    "max_tokens": 4,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                },
+            ),
+            (
+                "POST",
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "5+5?"}],
+                    "max_completion_tokens": 3,
+                    "stream": True,
+                    "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+                },
+            ),
         ],
         "control": [
             ("POST", "/pause_generation", {"mode": "abort"}),
@@ -63,28 +117,95 @@ def seeds(ckpt: str) -> dict[str, list[tuple[str, str, Any]]]:
             ("GET", "/flush_cache", None),
         ],
         "weights": [
-            ("POST", "/update_weights_from_disk", {"model_path": ckpt, "weight_version": "3", "flush_cache": True,
-                                                   "abort_all_requests": False}),
+            (
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": ckpt, "weight_version": "3", "flush_cache": True, "abort_all_requests": False},
+            ),
             ("POST", "/update_weight_version", {"new_version": "4", "abort_all_requests": False}),
-            ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
-                                                    "rank_offset": 5, "world_size": 2, "backend": "gloo",
-                                                    "group_name": "fz"}),
-            ("POST", "/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
-                                                          "shapes": [[64]], "group_name": "fz-none",
-                                                          "weight_version": "5"}),
+            (
+                "POST",
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": 1,
+                    "rank_offset": 5,
+                    "world_size": 2,
+                    "backend": "gloo",
+                    "group_name": "fz",
+                },
+            ),
+            (
+                "POST",
+                "/update_weights_from_distributed",
+                {
+                    "names": ["model.norm.weight"],
+                    "dtypes": ["float32"],
+                    "shapes": [[64]],
+                    "group_name": "fz-none",
+                    "weight_version": "5",
+                },
+            ),
         ],
         "info": [
-            ("GET", p, None) for p in ("/health", "/health_generate", "/model_info", "/get_model_info",
-                                       "/server_info", "/get_server_info", "/v1/models")
+            ("GET", p, None)
+            for p in (
+                "/health",
+                "/health_generate",
+                "/model_info",
+                "/get_model_info",
+                "/server_info",
+                "/get_server_info",
+                "/v1/models",
+            )
         ],
     }
 
 
-NASTY: list[Any] = [None, True, False, 0, -1, 1, 7, 2 ** 31, 2 ** 63, -2 ** 63, 10 ** 30, -10 ** 30, 0.5, -0.0,
-                    1e308, -1e-308, 1e-12, "", "x", "abort", "in_place", "gloo", "nccl", "float32", "bogus",
-                    "\u0000", "\ud800", "😀" * 50, "a" * 5000, [], {}, [0], [-1], [10 ** 9], [[]], [[1, 2], 3],
-                    [1] * 3000, [{"role": "user"}], {"role": "user", "content": None}, {"a": [{"b": None}]},
-                    [None, "x", 1.5], list(range(2000))]
+NASTY: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    7,
+    2**31,
+    2**63,
+    -(2**63),
+    10**30,
+    -(10**30),
+    0.5,
+    -0.0,
+    1e308,
+    -1e-308,
+    1e-12,
+    "",
+    "x",
+    "abort",
+    "in_place",
+    "gloo",
+    "nccl",
+    "float32",
+    "bogus",
+    "\u0000",
+    "\ud800",
+    "😀" * 50,
+    "a" * 5000,
+    [],
+    {},
+    [0],
+    [-1],
+    [10**9],
+    [[]],
+    [[1, 2], 3],
+    [1] * 3000,
+    [{"role": "user"}],
+    {"role": "user", "content": None},
+    {"a": [{"b": None}]},
+    [None, "x", 1.5],
+    list(range(2000)),
+]
 
 
 def random_value(rng: random.Random, depth: int = 0) -> Any:
@@ -93,8 +214,10 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
         return rng.choice(NASTY)
     if r < 0.85:
         return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    return {rng.choice(["a", "text", "input_ids", "mode", "rid", "n", "role", "content"]): random_value(rng, depth + 1)
-            for _ in range(rng.randint(0, 3))}
+    return {
+        rng.choice(["a", "text", "input_ids", "mode", "rid", "n", "role", "content"]): random_value(rng, depth + 1)
+        for _ in range(rng.randint(0, 3))
+    }
 
 
 def mutate(value: Any, rng: random.Random, depth: int = 0) -> Any:
@@ -141,16 +264,41 @@ def encode(body: Any, rng: random.Random) -> bytes:
 
 
 def raw_garbage() -> list[bytes]:
-    return [b"", b" ", b"{", b"}", b"[", b"null", b"[]", b"0", b'"s"', b"NaN", b"-Infinity", b"true",
-            b'{"input_ids": [1, 2', b'{"text": "\xff\xfe"}', b"\xff\xfe\xfd\xfc", b"\xef\xbb\xbf{}",
-            b'{"input_ids": [1e400]}', b'{"input_ids": [' + b"9" * 5000 + b"]}", b"1" * 100000,
-            b"[" * 100000, b'{"a":' * 50000, b"[" * 50000 + b"]" * 50000,
-            b'{"input_ids": [' + b"5," * 400000 + b"5]}",
-            b'{"text": "' + b"a" * 2_000_000 + b'", "sampling_params": {"max_new_tokens": 1}}',
-            b'{"input_ids": [1], "input_ids": [2]}', b'{"sampling_params": {"max_new_tokens": 1e999}}',
-            b'{"rid": "' + b"r" * 100000 + b'"}', b'{"mode": "abort", "mode": "bogus"}', b"\x00" * 1000,
-            b'{"messages": [' + b'{"role": "user", "content": "x"},' * 20000 + b'{}]}',
-            b'{"model_path": "/etc/passwd"}', b'{"model_path": "../../.."}', b'{"new_version": {"$gt": ""}}']
+    return [
+        b"",
+        b" ",
+        b"{",
+        b"}",
+        b"[",
+        b"null",
+        b"[]",
+        b"0",
+        b'"s"',
+        b"NaN",
+        b"-Infinity",
+        b"true",
+        b'{"input_ids": [1, 2',
+        b'{"text": "\xff\xfe"}',
+        b"\xff\xfe\xfd\xfc",
+        b"\xef\xbb\xbf{}",
+        b'{"input_ids": [1e400]}',
+        b'{"input_ids": [' + b"9" * 5000 + b"]}",
+        b"1" * 100000,
+        b"[" * 100000,
+        b'{"a":' * 50000,
+        b"[" * 50000 + b"]" * 50000,
+        b'{"input_ids": [' + b"5," * 400000 + b"5]}",
+        b'{"text": "' + b"a" * 2_000_000 + b'", "sampling_params": {"max_new_tokens": 1}}',
+        b'{"input_ids": [1], "input_ids": [2]}',
+        b'{"sampling_params": {"max_new_tokens": 1e999}}',
+        b'{"rid": "' + b"r" * 100000 + b'"}',
+        b'{"mode": "abort", "mode": "bogus"}',
+        b"\x00" * 1000,
+        b'{"messages": [' + b'{"role": "user", "content": "x"},' * 20000 + b"{}]}",
+        b'{"model_path": "/etc/passwd"}',
+        b'{"model_path": "../../.."}',
+        b'{"new_version": {"$gt": ""}}',
+    ]
 
 
 def would_wait(path: str, body: Any) -> bool:
@@ -158,9 +306,16 @@ def would_wait(path: str, body: Any) -> bool:
     if path != "/init_weights_update_group" or not isinstance(body, dict):
         return False
     r, w = body.get("rank_offset"), body.get("world_size")
-    return (isinstance(r, int) and isinstance(w, int) and not isinstance(r, bool) and not isinstance(w, bool)
-            and 0 < r < w and isinstance(body.get("master_address"), str) and isinstance(body.get("master_port"), int)
-            and body.get("backend", "nccl") == "gloo")
+    return (
+        isinstance(r, int)
+        and isinstance(w, int)
+        and not isinstance(r, bool)
+        and not isinstance(w, bool)
+        and 0 < r < w
+        and isinstance(body.get("master_address"), str)
+        and isinstance(body.get("master_port"), int)
+        and body.get("backend", "nccl") == "gloo"
+    )
 
 
 async def greedy(http: aiohttp.ClientSession, url: str) -> list[int]:
@@ -177,8 +332,9 @@ async def fuzz(url: str, ckpt: str, rng: random.Random) -> tuple[list[str], dict
     async with aiohttp.ClientSession(timeout=timeout) as http:
         before = await greedy(http, url)
 
-        async def send(family: str, method: str, path: str, data: bytes | None, ctype: str = "application/json"
-                       ) -> None:
+        async def send(
+            family: str, method: str, path: str, data: bytes | None, ctype: str = "application/json"
+        ) -> None:
             async with sem:
                 try:
                     headers = {"Content-Type": ctype} if data is not None else {}
@@ -187,7 +343,7 @@ async def fuzz(url: str, ckpt: str, rng: random.Random) -> tuple[list[str], dict
                         counts[f"{family} {r.status}"] = counts.get(f"{family} {r.status}", 0) + 1
                         if r.status >= 500:
                             problems.append(f"{method} {path} -> {r.status}: {data[:300]!r}")
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     counts[f"{family} slow"] = counts.get(f"{family} slow", 0) + 1  # we hung up; not the server
                 except aiohttp.ClientError as e:
                     problems.append(f"{method} {path}: connection failed ({type(e).__name__}: {e}): {data[:300]!r}")
@@ -211,8 +367,15 @@ async def fuzz(url: str, ckpt: str, rng: random.Random) -> tuple[list[str], dict
                     mutated = mutate(mutated, rng)
                 if would_wait(path, mutated):
                     mutated = {**mutated, "rank_offset": 0}
-                jobs.append(send(family, method, path, encode(mutated, rng),
-                                 rng.choice(["application/json"] * 9 + ["text/plain"])))
+                jobs.append(
+                    send(
+                        family,
+                        method,
+                        path,
+                        encode(mutated, rng),
+                        rng.choice(["application/json"] * 9 + ["text/plain"]),
+                    )
+                )
             await asyncio.gather(*jobs)
         posts = sorted({(m, p) for fam in families.values() for m, p, _ in fam if m == "POST"})
         await asyncio.gather(*(send("garbage", m, p, g) for m, p in posts for g in raw_garbage()))
@@ -232,8 +395,7 @@ def test_fuzzed_bodies_never_break_the_server(tiny_ckpt):
     from areal_async.server.app import start_server
 
     async def main() -> tuple[list[str], dict[str, int]]:
-        server = await start_server(tiny_ckpt, port=0, device="cpu", max_total_tokens=32768,
-                                    max_running_requests=64)
+        server = await start_server(tiny_ckpt, port=0, device="cpu", max_total_tokens=32768, max_running_requests=64)
         try:
             return await fuzz(server.url, tiny_ckpt, random.Random(20250315))
         finally:

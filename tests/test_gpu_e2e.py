@@ -36,14 +36,29 @@ def cuda_server(tiny_ckpt, tmp_path):
 
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.serve", "--model", tiny_ckpt, "--port", "0",
-                             "--device", "auto", "--max-total-tokens", "16384"], stdout=subprocess.PIPE,
-                            stderr=log, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.serve",
+            "--model",
+            tiny_ckpt,
+            "--port",
+            "0",
+            "--device",
+            "auto",
+            "--max-total-tokens",
+            "16384",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
     log.close()
     try:
         line = proc.stdout.readline()
         assert line.startswith(READY_PREFIX), (line, log_path.read_text()[-3000:])
-        yield line[len(READY_PREFIX):].strip()
+        yield line[len(READY_PREFIX) :].strip()
     finally:
         proc.terminate()
         proc.wait(60)
@@ -65,14 +80,17 @@ async def test_embedded_engine_on_cuda_matches_transformers(cuda_server, tiny_ck
         prompts = [[5 + i % 40 for i in range(n)] for n in (7, 33, 90, 150)]
 
         async def score(ids):  # prompt logprobs: a prefill through the padded SDPA path
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                    "logprob_start_len": 0}
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
             async with http.post(cuda_server + "/generate", json=body) as r:
                 return [t[0] for t in (await r.json())["meta_info"]["input_token_logprobs"]][1:]
 
         async def greedy(ids):
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
-                                                          "ignore_eos": True}}
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
             async with http.post(cuda_server + "/generate", json=body) as r:
                 return (await r.json())["output_ids"]
 
@@ -105,12 +123,24 @@ async def test_embedded_engine_on_cuda_matches_transformers(cuda_server, tiny_ck
 
 
 def _run(tiny_ckpt: str, run_dir: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict, str]:
-    args = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "mode=async", "eta=1", "total_steps=4",
-            "schedule.batch_size=4", "rollout.group_size=4", "rollout.max_new_tokens=64", "eval.num_prompts=8",
-            "eval.max_new_tokens=16", "schedule.eval_every=0", "data.num_train=200", "data.num_eval=8",
-            "server.max_total_tokens=16384", *extra]
-    p = subprocess.run([sys.executable, "-m", "areal_async.run", *args], capture_output=True, text=True,
-                       timeout=360)
+    args = [
+        f"model.path={tiny_ckpt}",
+        f"run_dir={run_dir}",
+        "mode=async",
+        "eta=1",
+        "total_steps=4",
+        "schedule.batch_size=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=64",
+        "eval.num_prompts=8",
+        "eval.max_new_tokens=16",
+        "schedule.eval_every=0",
+        "data.num_train=200",
+        "data.num_eval=8",
+        "server.max_total_tokens=16384",
+        *extra,
+    ]
+    p = subprocess.run([sys.executable, "-m", "areal_async.run", *args], capture_output=True, text=True, timeout=360)
     summary = {}
     if os.path.exists(os.path.join(run_dir, "summary.json")):
         with open(os.path.join(run_dir, "summary.json")) as f:

@@ -20,12 +20,12 @@ import sys
 import textwrap
 
 import pytest
+from fake_fleet import until
 
 from areal_async.inference.client import InferenceClient
 from areal_async.inference.transport import AdminError, InferenceError
 from areal_async.testing.fake_sglang import FIRST, NUM
 from areal_async.types import SamplingParams
-from fake_fleet import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,19 +37,16 @@ def expected(n: int) -> list[int]:
 
 
 def client(urls: list[str], **kw) -> InferenceClient:
-    kw = {"backoff_s": 0.01, "probe_interval_s": 0.05, "unavailable_timeout_s": 10.0, "health_timeout_s": 0.2,
-          **kw}
+    kw = {"backoff_s": 0.01, "probe_interval_s": 0.05, "unavailable_timeout_s": 10.0, "health_timeout_s": 0.2, **kw}
     return InferenceClient(urls, **kw)
-
-
 
 
 # ---- NCCL environment -------------------------------------------------------------------------------------------
 
 
 def test_server_defaults_cumem_off_like_the_trainer():
-    from areal_async.server.cli import nccl_environment
     from areal_async.config import TrainConfig
+    from areal_async.server.cli import nccl_environment
     from areal_async.train.worker import nccl_environment as trainer_env
 
     server: dict[str, str] = {}
@@ -100,8 +97,9 @@ async def test_update_weights_refuses_a_bucketed_sync_without_a_pause():
             Trainer.called = True
 
     with pytest.raises(ValueError, match="paused"):
-        await update_weights(ElasticBroadcastSync(Trainer(), None, "127.0.0.1", ranks_per_server=1, backend="gloo"),
-                             None, 1, "wait")
+        await update_weights(
+            ElasticBroadcastSync(Trainer(), None, "127.0.0.1", ranks_per_server=1, backend="gloo"), None, 1, "wait"
+        )
     assert not Trainer.called
 
 
@@ -347,8 +345,13 @@ def test_rank0_reads_bf16_and_gathers_bf16(tmp_path):
     as fp32 masters, and the publish/broadcast gather moves bf16 (the local shard is cast before the all-gather)."""
     import json
 
-    out = subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path / "bf16")], capture_output=True, text=True,
-                         timeout=100, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD, str(tmp_path / "bf16")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["read_dtype"] == ["torch.bfloat16"] and got["checkpoint_dtype"] == "torch.bfloat16"

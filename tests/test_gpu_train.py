@@ -23,8 +23,13 @@ def _cuda_count() -> int:
 
 
 def _run(code: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_bf16_train_step_on_cuda(tiny_ckpt):
@@ -79,7 +84,11 @@ def test_nccl_broadcast_between_two_processes(tmp_path):
     index-less device "cuda" (what "auto" resolves to). Before the fix the trainer's group was split from its own
     communicator: with one trainer rank it returned at once and the receiver waited until its timeout."""
     port_file = tmp_path / "port"
-    trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import time, torch
         from areal_async.train.dist import init_distributed
         from areal_async.net.custom_group import new_custom_group, open_store
@@ -95,24 +104,34 @@ def test_nccl_broadcast_between_two_processes(tmp_path):
         dist.broadcast(t, group=pg, group_src=0)
         torch.cuda.synchronize()
         print("sent")
-    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "NCCL_CUMEM_ENABLE": "0"})  # both ends as the launcher runs them (server/cli.py, worker.py)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "NCCL_CUMEM_ENABLE": "0"},
+    )  # both ends as the launcher runs them (server/cli.py, worker.py)
     try:
         for _ in range(600):
             if port_file.exists() or trainer.poll() is not None:
                 break
             import time
+
             time.sleep(0.1)
         assert port_file.exists(), trainer.communicate(timeout=30)[1][-3000:]
         port = int(port_file.read_text())
-        recv = _run(f"""
+        recv = _run(
+            f"""
             import torch, torch.distributed as dist
             from areal_async.server.weights import init_custom_group, receive_tensors
             pg = init_custom_group("nccl", "tcp://127.0.0.1:{port}", 2, 1, "wug", torch.device("cuda"), 120)
             got = receive_tensors(pg, ["t"], ["bfloat16"], [[1024]], torch.device("cuda"))["t"]
             assert torch.equal(got.float().cpu(), torch.arange(1024, dtype=torch.bfloat16).float()), got[:8]
             print("received")
-        """, env={"CUDA_VISIBLE_DEVICES": "1", "NCCL_CUMEM_ENABLE": "0"}, timeout=200)
+        """,
+            env={"CUDA_VISIBLE_DEVICES": "1", "NCCL_CUMEM_ENABLE": "0"},
+            timeout=200,
+        )
         t_out, t_err = trainer.communicate(timeout=60)
     finally:
         if trainer.poll() is None:

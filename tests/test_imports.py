@@ -14,20 +14,51 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(REPO, "areal_async")
 
 CONTROLLER_SIDE = [
-    "areal_async.run", "areal_async.config", "areal_async.config.help", "areal_async.types", "areal_async.net.rpc",
-    "areal_async.tokenizer", "areal_async.metrics",
-    "areal_async.launch", "areal_async.launch.api", "areal_async.launch.local", "areal_async.launch.processes",
-    "areal_async.launch.recovery", "areal_async.testing.faults",
-    "areal_async.rollout.controller", "areal_async.rollout.buffer", "areal_async.rollout.manager",
-    "areal_async.rollout.samples", "areal_async.rollout.ledger", "areal_async.rollout.weight_sync",
-    "areal_async.rollout.evaluate", "areal_async.rollout.chat", "areal_async.rollout.prompts",
-    "areal_async.rollout.workflows", "areal_async.rollout.workflows.rlvr", "areal_async.rollout.workflows.multi_turn",
-    "areal_async.inference.client", "areal_async.inference.transport", "areal_async.inference.routing",
-    "areal_async.inference.resume", "areal_async.inference.sglang_wire", "areal_async.inference.fleet",
-    "areal_async.protocol.sglang", "areal_async.protocol.openai_requests", "areal_async.protocol.openai_responses",
-    "areal_async.protocol.engine_api", "areal_async.net.registry", "areal_async.net.address", "areal_async.train.client",
-    "areal_async.agent", "areal_async.agent.openai_proxy", "areal_async.agent.episode",
-    "areal_async.embed", "areal_async.cpu_features", "areal_async.run_plan", "areal_async.model_store",
+    "areal_async.run",
+    "areal_async.config",
+    "areal_async.config.help",
+    "areal_async.types",
+    "areal_async.net.rpc",
+    "areal_async.tokenizer",
+    "areal_async.metrics",
+    "areal_async.launch",
+    "areal_async.launch.api",
+    "areal_async.launch.local",
+    "areal_async.launch.processes",
+    "areal_async.launch.recovery",
+    "areal_async.testing.faults",
+    "areal_async.rollout.controller",
+    "areal_async.rollout.buffer",
+    "areal_async.rollout.manager",
+    "areal_async.rollout.samples",
+    "areal_async.rollout.ledger",
+    "areal_async.rollout.weight_sync",
+    "areal_async.rollout.evaluate",
+    "areal_async.rollout.chat",
+    "areal_async.rollout.prompts",
+    "areal_async.rollout.workflows",
+    "areal_async.rollout.workflows.rlvr",
+    "areal_async.rollout.workflows.multi_turn",
+    "areal_async.inference.client",
+    "areal_async.inference.transport",
+    "areal_async.inference.routing",
+    "areal_async.inference.resume",
+    "areal_async.inference.sglang_wire",
+    "areal_async.inference.fleet",
+    "areal_async.protocol.sglang",
+    "areal_async.protocol.openai_requests",
+    "areal_async.protocol.openai_responses",
+    "areal_async.protocol.engine_api",
+    "areal_async.net.registry",
+    "areal_async.net.address",
+    "areal_async.train.client",
+    "areal_async.agent",
+    "areal_async.agent.openai_proxy",
+    "areal_async.agent.episode",
+    "areal_async.embed",
+    "areal_async.cpu_features",
+    "areal_async.run_plan",
+    "areal_async.model_store",
 ]
 
 PROBE = """
@@ -46,8 +77,13 @@ print(json.dumps(heavy))
 
 
 def test_controller_side_imports_no_torch(tiny_ckpt, tmp_path):
-    p = subprocess.run([sys.executable, "-c", PROBE, json.dumps(CONTROLLER_SIDE), tiny_ckpt, str(tmp_path / "r")],
-                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    p = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(CONTROLLER_SIDE), tiny_ckpt, str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     heavy = json.loads(p.stdout.strip().splitlines()[-1])
     assert heavy == [], heavy
@@ -219,8 +255,11 @@ def floor_violations(graph: dict[str, set[str]]) -> list[str]:
         for floor, allowed in ONLY.items():
             if _on(mod, floor):
                 # The root package's __init__ imports nothing eagerly (checked below), so importing it is harmless.
-                bad += [_chain(parent, mod, d) for d in sorted(parent)
-                        if not _on(d, floor) and d not in allowed and d != PKG_NAME]
+                bad += [
+                    _chain(parent, mod, d)
+                    for d in sorted(parent)
+                    if not _on(d, floor) and d not in allowed and d != PKG_NAME
+                ]
         for floor, above in NEVER.items():
             if _on(mod, floor):
                 bad += [_chain(parent, mod, d) for d in sorted(parent) if any(_on(d, a) for a in above)]
@@ -228,16 +267,24 @@ def floor_violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_floor_check_finds_violations():
-    graph = {"areal_async.net.rpc": {"areal_async.util"}, "areal_async.util": {"areal_async.rollout.buffer"},
-             "areal_async.rollout.buffer": set(), "areal_async.server.app": {"areal_async.protocol.sglang"},
-             "areal_async.protocol.sglang": {"areal_async.types"}, "areal_async.types": set()}
-    assert floor_violations(graph) == ["areal_async.net.rpc -> areal_async.util -> areal_async.rollout.buffer",
-                                       "areal_async.net.rpc -> areal_async.util"]
+    graph = {
+        "areal_async.net.rpc": {"areal_async.util"},
+        "areal_async.util": {"areal_async.rollout.buffer"},
+        "areal_async.rollout.buffer": set(),
+        "areal_async.server.app": {"areal_async.protocol.sglang"},
+        "areal_async.protocol.sglang": {"areal_async.types"},
+        "areal_async.types": set(),
+    }
+    assert floor_violations(graph) == [
+        "areal_async.net.rpc -> areal_async.util -> areal_async.rollout.buffer",
+        "areal_async.net.rpc -> areal_async.util",
+    ]
     graph["areal_async.net.rpc"] = {"areal_async.types"}
     graph["areal_async.protocol.sglang"] = {"areal_async.types", "areal_async.util"}
     assert floor_violations(graph) == [  # and through protocol/, the server reaches rollout/ too
         "areal_async.protocol.sglang -> areal_async.util -> areal_async.rollout.buffer",
-        "areal_async.server.app -> areal_async.protocol.sglang -> areal_async.util -> areal_async.rollout.buffer"]
+        "areal_async.server.app -> areal_async.protocol.sglang -> areal_async.util -> areal_async.rollout.buffer",
+    ]
 
 
 def test_package_floors_hold():

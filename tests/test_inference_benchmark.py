@@ -16,8 +16,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(240)
 def test_inference_throughput_quick(tmp_path):
     out = tmp_path / "inference_throughput.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "inference_throughput.py"), "--quick",
-                           "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=230)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "inference_throughput.py"),
+            "--quick",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     for key in ("embedded_tokens_per_s", "hf_tokens_per_s", "ratio", "pause_latency_ms"):
@@ -31,8 +43,12 @@ def test_inference_throughput_quick(tmp_path):
 @pytest.mark.timeout(240)
 def test_prefix_cache_quick(tmp_path):
     out = tmp_path / "prefix_cache.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "prefix_cache.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=230)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "prefix_cache.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     on, off = data["prefix_cache_on"], data["prefix_cache_off"]

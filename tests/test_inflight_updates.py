@@ -24,8 +24,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from areal_async.server.model import DecoderModel, KVCache, build_step_batch
 from areal_async.server.app import start_server
+from areal_async.server.model import DecoderModel, KVCache, build_step_batch
 from areal_async.server.weights import load_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -55,8 +55,12 @@ async def post(http, path, obj) -> tuple[int, dict]:
 
 
 def long_request(n: int = 700) -> dict:
-    return {"input_ids": PROMPT, "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    return {
+        "input_ids": PROMPT,
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+    }
 
 
 class Stream:
@@ -98,7 +102,7 @@ def mixed_logprobs(old: str, new: str, prompt: list[int], out: list[int], k: int
     table = torch.tensor([pages])
     model.forward(build_step_batch([(seq[:cut], 0, pages, 0)], table, 16, torch.device("cpu"), [[]]), cache)
     model.load_tensors(new_t)
-    fed = seq[cut:len(seq) - 1]
+    fed = seq[cut : len(seq) - 1]
     batch = build_step_batch([(fed, cut, pages, 0)], table, 16, torch.device("cpu"), [list(range(len(fed)))])
     logp = torch.log_softmax(model.forward(batch, cache), dim=-1)  # [len(fed), V]
     return logp.gather(1, torch.tensor(out[k:])[:, None])[:, 0].tolist()
@@ -145,7 +149,6 @@ SENDER = textwrap.dedent("""
 """)
 
 
-
 async def _sender_port(sender: subprocess.Popen) -> int:
     line = await asyncio.to_thread(sender.stdout.readline)
     assert line.startswith("port "), (line, sender.stderr.read() if sender.poll() is not None else "")
@@ -163,26 +166,51 @@ class Updater:
         """Broadcast: start the sender with the checkpoints it will send, in order, and join its group."""
         if self.kind != "broadcast":
             return
-        self.sender = subprocess.Popen([sys.executable, "-c", SENDER, *[self.ckpts[c] for c in sequence]],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.sender = subprocess.Popen(
+            [sys.executable, "-c", SENDER, *[self.ckpts[c] for c in sequence]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         port = await _sender_port(self.sender)
-        status, body = await post(self.http, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": "inflight", "backend": "gloo"})
+        status, body = await post(
+            self.http,
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": "inflight",
+                "backend": "gloo",
+            },
+        )
         assert status == 200 and body["success"], body
 
     async def update(self, ckpt: str, version: str, flush_cache: bool) -> tuple[int, dict]:
         if self.kind == "disk":
-            return await post(self.http, "/update_weights_from_disk", {
-                "model_path": self.ckpts[ckpt], "weight_version": version, "flush_cache": flush_cache})
+            return await post(
+                self.http,
+                "/update_weights_from_disk",
+                {"model_path": self.ckpts[ckpt], "weight_version": version, "flush_cache": flush_cache},
+            )
         from safetensors import safe_open
 
         with safe_open(os.path.join(self.ckpts[ckpt], "model.safetensors"), "pt") as f:
             names = sorted(f.keys())
             shapes = [list(f.get_slice(n).get_shape()) for n in names]
-        return await post(self.http, "/update_weights_from_distributed", {
-            "names": names, "dtypes": ["float32"] * len(names), "shapes": shapes, "group_name": "inflight",
-            "weight_version": version, "flush_cache": flush_cache})
+        return await post(
+            self.http,
+            "/update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": ["float32"] * len(names),
+                "shapes": shapes,
+                "group_name": "inflight",
+                "weight_version": version,
+                "flush_cache": flush_cache,
+            },
+        )
 
     async def finish(self, server) -> None:
         if self.sender is None:
@@ -232,8 +260,11 @@ async def updater(server, http, ckpts):
         for path, obj in (("/continue_generation", {}), ("/abort_request", {"abort_all": True})):
             async with http.post(path, json=obj) as r:  # these answer without a JSON body
                 assert r.status == 200, (path, r.status, await r.text())
-        status, body = await post(http, "/update_weights_from_disk", {
-            "model_path": ckpts["a"], "weight_version": version, "flush_cache": True})
+        status, body = await post(
+            http,
+            "/update_weights_from_disk",
+            {"model_path": ckpts["a"], "weight_version": version, "flush_cache": True},
+        )
         assert status == 200 and body["success"], body
 
 
@@ -289,7 +320,7 @@ async def test_in_place_pause_keeps_kv_and_continues_under_new_weights(server, h
     # streamed events carry the spans cumulatively: each one is a prefix of the final list
     for ev in stream.events:
         s = ev["meta_info"]["weight_version_spans"]
-        assert s == spans[:len(s)] and (s or not ev["output_ids"])
+        assert s == spans[: len(s)] and (s or not ev["output_ids"])
     status, body = await up.update("a", v, flush_cache=True)
     assert status == 200 and body["success"], body
     await up.finish(server)

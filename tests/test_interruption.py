@@ -92,11 +92,11 @@ async def test_pause_update_resume_mid_generation(tiny_ckpt, tiny_ckpt_b):
         assert r.output_ids[:cut] == r0.output_ids[:cut]  # A's greedy output up to the interruption
         off = len(p) - 1  # logprob of output token k is at row off + k
         got = torch.tensor(r.output_logprobs)
-        assert (got[:cut] - a_lp[off:off + cut]).abs().max().item() < 1e-3  # A made these
-        assert (got[cut:] - b_lp[off + cut:]).abs().max().item() < 1e-3  # B made these, seeing the full prefix
-        assert (b_lp[off + cut:] >= b_max[off + cut:] - 1e-3).all()  # and they are B's greedy choices
+        assert (got[:cut] - a_lp[off : off + cut]).abs().max().item() < 1e-3  # A made these
+        assert (got[cut:] - b_lp[off + cut :]).abs().max().item() < 1e-3  # B made these, seeing the full prefix
+        assert (b_lp[off + cut :] >= b_max[off + cut :] - 1e-3).all()  # and they are B's greedy choices
         # the checks above can tell A from B: their logprobs differ on these tokens (greedy ids may not)
-        assert (a_lp[off + cut:] - b_lp[off + cut:]).abs().max().item() > 1e-2
+        assert (a_lp[off + cut :] - b_lp[off + cut :]).abs().max().item() > 1e-2
 
 
 async def test_pause_resume_without_update_is_seamless(tiny_ckpt):
@@ -129,8 +129,10 @@ async def test_in_place_pause_one_response_two_versions(tiny_ckpt, tiny_ckpt_b):
 
     async with await start_server(tiny_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         async with aiohttp.ClientSession() as s:
-            async with s.post(server.url + "/generate", json={"input_ids": [5, 6], "return_logprob": True,
-                                                               "sampling_params": {"max_new_tokens": 1}}) as r:
+            async with s.post(
+                server.url + "/generate",
+                json={"input_ids": [5, 6], "return_logprob": True, "sampling_params": {"max_new_tokens": 1}},
+            ) as r:
                 if "weight_version_spans" not in (await r.json())["meta_info"]:
                     pytest.skip("this embedded server does not report weight_version_spans yet")
         ref = await client.agenerate(PROMPTS[0], greedy())

@@ -9,8 +9,17 @@ import time
 import pytest
 
 from areal_async.config import load_config
-from areal_async.launch import (ChildFailed, ExternalLauncher, LocalCluster, ProcessExited, Processes, ServerHandle,
-                                TrainerHandle, end_run_on_failure, supervise)
+from areal_async.launch import (
+    ChildFailed,
+    ExternalLauncher,
+    LocalCluster,
+    Processes,
+    ProcessExited,
+    ServerHandle,
+    TrainerHandle,
+    end_run_on_failure,
+    supervise,
+)
 
 
 def alive(pid: int) -> bool:
@@ -71,8 +80,12 @@ def test_shutdown_kills_grandchildren(tmp_path):
 
 async def test_wait_healthy_fails_fast_when_server_dies(tmp_path):
     la = Processes(str(tmp_path))
-    child = la.spawn("server0", [sys.executable, "-c", "print('cannot load model'); raise SystemExit(1)"],
-                     role="server", url="http://127.0.0.1:9")
+    child = la.spawn(
+        "server0",
+        [sys.executable, "-c", "print('cannot load model'); raise SystemExit(1)"],
+        role="server",
+        url="http://127.0.0.1:9",
+    )
     try:
         with pytest.raises(ChildFailed, match="cannot load model"):
             await la.wait_healthy([child], timeout_s=30)
@@ -99,8 +112,12 @@ async def test_cluster_watch_reports_every_exit_once_as_an_event(tmp_path):
     procs.spawn("server0", crasher("server gone", 4), role="server", url="http://127.0.0.1:9")
     procs.spawn("trainer", crasher("trainer gone", 5, 0.5), role="trainer")
     procs.spawn("sleeper", SLEEP)
-    cluster = LocalCluster(procs, [ServerHandle("server0", "http://127.0.0.1:9")],
-                           TrainerHandle(1, str(tmp_path), b"x" * 32, "127.0.0.1"), poll_s=0.05)
+    cluster = LocalCluster(
+        procs,
+        [ServerHandle("server0", "http://127.0.0.1:9")],
+        TrainerHandle(1, str(tmp_path), b"x" * 32, "127.0.0.1"),
+        poll_s=0.05,
+    )
     events: list[ProcessExited] = []
 
     async def record(event):  # a handler that absorbs events: the watch goes on
@@ -174,8 +191,15 @@ async def test_supervise_prefers_the_watch_diagnosis_over_the_body_error(tmp_pat
 
 
 async def test_external_launcher_fails_naming_the_unreachable_server_and_stops_the_trainers(tmp_path):
-    cfg = load_config(None, [f"run_dir={tmp_path}", "server.backend=external", "server.urls=[http://127.0.0.1:9]",
-                             "server.startup_timeout_s=1"])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path}",
+            "server.backend=external",
+            "server.urls=[http://127.0.0.1:9]",
+            "server.startup_timeout_s=1",
+        ],
+    )
     with pytest.raises(ChildFailed, match=r"http://127.0.0.1:9 not healthy after 1s"):
         await ExternalLauncher().launch(cfg, model_path=str(tmp_path / "no-model"))
     log = (tmp_path / "logs" / "trainer.log").read_text()

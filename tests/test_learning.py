@@ -18,8 +18,13 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["total_steps=10", "schedule.eval_every=10", "schedule.checkpoint_every=0",
-         "server.device=cpu", "train.device=cpu"]  # the thresholds below were measured on the CPU paths
+SHORT = [
+    "total_steps=10",
+    "schedule.eval_every=10",
+    "schedule.checkpoint_every=0",
+    "server.device=cpu",
+    "train.device=cpu",
+]  # the thresholds below were measured on the CPU paths
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +35,12 @@ def base_model() -> str:
 
 
 def _run(base_model: str, run_dir: str, *overrides: str) -> tuple[dict, list[dict]]:
-    p = subprocess.run([sys.executable, "-m", "areal_async.run", f"model.path={base_model}", f"run_dir={run_dir}",
-                        *SHORT, *overrides], capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "areal_async.run", f"model.path={base_model}", f"run_dir={run_dir}", *SHORT, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from error_bounds import U32, gamma, logsumexp_bound
 
 from areal_async.train.lm_head import LMHead, _head_module, forward_features, logprobs_from_hidden
-from error_bounds import U32, gamma, logsumexp_bound
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,9 +36,16 @@ def test_chunked_head_matches_unchunked_values_and_gradients(chunk, entropy_grad
     g_ent = torch.randn(m, generator=g, dtype=torch.float64)
 
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    lp, ent = logprobs_from_hidden(leaves[0], LMHead(leaves[1], leaves[2]), targets, temperature=temp,
-                                   compute_entropy=True, chunk_tokens=chunk, entropy_grad=entropy_grad,
-                                   keep_bytes=keep_bytes)
+    lp, ent = logprobs_from_hidden(
+        leaves[0],
+        LMHead(leaves[1], leaves[2]),
+        targets,
+        temperature=temp,
+        compute_entropy=True,
+        chunk_tokens=chunk,
+        entropy_grad=entropy_grad,
+        keep_bytes=keep_bytes,
+    )
     objective = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
     objective.backward()
 
@@ -49,7 +56,7 @@ def test_chunked_head_matches_unchunked_values_and_gradients(chunk, entropy_grad
     assert lp.dtype == torch.float32  # logprobs are fp32 whatever the model dtype
     # The head's logits are fp64, cast to fp32 (u), divided by the temperature (u); the log-softmax runs in fp32:
     # each logprob errs by logsumexp_bound plus those two roundings of the logits' magnitude.
-    z = ((hidden @ weight.T + bias) / temp)  # [M, V] fp64
+    z = (hidden @ weight.T + bias) / temp  # [M, V] fp64
     spread, zmax = float((z.max(-1).values - z.min(-1).values).max()), float(z.abs().max())
     eps_lp = logsumexp_bound(v, spread, zmax) + 2 * U32 * zmax
     torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=eps_lp, rtol=0)
@@ -89,8 +96,7 @@ def test_empty_rows_give_the_weight_a_zero_gradient():
     reduce-scatter would see different tensors on different ranks."""
     weight = torch.randn(11, 4, requires_grad=True)
     hidden = torch.randn(0, 4, requires_grad=True)
-    lp, ent = logprobs_from_hidden(hidden, LMHead(weight, None), torch.zeros(0, dtype=torch.long),
-                                   compute_entropy=True)
+    lp, ent = logprobs_from_hidden(hidden, LMHead(weight, None), torch.zeros(0, dtype=torch.long), compute_entropy=True)
     assert lp.shape == (0,) and ent is not None and ent.shape == (0,)
     (lp.sum() * 0.0).backward()
     assert weight.grad is not None and torch.count_nonzero(weight.grad) == 0

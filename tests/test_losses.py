@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from areal_async.config import LossConfig
-from areal_async.train.losses import (LOSS_STAT_KEYS, actor_loss, entropy_from_logits, kl_penalty, loss_normalizer,
-                                      ppo_actor_loss, summarize_loss_stats)
+from areal_async.train.losses import (
+    LOSS_STAT_KEYS,
+    actor_loss,
+    entropy_from_logits,
+    kl_penalty,
+    loss_normalizer,
+    ppo_actor_loss,
+    summarize_loss_stats,
+)
 
 LN = math.log
 
@@ -57,8 +64,9 @@ def test_dual_clip_hand_values():
     assert st["dual_clipped_count"].item() == 1
     # positive advantages are never dual-clipped, however large the ratio
     big = PROX + torch.tensor([LN(5.0), 0, 0, 0, 0])
-    loss, st = ppo_actor_loss(big, PROX, PROX, torch.tensor([1.0, 0, 0, 0, 0]), MASK, cfg(dual_clip=1.4),
-                              normalizer=1.0)
+    loss, st = ppo_actor_loss(
+        big, PROX, PROX, torch.tensor([1.0, 0, 0, 0, 0]), MASK, cfg(dual_clip=1.4), normalizer=1.0
+    )
     assert loss.item() == pytest.approx(-1.2, abs=1e-6) and st["dual_clipped_count"].item() == 0
 
 
@@ -93,8 +101,9 @@ def test_importance_weight_hand_values_and_cap_modes():
     assert st["capped_count"].item() == 1 and st["used_token_count"].item() == 3 and st["token_count"].item() == 4
     assert st["clipped_count"].item() == 1  # only t2 remains clipped
 
-    loss, st = ppo_actor_loss(LOGP, PROX, behav, ADV, MASK,
-                              cfg(behav_imp_weight_cap=1.5, behav_imp_weight_mode="clamp"), normalizer=1.0)
+    loss, st = ppo_actor_loss(
+        LOGP, PROX, behav, ADV, MASK, cfg(behav_imp_weight_cap=1.5, behav_imp_weight_mode="clamp"), normalizer=1.0
+    )
     assert loss.item() == pytest.approx(2.9 + 1.2 - 1.2 * 1.5, abs=1e-5)  # w0 clamped to 1.5
     assert st["capped_count"].item() == 1 and st["used_token_count"].item() == 4
     assert st["imp_weight_max"].item() == pytest.approx(2.0, abs=1e-6)  # the raw weight is reported
@@ -105,8 +114,7 @@ def test_gspo_sequence_ratio_hand_values():
     # inside [0.8, 1.2]. GSPO's sequence mean: seq 0 (A=+1) contributes -s, seq 1 (A=-2) 2 s; normalizer = number
     # of sequences (1 here, to read the sum) -> s. The old token mean gave 2 * -s + 2 * 2 s = 2 s.
     seq_ids = torch.tensor([0, 0, 1, 1, 1])
-    loss, st = ppo_actor_loss(LOGP, PROX, PROX, ADV, MASK, cfg(ratio_level="sequence"), normalizer=1.0,
-                              seq_ids=seq_ids)
+    loss, st = ppo_actor_loss(LOGP, PROX, PROX, ADV, MASK, cfg(ratio_level="sequence"), normalizer=1.0, seq_ids=seq_ids)
     s = math.sqrt(0.75)
     assert loss.item() == pytest.approx(s, abs=1e-5)
     assert st["clipped_count"].item() == 0 and st["seq_count"].item() == 2
@@ -134,14 +142,31 @@ def test_gspo_weighs_every_sequence_equally_whatever_its_length():
     prox = torch.full((n,), -1.0)
     logp = prox + LN(1.1)  # s = 1.1 in every sequence, inside the clip range
     adv = torch.tensor([1.0] * lens[0] + [-1.0] * lens[1])
-    loss, st = ppo_actor_loss(logp, prox, prox, adv, torch.ones(n), cfg(ratio_level="sequence"), normalizer=2.0,
-                              seq_ids=seq_ids)
+    loss, st = ppo_actor_loss(
+        logp, prox, prox, adv, torch.ones(n), cfg(ratio_level="sequence"), normalizer=2.0, seq_ids=seq_ids
+    )
     # per sequence: -A s = -1.1 and +1.1; the mean over sequences is 0 (a token mean would give 8 * 1.1 / 10)
     assert loss.item() == pytest.approx(0.0, abs=1e-6)
-    one, _ = ppo_actor_loss(logp[:1], prox[:1], prox[:1], adv[:1], torch.ones(1), cfg(ratio_level="sequence"),
-                            normalizer=1.0, seq_ids=seq_ids[:1])
-    nine, _ = ppo_actor_loss(logp[1:], prox[1:], prox[1:], adv[1:], torch.ones(9), cfg(ratio_level="sequence"),
-                             normalizer=1.0, seq_ids=seq_ids[1:] - 1)
+    one, _ = ppo_actor_loss(
+        logp[:1],
+        prox[:1],
+        prox[:1],
+        adv[:1],
+        torch.ones(1),
+        cfg(ratio_level="sequence"),
+        normalizer=1.0,
+        seq_ids=seq_ids[:1],
+    )
+    nine, _ = ppo_actor_loss(
+        logp[1:],
+        prox[1:],
+        prox[1:],
+        adv[1:],
+        torch.ones(9),
+        cfg(ratio_level="sequence"),
+        normalizer=1.0,
+        seq_ids=seq_ids[1:] - 1,
+    )
     assert one.item() == pytest.approx(-1.1, abs=1e-6) and nine.item() == pytest.approx(1.1, abs=1e-6)
     assert loss_normalizer(cfg(ratio_level="sequence")) == "seqs" and loss_normalizer(cfg()) == "tokens"
 
@@ -238,8 +263,9 @@ def test_bf16_inputs_are_computed_in_fp32():
     logp = LOGP.to(torch.bfloat16)
     prox = PROX.to(torch.bfloat16)
     loss, st = ppo_actor_loss(logp, prox, prox, ADV.to(torch.bfloat16), MASK, cfg(), normalizer=10.0)
-    ref, _ = ppo_actor_loss(logp.float(), prox.float(), prox.float(), ADV.to(torch.bfloat16).float(), MASK, cfg(),
-                            normalizer=10.0)
+    ref, _ = ppo_actor_loss(
+        logp.float(), prox.float(), prox.float(), ADV.to(torch.bfloat16).float(), MASK, cfg(), normalizer=10.0
+    )
     assert loss.dtype == torch.float32 and loss.item() == ref.item()
 
 
@@ -251,8 +277,10 @@ def test_sum_over_micro_batches_is_global_token_mean():
     adv = torch.randn(n, generator=g)
     mask = torch.ones(n, dtype=torch.long)
     whole, _ = ppo_actor_loss(logp, prox, prox, adv, mask, cfg(), normalizer=float(n))
-    parts = sum(ppo_actor_loss(logp[s], prox[s], prox[s], adv[s], mask[s], cfg(), normalizer=float(n))[0]
-                for s in (slice(0, 13), slice(13, 40)))
+    parts = sum(
+        ppo_actor_loss(logp[s], prox[s], prox[s], adv[s], mask[s], cfg(), normalizer=float(n))[0]
+        for s in (slice(0, 13), slice(13, 40))
+    )
     assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
 
 
@@ -266,8 +294,9 @@ def test_bad_inputs_raise():
 
 
 def test_all_masked_gives_zero_loss_and_finite_stats():
-    loss, st = ppo_actor_loss(LOGP, PROX, PROX - 100.0, ADV, torch.zeros(5), cfg(behav_imp_weight_cap=5.0),
-                              normalizer=1.0)
+    loss, st = ppo_actor_loss(
+        LOGP, PROX, PROX - 100.0, ADV, torch.zeros(5), cfg(behav_imp_weight_cap=5.0), normalizer=1.0
+    )
     assert loss.item() == 0.0
     assert all(math.isfinite(v.item()) for v in st.values())
 
@@ -286,10 +315,14 @@ def test_kl_penalty_hand_values():
 
 
 def test_entropy_from_logits():
-    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0],  # uniform over 4: ln 4
-                           [1000.0, 0.0, 0.0, 0.0],  # huge logit: ~0, no overflow
-                           [0.0, float("-inf"), 0.0, float("-inf")],  # banned tokens: ln 2, not nan
-                           [LN(0.5), LN(0.25), LN(0.25), float("-inf")]])  # 1.5 ln 2
+    logits = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 0.0],  # uniform over 4: ln 4
+            [1000.0, 0.0, 0.0, 0.0],  # huge logit: ~0, no overflow
+            [0.0, float("-inf"), 0.0, float("-inf")],  # banned tokens: ln 2, not nan
+            [LN(0.5), LN(0.25), LN(0.25), float("-inf")],
+        ]
+    )  # 1.5 ln 2
     h = entropy_from_logits(logits)
     assert h.tolist() == pytest.approx([LN(4), 0.0, LN(2), 1.5 * LN(2)], abs=1e-6)
     rng = np.random.default_rng(0)

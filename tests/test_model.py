@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 import torch
+from error_bounds import spec_logit_bound
 
 from areal_async.server.model import DecoderModel, ModelSpec, UnsupportedModelError, rope_inv_freq
 from areal_async.server.weights import WeightError, load_checkpoint
 from areal_async.testing.tiny import make_tiny_checkpoint
-from error_bounds import spec_logit_bound
 
 torch.set_num_threads(1)
 
@@ -57,9 +57,20 @@ def test_untied_head_and_llama_biases_match_transformers(tmp_path):
     biased = str(tmp_path / "biased")
     vocab = save_char_tokenizer(biased)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=128, attention_bias=True, mlp_bias=True,
-                                   initializer_range=0.1, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        attention_bias=True,
+        mlp_bias=True,
+        initializer_range=0.1,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
     with torch.no_grad():  # biases start at zero; make them matter
         for name, p in model.named_parameters():
@@ -75,11 +86,19 @@ def test_untied_head_and_llama_biases_match_transformers(tmp_path):
             assert (a - b).abs().max().item() <= spec_logit_bound(ours.spec, len(b), b.abs().max().item())
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 32},
-    {"rope_type": "linear", "factor": 4.0},
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+)
 def test_rope_scaling_matches_transformers(tmp_path, scaling):
     """A llama checkpoint whose config asks for scaled RoPE: positions well past the original window agree."""
     path = make_tiny_checkpoint(str(tmp_path / "llama"), "llama", seed=3, init_std=0.1)
@@ -91,8 +110,10 @@ def test_rope_scaling_matches_transformers(tmp_path, scaling):
         json.dump(cfg, f)
     model = _ours(path)
     assert model.spec.rope_type == scaling["rope_type"]
-    assert not torch.equal(rope_inv_freq(model.spec), rope_inv_freq(ModelSpec.from_hf_config(
-        {**cfg, "rope_parameters": {"rope_theta": 10000.0}})))
+    assert not torch.equal(
+        rope_inv_freq(model.spec),
+        rope_inv_freq(ModelSpec.from_hf_config({**cfg, "rope_parameters": {"rope_theta": 10000.0}})),
+    )
     seq = [(i * 13) % 90 + 4 for i in range(200)]
     mine = torch.log_softmax(model.score([seq])[0], dim=-1)
     ref = _hf_logprobs(path, [seq])[0]
@@ -102,21 +123,35 @@ def test_rope_scaling_matches_transformers(tmp_path, scaling):
 
 def test_old_style_rope_config_is_read():
     """Checkpoints written before transformers 5 carry `rope_theta` and `rope_scaling` with `type`."""
-    spec = ModelSpec.from_hf_config({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "intermediate_size": 16, "rope_theta": 500000.0,
-        "rope_scaling": {"type": "linear", "factor": 2.0}})
+    spec = ModelSpec.from_hf_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 16,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        }
+    )
     assert spec.rope_theta == 500000.0 and spec.rope_type == "linear" and dict(spec.rope_params) == {"factor": 2.0}
 
 
 def test_unsupported_config_is_a_clear_error():
-    base = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "intermediate_size": 16}
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+    }
     with pytest.raises(UnsupportedModelError, match="MixtralForCausalLM"):
         ModelSpec.from_hf_config({**base, "architectures": ["MixtralForCausalLM"]})
     with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelSpec.from_hf_config({**base, "architectures": ["Qwen2ForCausalLM"],
-                                  "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        ModelSpec.from_hf_config(
+            {**base, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+        )
     with pytest.raises(UnsupportedModelError, match="sliding"):
         ModelSpec.from_hf_config({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
 
@@ -129,8 +164,10 @@ def test_sharded_checkpoint_loads(tiny_ckpt, tmp_path):
     tensors = load_file(str(dst / "model.safetensors"))
     os.remove(dst / "model.safetensors")
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     weight_map = {}
     for file, part in shards.items():
         save_file({n: tensors[n] for n in part}, str(dst / file))

@@ -19,10 +19,21 @@ from areal_async.model_store import MissingPackageError, ModelPathError, resolve
 from areal_async.testing.real_model import SMOLLM2, smollm2_gguf, smollm2_path
 
 # a tiny base-model setting that builds in seconds (see test_base_model.py)
-QUICK = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, sft_steps=4,
-             bare_phase_steps=2, batch_size=4, bucket_batches=2)
-MIXED_TEXT = ("<|im_start|>user\nWhat is 12 + 30? Ünïcödé ✓ 😀\ttabs  and   spaces<|im_end|>\n"
-              "<|im_start|>assistant\nThe answer is 42.<|im_end|><|endoftext|> <repo_name>x</s>")
+QUICK = dict(
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    sft_steps=4,
+    bare_phase_steps=2,
+    batch_size=4,
+    bucket_batches=2,
+)
+MIXED_TEXT = (
+    "<|im_start|>user\nWhat is 12 + 30? Ünïcödé ✓ 😀\ttabs  and   spaces<|im_end|>\n"
+    "<|im_start|>assistant\nThe answer is 42.<|im_end|><|endoftext|> <repo_name>x</s>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +47,15 @@ def _files(path: str) -> dict[str, bytes]:
 
 def test_conversion_writes_a_plain_fp32_hf_checkpoint(smollm2):
     names = set(os.listdir(smollm2))
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "chat_template.jinja", model_store.MARKER} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        model_store.MARKER,
+    } <= names
     cfg = json.load(open(os.path.join(smollm2, "config.json")))
     assert "quantization_config" not in cfg
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 30
@@ -94,8 +112,13 @@ def test_a_killed_conversion_leaves_no_usable_cache_and_the_next_one_is_identica
     models = os.path.join(cache_root, "models")
     final = model_store.converted_path(smollm2_gguf(), cache_root, SMOLLM2)
     code = f"from areal_async.model_store import resolve_model_path; resolve_model_path({SMOLLM2!r})"
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "AREAL_CACHE": cache_root},
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**os.environ, "AREAL_CACHE": cache_root},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 240
         # kill at the worst moment: the weights are being written into the temporary directory
@@ -143,8 +166,9 @@ def test_any_gguf_file_converts_and_is_cached_by_content(tmp_path):
     assert resolve_model_path(str(copy), cache_root) == path and os.stat(marker).st_mtime_ns == stamp
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    direct = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="Small Model.gguf",
-                                                               dtype=torch.float32)
+    direct = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="Small Model.gguf", dtype=torch.float32
+    )
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == 2048
     ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(path)(MIXED_TEXT).input_ids])  # [1, T]
     assert int(ids.max()) < 2048 and ids.shape[1] > 20

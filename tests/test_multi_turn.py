@@ -15,11 +15,16 @@ import msgspec
 import pytest
 
 from areal_async.inference.client import InferenceClient
-from areal_async.rollout.workflows.multi_turn import (ChatTokens, CheckerEnv, MultiTurnConfig, MultiTurnWorkflow,
-                                                       make_workflow)
+from areal_async.rollout.workflows.multi_turn import (
+    ChatTokens,
+    CheckerEnv,
+    MultiTurnConfig,
+    MultiTurnWorkflow,
+    make_workflow,
+)
+from areal_async.testing.interrupt import swap_weights_mid_generation
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import GenerationResult, Sample, SamplingParams
-from areal_async.testing.interrupt import swap_weights_mid_generation
 
 pytestmark = pytest.mark.timeout(180)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,8 +74,8 @@ def check_token_in_token_out(tok_feedback, ep, calls):
         assert inp == ep.turn_inputs[t] and list(g.output_ids) == ep.turn_outputs[t]
         if t + 1 < len(calls):
             nxt = calls[t + 1][0]
-            assert nxt[:len(inp) + len(g.output_ids)] == inp + list(g.output_ids)  # never re-tokenised
-            tok_feedback(t, nxt[len(inp) + len(g.output_ids):])
+            assert nxt[: len(inp) + len(g.output_ids)] == inp + list(g.output_ids)  # never re-tokenised
+            tok_feedback(t, nxt[len(inp) + len(g.output_ids) :])
     last_in, last_g = calls[-1]
     assert ep.input_ids == last_in + list(last_g.output_ids)
     n = len(ep.input_ids)
@@ -80,15 +85,16 @@ def check_token_in_token_out(tok_feedback, ep, calls):
     assert [lp for lp, m in zip(ep.logprobs, ep.loss_mask) if m] == [lp for _, g in calls for lp in g.output_logprobs]
     assert [v for v, m in zip(ep.versions, ep.loss_mask) if m] == [v for _, g in calls for v in g.output_versions]
     assert all(v == -1 and lp == 0.0 for v, lp, m in zip(ep.versions, ep.logprobs, ep.loss_mask) if not m)
-    assert ep.loss_mask[:ep.prompt_len] == [0] * ep.prompt_len and ep.prompt_len == len(calls[0][0])
+    assert ep.loss_mask[: ep.prompt_len] == [0] * ep.prompt_len and ep.prompt_len == len(calls[0][0])
 
 
 async def test_text_episode_token_in_token_out(server_client, tiny_ckpt):
     _server, client = server_client
     tok = Tokenizer(tiny_ckpt)
     rec = Recorder(client)
-    wf = MultiTurnWorkflow(tok, lambda s: ScriptedEnv(3), SamplingParams(max_new_tokens=12), 1, max_turns=5,
-                           truncated_reward=None)
+    wf = MultiTurnWorkflow(
+        tok, lambda s: ScriptedEnv(3), SamplingParams(max_new_tokens=12), 1, max_turns=5, truncated_reward=None
+    )
     ep = await wf.episode(rec, Sample(id=0, prompt="What is 1+2?\n", answer="3"))
     assert ep.turns == 3 and ep.finish == "done" and ep.reward == pytest.approx(0.75)
 
@@ -105,16 +111,23 @@ async def test_chat_episode_renders_only_the_new_messages(server_client, tiny_ck
     _server, client = server_client
     tok = Tokenizer(tiny_ckpt)
     rec = Recorder(client)
-    wf = MultiTurnWorkflow(tok, lambda s: ScriptedEnv(2, chat=True), SamplingParams(max_new_tokens=10), 1,
-                           max_turns=4, truncated_reward=None)
+    wf = MultiTurnWorkflow(
+        tok,
+        lambda s: ScriptedEnv(2, chat=True),
+        SamplingParams(max_new_tokens=10),
+        1,
+        max_turns=4,
+        truncated_reward=None,
+    )
     ep = await wf.episode(rec, Sample(id=0, prompt="hello", answer=""))
     assert ep.turns == 2
 
     def feedback(t, ids):
         # the tiny model's EOS is <|endoftext|>, not ChatML's <|im_end|>: the whole end-of-turn text is added
         text = tok.decode(ids, skip_special_tokens=False)
-        assert text == (f"<|im_end|>\n<|im_start|>tool\nFeedback {t + 1}: try harder.\n<|im_end|>\n"
-                        "<|im_start|>assistant\n")
+        assert text == (
+            f"<|im_end|>\n<|im_start|>tool\nFeedback {t + 1}: try harder.\n<|im_end|>\n<|im_start|>assistant\n"
+        )
 
     check_token_in_token_out(feedback, ep, rec.calls)
     assert ep.turn_inputs[0] == tok.apply_chat_template([{"role": "user", "content": "hello"}])
@@ -124,15 +137,22 @@ async def test_group_and_token_budget(server_client, tiny_ckpt):
     _server, client = server_client
     tok = Tokenizer(tiny_ckpt)
     sample = Sample(id=3, prompt="What is 1+2?\n", answer="3")
-    wf = MultiTurnWorkflow(tok, lambda s: ScriptedEnv(10), SamplingParams(max_new_tokens=16, ignore_eos=True), 3,
-                           max_turns=10, max_total_tokens=60)
+    wf = MultiTurnWorkflow(
+        tok,
+        lambda s: ScriptedEnv(10),
+        SamplingParams(max_new_tokens=16, ignore_eos=True),
+        3,
+        max_turns=10,
+        max_total_tokens=60,
+    )
     trajs = await wf.run(client, sample)
     assert len(trajs) == 3
     for t in trajs:
         assert len(t.input_ids) <= 60 and t.info["finish"] == "max_tokens"
     with pytest.raises(ValueError, match="max_total_tokens"):
         await MultiTurnWorkflow(tok, lambda s: ScriptedEnv(), SamplingParams(), 1, max_total_tokens=5).episode(
-            client, sample)
+            client, sample
+        )
 
 
 async def test_interrupted_turn_resumes_inside_the_episode(server_client, tiny_ckpt, tiny_ckpt_b):
@@ -141,9 +161,14 @@ async def test_interrupted_turn_resumes_inside_the_episode(server_client, tiny_c
     server, client = server_client
     tok = Tokenizer(tiny_ckpt)
     rec = Recorder(client)
-    wf = MultiTurnWorkflow(tok, lambda s: ScriptedEnv(2), SamplingParams(max_new_tokens=250, ignore_eos=True,
-                                                                         temperature=0.0), 1, max_turns=2,
-                           max_total_tokens=1000)
+    wf = MultiTurnWorkflow(
+        tok,
+        lambda s: ScriptedEnv(2),
+        SamplingParams(max_new_tokens=250, ignore_eos=True, temperature=0.0),
+        1,
+        max_turns=2,
+        max_total_tokens=1000,
+    )
     task = asyncio.create_task(wf.episode(rec, Sample(id=0, prompt="What is 1+2?\n", answer="3")))
     await swap_weights_mid_generation(server.url, client, tiny_ckpt_b, 1, max_new_tokens=250)
     ep = await task
@@ -163,8 +188,10 @@ def test_chat_tokens_close_turn(tiny_ckpt):
     assert tok.decode(ct.close_turn_ids(tok.encode("42") + [im_end]), skip_special_tokens=False) == "\n"
     # cut off by length, or ended on another EOS: the whole end-of-turn text
     assert tok.decode(ct.close_turn_ids(tok.encode("42")), skip_special_tokens=False) == "<|im_end|>\n"
-    assert tok.decode(ct.delta_ids([{"role": "user", "content": "again"}]), skip_special_tokens=False) == \
-        "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(ct.delta_ids([{"role": "user", "content": "again"}]), skip_special_tokens=False)
+        == "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 async def test_checker_env_retries_with_discount():
@@ -205,8 +232,10 @@ def test_make_workflow_from_the_run_config(tiny_ckpt):
         cfg2.rollout.multi_turn = {"max_turnz": 3}
         make_workflow(cfg2, Tokenizer(tiny_ckpt), score)
     # the run config's section is typed: options set there reach the workflow, and bad ones never load
-    cfg3 = load_config(os.path.join(REPO, "configs", "multiturn.yaml"),
-                       ["rollout.multi_turn.max_turns=3", "rollout.multi_turn.retry_discount=0.25"])
+    cfg3 = load_config(
+        os.path.join(REPO, "configs", "multiturn.yaml"),
+        ["rollout.multi_turn.max_turns=3", "rollout.multi_turn.retry_discount=0.25"],
+    )
     wf3 = build_workflow(cfg3, Tokenizer(tiny_ckpt), score)
     assert wf3.max_turns == 3 and wf3.env_factory(None).retry_discount == 0.25
     from areal_async.config import ConfigError
@@ -231,9 +260,10 @@ async def test_custom_env_example(server_client, tiny_ckpt):
 
     from areal_async.config import load_config
 
-    cfg = load_config(os.path.join(REPO, "configs", "multiturn.yaml"),
-                      ["rollout.workflow=custom_env:make_workflow", "rollout.group_size=2",
-                       "rollout.max_new_tokens=8"])
+    cfg = load_config(
+        os.path.join(REPO, "configs", "multiturn.yaml"),
+        ["rollout.workflow=custom_env:make_workflow", "rollout.group_size=2", "rollout.max_new_tokens=8"],
+    )
     wf = mod.make_workflow(cfg, Tokenizer(tiny_ckpt), None)
     trajs = await wf.run(server_client[1], sample)
     assert len(trajs) == 2 and all(1 <= t.info["turns"] <= 3 for t in trajs)
@@ -252,15 +282,17 @@ async def test_truncated_turn_ends_the_episode(server_client, tiny_ckpt):
 
     sample = Sample(id=0, prompt="What is 1+2?\n", answer="3")
     rec = Recorder(client)
-    wf = MultiTurnWorkflow(tok, lambda s: Env(3), SamplingParams(max_new_tokens=4, temperature=0.0), 1,
-                           max_turns=3, truncated_reward=-0.5)
+    wf = MultiTurnWorkflow(
+        tok, lambda s: Env(3), SamplingParams(max_new_tokens=4, temperature=0.0), 1, max_turns=3, truncated_reward=-0.5
+    )
     ep = await wf.episode(rec, sample)
     assert rec.calls[0][1].finish_reason == "length"  # a random model does not stop within 4 greedy tokens
     assert ep.finish == "truncated" and ep.turns == 1 and ep.reward == -0.5 and stepped == []
     check_token_in_token_out(lambda t, ids: None, ep, rec.calls)
     # truncated_reward=None: the cut-off turn goes to the environment like any other
-    ep2 = await MultiTurnWorkflow(tok, lambda s: Env(3), SamplingParams(max_new_tokens=4, temperature=0.0), 1,
-                                  max_turns=3, truncated_reward=None).episode(client, sample)
+    ep2 = await MultiTurnWorkflow(
+        tok, lambda s: Env(3), SamplingParams(max_new_tokens=4, temperature=0.0), 1, max_turns=3, truncated_reward=None
+    ).episode(client, sample)
     assert ep2.finish == "done" and ep2.turns == 3 and len(stepped) == 3
 
 
@@ -272,8 +304,14 @@ async def test_behaviour_logprobs_match_an_independent_forward(server_client, ti
 
     _server, client = server_client
     tok = Tokenizer(tiny_ckpt)
-    wf = MultiTurnWorkflow(tok, lambda s: ScriptedEnv(3), SamplingParams(max_new_tokens=10, temperature=1.0), 1,
-                           max_turns=3, truncated_reward=None)
+    wf = MultiTurnWorkflow(
+        tok,
+        lambda s: ScriptedEnv(3),
+        SamplingParams(max_new_tokens=10, temperature=1.0),
+        1,
+        max_turns=3,
+        truncated_reward=None,
+    )
     ep = await wf.episode(client, Sample(id=0, prompt="What is 1+2?\n", answer="3"))
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     ids = torch.tensor([ep.input_ids])  # [1, T]

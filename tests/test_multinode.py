@@ -32,12 +32,33 @@ ON_LOOP = pytest.mark.asyncio(loop_scope="module")
 
 # two minibatches of several micro-batches, global batch norm, a learning rate that moves the weights far beyond
 # the tolerance
-TRAIN = ["train.ppo_minibatches=2", "train.micro_batch_tokens=48", "train.advantage.batch_norm=true",
-         "train.optim.lr=1e-3", "train.loss.behav_imp_weight_cap=null", "server.max_total_tokens=4096",
-         "train.device=cpu", "server.device=cpu"]  # gloo and fp32 on any host: the two jobs must agree exactly
-STATS = ("loss", "pg_loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "ratio_mean",
-         "approx_kl", "entropy", "adv_abs_mean", "reward_mean", "response_tokens", "tokens", "num_seqs",
-         "optimizer_steps")
+TRAIN = [
+    "train.ppo_minibatches=2",
+    "train.micro_batch_tokens=48",
+    "train.advantage.batch_norm=true",
+    "train.optim.lr=1e-3",
+    "train.loss.behav_imp_weight_cap=null",
+    "server.max_total_tokens=4096",
+    "train.device=cpu",
+    "server.device=cpu",
+]  # gloo and fp32 on any host: the two jobs must agree exactly
+STATS = (
+    "loss",
+    "pg_loss",
+    "grad_norm",
+    "clip_frac",
+    "imp_weight_mean",
+    "imp_weight_max",
+    "ratio_mean",
+    "approx_kl",
+    "entropy",
+    "adv_abs_mean",
+    "reward_mean",
+    "response_tokens",
+    "tokens",
+    "num_seqs",
+    "optimizer_steps",
+)
 PROBES = [[3, 17, 42, 8, 64, 23, 5, 90, 31], [50, 2, 77, 13, 13, 60]]
 
 
@@ -47,11 +68,17 @@ def make_batch(rng: random.Random, version: int) -> list[Trajectory]:
     for g in range(4):
         for _ in range(3):
             p, r = rng.randrange(3, 8), rng.randrange(4, 24)
-            trajs.append(Trajectory(input_ids=[rng.randrange(2, 100) for _ in range(p + r)],
-                                    loss_mask=[0] * p + [1] * r,
-                                    logprobs=[0.0] * p + [-4.5 + rng.gauss(0, 0.3) for _ in range(r)],
-                                    versions=[-1] * p + [version] * r, reward=float(rng.randrange(3)),
-                                    group_id=g, prompt_len=p))
+            trajs.append(
+                Trajectory(
+                    input_ids=[rng.randrange(2, 100) for _ in range(p + r)],
+                    loss_mask=[0] * p + [1] * r,
+                    logprobs=[0.0] * p + [-4.5 + rng.gauss(0, 0.3) for _ in range(r)],
+                    versions=[-1] * p + [version] * r,
+                    reward=float(rng.randrange(3)),
+                    group_id=g,
+                    prompt_len=p,
+                )
+            )
     return trajs
 
 
@@ -59,8 +86,12 @@ async def server_logprobs(url: str) -> list[list[float]]:
     out = []
     async with aiohttp.ClientSession() as s:
         for ids in PROBES:
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                    "logprob_start_len": 0}
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
             async with s.post(url + "/generate", json=body) as r:
                 assert r.status == 200, await r.text()
                 out.append([x[0] for x in (await r.json())["meta_info"]["input_token_logprobs"][1:]])
@@ -103,8 +134,7 @@ class Run:
 
         tr = self.cluster.trainers
         watch = asyncio.ensure_future(self.cluster.processes.watch())
-        connect = asyncio.ensure_future(TrainerGroup.connect(tr.rendezvous_dir, tr.world_size, tr.secret,
-                                                             timeout=180))
+        connect = asyncio.ensure_future(TrainerGroup.connect(tr.rendezvous_dir, tr.world_size, tr.secret, timeout=180))
         await asyncio.wait([watch, connect], return_when=asyncio.FIRST_COMPLETED)
         watch.cancel()
         if not connect.done():
@@ -127,12 +157,18 @@ class Run:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def runs(tiny_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("multinode")
-    cfgs = {"two_nodes": load_config(None, [f"model.path={tiny_ckpt}", f"run_dir={root / 'two_nodes'}",
-                                            "train.nnodes=2", "train.nproc=1", *TRAIN]),
-            "one_node": load_config(None, [f"model.path={tiny_ckpt}", f"run_dir={root / 'one_node'}",
-                                           "train.nnodes=1", "train.nproc=2", *TRAIN])}
-    clusters = await asyncio.gather(*(LocalLauncher().launch(c, model_path=tiny_ckpt) for c in cfgs.values()),
-                                    return_exceptions=True)
+    cfgs = {
+        "two_nodes": load_config(
+            None,
+            [f"model.path={tiny_ckpt}", f"run_dir={root / 'two_nodes'}", "train.nnodes=2", "train.nproc=1", *TRAIN],
+        ),
+        "one_node": load_config(
+            None, [f"model.path={tiny_ckpt}", f"run_dir={root / 'one_node'}", "train.nnodes=1", "train.nproc=2", *TRAIN]
+        ),
+    }
+    clusters = await asyncio.gather(
+        *(LocalLauncher().launch(c, model_path=tiny_ckpt) for c in cfgs.values()), return_exceptions=True
+    )
     out = {name: Run(cfg, c) for (name, cfg), c in zip(cfgs.items(), clusters) if not isinstance(c, BaseException)}
     try:
         for c in clusters:
@@ -199,8 +235,9 @@ async def test_two_nodes_equal_one_node_of_two_processes(trained):
 async def test_broadcast_from_the_two_node_job_equals_disk_load(runs, trained):
     two, one = runs["two_nodes"], runs["one_node"]
     before = await server_logprobs(two.cluster.servers[0].url)
-    await two.group.init_broadcast_group(two.client, master_address=two.cluster.trainers.master_address,
-                                         num_server_ranks=1, backend="gloo")
+    await two.group.init_broadcast_group(
+        two.client, master_address=two.cluster.trainers.master_address, num_server_ranks=1, backend="gloo"
+    )
     await two.group.broadcast_weights(two.client, two.group.version, bucket_bytes=64 << 10)
     await one.client.update_weights_from_disk(trained["published"]["one_node"][-1], one.group.version)
     got = await server_logprobs(two.cluster.servers[0].url)
@@ -214,9 +251,23 @@ def test_missing_node_ends_the_run_at_the_rendezvous_timeout(tiny_ckpt, tmp_path
     run_dir = str(tmp_path / "missing")
     env = {**os.environ, "AREAL_RPC_SECRET": os.urandom(32).hex()}
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "areal_async.run", f"model.path={tiny_ckpt}", f"run_dir={run_dir}",
-                        "train.nnodes=2", "train.rdzv.local_agents=1", "train.rdzv.timeout_s=5",
-                        "server.max_total_tokens=4096"], capture_output=True, text=True, timeout=180, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.run",
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            "train.nnodes=2",
+            "train.rdzv.local_agents=1",
+            "train.rdzv.timeout_s=5",
+            "server.max_total_tokens=4096",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     took = time.monotonic() - t0
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     assert "start the other 1, one per node" in p.stdout  # the command for the missing node was logged
@@ -234,15 +285,30 @@ def test_missing_node_ends_the_run_at_the_rendezvous_timeout(tiny_ckpt, tmp_path
 def test_run_with_two_trainer_nodes_and_broadcast(tiny_ckpt, tmp_path):
     """The whole run: the controller connects to both nodes' ranks, trains, broadcasts after every step."""
     run_dir = str(tmp_path / "run")
-    p = subprocess.run([sys.executable, "-m", "areal_async.run", f"model.path={tiny_ckpt}", f"run_dir={run_dir}",
-                        "train.nnodes=2", "train.weight_sync=broadcast", "total_steps=2", "schedule.batch_size=4",
-                        "rollout.group_size=4", "rollout.max_new_tokens=32", "eval.num_prompts=0",
-                        "data.num_train=100", "server.max_total_tokens=8192"],
-                       capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.run",
+            f"model.path={tiny_ckpt}",
+            f"run_dir={run_dir}",
+            "train.nnodes=2",
+            "train.weight_sync=broadcast",
+            "total_steps=2",
+            "schedule.batch_size=4",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=32",
+            "eval.num_prompts=0",
+            "data.num_train=100",
+            "server.max_total_tokens=8192",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     assert summary["steps"] == 2 and summary["trained_samples"] == 2 * 4 * 4
     assert "2 trainer rank(s) ready" in p.stdout
     assert not os.path.exists(os.path.join(run_dir, "trainer", "rank1.json"))  # the registry cleaned up
-

@@ -18,9 +18,9 @@ from areal_async.agent import AgentWorkflow, Episode, OpenAIProxy, PolicySamplin
 from areal_async.agent.episode import CallRecord
 from areal_async.inference.client import InferenceClient
 from areal_async.rollout.workflows.multi_turn import ChatTokens
+from areal_async.testing.interrupt import swap_weights_mid_generation
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import Sample
-from areal_async.testing.interrupt import swap_weights_mid_generation
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(180)
@@ -28,10 +28,18 @@ pytestmark = pytest.mark.timeout(180)
 USER = [{"role": "user", "content": "What is 2+3? Use the add tool."}]
 TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 ANSWER = "The answer is 5."
-ADD_TOOL = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +83,9 @@ async def stack(agent_ckpt):
 
     async with await start_server(agent_ckpt, port=0, device="cpu") as server, InferenceClient([server.url]) as client:
         # the policy samples greedily here, so the SDK agents (temperature=0) are sampled as they ask
-        proxy = OpenAIProxy(client, Tokenizer(agent_ckpt), model_name="tiny-agent",
-                            policy=PolicySampling(temperature=0.0))
+        proxy = OpenAIProxy(
+            client, Tokenizer(agent_ckpt), model_name="tiny-agent", policy=PolicySampling(temperature=0.0)
+        )
         await proxy.start()
         try:
             yield proxy, client, server
@@ -93,8 +102,9 @@ async def test_tool_calling_agent_loop_with_the_openai_sdk(stack):
     eid = proxy.start_episode()
     oai = sdk(proxy, eid)
     messages = list(USER)
-    r1 = await oai.chat.completions.create(model="tiny-agent", messages=messages, tools=[ADD_TOOL],
-                                           temperature=0, logprobs=True, max_tokens=100)
+    r1 = await oai.chat.completions.create(
+        model="tiny-agent", messages=messages, tools=[ADD_TOOL], temperature=0, logprobs=True, max_tokens=100
+    )
     ch = r1.choices[0]
     assert ch.finish_reason == "tool_calls"
     assert ch.message.content is None
@@ -104,22 +114,26 @@ async def test_tool_calling_agent_loop_with_the_openai_sdk(stack):
 
     # the agent runs the tool and sends everything back, as agent frameworks do
     args = json.loads(call.function.arguments)
-    messages += [ch.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
-    r2 = await oai.chat.completions.create(model="tiny-agent", messages=messages, tools=[ADD_TOOL],
-                                           temperature=0, logprobs=True, max_tokens=100)
+    messages += [
+        ch.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])},
+    ]
+    r2 = await oai.chat.completions.create(
+        model="tiny-agent", messages=messages, tools=[ADD_TOOL], temperature=0, logprobs=True, max_tokens=100
+    )
     assert r2.choices[0].message.content == ANSWER and r2.choices[0].finish_reason == "stop"
     assert r2.model_extra["areal"]["continued_call"] == r1.id  # token-exact continuation of call 1
 
     # reward through the HTTP endpoint, with the episode id as the key
     async with aiohttp.ClientSession() as s:
-        async with s.post(proxy.base_url + "/reward", json={"reward": 1.0},
-                          headers={"Authorization": f"Bearer {eid}"}) as resp:
+        async with s.post(
+            proxy.base_url + "/reward", json={"reward": 1.0}, headers={"Authorization": f"Bearer {eid}"}
+        ) as resp:
             assert resp.status == 200
 
     ep = proxy.episode(eid)
     c1, c2 = ep.calls
-    assert c2.prompt_ids[:len(c1.prompt_ids) + len(c1.output_ids)] == c1.prompt_ids + c1.output_ids
+    assert c2.prompt_ids[: len(c1.prompt_ids) + len(c1.output_ids)] == c1.prompt_ids + c1.output_ids
     (traj,) = proxy.finish_episode(eid)
     assert traj.info["export"] == "concat" and traj.reward == 1.0
     assert traj.input_ids == c2.prompt_ids + c2.output_ids
@@ -142,8 +156,7 @@ async def test_completions_models_streaming_and_errors(stack):
     models = await oai.models.list()
     assert [m.id for m in models.data] == ["tiny-agent"]
 
-    c = await oai.completions.create(model="tiny-agent", prompt="What is 2+3?", max_tokens=6, temperature=0,
-                                     logprobs=1)
+    c = await oai.completions.create(model="tiny-agent", prompt="What is 2+3?", max_tokens=6, temperature=0, logprobs=1)
     ch = c.choices[0]
     assert len(ch.logprobs.tokens) == len(ch.logprobs.token_logprobs) == c.usage.completion_tokens
     assert "".join(ch.logprobs.tokens).startswith(ch.text)
@@ -159,12 +172,12 @@ async def test_completions_models_streaming_and_errors(stack):
     if first.text is not None:  # the output decodes exactly to the returned text (no special tokens in it)
         await oai.completions.create(model="tiny-agent", prompt="What is 2+3?" + ch.text + " ok", max_tokens=3)
         last = proxy.episode(eid).calls[-1]
-        assert last.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == \
-            first.prompt_ids + first.output_ids
+        assert last.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
 
     # streaming, read by the SDK
-    stream = await oai.chat.completions.create(model="tiny-agent", messages=USER, tools=[ADD_TOOL],
-                                               temperature=0, stream=True, max_tokens=100)
+    stream = await oai.chat.completions.create(
+        model="tiny-agent", messages=USER, tools=[ADD_TOOL], temperature=0, stream=True, max_tokens=100
+    )
     chunks = [chunk async for chunk in stream]
     tool_deltas = [tc for chunk in chunks for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
     assert tool_deltas and tool_deltas[0].function.name == "add"
@@ -184,8 +197,7 @@ async def test_per_call_rewards_discounting_and_export(stack):
     eid = proxy.start_episode(group_id=7)
     oai = sdk(proxy, eid)
     r1 = await oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-    r2 = await oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "other"}],
-                                           max_tokens=4)
+    r2 = await oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "other"}], max_tokens=4)
     async with aiohttp.ClientSession() as s:
         url = proxy.base_url + "/reward"
         async with s.post(url, json={"reward": 0.5, "call_id": r1.id}, headers={"X-Episode-Id": eid}) as resp:
@@ -211,8 +223,11 @@ async def test_interrupted_call_spans_versions(stack, tiny_ckpt_b):
     proxy, client, server = stack
     eid = proxy.start_episode()
     oai = sdk(proxy, eid)
-    task = asyncio.create_task(oai.completions.create(
-        model="m", prompt=[5, 6, 7, 8], max_tokens=300, temperature=0, extra_body={"ignore_eos": True}))
+    task = asyncio.create_task(
+        oai.completions.create(
+            model="m", prompt=[5, 6, 7, 8], max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
+        )
+    )
     await swap_weights_mid_generation(server.url, client, tiny_ckpt_b, 1, max_new_tokens=300)
     resp = await task
     assert resp.usage.completion_tokens == 300
@@ -227,13 +242,15 @@ async def test_agent_workflow_runs_sdk_agents_as_a_group(stack):
     async def agent(ctx) -> float:
         oai = sdk(ctx.proxy, ctx.api_key)
         msgs = [{"role": "user", "content": ctx.sample.prompt}]
-        r = await oai.chat.completions.create(model="m", messages=msgs, tools=[ADD_TOOL], temperature=0,
-                                              max_tokens=100)
+        r = await oai.chat.completions.create(model="m", messages=msgs, tools=[ADD_TOOL], temperature=0, max_tokens=100)
         call = r.choices[0].message.tool_calls[0]
-        msgs += [r.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "5"}]
-        r2 = await oai.chat.completions.create(model="m", messages=msgs, tools=[ADD_TOOL], temperature=0,
-                                               max_tokens=100)
+        msgs += [
+            r.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "5"},
+        ]
+        r2 = await oai.chat.completions.create(
+            model="m", messages=msgs, tools=[ADD_TOOL], temperature=0, max_tokens=100
+        )
         return 1.0 if r2.choices[0].message.content == f"The answer is {ctx.sample.answer}." else 0.0
 
     wf = AgentWorkflow(proxy, agent, group_size=3)
@@ -261,15 +278,17 @@ async def test_trainable_calls_are_sampled_at_the_policy_settings(stack):
     spy = SpyGenerator(client)
     eid = proxy.start_episode(generator=spy)
     oai = sdk(proxy, eid)
-    r = await oai.chat.completions.create(model="m", messages=USER, tools=[ADD_TOOL], temperature=1.3, top_p=0.5,
-                                          frequency_penalty=0.5, max_tokens=100)
+    r = await oai.chat.completions.create(
+        model="m", messages=USER, tools=[ADD_TOOL], temperature=1.3, top_p=0.5, frequency_penalty=0.5, max_tokens=100
+    )
     assert r.model_extra["areal"]["overridden"] == ["temperature", "top_p", "frequency_penalty"]
     assert r.model_extra["areal"]["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
     (sp,) = spy.sampling
     assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (0.0, 1.0, -1, 0.0)
     assert r.choices[0].finish_reason == "tool_calls"  # greedy, as the policy samples: the taught tool call
-    stream = await oai.chat.completions.create(model="m", messages=USER, temperature=0.9, max_tokens=5, stream=True,
-                                               stream_options={"include_usage": True})
+    stream = await oai.chat.completions.create(
+        model="m", messages=USER, temperature=0.9, max_tokens=5, stream=True, stream_options={"include_usage": True}
+    )
     chunks = [c async for c in stream]
     assert chunks[-1].usage.completion_tokens == 5 and spy.sampling[-1].temperature == 0.0
     trajs = proxy.finish_episode(eid, mode="per_call")
@@ -321,19 +340,22 @@ def test_per_call_export_counts_every_episode_once():
         mixed.to_trajectories()
 
 
-
 def test_parse_tool_calls():
-    content, calls = parse_tool_calls('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n'
-                                      '</tool_call>\n<tool_call>{"name": "mul", "arguments": "{\\"x\\": 2}"}'
-                                      '</tool_call>')
+    content, calls = parse_tool_calls(
+        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n'
+        '</tool_call>\n<tool_call>{"name": "mul", "arguments": "{\\"x\\": 2}"}'
+        "</tool_call>"
+    )
     assert content == "Let me add."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("add", {"a": 1}), ("mul", {"x": 2})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("add", {"a": 1}),
+        ("mul", {"x": 2}),
+    ]
     assert len({c["id"] for c in calls}) == 2
-    bad = "<tool_call>{not json}</tool_call> and <tool_call>{\"arguments\": {}}</tool_call>"
+    bad = '<tool_call>{not json}</tool_call> and <tool_call>{"arguments": {}}</tool_call>'
     assert parse_tool_calls(bad) == (bad, [])
     assert parse_tool_calls("plain answer") == ("plain answer", [])
-    assert parse_tool_calls("<tool_call>{\"name\": \"f\"") == ("<tool_call>{\"name\": \"f\"", [])  # cut short
+    assert parse_tool_calls('<tool_call>{"name": "f"') == ('<tool_call>{"name": "f"', [])  # cut short
 
 
 def test_episode_returns_and_concat_export():
@@ -371,9 +393,11 @@ async def test_openai_agent_example_trains_through_the_proxy(stack):
     spec = importlib.util.spec_from_file_location("openai_agent", os.path.join(repo, "examples", "openai_agent.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    cfg = load_config(os.path.join(repo, "configs", "multiturn.yaml"),
-                      ["rollout.group_size=2", "rollout.max_new_tokens=6"])
+    cfg = load_config(
+        os.path.join(repo, "configs", "multiturn.yaml"), ["rollout.group_size=2", "rollout.max_new_tokens=6"]
+    )
     async with RewardRunner(max_workers=1) as rr:
+
         async def score(c, a, p):
             return await rr.score("arith", c, a, prompt=p)
 

@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from areal_async.testing.reference import load_model, random_sequences, reference_logprobs
-from areal_async.train.logprobs import (block_causal_mask, broadcast_to_tokens, packed_forward_logprobs,
-                                        pad_forward_logprobs, position_ids_from_lens, seq_ids_from_lens)
+from areal_async.train.logprobs import (
+    block_causal_mask,
+    broadcast_to_tokens,
+    packed_forward_logprobs,
+    pad_forward_logprobs,
+    position_ids_from_lens,
+    seq_ids_from_lens,
+)
 from areal_async.train.packing import balance_across_ranks, pack_micro_batches, split_minibatches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,8 +138,9 @@ def test_packed_equals_each_sequence_alone(tiny_ckpts_all_archs, arch):
     seqs = random_sequences(model.config.vocab_size, LENS)
     temp = 0.7
     with torch.no_grad():
-        logp, ent = packed_forward_logprobs(model, torch.cat(seqs), LENS, temperature=temp, compute_entropy=True,
-                                            chunk_tokens=5)
+        logp, ent = packed_forward_logprobs(
+            model, torch.cat(seqs), LENS, temperature=temp, compute_entropy=True, chunk_tokens=5
+        )
         explicit, _ = packed_forward_logprobs(model, torch.cat(seqs), LENS, temperature=temp, explicit_mask=True)
         # Reference straight from the model, one sequence at a time, with plain log_softmax
         ref_lp, ref_ent = reference_logprobs(model, seqs, temp)
@@ -145,7 +152,7 @@ def test_packed_equals_each_sequence_alone(tiny_ckpts_all_archs, arch):
     # Sanity: packing without the restarts would let sequences see each other, and that must be visible
     with torch.no_grad():
         leaky, _ = packed_forward_logprobs(model, torch.cat(seqs), [sum(LENS)], temperature=temp)
-    assert (leaky[LENS[0] + 1:] - logp[LENS[0] + 1:]).abs().max() > 1e-3
+    assert (leaky[LENS[0] + 1 :] - logp[LENS[0] + 1 :]).abs().max() > 1e-3
 
 
 def test_padded_equals_packed(tiny_ckpt):
@@ -174,7 +181,7 @@ def test_packed_gradients_equal_sum_of_single_sequence_gradients(tiny_ckpt):
     off = 0
     for s in seqs:
         lp, ent = packed_forward_logprobs(model, s, [s.numel()], compute_entropy=True)
-        ((lp + 0.1 * ent) * weights[off:off + s.numel()]).sum().backward()
+        ((lp + 0.1 * ent) * weights[off : off + s.numel()]).sum().backward()
         off += s.numel()
     for n, p in model.named_parameters():
         torch.testing.assert_close(packed[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
@@ -194,8 +201,9 @@ def test_packed_forward_rejects_bad_input(tiny_ckpt):
 
 
 def test_benchmark_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("train_packing_bench", os.path.join(ROOT, "benchmarks",
-                                                                                       "train_packing.py"))
+    spec = importlib.util.spec_from_file_location(
+        "train_packing_bench", os.path.join(ROOT, "benchmarks", "train_packing.py")
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"

@@ -44,7 +44,7 @@ def test_registration_chains_by_serial():
     prompt = toks(0) + toks(10) + toks(20)
     pages = pool.allocate(3)
     s0 = pool.register(ROOT, prompt[:PS], pages[0])
-    s1 = pool.register(s0, prompt[PS:2 * PS], pages[1])
+    s1 = pool.register(s0, prompt[PS : 2 * PS], pages[1])
     assert s0 is not None and s1 is not None and s1 != s0
     # the whole registered chain matches, and only up to max_pages
     assert pool.match(prompt, 5) == [(pages[0], s0), (pages[1], s1)]
@@ -53,7 +53,7 @@ def test_registration_chains_by_serial():
     assert pool.match(toks(99) + toks(10), 5) == []
     # a first page that differs in one token matches nothing; a prefix shorter than a page matches nothing
     assert pool.match([0, 1, 2, 9] + toks(10), 5) == []
-    assert pool.match(prompt[:PS - 1], 5) == []
+    assert pool.match(prompt[: PS - 1], 5) == []
     # a second registration of the same key is refused (the first holder's page stays the shared one)
     other = pool.allocate(1)
     assert pool.register(ROOT, prompt[:PS], other[0]) is None
@@ -68,7 +68,7 @@ def test_shared_pages_are_refcounted_and_cached_after_the_last_holder():
     pool = PagePool(6, PS)
     (p,) = pool.allocate(1)
     serial = pool.register(ROOT, toks(0), p)
-    (hit, s), = pool.match(toks(0), 1)
+    ((hit, s),) = pool.match(toks(0), 1)
     assert (hit, s) == (p, serial)
     pool.share(hit)
     assert pool.refcount(p) == 2

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from areal_async.config import ConfigError, load_config
-from areal_async.rollout.broadcast_group import BroadcastLayoutError, group_backend, plan_group, server_ranks
 from areal_async.launch.placement import plan_placement, sglang_flag, visible_gpus
 from areal_async.launch.processes import Processes, sglang_server_cmd
+from areal_async.rollout.broadcast_group import BroadcastLayoutError, group_backend, plan_group, server_ranks
 
 
 def cfg(*overrides: str):
@@ -42,8 +42,9 @@ def test_embedded_servers_get_their_own_gpus_and_trainers_the_next_free_ones():
     assert p.server_visible == ("0", "1", "2") and p.server_devices == ("auto",) * 3  # "auto" there = its GPU
     assert p.trainer_visible == ("3,4",) and p.shared == ()
     # base_gpu_id and a stride of gpus_per_server; the controller's own CUDA_VISIBLE_DEVICES is respected
-    p = plan_placement(cfg("server.num_servers=2", "server.base_gpu_id=1", "server.gpus_per_server=2"),
-                       gpus=("4", "5", "6", "7", "9"))
+    p = plan_placement(
+        cfg("server.num_servers=2", "server.base_gpu_id=1", "server.gpus_per_server=2"), gpus=("4", "5", "6", "7", "9")
+    )
     assert p.servers == ((1,), (3,)) and p.server_visible == ("5", "7") and p.trainer_visible == ("4",)
 
 
@@ -60,26 +61,44 @@ def test_explicit_devices_are_kept_and_checked():
     assert p.trainer_visible == ("1,2",)
 
 
-@pytest.mark.parametrize("overrides,gpus,key", [
-    (["server.num_servers=2", "server.device=cuda:1"], GPUS8, "server.device"),
-    (["server.num_servers=3", "server.base_gpu_id=6"], GPUS8, "server.base_gpu_id"),
-    (["train.nproc=3"], ("0", "1"), "train.nproc"),
-    (["train.nproc=2", "train.cuda_visible_devices='3'"], GPUS8, "train.cuda_visible_devices"),
-    (["train.cuda_visible_devices='3,3'"], GPUS8, "train.cuda_visible_devices"),
-    (["train.nnodes=2", "train.nproc=2", "train.cuda_visible_devices='0,1'"], GPUS8, "train.cuda_visible_devices"),
-    (["server.backend=sglang", "server.num_servers=2", "server.extra_args=[--base-gpu-id, '3']"], GPUS8,
-     "server.extra_args"),
-    (["server.backend=sglang", "server.gpus_per_server=2", "server.extra_args=['--tp-size=4']"], GPUS8,
-     "server.extra_args"),
-    (["server.backend=sglang", "train.weight_sync=broadcast", "server.extra_args=[--dp-size, '2']"], GPUS8,
-     "server.extra_args"),
-    (["server.backend=sglang", "train.weight_sync=broadcast", "server.extra_args=[--pp-size, '2']"], GPUS8,
-     "server.extra_args"),
-    (["server.backend=sglang", "server.num_servers=4", "server.gpus_per_server=2"], GPUS8, "train.nproc"),
-    (["server.backend=sglang", "train.cuda_visible_devices='0'", "train.weight_sync=broadcast"], GPUS8,
-     "train.cuda_visible_devices"),
-    (["server.backend=sglang", "train.cuda_visible_devices='0'"], GPUS8, "server.extra_args"),
-])
+@pytest.mark.parametrize(
+    "overrides,gpus,key",
+    [
+        (["server.num_servers=2", "server.device=cuda:1"], GPUS8, "server.device"),
+        (["server.num_servers=3", "server.base_gpu_id=6"], GPUS8, "server.base_gpu_id"),
+        (["train.nproc=3"], ("0", "1"), "train.nproc"),
+        (["train.nproc=2", "train.cuda_visible_devices='3'"], GPUS8, "train.cuda_visible_devices"),
+        (["train.cuda_visible_devices='3,3'"], GPUS8, "train.cuda_visible_devices"),
+        (["train.nnodes=2", "train.nproc=2", "train.cuda_visible_devices='0,1'"], GPUS8, "train.cuda_visible_devices"),
+        (
+            ["server.backend=sglang", "server.num_servers=2", "server.extra_args=[--base-gpu-id, '3']"],
+            GPUS8,
+            "server.extra_args",
+        ),
+        (
+            ["server.backend=sglang", "server.gpus_per_server=2", "server.extra_args=['--tp-size=4']"],
+            GPUS8,
+            "server.extra_args",
+        ),
+        (
+            ["server.backend=sglang", "train.weight_sync=broadcast", "server.extra_args=[--dp-size, '2']"],
+            GPUS8,
+            "server.extra_args",
+        ),
+        (
+            ["server.backend=sglang", "train.weight_sync=broadcast", "server.extra_args=[--pp-size, '2']"],
+            GPUS8,
+            "server.extra_args",
+        ),
+        (["server.backend=sglang", "server.num_servers=4", "server.gpus_per_server=2"], GPUS8, "train.nproc"),
+        (
+            ["server.backend=sglang", "train.cuda_visible_devices='0'", "train.weight_sync=broadcast"],
+            GPUS8,
+            "train.cuda_visible_devices",
+        ),
+        (["server.backend=sglang", "train.cuda_visible_devices='0'"], GPUS8, "server.extra_args"),
+    ],
+)
 def test_layouts_that_cannot_work_are_refused_naming_the_key(overrides, gpus, key):
     with pytest.raises(ConfigError) as e:
         plan_placement(cfg(*overrides), gpus=gpus)
@@ -88,18 +107,39 @@ def test_layouts_that_cannot_work_are_refused_naming_the_key(overrides, gpus, ke
 
 def test_sglang_layouts_that_work():
     # tensor parallelism: 2 servers x tp 2, trainers after them
-    p = plan_placement(cfg("server.backend=sglang", "server.num_servers=2", "server.gpus_per_server=2",
-                           "train.nproc=4", "train.weight_sync=broadcast"), gpus=GPUS8)
+    p = plan_placement(
+        cfg(
+            "server.backend=sglang",
+            "server.num_servers=2",
+            "server.gpus_per_server=2",
+            "train.nproc=4",
+            "train.weight_sync=broadcast",
+        ),
+        gpus=GPUS8,
+    )
     assert p.servers == ((0, 1), (2, 3)) and p.trainer_visible == ("4,5,6,7",) and p.shared == ()
     # data parallelism takes tp x dp GPUs (disk sync); with DP attention the broadcast is allowed
-    p = plan_placement(cfg("server.backend=sglang", "server.gpus_per_server=2", "server.extra_args=[--dp-size, '2']"),
-                       gpus=GPUS8)
+    p = plan_placement(
+        cfg("server.backend=sglang", "server.gpus_per_server=2", "server.extra_args=[--dp-size, '2']"), gpus=GPUS8
+    )
     assert p.servers == ((0, 1, 2, 3),) and p.trainer_visible == ("4",)
-    plan_placement(cfg("server.backend=sglang", "train.weight_sync=broadcast",
-                       "server.extra_args=[--dp-size, '2', --enable-dp-attention]"), gpus=GPUS8)
+    plan_placement(
+        cfg(
+            "server.backend=sglang",
+            "train.weight_sync=broadcast",
+            "server.extra_args=[--dp-size, '2', --enable-dp-attention]",
+        ),
+        gpus=GPUS8,
+    )
     # sharing a GPU with SGLang: only with disk sync and a memory fraction set
-    p = plan_placement(cfg("server.backend=sglang", "train.cuda_visible_devices='0'",
-                           "server.extra_args=[--mem-fraction-static, '0.4']"), gpus=GPUS8)
+    p = plan_placement(
+        cfg(
+            "server.backend=sglang",
+            "train.cuda_visible_devices='0'",
+            "server.extra_args=[--mem-fraction-static, '0.4']",
+        ),
+        gpus=GPUS8,
+    )
     assert p.shared == ("0",)
 
 
@@ -113,14 +153,19 @@ def test_several_local_agents_get_slices():
 def test_slurm_places_nothing_but_checks_the_arguments():
     assert plan_placement(cfg("launcher=slurm", "server.num_servers=4"), gpus=GPUS8).trainer_visible == (None,)
     with pytest.raises(ConfigError, match="^server.extra_args"):
-        plan_placement(cfg("launcher=slurm", "server.backend=sglang", "train.weight_sync=broadcast",
-                           "server.extra_args=['--dp=2']"), gpus=GPUS8)
+        plan_placement(
+            cfg(
+                "launcher=slurm", "server.backend=sglang", "train.weight_sync=broadcast", "server.extra_args=['--dp=2']"
+            ),
+            gpus=GPUS8,
+        )
 
 
 def test_sglang_command_carries_tp_size_and_base_gpu_id(tmp_path):
     args = ["--mem-fraction-static", "0.5"]
-    cmd = sglang_server_cmd("/m", host="127.0.0.1", port="30000", api_key=None, extra_args=args, base_gpu_id=4,
-                            tp_size=2)
+    cmd = sglang_server_cmd(
+        "/m", host="127.0.0.1", port="30000", api_key=None, extra_args=args, base_gpu_id=4, tp_size=2
+    )
     assert sglang_flag(cmd, "--tp-size") == "2" and sglang_flag(cmd, "--base-gpu-id") == "4"
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     one = sglang_server_cmd("/m", host="h", port="1", api_key=None, extra_args=[], tp_size=1)
@@ -129,8 +174,9 @@ def test_sglang_command_carries_tp_size_and_base_gpu_id(tmp_path):
     assert given.count("--tp-size") == 0 and "--tp=2" in given  # not passed twice
     # the launcher: server i's base GPU is base_gpu_id + i * gpus_per_server, and its tp size goes with it
     procs = Processes(str(tmp_path))
-    child = procs.start_sglang_server(1, "/nonexistent", host="127.0.0.1", port=0, api_key=None, extra_args=[],
-                                      base_gpu_id=2, gpus_per_server=2)
+    child = procs.start_sglang_server(
+        1, "/nonexistent", host="127.0.0.1", port=0, api_key=None, extra_args=[], base_gpu_id=2, gpus_per_server=2
+    )
     procs.shutdown(grace_s=5)
     logged = shlex.split(open(child.log_path).readline()[2:])
     assert sglang_flag(logged, "--base-gpu-id") == "4" and sglang_flag(logged, "--tp-size") == "2"
@@ -170,10 +216,14 @@ class _Client:
 
 
 async def test_plan_group_counts_each_servers_tp_ranks():
-    infos = {"http://a": {"tp_size": 2, "dp_size": 1, "gpu_uuid": ""}, "http://b": ConnectionError("down"),
-             "http://c": {"tp_size": 4}}
-    plan = await plan_group(_Client(infos), ["http://a", "http://b", "http://c"], _Info(), default_ranks=1,
-                            backend="nccl")
+    infos = {
+        "http://a": {"tp_size": 2, "dp_size": 1, "gpu_uuid": ""},
+        "http://b": ConnectionError("down"),
+        "http://c": {"tp_size": 4},
+    }
+    plan = await plan_group(
+        _Client(infos), ["http://a", "http://b", "http://c"], _Info(), default_ranks=1, backend="nccl"
+    )
     assert plan.ranks == [2, 1, 4] and plan.num_server_ranks == 7 and plan.backend == "nccl"
     shared = {"http://a": {"tp_size": 1, "gpu_uuid": "GPU-1"}}
     plan = await plan_group(_Client(shared), ["http://a"], _Info(), default_ranks=1, backend="nccl")
@@ -188,8 +238,10 @@ async def test_embedded_server_reports_its_layout_and_destroys_groups(tiny_ckpt)
     from areal_async.inference.client import InferenceClient
     from areal_async.server.app import start_server
 
-    async with await start_server(tiny_ckpt, port=0, device="cpu", max_total_tokens=2048) as server, \
-            InferenceClient([server.url]) as client:
+    async with (
+        await start_server(tiny_ckpt, port=0, device="cpu", max_total_tokens=2048) as server,
+        InferenceClient([server.url]) as client,
+    ):
         info = (await client.server_info())[server.url]
         assert (info["tp_size"], info["dp_size"], info["pp_size"]) == (1, 1, 1) and info["gpu_uuid"] == ""
         plan = await plan_group(client, [server.url], _Info(), default_ranks=3, backend="gloo")

@@ -18,9 +18,11 @@ from areal_async.server.cli import READY_PREFIX
 from areal_async.testing.real_model import smollm2_path
 from areal_async.tokenizer import Tokenizer
 
-QUESTIONS = ["What is 2 + 3? Reply with just the number.",
-             "Name one colour of the rainbow. One word.",
-             "Say hello in French."]
+QUESTIONS = [
+    "What is 2 + 3? Reply with just the number.",
+    "Name one colour of the rainbow. One word.",
+    "Say hello in French.",
+]
 MAX_NEW = 32
 # The server's logprobs must be within 1e-3 of transformers' (the project's target: below it, the PPO ratio's noise
 # is the trainer's own). This is a requirement, not a derived bound: the worst-case first-order bound for 30 layers
@@ -39,9 +41,27 @@ def smollm2() -> str:
 def server(smollm2, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.serve", "--model", smollm2, "--port", "0",
-                             "--device", "cpu", "--dtype", "float32", "--served-model-name", "smollm2"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.serve",
+            "--model",
+            smollm2,
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--served-model-name",
+            "smollm2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 180
         url = None
@@ -50,7 +70,7 @@ def server(smollm2, tmp_path_factory):
             if not line:
                 break
             if line.startswith(READY_PREFIX):
-                url = line[len(READY_PREFIX):].strip()
+                url = line[len(READY_PREFIX) :].strip()
                 break
         if url is None:
             log.seek(0)
@@ -67,8 +87,9 @@ def server(smollm2, tmp_path_factory):
 
 
 def _post(url: str, path: str, body: dict) -> dict:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
@@ -86,17 +107,29 @@ def reference(smollm2):
         hf_tok = transformers.AutoTokenizer.from_pretrained(smollm2)
         out = []
         for q in QUESTIONS:
-            prompt = hf_tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                return_dict=False)
+            prompt = hf_tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+            )
             ids = torch.tensor([list(prompt)])  # [1, P]
             with torch.no_grad():
-                gen = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False,
-                                     eos_token_id=model.generation_config.eos_token_id, pad_token_id=2)
-                new = gen[0, ids.shape[1]:].tolist()
-                logits = model(gen).logits[0, ids.shape[1] - 1:-1]  # [N, V]: the logits that chose each new token
-                lp = torch.log_softmax(logits.float(), -1).gather(-1, gen[0, ids.shape[1]:, None])[:, 0]  # [N]
-            out.append({"prompt": list(prompt), "ids": new, "logprobs": lp.tolist(),
-                        "text": hf_tok.decode(new, skip_special_tokens=True)})
+                gen = model.generate(
+                    ids,
+                    max_new_tokens=MAX_NEW,
+                    do_sample=False,
+                    eos_token_id=model.generation_config.eos_token_id,
+                    pad_token_id=2,
+                )
+                new = gen[0, ids.shape[1] :].tolist()
+                logits = model(gen).logits[0, ids.shape[1] - 1 : -1]  # [N, V]: the logits that chose each new token
+                lp = torch.log_softmax(logits.float(), -1).gather(-1, gen[0, ids.shape[1] :, None])[:, 0]  # [N]
+            out.append(
+                {
+                    "prompt": list(prompt),
+                    "ids": new,
+                    "logprobs": lp.tolist(),
+                    "text": hf_tok.decode(new, skip_special_tokens=True),
+                }
+            )
         return out
     finally:
         torch.set_num_threads(threads)
@@ -109,8 +142,15 @@ def test_generate_matches_transformers_greedy_tokens_logprobs_and_stop(server, r
     for q, ref in zip(QUESTIONS, reference):
         prompt = tok.apply_chat_template([{"role": "user", "content": q}])
         assert prompt == ref["prompt"]  # the controller's tokenizer renders what transformers renders
-        body = _post(server, "/generate", {"input_ids": prompt, "return_logprob": True,
-                                           "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW}})
+        body = _post(
+            server,
+            "/generate",
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW},
+            },
+        )
         meta = body["meta_info"]
         ids = [t[1] for t in meta["output_token_logprobs"]]
         lps = [t[0] for t in meta["output_token_logprobs"]]
@@ -129,9 +169,17 @@ def test_generate_matches_transformers_greedy_tokens_logprobs_and_stop(server, r
 
 def test_chat_completions_answer_as_transformers(server, reference):
     for q, ref in zip(QUESTIONS, reference):
-        body = _post(server, "/v1/chat/completions", {
-            "model": "smollm2", "messages": [{"role": "user", "content": q}], "temperature": 0.0,
-            "max_tokens": MAX_NEW, "logprobs": True})
+        body = _post(
+            server,
+            "/v1/chat/completions",
+            {
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": q}],
+                "temperature": 0.0,
+                "max_tokens": MAX_NEW,
+                "logprobs": True,
+            },
+        )
         choice = body["choices"][0]
         assert choice["message"]["content"] == ref["text"]
         assert choice["finish_reason"] == ("stop" if len(ref["ids"]) < MAX_NEW else "length")
@@ -148,11 +196,28 @@ def test_a_short_rl_run_on_the_real_model(smollm2, tmp_path):
     """The whole pipeline on SmolLM2: chat-templated word problems, math reward, embedded server, torchrun
     trainer, two async steps, evals before and after, published weights that differ from the base model's."""
     run_dir = str(tmp_path / "run")
-    args = [f"model.path={smollm2}", f"run_dir={run_dir}", "data.name=word_problems", "data.apply_chat_template=true",
-            "data.reward=math", "data.num_train=64", "data.num_eval=4", "mode=async", "eta=1", "total_steps=2",
-            "schedule.batch_size=2", "rollout.group_size=4", "rollout.max_new_tokens=40", "rollout.temperature=0.7",
-            "schedule.eval_every=0", "eval.num_prompts=4", "eval.max_new_tokens=24", "train.micro_batch_tokens=2048",
-            "train.optim.lr=1e-5", "server.max_total_tokens=16384"]
+    args = [
+        f"model.path={smollm2}",
+        f"run_dir={run_dir}",
+        "data.name=word_problems",
+        "data.apply_chat_template=true",
+        "data.reward=math",
+        "data.num_train=64",
+        "data.num_eval=4",
+        "mode=async",
+        "eta=1",
+        "total_steps=2",
+        "schedule.batch_size=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=40",
+        "rollout.temperature=0.7",
+        "schedule.eval_every=0",
+        "eval.num_prompts=4",
+        "eval.max_new_tokens=24",
+        "train.micro_batch_tokens=2048",
+        "train.optim.lr=1e-5",
+        "server.max_total_tokens=16384",
+    ]
     try:
         _check_short_run(run_dir, smollm2, args)
     finally:
@@ -173,8 +238,13 @@ def _check_short_run(run_dir: str, smollm2: str, args: list[str]) -> None:
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["trained_samples"] == 2 * 2 * 4
     final = os.path.join(run_dir, "final")
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ):
         assert os.path.isfile(os.path.join(final, name)), name
     base = load_file(os.path.join(smollm2, "model.safetensors"))
     new = {}
@@ -183,5 +253,6 @@ def _check_short_run(run_dir: str, smollm2: str, args: list[str]) -> None:
             new.update(load_file(os.path.join(final, name)))
     assert set(new) == set(base)
     assert any(not (new[k] == base[k]).all() for k in base)  # the trained weights were published
-    assert Tokenizer(final).apply_chat_template([{"role": "user", "content": "hi"}]) == \
-        Tokenizer(smollm2).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert Tokenizer(final).apply_chat_template([{"role": "user", "content": "hi"}]) == Tokenizer(
+        smollm2
+    ).apply_chat_template([{"role": "user", "content": "hi"}])

@@ -24,9 +24,20 @@ from areal_async.rollout.checkpoints import RunState, discard_after, prune_check
 def _holder(run_dir, launched: bool) -> subprocess.Popen:
     """A controller that takes the lock (and, `launched`, gets as far as launching its run), then waits."""
     then = "l.mark_running(); " if launched else ""
-    return subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from areal_async.launch.recovery import RunLock; l = RunLock(sys.argv[1]); l.acquire(); "
-        f"{then}print('held', flush=True); time.sleep(60)"), str(run_dir)], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from areal_async.launch.recovery import RunLock; "
+                "l = RunLock(sys.argv[1]); l.acquire(); "
+                f"{then}print('held', flush=True); time.sleep(60)"
+            ),
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_lock_refuses_a_second_controller_and_records_a_killed_one(tmp_path):
@@ -102,8 +113,13 @@ def test_rollback_target_and_discard_after(tmp_path):
 
 def test_cut_back_keeps_recovery_records(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    recs = [{"kind": "train", "step": 1}, {"kind": "train", "step": 2}, {"kind": "recovery", "step": 2},
-            {"kind": "train", "step": 3}, {"kind": "recovery", "step": 3}]
+    recs = [
+        {"kind": "train", "step": 1},
+        {"kind": "train", "step": 2},
+        {"kind": "recovery", "step": 2},
+        {"kind": "train", "step": 3},
+        {"kind": "recovery", "step": 3},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"kind": "tr')  # a torn last line
     cut_back(str(path), 1)
     assert [json.loads(line) for line in path.read_text().splitlines()] == [recs[0], recs[2], recs[4]]
@@ -122,16 +138,21 @@ def test_recovery_log_appends_and_summarises(tmp_path):
     assert s["faults"] == 2 and s["recovered"] == 1 and s["gave_up"] == 0
     assert s["by_event"] == {"server_exited": 1, "trainer_failed": 1} and s["recover_s_max"] == 4.0
     assert [r["version"] for r in again.history] == [7, 7, 3]
-    assert seen == [("recovery", 7, "server_exited"), ("recovery", 7, "server_recovered"),
-                    ("recovery", 3, "trainer_failed")]
+    assert seen == [
+        ("recovery", 7, "server_exited"),
+        ("recovery", 7, "server_recovered"),
+        ("recovery", 3, "trainer_failed"),
+    ]
 
 
 def test_recovery_config_is_checked():
     assert RunConfig().recovery == RecoveryConfig()
-    for bad, key in (("recovery.max_trainer_restarts=-1", "recovery.max_trainer_restarts"),
-                     ("recovery.no_server_timeout_s=0", "recovery.no_server_timeout_s"),
-                     ("recovery.restart_backoff_max_s=0.1", "recovery.restart_backoff_max_s"),
-                     ("recovery.bogus=1", "recovery.bogus")):
+    for bad, key in (
+        ("recovery.max_trainer_restarts=-1", "recovery.max_trainer_restarts"),
+        ("recovery.no_server_timeout_s=0", "recovery.no_server_timeout_s"),
+        ("recovery.restart_backoff_max_s=0.1", "recovery.restart_backoff_max_s"),
+        ("recovery.bogus=1", "recovery.bogus"),
+    ):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, [bad])
     cfg = RecoveryConfig(restart_backoff_s=1.0, restart_backoff_max_s=5.0)

@@ -16,29 +16,40 @@ from areal_async.rewards.math import math_reward
 # ---- math-verify -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("completion, answer, want", [
-    ("So the answer is \\boxed{42}.", "42", 1.0),
-    ("\\boxed{41}", "42", 0.0),
-    ("we get $\\boxed{\\frac{1}{2}}$", "0.5", 1.0),
-    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{x(x+2)}", "x^2+2x", 1.0),
-    ("\\boxed{\\sqrt{2}/2}", "\\frac{1}{\\sqrt{2}}", 1.0),
-    ("The answer is 3.", "3", 1.0),
-    # GSM8K: only what follows the last #### counts, for the reference and the completion
-    ("She sold 48/2 = 24 clips in May.\n48+24 = 72\n#### 72", "Natalia sold 48/2 = 24 clips...\n#### 72", 1.0),
-    ("First 72, then 10 more.\n#### 82", "#### 72", 0.0),
-    ("#### 1200", "#### 1,200", 1.0),
-    ("#### 1,200", "1200", 1.0),
-    ("#### 7 apples", "7", 1.0),
-])
+@pytest.mark.parametrize(
+    "completion, answer, want",
+    [
+        ("So the answer is \\boxed{42}.", "42", 1.0),
+        ("\\boxed{41}", "42", 0.0),
+        ("we get $\\boxed{\\frac{1}{2}}$", "0.5", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{x(x+2)}", "x^2+2x", 1.0),
+        ("\\boxed{\\sqrt{2}/2}", "\\frac{1}{\\sqrt{2}}", 1.0),
+        ("The answer is 3.", "3", 1.0),
+        # GSM8K: only what follows the last #### counts, for the reference and the completion
+        ("She sold 48/2 = 24 clips in May.\n48+24 = 72\n#### 72", "Natalia sold 48/2 = 24 clips...\n#### 72", 1.0),
+        ("First 72, then 10 more.\n#### 82", "#### 72", 0.0),
+        ("#### 1200", "#### 1,200", 1.0),
+        ("#### 1,200", "1200", 1.0),
+        ("#### 7 apples", "7", 1.0),
+    ],
+)
 def test_math_reward_cases(completion, answer, want):
     assert math_reward(completion, answer) == want
 
 
-@pytest.mark.parametrize("completion, answer", [
-    ("", "42"), ("garbage ### ) (", "42"), ("\\boxed{{{{", "1"), ("\\boxed{42}", ""), (None, "1"), ("\\boxed{1}", None),
-    ("x" * 5000, "42"),
-])
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("", "42"),
+        ("garbage ### ) (", "42"),
+        ("\\boxed{{{{", "1"),
+        ("\\boxed{42}", ""),
+        (None, "1"),
+        ("\\boxed{1}", None),
+        ("x" * 5000, "42"),
+    ],
+)
 def test_math_reward_never_raises_on_garbage(completion, answer):
     assert math_reward(completion, answer) == 0.0
 
@@ -96,7 +107,8 @@ def test_call_reward_passes_only_accepted_keywords():
 @pytest.fixture
 def reward_module(tmp_path):
     """A throwaway importable module of misbehaving reward functions; workers import it by path."""
-    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent("""
         import os, sys, time
 
         def exact(completion, answer, *, prompt="", **meta):
@@ -140,7 +152,8 @@ def reward_module(tmp_path):
                 sb.write("main.py", "import time\\ntime.sleep(120)\\n")
                 sb.run([sb.python(), "-I", "main.py", answer])
             return 1.0
-    """))
+    """)
+    )
     return str(tmp_path)
 
 
@@ -298,7 +311,6 @@ async def test_code_reward_gives_up_before_the_runner_and_cleans_up(reward_modul
     """Hole 2: a sleeping solution used to outlive the sandbox's wall clock = the runner's timeout, so the worker was
     killed before Sandbox.close() and every timeout leaked a scratch directory. Now the reward's budget ends first."""
     import sys
-    import time
 
     if not sys.platform.startswith("linux"):
         pytest.skip("the sandbox is Linux-only")
@@ -333,10 +345,13 @@ async def test_runner_timeout_lets_the_sandbox_clean_up(reward_module):
     assert _leftovers_of(int(pid)) == []  # cleaned by the worker itself, not by a later sweep
 
 
-@pytest.mark.parametrize("hack", [
-    "import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add(a, b):\n    return 0\n",
-    "class E:\n    def __eq__(self, o): return True\ndef add(a, b):\n    return E()\n",
-])
+@pytest.mark.parametrize(
+    "hack",
+    [
+        "import builtins\nbuiltins.exec = lambda *a, **k: None\ndef add(a, b):\n    return 0\n",
+        "class E:\n    def __eq__(self, o): return True\ndef add(a, b):\n    return E()\n",
+    ],
+)
 async def test_reward_hacks_score_zero_through_the_runner(hack):
     import sys
 

@@ -19,8 +19,15 @@ from areal_async.rollout.controller import AsyncRLController, load_state
 from areal_async.rollout.ledger import SampleLedger, check_invariant, truncate
 from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.workflows.rlvr import RLVRWorkflow
-from areal_async.types import (CheckpointResult, GenerationResult, PublishResult, Sample, SamplingParams,
-                               TrainStepResult, Trajectory)
+from areal_async.types import (
+    CheckpointResult,
+    GenerationResult,
+    PublishResult,
+    Sample,
+    SamplingParams,
+    TrainStepResult,
+    Trajectory,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,9 +62,13 @@ class FakeServers:
         n = 0 if fr == "empty" else n
         text = str(2 * sid) if self.rng.random() < 0.5 else "x"
         ids = [ord(c) for c in text][:n] or ([] if n == 0 else [ord("x")])
-        return GenerationResult(input_ids=list(input_ids), output_ids=ids, output_logprobs=[-0.5] * len(ids),
-                                output_versions=[self.version] * len(ids),
-                                finish_reason="stop" if fr == "empty" else fr)
+        return GenerationResult(
+            input_ids=list(input_ids),
+            output_ids=ids,
+            output_logprobs=[-0.5] * len(ids),
+            output_versions=[self.version] * len(ids),
+            finish_reason="stop" if fr == "empty" else fr,
+        )
 
     async def pause(self, mode="abort"):
         self.calls.append(("pause", mode))
@@ -119,12 +130,22 @@ async def score(completion, answer, prompt="", meta=None):
     return (1.0 if completion == answer else 0.0), None
 
 
-def controller(tmp_path, servers, trainer, *, schedule: ScheduleConfig, workflow=None, state=None, ledger=True,
-               weights=None) -> AsyncRLController:
+def controller(
+    tmp_path, servers, trainer, *, schedule: ScheduleConfig, workflow=None, state=None, ledger=True, weights=None
+) -> AsyncRLController:
     wf = workflow or RLVRWorkflow(CharTokenizer(), score, SamplingParams(max_new_tokens=6), group_size=3)
     led = SampleLedger(os.path.join(tmp_path, ledger_mod.FILE_NAME)) if ledger else None
-    return AsyncRLController(schedule, servers, trainer, wf, SampleStream(SAMPLES, seed=1), str(tmp_path),
-                             state=state, ledger=led, weights=weights)
+    return AsyncRLController(
+        schedule,
+        servers,
+        trainer,
+        wf,
+        SampleStream(SAMPLES, seed=1),
+        str(tmp_path),
+        state=state,
+        ledger=led,
+        weights=weights,
+    )
 
 
 def trained_ids(trainer: FakeTrainer) -> list[int]:
@@ -146,9 +167,13 @@ async def test_aborted_empty_and_failing_groups_are_dropped_never_trained(tmp_pa
 
     servers, trainer = FakeServers(finish), FakeTrainer()
     wf = Flaky(RLVRWorkflow(CharTokenizer(), score, SamplingParams(max_new_tokens=6), group_size=3))
-    ctrl = controller(tmp_path, servers, trainer, workflow=wf,
-                      schedule=ScheduleConfig(batch_size=2, total_steps=4, eta=1, max_concurrent_groups=4,
-                                              eval_every=0))
+    ctrl = controller(
+        tmp_path,
+        servers,
+        trainer,
+        workflow=wf,
+        schedule=ScheduleConfig(batch_size=2, total_steps=4, eta=1, max_concurrent_groups=4, eval_every=0),
+    )
     await ctrl.run()
     ctrl.finish(completed=True)
     stream = SampleStream(SAMPLES, seed=1)
@@ -177,16 +202,25 @@ async def test_consecutive_failures_stop_the_run(tmp_path):
         async def run(self, client, sample):
             raise ConnectionError("no server left")
 
-    ctrl = controller(tmp_path, FakeServers(), FakeTrainer(), workflow=Broken(),
-                      schedule=ScheduleConfig(batch_size=2, total_steps=3, max_consecutive_failures=7, eval_every=0))
+    ctrl = controller(
+        tmp_path,
+        FakeServers(),
+        FakeTrainer(),
+        workflow=Broken(),
+        schedule=ScheduleConfig(batch_size=2, total_steps=3, max_consecutive_failures=7, eval_every=0),
+    )
     with pytest.raises(BufferClosed, match="7 prompt groups failed in a row; last error: ConnectionError: no serv"):
         await asyncio.wait_for(ctrl.run(), 20)
     assert ctrl.rollout.stats.failed >= 7 and ctrl.state.version == 0
 
 
 async def test_repeated_aborts_count_as_failures(tmp_path):
-    ctrl = controller(tmp_path, FakeServers(lambda sid: "abort"), FakeTrainer(),
-                      schedule=ScheduleConfig(batch_size=2, total_steps=3, max_consecutive_failures=5, eval_every=0))
+    ctrl = controller(
+        tmp_path,
+        FakeServers(lambda sid: "abort"),
+        FakeTrainer(),
+        schedule=ScheduleConfig(batch_size=2, total_steps=3, max_consecutive_failures=5, eval_every=0),
+    )
     with pytest.raises(BufferClosed, match="5 prompt groups failed in a row; last error: aborted"):
         await asyncio.wait_for(ctrl.run(), 20)
 
@@ -200,15 +234,27 @@ async def test_uniform_reward_filtering(tmp_path, filtering):
             trajs = []
             for k in range(3):
                 r = 1.0 if sample.id % 2 == 0 else float(k == 1)
-                trajs.append(Trajectory(input_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0, -1, -1],
-                                        versions=[-1, 0, 0], reward=r, info={"finish": "stop"}))
+                trajs.append(
+                    Trajectory(
+                        input_ids=[1, 2, 3],
+                        loss_mask=[0, 1, 1],
+                        logprobs=[0, -1, -1],
+                        versions=[-1, 0, 0],
+                        reward=r,
+                        info={"finish": "stop"},
+                    )
+                )
             await asyncio.sleep(0)
             return trajs
 
     trainer = FakeTrainer()
-    ctrl = controller(tmp_path, FakeServers(), trainer, workflow=Rewards(),
-                      schedule=ScheduleConfig(batch_size=2, total_steps=3, filter_uniform_reward=filtering,
-                                              eval_every=0))
+    ctrl = controller(
+        tmp_path,
+        FakeServers(),
+        trainer,
+        workflow=Rewards(),
+        schedule=ScheduleConfig(batch_size=2, total_steps=3, filter_uniform_reward=filtering, eval_every=0),
+    )
     await ctrl.run()
     stream = SampleStream(SAMPLES, seed=1)
     trained_even = [gid for gid in trained_ids(trainer) if stream.sample_at(gid).id % 2 == 0]
@@ -219,16 +265,25 @@ async def test_uniform_reward_filtering(tmp_path, filtering):
         assert trained_even and ctrl.rollout.stats.filtered == 0
 
 
-@pytest.mark.parametrize("interruptible,mode,expected", [
-    (True, "abort", [("pause", "abort"), ("disk", 1, True), ("resume",)]),
-    (True, "in_place", [("pause", "in_place"), ("disk", 1, False), ("resume",)]),  # never flush in place
-    (False, "abort", [("disk", 1, True)]),  # waits for requests in flight: no pause
-])
+@pytest.mark.parametrize(
+    "interruptible,mode,expected",
+    [
+        (True, "abort", [("pause", "abort"), ("disk", 1, True), ("resume",)]),
+        (True, "in_place", [("pause", "in_place"), ("disk", 1, False), ("resume",)]),  # never flush in place
+        (False, "abort", [("disk", 1, True)]),  # waits for requests in flight: no pause
+    ],
+)
 async def test_weight_update_modes_disk(tmp_path, interruptible, mode, expected):
     servers = FakeServers()
-    ctrl = controller(tmp_path, servers, FakeTrainer(), ledger=False,
-                      schedule=ScheduleConfig(batch_size=2, total_steps=2, interruptible=interruptible,
-                                              interrupt_mode=mode, eval_every=0))
+    ctrl = controller(
+        tmp_path,
+        servers,
+        FakeTrainer(),
+        ledger=False,
+        schedule=ScheduleConfig(
+            batch_size=2, total_steps=2, interruptible=interruptible, interrupt_mode=mode, eval_every=0
+        ),
+    )
     await ctrl.run()
     n = len(expected)
     assert servers.calls[:n] == expected
@@ -238,8 +293,14 @@ async def test_weight_update_modes_disk(tmp_path, interruptible, mode, expected)
 @pytest.mark.parametrize("mode,flush", [("abort", True), ("in_place", False)])
 async def test_weight_update_modes_broadcast(tmp_path, mode, flush):
     servers, trainer = FakeServers(), FakeTrainer()
-    ctrl = controller(tmp_path, servers, trainer, ledger=False, weights=Broadcast(trainer, servers),
-                      schedule=ScheduleConfig(batch_size=2, total_steps=2, interrupt_mode=mode, eval_every=0))
+    ctrl = controller(
+        tmp_path,
+        servers,
+        trainer,
+        ledger=False,
+        weights=Broadcast(trainer, servers),
+        schedule=ScheduleConfig(batch_size=2, total_steps=2, interrupt_mode=mode, eval_every=0),
+    )
     await ctrl.run()
     assert trainer.broadcasts == [(1, flush), (2, flush)]
     assert servers.calls == [("pause", mode), ("resume",)] * 2
@@ -327,10 +388,12 @@ async def test_resume_after_a_kill_draws_every_untrained_sample_again_exactly_on
     recs = ledger_mod.read(path)
     check_invariant(recs)
     assert [r["version"] for r in recs if "version" in r] == list(range(1, 8))  # the killed run's 3 is gone
-    after = recs[len(before):]
-    seen_after = ({i for r in after for i in r.get("trained", [])} | {d["index"] for r in after
-                                                                      for d in r.get("dropped", [])}
-                  | set(after[-1]["unfinished"]))
+    after = recs[len(before) :]
+    seen_after = (
+        {i for r in after for i in r.get("trained", [])}
+        | {d["index"] for r in after for d in r.get("dropped", [])}
+        | set(after[-1]["unfinished"])
+    )
     assert set(pending) <= seen_after  # every pending draw came back (and, by the invariant, only once)
     assert final.version == 7 and len(trained_ids(trainer_b)) == 5 * 2
     # the resumed stream handed the pending draws out first, with their own samples
@@ -346,12 +409,14 @@ async def test_the_run_reward_gets_each_samples_meta(tmp_path, monkeypatch):
     from areal_async.run import make_score
 
     (tmp_path / "meta_reward.py").write_text(
-        "def reward(completion, answer, *, prompt='', **meta):\n    return float(meta['wall_s']) + len(prompt)\n")
+        "def reward(completion, answer, *, prompt='', **meta):\n    return float(meta['wall_s']) + len(prompt)\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     servers = FakeServers()
     async with RewardRunner(max_workers=1) as rr:
-        wf = RLVRWorkflow(CharTokenizer(), make_score(rr, "meta_reward:reward", 30.0),
-                          SamplingParams(max_new_tokens=4), group_size=2)
+        wf = RLVRWorkflow(
+            CharTokenizer(), make_score(rr, "meta_reward:reward", 30.0), SamplingParams(max_new_tokens=4), group_size=2
+        )
         trajs = await wf.run(servers, Sample(id=1, prompt="abc", answer="2", meta={"wall_s": 2.5}))
     assert [t.reward for t in trajs] == [5.5, 5.5] and all("reward_error" not in t.info for t in trajs)
 
@@ -362,7 +427,8 @@ async def test_reward_options_reach_every_call_and_meta_overrides_them(tmp_path,
     from areal_async.run import make_score
 
     (tmp_path / "opt_reward.py").write_text(
-        "def reward(completion, answer, **kw):\n    return float(kw['budget_s']) * 10 + float(kw.get('bonus', 0))\n")
+        "def reward(completion, answer, **kw):\n    return float(kw['budget_s']) * 10 + float(kw.get('bonus', 0))\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     async with RewardRunner(max_workers=1) as rr:
         score = make_score(rr, "opt_reward:reward", 30.0, {"budget_s": 2, "bonus": 1})
@@ -379,7 +445,8 @@ def test_reward_options_may_not_shadow_the_runners_arguments():
 
 async def test_periodic_evals_without_an_evaluator_are_skipped(tmp_path):
     """eval_every with no held-out set (eval.num_prompts=0: the run passes no evaluator) trains on, no eval."""
-    ctrl = controller(tmp_path, FakeServers(), FakeTrainer(),
-                      schedule=ScheduleConfig(batch_size=2, total_steps=4, eval_every=2))
+    ctrl = controller(
+        tmp_path, FakeServers(), FakeTrainer(), schedule=ScheduleConfig(batch_size=2, total_steps=4, eval_every=2)
+    )
     final = await asyncio.wait_for(ctrl.run(), 20)
     assert final.version == 4 and ctrl.evals == []

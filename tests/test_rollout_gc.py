@@ -92,8 +92,13 @@ async def test_rollout_manager_paces_gc_only_while_started():
     assert gc.isenabled() == was_enabled and gc.get_freeze_count() == 0
     assert manager.stats.rejected > 0
 
-    off = RolloutManager(client=None, workflow=_Reject(), stream=stream,  # type: ignore[arg-type]
-                         buffer=StalenessBuffer(batch_size=2, eta=None, max_running=4), pace_gc=False)
+    off = RolloutManager(
+        client=None,
+        workflow=_Reject(),
+        stream=stream,  # type: ignore[arg-type]
+        buffer=StalenessBuffer(batch_size=2, eta=None, max_running=4),
+        pace_gc=False,
+    )
     off.start()
     await asyncio.sleep(0.01)
     assert gc.isenabled() == was_enabled and gc.get_freeze_count() == 0

@@ -15,10 +15,10 @@ import threading
 import msgspec
 import numpy as np
 import pytest
+from rpc_helpers import RpcSyncClient, start_unix
 
 from areal_async.net import rpc_connection, rpc_server, rpc_wire
 from areal_async.net.rpc import RpcAuthError, RpcClient, RpcError, RpcServer
-from rpc_helpers import RpcSyncClient, start_unix
 
 SECRET = b"controller-and-trainers-share-this"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +42,7 @@ class Tensor(msgspec.Struct, frozen=True):
     data: memoryview
 
     @classmethod
-    def of(cls, a: np.ndarray) -> "Tensor":
+    def of(cls, a: np.ndarray) -> Tensor:
         return cls(a.dtype.name, list(a.shape), memoryview(np.ascontiguousarray(a)).cast("B"))
 
     def numpy(self) -> np.ndarray:
@@ -265,7 +265,7 @@ async def test_hostile_bytes_after_auth_close_only_that_connection(fx, caplog, k
 async def test_hostile_bytes_before_auth_are_dropped(fx, caplog, monkeypatch, kind):
     monkeypatch.setattr(rpc_server, "HANDSHAKE_TIMEOUT_S", 0.3)  # the binding _Session reads
     caplog.set_level(logging.INFO, logger="areal_async.net.rpc")
-    host, port = fx.address[len("tcp://"):].split(":")
+    host, port = fx.address[len("tcp://") :].split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     (n,) = struct.unpack(">Q", await reader.readexactly(8))
     assert 0 < n < 4096
@@ -278,8 +278,12 @@ async def test_hostile_bytes_before_auth_are_dropped(fx, caplog, monkeypatch, ki
         writer.write(struct.pack(">Q", 100) + b"abc")
         writer.write_eof()
     assert await asyncio.wait_for(reader.read(), 5) == b""  # the server hung up
-    expected = {"garbage": "malformed frame", "oversized": "exceeds max_frame_bytes=4096",
-                "truncated": "truncated frame", "silence": "no authentication within"}[kind]
+    expected = {
+        "garbage": "malformed frame",
+        "oversized": "exceeds max_frame_bytes=4096",
+        "truncated": "truncated frame",
+        "silence": "no authentication within",
+    }[kind]
     assert expected in caplog.text
     writer.close()
     async with await fx.connect() as client:
@@ -410,8 +414,22 @@ def test_framing_survives_any_split_of_the_byte_stream():
     the way TCP may deliver them, come out whole and in order."""
     rng = np.random.default_rng(1)
     scratch = rpc_connection._SCRATCH_BYTES
-    sizes = [0, 1, 7, 8, 9, 4096, 100, scratch - 8, scratch - 7, scratch, 3 * scratch + 5,
-             *rng.integers(0, 40_000, 40), 600_000, 3]
+    sizes = [
+        0,
+        1,
+        7,
+        8,
+        9,
+        4096,
+        100,
+        scratch - 8,
+        scratch - 7,
+        scratch,
+        3 * scratch + 5,
+        *rng.integers(0, 40_000, 40),
+        600_000,
+        3,
+    ]
     frames = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
     stream = b"".join(struct.pack(">Q", len(f)) + f for f in frames)
     for trial in range(4):
@@ -423,7 +441,7 @@ def test_framing_survives_any_split_of_the_byte_stream():
             buf = conn.get_buffer(-1)
             assert len(buf) > 0
             n = min(want, len(buf), len(stream) - pos)
-            buf[:n] = stream[pos:pos + n]
+            buf[:n] = stream[pos : pos + n]
             del buf
             conn.buffer_updated(n)
             pos += n
@@ -499,8 +517,13 @@ def test_under_uvloop():
 def test_benchmark_quick_smoke(tmp_path):
     """benchmarks/rpc.py --quick runs end to end across processes and writes its JSON (no speed assertion)."""
     out = tmp_path / "rpc.json"
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "rpc.py"), "--quick", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "rpc.py"), "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     for key in ("rpc_mb_per_s", "pickle_socket_mb_per_s", "roundtrip_us", "payload_mb"):

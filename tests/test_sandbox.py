@@ -19,11 +19,18 @@ import time
 import uuid
 
 import pytest
+from sandbox_host import watched_host
 
 from areal_async.rewards import sandbox as sbmod
-from areal_async.rewards.sandbox import (Sandbox, SandboxLimits, _pids_of_uid, host_leftovers, probe_isolation,
-                                         run_python, sweep_leftovers)
-from sandbox_host import watched_host
+from areal_async.rewards.sandbox import (
+    Sandbox,
+    SandboxLimits,
+    _pids_of_uid,
+    host_leftovers,
+    probe_isolation,
+    run_python,
+    sweep_leftovers,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
 
@@ -64,8 +71,11 @@ def test_probe_reports_what_runs_achieve(host):
 def test_runs_start_from_the_written_files_and_leave_nothing(host):
     with Sandbox(FAST) as sb:
         sb.write("data/in.txt", "payload")
-        sb.write("main.py", "import os\nprint(open('data/in.txt').read(), sorted(os.listdir('.')))\n"
-                            "open('data/in.txt', 'w').write('changed')\nopen('made.txt', 'w').write('x')\n")
+        sb.write(
+            "main.py",
+            "import os\nprint(open('data/in.txt').read(), sorted(os.listdir('.')))\n"
+            "open('data/in.txt', 'w').write('changed')\nopen('made.txt', 'w').write('x')\n",
+        )
         first = sb.run([sb.python(), "-I", "main.py"])
         second = sb.run([sb.python(), "-I", "main.py"])
     assert first.ok and first.stdout == "payload ['data', 'main.py']\n"
@@ -135,8 +145,10 @@ def test_allocating_20_gb_is_refused(host):
 
 
 def test_output_flood_is_cut(host):
-    r = _run("import sys\nfor _ in range(1 << 20):\n    sys.stdout.write('x' * 1024)\n",
-             SandboxLimits(wall_s=5.0, output_bytes=10_000))
+    r = _run(
+        "import sys\nfor _ in range(1 << 20):\n    sys.stdout.write('x' * 1024)\n",
+        SandboxLimits(wall_s=5.0, output_bytes=10_000),
+    )
     assert not r.ok and r.reason == "output_limit" and len(r.stdout) <= 10_000
 
 
@@ -229,15 +241,28 @@ def test_big_files_and_many_files_are_bounded(host, disable):
 def test_writes_outside_the_sandbox_do_not_land(host, tmp_path):
     tag = uuid.uuid4().hex
     private = tmp_path / f"escape_{tag}.txt"  # a root-owned 0700 pytest directory
-    targets = [str(private), f"/tmp/areal_escape_{tag}", f"/var/tmp/areal_escape_{tag}", f"/dev/shm/areal_{tag}",
-               f"/run/lock/areal_{tag}", os.path.join(os.path.dirname(sbmod.__file__), f"planted_{tag}.py")]
-    src = "import os\n" + "".join(f"""
+    targets = [
+        str(private),
+        f"/tmp/areal_escape_{tag}",
+        f"/var/tmp/areal_escape_{tag}",
+        f"/dev/shm/areal_{tag}",
+        f"/run/lock/areal_{tag}",
+        os.path.join(os.path.dirname(sbmod.__file__), f"planted_{tag}.py"),
+    ]
+    src = (
+        "import os\n"
+        + "".join(
+            f"""
 try:
     with open({t!r}, "w") as f:
         f.write("pwned")
 except OSError as e:
     pass
-""" for t in targets) + "print('done')\n"
+"""
+            for t in targets
+        )
+        + "print('done')\n"
+    )
     r = _run(src)
     assert r.ok and r.stdout == "done\n"
     for t in targets:
@@ -256,8 +281,16 @@ def test_project_home_and_host_processes_are_invisible(host, tmp_path):
     prefix = os.path.realpath(sys.base_prefix)  # the interpreter is mounted; the rest of its parents is not
     in_home = [os.path.join(home, n) for n in sorted(os.listdir(home)) if not prefix.startswith(os.path.join(home, n))]
     in_run = [os.path.join("/run", n) for n in sorted(os.listdir("/run"))] if os.path.isdir("/run") else []
-    paths = [os.path.abspath(sbmod.__file__), str(readable), *in_home[:3], os.getcwd(), "/sys/fs/cgroup",
-             *in_run[:3], "/var/log", sbmod._base_dir()]
+    paths = [
+        os.path.abspath(sbmod.__file__),
+        str(readable),
+        *in_home[:3],
+        os.getcwd(),
+        "/sys/fs/cgroup",
+        *in_run[:3],
+        "/var/log",
+        sbmod._base_dir(),
+    ]
     paths = [p for p in paths if os.path.exists(p) and p not in ("/", "/tmp")]
     src = textwrap.dedent(f"""
         import os
@@ -278,8 +311,19 @@ def test_environment_is_minimal(monkeypatch):
     r = run_python("import os, json\nprint(json.dumps(dict(os.environ)))\n", limits=FAST)
     env = json.loads(r.stdout)
     assert "AREAL_SECRET_TOKEN" not in env
-    assert set(env) <= {"PATH", "LANG", "LC_ALL", "HOME", "TMPDIR", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED",
-                        "PYTHONIOENCODING", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}
+    assert set(env) <= {
+        "PATH",
+        "LANG",
+        "LC_ALL",
+        "HOME",
+        "TMPDIR",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONHASHSEED",
+        "PYTHONIOENCODING",
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+    }
 
 
 def test_no_network_tcp_or_host_unix_sockets(host, tmp_path):
@@ -355,7 +399,6 @@ def test_session_channel_cannot_flood_the_host(host):
     assert r.reason == "message_limit" and held <= 4 * lim.message_bytes, (r.reason, held)
 
 
-
 @pytest.mark.parametrize("disable", WEAK_MODES)
 def test_planted_symlink_is_never_followed_by_the_host(host, tmp_path, disable):
     """Hole 4: a program leaves data.txt -> a host file; the host then writes data.txt for the next run."""
@@ -381,14 +424,16 @@ def test_killing_the_host_process_takes_the_sandbox_down_and_leftovers_are_swept
     """SIGKILL the process that runs the sandbox mid-run (a reward worker being replaced): nothing survives, and
     the next sandbox removes what it could not clean up itself."""
     driver = tmp_path / "driver.py"
-    driver.write_text(textwrap.dedent("""
+    driver.write_text(
+        textwrap.dedent("""
         import os
         from areal_async.rewards.sandbox import Sandbox, SandboxLimits
         sb = Sandbox(SandboxLimits(wall_s=60, cpu_s=60), disable=("rootfs",) if os.environ.get("WEAK") else ())
         print(sb.uid, flush=True)
         sb.write("main.py", "import os, time\\nfor _ in range(3):\\n    os.fork()\\ntime.sleep(60)\\n")
         sb.run([sb.python(), "-I", "main.py"])
-    """))
+    """)
+    )
     for weak in ("", "1"):
         env = dict(os.environ, PYTHONPATH=REPO, WEAK=weak)
         proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True, env=env)
@@ -415,8 +460,10 @@ def test_killing_the_host_process_takes_the_sandbox_down_and_leftovers_are_swept
 
 
 def test_program_killing_its_parents_does_not_escape(host):
-    src = "import os, signal, time\nfor pid in (os.getppid(), 1, -1):\n    try:\n        os.kill(pid, 9)\n" \
-          "    except OSError:\n        pass\ntime.sleep(30)\nprint('alive')\n"
+    src = (
+        "import os, signal, time\nfor pid in (os.getppid(), 1, -1):\n    try:\n        os.kill(pid, 9)\n"
+        "    except OSError:\n        pass\ntime.sleep(30)\nprint('alive')\n"
+    )
     r = _run(src, SandboxLimits(wall_s=1.5, cpu_s=1))
     assert not r.ok and "alive" not in r.stdout
 
@@ -475,8 +522,9 @@ def test_non_root_mode_isolates_with_a_user_namespace(tmp_path):
                               good=good.reward, hack=hack.reward, made=bomb.stdout.strip(), mem=mem.reward,
                               judge_mem=judge_mem.reward)))
     """)
-    p = subprocess.run(cmd, input=program, capture_output=True, text=True, user=65534, group=65534, cwd="/",
-                       timeout=120)
+    p = subprocess.run(
+        cmd, input=program, capture_output=True, text=True, user=65534, group=65534, cwd="/", timeout=120
+    )
     if p.returncode != 0 and "No module named" in p.stderr:
         pytest.skip(f"nobody cannot import this checkout: {p.stderr.strip().splitlines()[-1]}")
     assert p.returncode == 0, p.stderr

@@ -33,8 +33,17 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 async def server(tiny_ckpt):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the machine is shared; the tiny model does not need more
-    srv = await start_server(tiny_ckpt, "127.0.0.1", 0, api_key=KEY, device="cpu", served_model_name="tiny",
-                             max_total_tokens=16384, max_running_requests=64, weight_version="0")
+    srv = await start_server(
+        tiny_ckpt,
+        "127.0.0.1",
+        0,
+        api_key=KEY,
+        device="cpu",
+        served_model_name="tiny",
+        max_total_tokens=16384,
+        max_running_requests=64,
+        weight_version="0",
+    )
     yield srv
     await srv.close()
     torch.set_num_threads(threads)
@@ -110,19 +119,25 @@ async def test_info_endpoints(server, http, tiny_ckpt):
     assert models["data"][0]["max_model_len"] == server.engine.context_len
 
 
-@pytest.mark.parametrize("method,path,body", [
-    ("POST", "/generate", {"text": "a"}),
-    ("POST", "/v1/completions", {"prompt": "a"}),
-    ("GET", "/model_info", None),
-    ("POST", "/pause_generation", {}),
-    ("POST", "/continue_generation", {}),
-    ("POST", "/abort_request", {"abort_all": True}),
-    ("POST", "/flush_cache", None),
-    ("POST", "/update_weights_from_disk", {"model_path": "/nonexistent"}),
-    ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                            "world_size": 2}),
-    ("POST", "/update_weight_version", {"new_version": "x"}),
-])
+@pytest.mark.parametrize(
+    "method,path,body",
+    [
+        ("POST", "/generate", {"text": "a"}),
+        ("POST", "/v1/completions", {"prompt": "a"}),
+        ("GET", "/model_info", None),
+        ("POST", "/pause_generation", {}),
+        ("POST", "/continue_generation", {}),
+        ("POST", "/abort_request", {"abort_all": True}),
+        ("POST", "/flush_cache", None),
+        ("POST", "/update_weights_from_disk", {"model_path": "/nonexistent"}),
+        (
+            "POST",
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2},
+        ),
+        ("POST", "/update_weight_version", {"new_version": "x"}),
+    ],
+)
 async def test_api_key_required(server, method, path, body):
     async with aiohttp.ClientSession(base_url=server.url) as anon:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -171,13 +186,22 @@ async def test_greedy_is_deterministic_and_shaped(server, http):
     assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
     assert len(a["output_ids"]) == 12 and a["text"] == server.engine.decode(a["output_ids"])
     m = a["meta_info"]
-    assert set(m) == {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
-                      "weight_version_spans", "e2e_latency"}
+    assert set(m) == {
+        "id",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "weight_version",
+        "weight_version_spans",
+        "e2e_latency",
+    }
     assert m["finish_reason"] == {"type": "length", "length": 12} and m["weight_version_spans"] == [[0, "0"]]
     assert m["prompt_tokens"] == 5 and m["completion_tokens"] == 12 and m["weight_version"] == "0"
     assert isinstance(m["e2e_latency"], float) and m["id"] != b["meta_info"]["id"]
-    by_ids = await generate(http, {"input_ids": server.engine.encode("12+7="),
-                                   "sampling_params": greedy(12, ignore_eos=True)})
+    by_ids = await generate(
+        http, {"input_ids": server.engine.encode("12+7="), "sampling_params": greedy(12, ignore_eos=True)}
+    )
     assert by_ids["output_ids"] == a["output_ids"]
 
 
@@ -185,26 +209,28 @@ async def test_stop_strings_and_stop_ids(server, http):
     base = await generate(http, {"text": "ab", "sampling_params": greedy(24, ignore_eos=True)})
     text, ids = base["text"], base["output_ids"]
     k = 3
-    stop = text[k:k + 2]
+    stop = text[k : k + 2]
     first = text.find(stop)
     out = await generate(http, {"text": "ab", "sampling_params": greedy(24, ignore_eos=True, stop=[stop])})
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["text"] == text[:first]  # trimmed of the stop string ...
-    assert out["output_ids"] == ids[:first + 2]  # ... but the ids include it (char tokenizer: 1 char = 1 id)
-    kept = await generate(http, {"text": "ab", "sampling_params": greedy(24, ignore_eos=True, stop=stop,
-                                                                          no_stop_trim=True)})
-    assert kept["text"] == text[:first + 2]
+    assert out["output_ids"] == ids[: first + 2]  # ... but the ids include it (char tokenizer: 1 char = 1 id)
+    kept = await generate(
+        http, {"text": "ab", "sampling_params": greedy(24, ignore_eos=True, stop=stop, no_stop_trim=True)}
+    )
+    assert kept["text"] == text[: first + 2]
 
     stop_id = ids[k]
     first_id = ids.index(stop_id)
     out = await generate(http, {"text": "ab", "sampling_params": greedy(24, stop_token_ids=[stop_id])})
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
-    assert out["output_ids"] == ids[:first_id + 1] and out["text"] == text[:first_id]
+    assert out["output_ids"] == ids[: first_id + 1] and out["text"] == text[:first_id]
 
 
 async def test_n_samples_get_their_own_rids(http):
-    out = await generate(http, {"text": "x", "rid": "nsamp", "sampling_params": {"n": 3, "max_new_tokens": 5,
-                                                                                 "ignore_eos": True}})
+    out = await generate(
+        http, {"text": "x", "rid": "nsamp", "sampling_params": {"n": 3, "max_new_tokens": 5, "ignore_eos": True}}
+    )
     assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["nsamp_0", "nsamp_1", "nsamp_2"]
     assert all(len(o["output_ids"]) == 5 for o in out)
 
@@ -216,8 +242,14 @@ async def test_batch_matches_single_requests(http):
     for p, o in zip(prompts, batch):
         single = await generate(http, {"text": p, "sampling_params": greedy(6, ignore_eos=True)})
         assert single["output_ids"] == o["output_ids"]
-    per_item = await generate(http, {"input_ids": [[5, 6], [7]], "rid": ["u", "v"],
-                                     "sampling_params": [greedy(2, ignore_eos=True), greedy(3, ignore_eos=True)]})
+    per_item = await generate(
+        http,
+        {
+            "input_ids": [[5, 6], [7]],
+            "rid": ["u", "v"],
+            "sampling_params": [greedy(2, ignore_eos=True), greedy(3, ignore_eos=True)],
+        },
+    )
     assert [len(o["output_ids"]) for o in per_item] == [2, 3]
     assert [o["meta_info"]["id"] for o in per_item] == ["u", "v"]
 
@@ -233,15 +265,16 @@ async def test_stream_is_cumulative_and_ends_with_done(http):
     assert len(chunks) >= 2
     for prev, cur in zip(chunks, chunks[1:]):
         assert cur["text"].startswith(prev["text"])
-        assert cur["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
         assert len(cur["meta_info"]["output_token_logprobs"]) == len(cur["output_ids"])
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     last = chunks[-1]
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
     assert last["text"] == final["text"] and last["output_ids"] == final["output_ids"]
 
-    async with http.post("/generate", json={"text": ["a", "b"], "stream": True,
-                                            "sampling_params": greedy(3, ignore_eos=True)}) as r:
+    async with http.post(
+        "/generate", json={"text": ["a", "b"], "stream": True, "sampling_params": greedy(3, ignore_eos=True)}
+    ) as r:
         events = [e async for e in sse(r)]
     finals = {e["index"]: e for e in events[:-1] if e["meta_info"]["finish_reason"] is not None}
     assert sorted(finals) == [0, 1] and all(len(e["output_ids"]) == 3 for e in finals.values())
@@ -249,9 +282,17 @@ async def test_stream_is_cumulative_and_ends_with_done(http):
 
 async def test_logprob_shapes(server, http):
     prompt = server.engine.encode("3+4=")
-    out = await generate(http, {"input_ids": prompt, "sampling_params": greedy(6, ignore_eos=True),
-                                "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3,
-                                "return_text_in_logprobs": True})
+    out = await generate(
+        http,
+        {
+            "input_ids": prompt,
+            "sampling_params": greedy(6, ignore_eos=True),
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 3,
+            "return_text_in_logprobs": True,
+        },
+    )
     m = out["meta_info"]
     otl = m["output_token_logprobs"]
     assert [t[1] for t in otl] == out["output_ids"]
@@ -263,8 +304,9 @@ async def test_logprob_shapes(server, http):
     for top, tok in zip(tops, otl):  # greedy picks the most likely token
         assert top[0][1] == tok[1] and top[0][0] == pytest.approx(tok[0], abs=1e-5)
         assert top[0][0] >= top[1][0] >= top[2][0]
-    mid = await generate(http, {"input_ids": prompt, "sampling_params": greedy(1), "return_logprob": True,
-                                "logprob_start_len": 2})
+    mid = await generate(
+        http, {"input_ids": prompt, "sampling_params": greedy(1), "return_logprob": True, "logprob_start_len": 2}
+    )
     assert [t[1] for t in mid["meta_info"]["input_token_logprobs"]] == prompt[2:]
     assert "output_top_logprobs" not in mid["meta_info"]
     assert mid["meta_info"]["output_token_logprobs"][0][2] is None
@@ -280,9 +322,16 @@ class Frozen:
         self.http, self.rid = http, rid
 
     async def __aenter__(self):
-        self.resp = await self.http.post("/generate", json={
-            "text": "x", "rid": self.rid, "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}})
+        self.resp = await self.http.post(
+            "/generate",
+            json={
+                "text": "x",
+                "rid": self.rid,
+                "stream": True,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+            },
+        )
         assert self.resp.status == 200
         self.events = sse(self.resp)
         self.first = await self.events.__anext__()
@@ -300,8 +349,15 @@ class Frozen:
 
 
 async def test_pause_abort_returns_partial_tokens_then_continue(server, http):
-    resp = await http.post("/generate", json={"text": "q", "stream": True, "return_logprob": True,
-                                              "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}})
+    resp = await http.post(
+        "/generate",
+        json={
+            "text": "q",
+            "stream": True,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+        },
+    )
     events = sse(resp)
     first = await events.__anext__()
     status, body = await post(http, "/pause_generation", {"mode": "abort"})
@@ -336,14 +392,15 @@ async def test_pause_modes(server, http):
 
 
 async def test_distributed_update_endpoints_report_failures(http):
-    status, body = await post(http, "/update_weights_from_distributed", {
-        "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "no-such-group"})
+    status, body = await post(
+        http,
+        "/update_weights_from_distributed",
+        {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "no-such-group"},
+    )
     assert status == 400 and body["success"] is False and "no-such-group" in body["message"]
-    status, body = await post(http, "/update_weights_from_distributed", {"names": ["a"], "dtypes": [],
-                                                                          "shapes": [[1]]})
+    status, body = await post(http, "/update_weights_from_distributed", {"names": ["a"], "dtypes": [], "shapes": [[1]]})
     assert status == 400 and "equal lengths" in body["error"]["message"]
-    status, body = await post(http, "/init_weights_update_group", {"master_address": "127.0.0.1",
-                                                                    "master_port": 1})
+    status, body = await post(http, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1})
     assert status == 400 and "rank_offset" in body["error"]["message"]
 
 
@@ -358,8 +415,15 @@ async def test_error_mid_stream_is_an_error_event(server, http, monkeypatch):
         return decode(ids, skip_special_tokens)
 
     monkeypatch.setattr(server.engine, "decode", flaky)  # fault injection into response shaping
-    async with http.post("/generate", json={"text": "a", "rid": "midstream", "stream": True,
-                                            "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}) as r:
+    async with http.post(
+        "/generate",
+        json={
+            "text": "a",
+            "rid": "midstream",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+        },
+    ) as r:
         assert r.status == 200
         events = [e async for e in sse(r)]
     monkeypatch.undo()
@@ -413,8 +477,7 @@ async def test_update_weights_from_disk(server, http, tiny_ckpt, tiny_ckpt_b):
 
     before = await generate(http, req)
     try:
-        status, body = await post(http, "/update_weights_from_disk", {"model_path": tiny_ckpt_b,
-                                                                       "weight_version": "1"})
+        status, body = await post(http, "/update_weights_from_disk", {"model_path": tiny_ckpt_b, "weight_version": "1"})
         assert status == 200 and body["success"] is True and body["num_paused_requests"] == 0
         after = await generate(http, req)
         assert after["meta_info"]["weight_version"] == "1"
@@ -435,8 +498,7 @@ async def test_update_weights_from_disk(server, http, tiny_ckpt, tiny_ckpt_b):
         status, body = await post(http, "/update_weights_from_disk", {"model_path": 5})
         assert status == 400 and "model_path" in body["error"]["message"]
     finally:
-        status, body = await post(http, "/update_weights_from_disk", {"model_path": tiny_ckpt,
-                                                                       "weight_version": "0"})
+        status, body = await post(http, "/update_weights_from_disk", {"model_path": tiny_ckpt, "weight_version": "0"})
         assert status == 200, body
     restored = await generate(http, req)
     assert restored["output_ids"] == before["output_ids"]
@@ -451,7 +513,7 @@ BAD = [
     ("/generate", {"text": "a", "input_ids": [5]}, "exactly one of"),
     ("/generate", {"text": 7}, "$.text"),
     ("/generate", {"input_ids": []}, "empty"),
-    ("/generate", {"input_ids": [5, 10 ** 6]}, "outside the vocabulary"),
+    ("/generate", {"input_ids": [5, 10**6]}, "outside the vocabulary"),
     ("/generate", {"input_ids": [5] * 1024}, "context length"),
     ("/generate", {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 1020}}, "context length"),
     ("/generate", {"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
@@ -516,8 +578,14 @@ async def oai(server):
 
 async def test_openai_completions(server, http, oai):
     ref = await generate(http, {"text": "9-3=", "sampling_params": greedy(6, ignore_eos=True)})
-    c = await oai.completions.create(model="tiny", prompt="9-3=", max_tokens=6, temperature=0, logprobs=2,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = await oai.completions.create(
+        model="tiny",
+        prompt="9-3=",
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     ch = c.choices[0]
     assert ch.text == ref["text"] and ch.finish_reason == "length"
     assert ch.logprobs.tokens == [server.engine.decode([t], skip_special_tokens=False) for t in ref["output_ids"]]
@@ -528,11 +596,19 @@ async def test_openai_completions(server, http, oai):
     assert c.usage.prompt_tokens == 4 and c.usage.completion_tokens == 6 and c.usage.total_tokens == 10
     assert c.metadata == {"weight_version": "0"}
 
-    multi = await oai.completions.create(model="tiny", prompt=["a", "b"], n=2, max_tokens=3,
-                                         extra_body={"ignore_eos": True})
+    multi = await oai.completions.create(
+        model="tiny", prompt=["a", "b"], n=2, max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert [x.index for x in multi.choices] == [0, 1, 2, 3] and multi.usage.prompt_tokens == 2
-    stream = await oai.completions.create(model="tiny", prompt="9-3=", max_tokens=6, temperature=0, stream=True,
-                                          stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = await oai.completions.create(
+        model="tiny",
+        prompt="9-3=",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     pieces, usage, finish = [], None, None
     async for chunk in stream:
         if chunk.choices:
@@ -545,8 +621,15 @@ async def test_openai_completions(server, http, oai):
 
 async def test_openai_chat(server, oai):
     msgs = [{"role": "system", "content": "You add."}, {"role": "user", "content": "2+2?"}]
-    r = await oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
-                                          top_logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = await oai.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     ch = r.choices[0]
     assert ch.message.role == "assistant" and ch.finish_reason == "length"
     assert len(ch.logprobs.content) == 6 and all(len(e.top_logprobs) == 2 for e in ch.logprobs.content)
@@ -554,8 +637,9 @@ async def test_openai_chat(server, oai):
     expected_prompt = server.engine.apply_chat_template(msgs, None, add_generation_prompt=True)
     assert r.prompt_token_ids == expected_prompt and r.usage.prompt_tokens == len(expected_prompt)
 
-    stream = await oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True})
+    stream = await oai.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     content, roles, finish = [], [], None
     async for chunk in stream:
         d = chunk.choices[0].delta
@@ -572,10 +656,16 @@ async def test_openai_chat(server, oai):
     await bad.close()
 
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"a": {"type": "integer"},
-                                                                         "b": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
 # Qwen-style: the tool signatures go into the system turn.
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t['function']['name'] }}: "
@@ -597,12 +687,25 @@ async def test_openai_chat_with_tools_puts_them_in_the_template(tiny_ckpt, tmp_p
     async with await start_server(ckpt, "127.0.0.1", 0, max_total_tokens=4096, device="cpu") as srv:
         client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         msgs = [{"role": "user", "content": "What is 2+3?"}]
-        with_tools = await client.chat.completions.create(model="x", messages=msgs, tools=TOOLS, tool_choice="auto",
-                                                          max_tokens=5, extra_body={"return_token_ids": True})
-        without = await client.chat.completions.create(model="x", messages=msgs, max_tokens=5,
-                                                       extra_body={"return_token_ids": True})
-        none = await client.chat.completions.create(model="x", messages=msgs, tools=TOOLS, tool_choice="none",
-                                                    max_tokens=5, extra_body={"return_token_ids": True})
+        with_tools = await client.chat.completions.create(
+            model="x",
+            messages=msgs,
+            tools=TOOLS,
+            tool_choice="auto",
+            max_tokens=5,
+            extra_body={"return_token_ids": True},
+        )
+        without = await client.chat.completions.create(
+            model="x", messages=msgs, max_tokens=5, extra_body={"return_token_ids": True}
+        )
+        none = await client.chat.completions.create(
+            model="x",
+            messages=msgs,
+            tools=TOOLS,
+            tool_choice="none",
+            max_tokens=5,
+            extra_body={"return_token_ids": True},
+        )
         await client.close()
         prompt = srv.engine.decode(with_tools.prompt_token_ids, skip_special_tokens=False)
         assert "add: Add two integers." in prompt
@@ -618,8 +721,15 @@ async def test_openai_chat_with_tools_puts_them_in_the_template(tiny_ckpt, tmp_p
 
 
 async def test_64_concurrent_requests_all_complete(server, http):
-    reqs = [{"text": f"{i}+{i}=", "rid": f"load-{i}", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True},
-             "return_logprob": True} for i in range(64)]
+    reqs = [
+        {
+            "text": f"{i}+{i}=",
+            "rid": f"load-{i}",
+            "sampling_params": {"max_new_tokens": 8, "ignore_eos": True},
+            "return_logprob": True,
+        }
+        for i in range(64)
+    ]
     outs = await asyncio.gather(*(generate(http, r) for r in reqs))
     assert [o["meta_info"]["id"] for o in outs] == [f"load-{i}" for i in range(64)]
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" and len(o["output_ids"]) == 8 for o in outs)
@@ -648,19 +758,36 @@ async def test_cli_prints_url_and_stops_on_sigterm(tiny_ckpt, tmp_path):
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "areal_async.serve", "--model", tiny_ckpt, "--port", "0", "--api-key", "k",
-            "--max-total-tokens", "4096", "--device", "cpu", stdout=subprocess.PIPE, stderr=log,
-            env={**os.environ, "OMP_NUM_THREADS": "2"})
+            sys.executable,
+            "-m",
+            "areal_async.serve",
+            "--model",
+            tiny_ckpt,
+            "--port",
+            "0",
+            "--api-key",
+            "k",
+            "--max-total-tokens",
+            "4096",
+            "--device",
+            "cpu",
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env={**os.environ, "OMP_NUM_THREADS": "2"},
+        )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 180)).decode()
         assert line.startswith(READY_PREFIX), (line, log_path.read_text())
-        url = line[len(READY_PREFIX):].strip()
+        url = line[len(READY_PREFIX) :].strip()
         assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
         async with aiohttp.ClientSession(base_url=url) as s:
             async with s.get("/health") as r:
                 assert r.status == 200
-            async with s.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}},
-                              headers={"Authorization": "Bearer k"}) as r:
+            async with s.post(
+                "/generate",
+                json={"text": "a", "sampling_params": {"max_new_tokens": 2}},
+                headers={"Authorization": "Bearer k"},
+            ) as r:
                 assert r.status == 200 and len((await r.json())["output_ids"]) >= 1
             async with s.get("/get_server_info", headers={"Authorization": "Bearer k"}) as r:
                 # the engine computes with the launcher's OMP_NUM_THREADS, though the process runs with 1

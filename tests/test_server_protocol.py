@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from areal_async.protocol import openai_requests
-from areal_async.protocol import openai_responses
+from areal_async.protocol import openai_requests, openai_responses
 from areal_async.protocol import sglang as sglang_protocol
 from areal_async.protocol.engine_api import EngineChunk, EngineRequest, EngineSampling
 from areal_async.tasks.char_tokenizer import save_char_tokenizer
@@ -52,10 +51,26 @@ def test_null_max_new_tokens_fills_the_context(tok):
 
 
 def test_full_sglang_frontend_sampling_params_accepted(tok):
-    sp = {"max_new_tokens": 8, "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [],
-          "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
-          "presence_penalty": 0.0, "ignore_eos": False, "regex": None, "json_schema": None,
-          "spaces_between_special_tokens": True, "skip_special_tokens": True, "no_stop_trim": False}
+    sp = {
+        "max_new_tokens": 8,
+        "min_new_tokens": 0,
+        "n": 1,
+        "stop": [],
+        "stop_token_ids": [],
+        "stop_regex": [],
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "ignore_eos": False,
+        "regex": None,
+        "json_schema": None,
+        "spaces_between_special_tokens": True,
+        "skip_special_tokens": True,
+        "no_stop_trim": False,
+    }
     r = gen(tok, {"text": "ab", "sampling_params": sp}).requests[0]
     assert r.sampling.max_new_tokens == 8 and r.sampling.temperature == 0.0 and r.sampling.stop == []
 
@@ -68,9 +83,16 @@ def test_input_ids_batch_and_rid_suffixes(tok):
 
 
 def test_text_batch_with_rid_list_and_per_item_sampling(tok):
-    plan = gen(tok, {"text": ["a", "bb"], "rid": ["x", "y"],
-                     "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 5, "stop": "q"}],
-                     "return_logprob": [True, False], "logprob_start_len": [0, -1]})
+    plan = gen(
+        tok,
+        {
+            "text": ["a", "bb"],
+            "rid": ["x", "y"],
+            "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 5, "stop": "q"}],
+            "return_logprob": [True, False],
+            "logprob_start_len": [0, -1],
+        },
+    )
     a, b = plan.requests
     assert (a.rid, b.rid) == ("x", "y")
     assert (a.sampling.max_new_tokens, b.sampling.max_new_tokens) == (3, 5)
@@ -90,8 +112,9 @@ def test_n_gives_every_sample_its_own_rid_prompt_major(tok):
 def test_logprob_fields_only_with_return_logprob(tok):
     r = gen(tok, {"input_ids": [5, 6], "logprob_start_len": 0, "top_logprobs_num": 3}).requests[0]
     assert r.logprob_start_len == -1 and r.top_logprobs_num == 0
-    r = gen(tok, {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 1,
-                  "top_logprobs_num": 3}).requests[0]
+    r = gen(tok, {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 3}).requests[
+        0
+    ]
     assert r.logprob_start_len == 1 and r.top_logprobs_num == 3
 
 
@@ -146,10 +169,21 @@ def test_bad_generate_requests(tok, raw, needle):
 
 
 def _req(tok, *, stop=(), stop_ids=(), no_trim=False, logprob=False, start=-1, top=0, skip=True):
-    s = EngineSampling(max_new_tokens=16, stop=list(stop), stop_token_ids=list(stop_ids), no_stop_trim=no_trim,
-                       skip_special_tokens=skip)
-    return EngineRequest(rid="r1", input_ids=tok.encode("ab"), sampling=s, return_logprob=logprob,
-                         logprob_start_len=start, top_logprobs_num=top)
+    s = EngineSampling(
+        max_new_tokens=16,
+        stop=list(stop),
+        stop_token_ids=list(stop_ids),
+        no_stop_trim=no_trim,
+        skip_special_tokens=skip,
+    )
+    return EngineRequest(
+        rid="r1",
+        input_ids=tok.encode("ab"),
+        sampling=s,
+        return_logprob=logprob,
+        logprob_start_len=start,
+        top_logprobs_num=top,
+    )
 
 
 def _chunk(ids, lps=None, fr=None, **kw):
@@ -229,17 +263,20 @@ def test_completion_prompt_forms(tok):
     assert plan.requests[0].sampling.max_new_tokens == 16  # OpenAI's default
 
 
-@pytest.mark.parametrize("obj,needle", [
-    ({}, "missing `prompt`"),
-    ({"prompt": []}, "empty list"),
-    ({"prompt": ["a", 5]}, "not a mix"),
-    ({"prompt": "a", "max_tokens": -1}, "max_tokens must be >= 0"),
-    ({"prompt": "a", "max_tokens": 1000}, "context length"),
-    ({"prompt": "a", "temperature": -1}, "temperature"),
-    ({"prompt": "a", "logprobs": -1}, "logprobs"),
-    ({"prompt": "a", "n": 0}, "n must be"),
-    ({"prompt": "a", "stop": 5}, "$.stop"),
-])
+@pytest.mark.parametrize(
+    "obj,needle",
+    [
+        ({}, "missing `prompt`"),
+        ({"prompt": []}, "empty list"),
+        ({"prompt": ["a", 5]}, "not a mix"),
+        ({"prompt": "a", "max_tokens": -1}, "max_tokens must be >= 0"),
+        ({"prompt": "a", "max_tokens": 1000}, "context length"),
+        ({"prompt": "a", "temperature": -1}, "temperature"),
+        ({"prompt": "a", "logprobs": -1}, "logprobs"),
+        ({"prompt": "a", "n": 0}, "n must be"),
+        ({"prompt": "a", "stop": 5}, "$.stop"),
+    ],
+)
 def test_bad_completion_requests(tok, obj, needle):
     with pytest.raises(sglang_protocol.ProtocolError) as ei:
         openai_requests.parse_completion(body(obj), tok, LIMITS)
@@ -252,35 +289,51 @@ def _template(tok):
         if tools:
             text = "T" + text
         return tok.encode(text)
+
     return apply
 
 
 def test_chat_parsing(tok):
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "h"},
-                                                                            {"type": "text", "text": "i"}]}]
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
+    ]
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    plan = openai_requests.parse_chat(body({"messages": msgs, "max_completion_tokens": 5, "logprobs": True,
-                                            "top_logprobs": 2, "tools": tools, "n": 2}), tok, LIMITS, _template(tok))
+    plan = openai_requests.parse_chat(
+        body(
+            {"messages": msgs, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2, "tools": tools, "n": 2}
+        ),
+        tok,
+        LIMITS,
+        _template(tok),
+    )
     assert plan.prompts == [tok.encode("T<system>s<user>hi")] and plan.tools == tools
     assert [r.sampling.max_new_tokens for r in plan.requests] == [5, 5] and plan.logprobs == 2
-    none = openai_requests.parse_chat(body({"messages": msgs, "tools": tools, "tool_choice": "none", "max_tokens": 3}),
-                                      tok, LIMITS, _template(tok))
+    none = openai_requests.parse_chat(
+        body({"messages": msgs, "tools": tools, "tool_choice": "none", "max_tokens": 3}), tok, LIMITS, _template(tok)
+    )
     assert none.tools == [] and none.prompts == [tok.encode("<system>s<user>hi")]
     dflt = openai_requests.parse_chat(body({"messages": msgs}), tok, LIMITS, _template(tok))
     assert dflt.requests[0].sampling.max_new_tokens == LIMITS.context_len - len(dflt.prompts[0])
 
 
-@pytest.mark.parametrize("obj,needle", [
-    ({}, "missing `messages`"),
-    ({"messages": []}, "non-empty"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "requires logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"function": {"name": "nope"}}}, "not in tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "not supported"),
-])
+@pytest.mark.parametrize(
+    "obj,needle",
+    [
+        ({}, "missing `messages`"),
+        ({"messages": []}, "non-empty"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "requires logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": {"function": {"name": "nope"}}},
+            "not in tools",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "not supported"),
+    ],
+)
 def test_bad_chat_requests(tok, obj, needle):
     with pytest.raises(sglang_protocol.ProtocolError) as ei:
         openai_requests.parse_chat(body(obj), tok, LIMITS, _template(tok))
@@ -295,18 +348,27 @@ def test_parse_tool_calls():
     assert content == "Let me add."
     assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert calls[0]["function"]["name"] == "add" and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
-    two = '<tool_call>{"name": "add", "arguments": "{}"}</tool_call><tool_call>{"name": "mul", "arguments": {}}' \
-          '</tool_call>'
+    two = (
+        '<tool_call>{"name": "add", "arguments": "{}"}</tool_call><tool_call>{"name": "mul", "arguments": {}}'
+        "</tool_call>"
+    )
     content, calls = openai_responses.parse_tool_calls(two, {"add", "mul"})
     assert content is None and [c["function"]["name"] for c in calls] == ["add", "mul"]
     assert calls[0]["function"]["arguments"] == "{}" and len({c["id"] for c in calls}) == 2
-    for bad in ("no call here", "<tool_call>not json</tool_call>", '<tool_call>{"name": "rm"}</tool_call>',
-                '<tool_call>{"name": "add", "arguments": {}}', '<tool_call>["add"]</tool_call>',
-                '<tool_call>{"name": "add", "arguments": 5}</tool_call>'):
+    for bad in (
+        "no call here",
+        "<tool_call>not json</tool_call>",
+        '<tool_call>{"name": "rm"}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {}}',
+        '<tool_call>["add"]</tool_call>',
+        '<tool_call>{"name": "add", "arguments": 5}</tool_call>',
+    ):
         # not JSON, unknown tool, cut short, wrong shapes
         assert openai_responses.parse_tool_calls(bad, {"add"}) == (bad, [])
-    mixed = ('A <tool_call>{"name": "rm", "arguments": {}}</tool_call> B <tool_call>{"name": "add", "arguments": '
-             '{"a": 1}}</tool_call> C <tool_call>{"name": "add"')
+    mixed = (
+        'A <tool_call>{"name": "rm", "arguments": {}}</tool_call> B <tool_call>{"name": "add", "arguments": '
+        '{"a": 1}}</tool_call> C <tool_call>{"name": "add"'
+    )
     content, calls = openai_responses.parse_tool_calls(mixed, {"add"})
     assert [c["function"]["name"] for c in calls] == ["add"]
     assert content == 'A <tool_call>{"name": "rm", "arguments": {}}</tool_call> B  C <tool_call>{"name": "add"'
@@ -317,16 +379,34 @@ def test_parse_tool_calls():
 def _finished_acc(tok, req, text, fr=None, lps=None):
     acc = sglang_protocol.Accumulator(req, tok)
     ids = tok.encode(text)
-    acc.add(EngineChunk(rid=req.rid, new_ids=ids, new_logprobs=lps or [-0.1] * len(ids), weight_version="3",
-                        finish_reason=fr or {"type": "length", "length": len(ids)}))
+    acc.add(
+        EngineChunk(
+            rid=req.rid,
+            new_ids=ids,
+            new_logprobs=lps or [-0.1] * len(ids),
+            weight_version="3",
+            finish_reason=fr or {"type": "length", "length": len(ids)},
+        )
+    )
     return acc
 
 
 def test_chat_response_with_tool_call(tok):
     tools = [{"type": "function", "function": {"name": "add"}}]
-    plan = openai_requests.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools,
-                                            "max_tokens": 40, "logprobs": True, "return_token_ids": True}),
-                                      tok, LIMITS, _template(tok))
+    plan = openai_requests.parse_chat(
+        body(
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": tools,
+                "max_tokens": 40,
+                "logprobs": True,
+                "return_token_ids": True,
+            }
+        ),
+        tok,
+        LIMITS,
+        _template(tok),
+    )
     out_text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     acc = _finished_acc(tok, plan.requests[0], out_text, fr={"type": "stop", "matched": 1})
     resp = openai_responses.chat_response(plan, [acc], "m", "id1", 0)
@@ -336,20 +416,31 @@ def test_chat_response_with_tool_call(tok):
     assert ch["token_ids"] == acc.output_ids and resp["prompt_token_ids"] == plan.prompts[0]
     assert len(ch["logprobs"]["content"]) == len(acc.output_ids)
     assert ch["logprobs"]["content"][0]["bytes"] == list(b"<")
-    assert resp["usage"] == {"prompt_tokens": len(plan.prompts[0]), "completion_tokens": len(acc.output_ids),
-                             "total_tokens": len(plan.prompts[0]) + len(acc.output_ids)}
+    assert resp["usage"] == {
+        "prompt_tokens": len(plan.prompts[0]),
+        "completion_tokens": len(acc.output_ids),
+        "total_tokens": len(plan.prompts[0]) + len(acc.output_ids),
+    }
     assert resp["metadata"] == {"weight_version": "3"}
 
 
 def test_completion_response_logprobs_and_echo(tok):
-    plan = openai_requests.parse_completion(body({"prompt": "ab", "logprobs": 1, "echo": True, "max_tokens": 3,
-                                                  "return_token_ids": True}), tok, LIMITS)
+    plan = openai_requests.parse_completion(
+        body({"prompt": "ab", "logprobs": 1, "echo": True, "max_tokens": 3, "return_token_ids": True}), tok, LIMITS
+    )
     req = plan.requests[0]
     acc = sglang_protocol.Accumulator(req, tok)
     ids = tok.encode("cd")
-    acc.add(EngineChunk(rid=req.rid, new_ids=ids, new_logprobs=[-1.0, -2.0], input_logprobs=[None, -0.5],
-                        new_top_logprobs=[[(-1.0, ids[0])], [(-2.0, ids[1])]],
-                        finish_reason={"type": "length", "length": 2}))
+    acc.add(
+        EngineChunk(
+            rid=req.rid,
+            new_ids=ids,
+            new_logprobs=[-1.0, -2.0],
+            input_logprobs=[None, -0.5],
+            new_top_logprobs=[[(-1.0, ids[0])], [(-2.0, ids[1])]],
+            finish_reason={"type": "length", "length": 2},
+        )
+    )
     ch = openai_responses.completion_response(plan, [acc], "m", "c1", 0)["choices"][0]
     assert ch["text"] == "abcd" and ch["finish_reason"] == "length"
     lp = ch["logprobs"]
@@ -360,8 +451,12 @@ def test_completion_response_logprobs_and_echo(tok):
 
 def test_stream_deltas_concatenate_to_final_text(tok):
     tools = [{"type": "function", "function": {"name": "add"}}]
-    plan = openai_requests.parse_chat(body({"messages": [{"role": "user", "content": "x"}], "tools": tools,
-                                            "max_tokens": 50}), tok, LIMITS, _template(tok))
+    plan = openai_requests.parse_chat(
+        body({"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 50}),
+        tok,
+        LIMITS,
+        _template(tok),
+    )
     req = plan.requests[0]
     acc = sglang_protocol.Accumulator(req, tok)
     st = openai_responses.StreamDelta(hold_tool_calls=True)
@@ -369,8 +464,14 @@ def test_stream_deltas_concatenate_to_final_text(tok):
     text = 'hi <tool_call>{"name": "add", "arguments": {}}</tool_call>'
     for k, tid in enumerate(tok.encode(text)):
         last = k == len(text) - 1
-        acc.add(EngineChunk(rid=req.rid, new_ids=[tid], new_logprobs=[-0.1],
-                            finish_reason={"type": "stop", "matched": 1} if last else None))
+        acc.add(
+            EngineChunk(
+                rid=req.rid,
+                new_ids=[tid],
+                new_logprobs=[-0.1],
+                finish_reason={"type": "stop", "matched": 1} if last else None,
+            )
+        )
         ev = openai_responses.chat_chunk(plan, 0, acc, st, "m", "id", 0)
         if ev is None:
             continue
@@ -388,8 +489,14 @@ def test_stream_deltas_concatenate_to_final_text(tok):
     cst = openai_responses.StreamDelta()
     out = []
     for k, tid in enumerate(tok.encode("xyzz")):
-        cacc.add(EngineChunk(rid=creq.rid, new_ids=[tid], new_logprobs=[],
-                             finish_reason={"type": "stop", "matched": "zz"} if k == 3 else None))
+        cacc.add(
+            EngineChunk(
+                rid=creq.rid,
+                new_ids=[tid],
+                new_logprobs=[],
+                finish_reason={"type": "stop", "matched": "zz"} if k == 3 else None,
+            )
+        )
         ev = openai_responses.completion_chunk(cplan, 0, cacc, cst, "m", "id", 0)
         if ev is not None:
             out.append(ev["choices"][0]["text"])
@@ -405,8 +512,9 @@ def test_control_bodies():
     assert sglang_protocol.version_str(u.weight_version) == "3" and u.flush_cache and not u.abort_all_requests
     with pytest.raises(sglang_protocol.ProtocolError, match="model_path"):
         sglang_protocol.decode_body(body({}), sglang_protocol.UpdateFromDiskIn)
-    d = sglang_protocol.decode_body(body({"names": ["a"], "dtypes": [], "shapes": [[1]]}),
-                                    sglang_protocol.UpdateFromDistributedIn)
+    d = sglang_protocol.decode_body(
+        body({"names": ["a"], "dtypes": [], "shapes": [[1]]}), sglang_protocol.UpdateFromDistributedIn
+    )
     with pytest.raises(sglang_protocol.ProtocolError, match="equal lengths"):
         d.check()
 
@@ -429,8 +537,14 @@ def test_incremental_text_never_splits_a_character_and_matches_full_decode():
     acc = sglang_protocol.Accumulator(req, bt)
     seen = []
     for k, t in enumerate(ids):
-        acc.add(EngineChunk(rid="r", new_ids=[t], new_logprobs=[],
-                            finish_reason={"type": "length", "length": len(ids)} if k == len(ids) - 1 else None))
+        acc.add(
+            EngineChunk(
+                rid="r",
+                new_ids=[t],
+                new_logprobs=[],
+                finish_reason={"type": "length", "length": len(ids)} if k == len(ids) - 1 else None,
+            )
+        )
         text = acc.text()
         assert "\ufffd" not in text and final.startswith(text)
         seen.append(text)
@@ -438,16 +552,23 @@ def test_incremental_text_never_splits_a_character_and_matches_full_decode():
 
 
 def test_streamed_completion_logprobs_have_running_text_offsets(tok):
-    plan = openai_requests.parse_completion(body({"prompt": "ab", "max_tokens": 4, "logprobs": 0, "echo": True}),
-                                            tok, LIMITS)
+    plan = openai_requests.parse_completion(
+        body({"prompt": "ab", "max_tokens": 4, "logprobs": 0, "echo": True}), tok, LIMITS
+    )
     req = plan.requests[0]
     acc = sglang_protocol.Accumulator(req, tok)
     st = openai_responses.StreamDelta()
     offsets, texts = [], []
     for k, tid in enumerate(tok.encode("wxyz")):
-        acc.add(EngineChunk(rid=req.rid, new_ids=[tid], new_logprobs=[-1.0],
-                            input_logprobs=[None, -0.5] if k == 0 else None,
-                            finish_reason={"type": "length", "length": 4} if k == 3 else None))
+        acc.add(
+            EngineChunk(
+                rid=req.rid,
+                new_ids=[tid],
+                new_logprobs=[-1.0],
+                input_logprobs=[None, -0.5] if k == 0 else None,
+                finish_reason={"type": "length", "length": 4} if k == 3 else None,
+            )
+        )
         ev = openai_responses.completion_chunk(plan, 0, acc, st, "m", "id", 0)
         offsets += ev["choices"][0]["logprobs"]["text_offset"]
         texts.append(ev["choices"][0]["text"])
@@ -468,8 +589,10 @@ def test_priority_per_request_or_per_item(tok):
 def test_weight_version_spans_mark_where_the_version_changed(tok):
     acc = sglang_protocol.Accumulator(_req(tok), tok)
     assert acc.meta_info()["weight_version_spans"] == []  # no output yet
-    chunks = [EngineChunk(rid="r1", new_ids=ids, new_logprobs=[], weight_version=v)
-              for ids, v in [([], "3"), ([5, 6], "3"), ([7], "3"), ([], "4"), ([8, 9, 10], "4"), ([11], "5")]]
+    chunks = [
+        EngineChunk(rid="r1", new_ids=ids, new_logprobs=[], weight_version=v)
+        for ids, v in [([], "3"), ([5, 6], "3"), ([7], "3"), ([], "4"), ([8, 9, 10], "4"), ([11], "5")]
+    ]
     seen = []
     for ch in chunks:
         acc.add(ch)
@@ -477,8 +600,11 @@ def test_weight_version_spans_mark_where_the_version_changed(tok):
     # an empty chunk never opens a span; the same version continues the last one; offsets index output_ids
     assert seen == [[], [[0, "3"]], [[0, "3"]], [[0, "3"]], [[0, "3"], [3, "4"]], [[0, "3"], [3, "4"], [6, "5"]]]
     assert acc.output_ids == [5, 6, 7, 8, 9, 10, 11]
-    acc.add(EngineChunk(rid="r1", new_ids=[], new_logprobs=[], weight_version="6",
-                        finish_reason={"type": "abort", "message": "x"}))
+    acc.add(
+        EngineChunk(
+            rid="r1", new_ids=[], new_logprobs=[], weight_version="6", finish_reason={"type": "abort", "message": "x"}
+        )
+    )
     meta = acc.meta_info()
     assert meta["weight_version"] == "6" and meta["weight_version_spans"][-1] == [6, "5"]
     meta["weight_version_spans"][0][1] = "changed"  # the response holds copies

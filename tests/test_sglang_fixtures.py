@@ -42,14 +42,21 @@ class Replay:
         self.runner: web.AppRunner | None = None
         self.url = ""
 
-    async def start(self) -> "Replay":
+    async def start(self) -> Replay:
         app = web.Application()
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/get_server_info", self._server_info)
         app.router.add_get("/get_model_info", self._model_info)
-        for name in ("pause_generation", "continue_generation", "update_weights_from_disk",
-                     "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
-                     "abort_request", "flush_cache"):
+        for name in (
+            "pause_generation",
+            "continue_generation",
+            "update_weights_from_disk",
+            "init_weights_update_group",
+            "update_weights_from_distributed",
+            "destroy_weights_update_group",
+            "abort_request",
+            "flush_cache",
+        ):
             app.router.add_post("/" + name, self._admin(name))
         app.router.add_get("/health", self._admin("health"))
         self.runner = web.AppRunner(app)
@@ -171,16 +178,22 @@ async def test_admin_calls_read_sglang_answers(replay):
             await c.update_weights_from_disk("/ckpt/v9", 9)
         replay.variant.clear()
 
-        await c.init_weights_update_group("10.0.0.2", 29500, ranks_per_server=[2], group_name="g1",
-                                          backend="nccl")
+        await c.init_weights_update_group("10.0.0.2", 29500, ranks_per_server=[2], group_name="g1", backend="nccl")
         init = next(body for n, body in replay.admin_calls if n == "init_weights_update_group")
-        assert init == {"master_address": "10.0.0.2", "master_port": 29500, "rank_offset": 1, "world_size": 3,
-                        "group_name": "g1", "backend": "nccl"}
+        assert init == {
+            "master_address": "10.0.0.2",
+            "master_port": 29500,
+            "rank_offset": 1,
+            "world_size": 3,
+            "group_name": "g1",
+            "backend": "nccl",
+        }
         replay.variant["init_weights_update_group"] = "init_weights_update_group_failed"
         with pytest.raises(AdminError, match="timed out"):
             await c.init_weights_update_group("10.0.0.2", 29500, group_name="g2", backend="nccl")
-        assert await c.destroy_weights_update_group("g1") == {replay.url: {
-            "success": True, "message": "Succeeded to destroy custom process group."}}
+        assert await c.destroy_weights_update_group("g1") == {
+            replay.url: {"success": True, "message": "Succeeded to destroy custom process group."}
+        }
         replay.variant["destroy_weights_update_group"] = "destroy_weights_update_group_missing"
         assert await c.destroy_weights_update_group("g1", [replay.url]) == {replay.url: None}  # already gone
 

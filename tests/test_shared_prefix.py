@@ -11,8 +11,12 @@ import torch
 from areal_async.testing.reference import load_model, reference_logprobs
 from areal_async.train.logprobs import rows_forward_logprobs
 from areal_async.train.packing import family_slots, pack_family_micro_batches
-from areal_async.train.shared_prefix import (plan_families, shared_prefix_forward_logprobs, shared_prefix_savings,
-                                             supports_shared_prefix)
+from areal_async.train.shared_prefix import (
+    plan_families,
+    shared_prefix_forward_logprobs,
+    shared_prefix_savings,
+    supports_shared_prefix,
+)
 
 
 def _batch(vocab: int, seed: int = 0) -> tuple[list[torch.Tensor], list[int]]:
@@ -33,10 +37,16 @@ def _batch(vocab: int, seed: int = 0) -> tuple[list[torch.Tensor], list[int]]:
 
 
 def test_plan_families_shares_within_groups_only():
-    ids = [[5, 6, 7, 8], [5, 6, 7, 9, 9], [5, 6, 3],  # group 0: common prefix [5, 6]
-           [4, 4, 4], [4, 4],  # group 1: the short member caps the prefix at its length - 1
-           [5, 6, 7, 8],  # group 2: same tokens as group 0's first, but another group: alone
-           [2, 3], [3, 3]]  # group 3: nothing in common: each alone
+    ids = [
+        [5, 6, 7, 8],
+        [5, 6, 7, 9, 9],
+        [5, 6, 3],  # group 0: common prefix [5, 6]
+        [4, 4, 4],
+        [4, 4],  # group 1: the short member caps the prefix at its length - 1
+        [5, 6, 7, 8],  # group 2: same tokens as group 0's first, but another group: alone
+        [2, 3],
+        [3, 3],
+    ]  # group 3: nothing in common: each alone
     groups = [0, 0, 0, 1, 1, 2, 3, 3]
     lens = [len(s) for s in ids]
     fam, pre = plan_families(np.array([t for s in ids for t in s]), lens, groups)
@@ -61,8 +71,9 @@ def test_shared_prefix_equals_each_sequence_alone(tiny_ckpts_all_archs, arch):
     assert shared_prefix_savings(fam, pre) > 0 and len(set(fam)) < len(lens)
     temp = 0.7
     with torch.no_grad():
-        logp, ent = shared_prefix_forward_logprobs(model, ids, lens, fam, pre, temperature=temp,
-                                                   compute_entropy=True, chunk_tokens=5)
+        logp, ent = shared_prefix_forward_logprobs(
+            model, ids, lens, fam, pre, temperature=temp, compute_entropy=True, chunk_tokens=5
+        )
         ref_lp, ref_ent = reference_logprobs(model, seqs, temp)
     assert logp.dtype == torch.float32 and logp.shape == (sum(lens),)
     torch.testing.assert_close(logp, ref_lp, atol=1e-5, rtol=0)
@@ -206,9 +217,17 @@ def test_auto_layout_shares_prompts_only_where_it_pays(tiny_ckpt):
             for r in lens:
                 p = prompt if shared else rng.integers(2, 90, prompt_len).tolist()
                 n = prompt_len + r
-                trajs.append(Trajectory(input_ids=p + rng.integers(2, 90, r).tolist(),
-                                        loss_mask=[0] * prompt_len + [1] * r, logprobs=[0.0] * n, versions=[0] * n,
-                                        reward=0.0, group_id=g, prompt_len=prompt_len))
+                trajs.append(
+                    Trajectory(
+                        input_ids=p + rng.integers(2, 90, r).tolist(),
+                        loss_mask=[0] * prompt_len + [1] * r,
+                        logprobs=[0.0] * n,
+                        versions=[0] * n,
+                        reward=0.0,
+                        group_id=g,
+                        prompt_len=prompt_len,
+                    )
+                )
         batch = pack_trajectories(trajs, 0, sum(t.response_len for t in trajs), len(trajs))
         return decode_shard(batch, 100, torch.device("cpu"))
 

@@ -31,9 +31,9 @@ import warnings
 import pytest
 
 from areal_async.config import ConfigError, load_config
-from areal_async.net.registry import route_address
 from areal_async.launch.sbatch import classify_reason, render_sbatch
 from areal_async.launch.slurm import Allocation, check_allocation, expand_counts, place
+from areal_async.net.registry import route_address
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the job-name token of this pytest session (conftest.py exports it before any test runs)
@@ -46,9 +46,19 @@ START_SLURM = os.path.join(REPO, ".ci", "start_slurm.sh")
 # takes minutes), never a speed bar
 pytestmark = pytest.mark.timeout(2400)
 
-SMALL = ["schedule.batch_size=4", "rollout.group_size=4", "eval.num_prompts=8", "eval.max_new_tokens=16",
-         "data.num_train=200", "data.num_eval=8", "schedule.eval_every=0", "server.max_total_tokens=16384",
-         "train.micro_batch_tokens=1024", "server.device=cpu", "train.device=cpu"]
+SMALL = [
+    "schedule.batch_size=4",
+    "rollout.group_size=4",
+    "eval.num_prompts=8",
+    "eval.max_new_tokens=16",
+    "data.num_train=200",
+    "data.num_eval=8",
+    "schedule.eval_every=0",
+    "server.max_total_tokens=16384",
+    "train.micro_batch_tokens=1024",
+    "server.device=cpu",
+    "train.device=cpu",
+]
 
 
 # ---- the cluster ----------------------------------------------------------------------------------------------
@@ -108,14 +118,17 @@ def _slurm_cluster() -> None:
     message = f"NO SLURM ON THIS MACHINE, the Slurm launcher is untested: {reason}"
     if os.environ.get("AREAL_REQUIRE_SLURM") == "1":
         pytest.fail(message)
-    warnings.warn(message)
+    warnings.warn(message, stacklevel=2)
     pytest.skip(message)
 
 
 def session_jobs() -> list[str]:
     """The ids of this session's jobs still listed (any state)."""
-    return [line.split()[0] for line in squeue("--format", "%i %j").splitlines()
-            if len(line.split()) == 2 and line.split()[1].startswith(JOB_PREFIX)]
+    return [
+        line.split()[0]
+        for line in squeue("--format", "%i %j").splitlines()
+        if len(line.split()) == 2 and line.split()[1].startswith(JOB_PREFIX)
+    ]
 
 
 def cancel_session_jobs() -> list[str]:
@@ -134,7 +147,7 @@ def slurm(_slurm_cluster: None):
     failed half-way (its job still running, holding the node's CPUs) does not make the next ones fail too."""
     left = cancel_session_jobs()
     if left:
-        warnings.warn(f"jobs {left} of an earlier test were still there; cancelled")
+        warnings.warn(f"jobs {left} of an earlier test were still there; cancelled", stacklevel=2)
     _wait_for_responding_node()
     yield
     cancel_session_jobs()
@@ -146,8 +159,14 @@ def clean_env() -> dict[str, str]:
 
 
 def cli(args: list[str], timeout: float = HANG_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "areal_async.run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or clean_env(), cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "areal_async.run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or clean_env(),
+        cwd=REPO,
+    )
 
 
 def squeue(*args: str) -> str:
@@ -206,16 +225,18 @@ def host_address() -> str:
 def run_dir_and_name(tmp_path, label: str) -> tuple[str, str]:
     """A run directory and the name of the job that runs it: the launcher names a job `areal-<run_dir's name>`,
     so the directory's name carries the session's token."""
-    base = f"{JOB_PREFIX[len('areal-'):]}{label}-{secrets.token_hex(3)}"
+    base = f"{JOB_PREFIX[len('areal-') :]}{label}-{secrets.token_hex(3)}"
     return str(tmp_path / base), f"areal-{base}"
 
 
 def wait_node_state(node: str, want: str) -> None:
     """Slurm moves a node through states (drain: `draining` while a job still runs there, then `drained`):
     wait for the one a test relies on."""
+
     def state() -> str:
         p = subprocess.run(["sinfo", "-h", "-n", node, "-N", "-o", "%T"], capture_output=True, text=True, timeout=30)
         return p.stdout.strip()
+
     wait_until(lambda: state() == want, HANG_S, f"node {node} {want} (sinfo says {state()!r})")
 
 
@@ -229,9 +250,18 @@ def submitted_run(_slurm_cluster, tmp_path_factory):
     run_dir, name = run_dir_and_name(tmp_path_factory.mktemp("slurm"), "e2e")
     try:
         # --mem-per-cpu: the job exports SLURM_MEM_PER_CPU, which the steps' srun must not inherit next to --mem=0
-        p = cli(["launcher=slurm", f"run_dir={run_dir}", "total_steps=3", *SMALL, "server.host=0.0.0.0",
-                 "server.api_key=test-key", f"slurm.controller_address={host_address()}",
-                 "slurm.sbatch_args=[--mem-per-cpu=200M]"])
+        p = cli(
+            [
+                "launcher=slurm",
+                f"run_dir={run_dir}",
+                "total_steps=3",
+                *SMALL,
+                "server.host=0.0.0.0",
+                "server.api_key=test-key",
+                f"slurm.controller_address={host_address()}",
+                "slurm.sbatch_args=[--mem-per-cpu=200M]",
+            ]
+        )
     except subprocess.TimeoutExpired:  # the submitting command is killed, its job is not: cancel it
         cancel_session_jobs()
         raise
@@ -268,8 +298,9 @@ def test_submitted_run_trains_in_srun_steps_and_leaves_nothing(submitted_run):
     assert "signal received; shutting down" in server_log and "Killed" not in server_log  # scancel --signal=TERM
     with open(os.path.join(run_dir, "logs", "trainer.log")) as f:
         assert "rank 0/1 serving" in f.read()
-    assert re.search(rf"registered rank0 at tcp://{re.escape(host_address())}:\d+ .*Slurm step {steps['trainer']}",
-                     run_log)
+    assert re.search(
+        rf"registered rank0 at tcp://{re.escape(host_address())}:\d+ .*Slurm step {steps['trainer']}", run_log
+    )
     assert_nothing_left(run_dir, job, name)
     assert not os.path.exists(os.path.join(run_dir, "trainer", "rank0.json"))
 
@@ -311,10 +342,26 @@ def _ready(run_dir: str) -> bool:
 def test_interrupted_run_in_an_allocation_leaves_nothing(slurm, tmp_path, sig):
     """salloc ... python -m areal_async.run launcher=slurm: the controller is signalled mid-training."""
     run_dir, name = run_dir_and_name(tmp_path, sig.name.lower())
-    proc = subprocess.Popen(["salloc", f"--job-name={name}", "--ntasks=1", "--cpus-per-task=6", sys.executable,
-                             "-m", "areal_async.run", "launcher=slurm", f"run_dir={run_dir}", "total_steps=10000",
-                             *SMALL], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
-                            cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            "salloc",
+            f"--job-name={name}",
+            "--ntasks=1",
+            "--cpus-per-task=6",
+            sys.executable,
+            "-m",
+            "areal_async.run",
+            "launcher=slurm",
+            f"run_dir={run_dir}",
+            "total_steps=10000",
+            *SMALL,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(),
+        cwd=REPO,
+    )
     try:
         wait_until(lambda: _trained(run_dir) or proc.poll() is not None, HANG_S, "a train step")
         assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -335,9 +382,14 @@ def test_interrupted_run_in_an_allocation_leaves_nothing(slurm, tmp_path, sig):
 @pytest.mark.slow
 def test_ctrl_c_of_the_following_command_cancels_the_job(slurm, tmp_path):
     run_dir, name = run_dir_and_name(tmp_path, "follow")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", "launcher=slurm", f"run_dir={run_dir}",
-                             "total_steps=10000", *SMALL], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=clean_env(), cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_async.run", "launcher=slurm", f"run_dir={run_dir}", "total_steps=10000", *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(),
+        cwd=REPO,
+    )
     try:  # interrupted once servers and trainers are up (the runs above are interrupted mid-training)
         wait_until(lambda: _ready(run_dir) or proc.poll() is not None, HANG_S, "the run's servers and trainers")
         assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -389,9 +441,22 @@ def test_job_whose_nodes_never_come_up_fails_within_the_node_timeout(slurm, tmp_
     resv = f"areal_test_{secrets.token_hex(3)}"
     # ignore_jobs: without it Slurm refuses a reservation of nodes a job is running on ("Requested nodes are
     # busy"), which on a shared or slower cluster (a job of another test still ending) is common
-    made = subprocess.run(["scontrol", "create", "reservation", f"ReservationName={resv}", "StartTime=now",
-                           "Duration=30", "Nodes=ALL", "Users=nobody", "Flags=maint,ignore_jobs"],
-                          capture_output=True, text=True, timeout=60)
+    made = subprocess.run(
+        [
+            "scontrol",
+            "create",
+            "reservation",
+            f"ReservationName={resv}",
+            "StartTime=now",
+            "Duration=30",
+            "Nodes=ALL",
+            "Users=nobody",
+            "Flags=maint,ignore_jobs",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     try:
         assert made.returncode == 0, f"scontrol create reservation failed: {made.stderr or made.stdout}"
         shown = subprocess.run(["scontrol", "show", "reservation", resv], capture_output=True, text=True, timeout=30)
@@ -408,22 +473,32 @@ def test_job_whose_nodes_never_come_up_fails_within_the_node_timeout(slurm, tmp_
 def test_step_that_cannot_be_created_fails_within_the_node_timeout(slurm, tmp_path):
     """An allocation of 4 CPUs, 2 of them held by another step: one of the run's steps (2 CPUs each) waits."""
     run_dir, name = run_dir_and_name(tmp_path, "busy")
-    alloc = subprocess.run(["salloc", "--no-shell", f"--job-name={name}", "--ntasks=1", "--cpus-per-task=4"],
-                           capture_output=True, text=True, timeout=HANG_S)
+    alloc = subprocess.run(
+        ["salloc", "--no-shell", f"--job-name={name}", "--ntasks=1", "--cpus-per-task=4"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     job = re.search(r"Granted job allocation (\d+)", alloc.stderr).group(1)
     # the blocker outlives any wait of the test (it is killed, and the allocation cancelled, at the end)
-    blocker = subprocess.Popen(["srun", f"--jobid={job}", "--exact", "--ntasks=1", "--cpus-per-task=2",
-                                "--job-name=blocker", "sleep", "3600"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=clean_env())
+    blocker = subprocess.Popen(
+        ["srun", f"--jobid={job}", "--exact", "--ntasks=1", "--cpus-per-task=2", "--job-name=blocker", "sleep", "3600"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=clean_env(),
+    )
     try:
         wait_until(lambda: "blocker" in steps_of(job), HANG_S, "the blocking step")
-        p = cli(["launcher=slurm", f"run_dir={run_dir}", "slurm.node_timeout_s=8"],
-                env={**clean_env(), "SLURM_JOB_ID": job})
+        p = cli(
+            ["launcher=slurm", f"run_dir={run_dir}", "slurm.node_timeout_s=8"], env={**clean_env(), "SLURM_JOB_ID": job}
+        )
         assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
-        assert re.search(r"(trainer|server0): Slurm did not create its step within 8s \(slurm.node_timeout_s\)",
-                         p.stdout), p.stdout[-3000:]
-        assert re.search(rf"job {job} holds 4 CPUs on \S+; its running steps: {job}\.\d+ blocker \(2 CPUs",
-                         p.stdout), p.stdout[-3000:]
+        assert re.search(
+            r"(trainer|server0): Slurm did not create its step within 8s \(slurm.node_timeout_s\)", p.stdout
+        ), p.stdout[-3000:]
+        assert re.search(rf"job {job} holds 4 CPUs on \S+; its running steps: {job}\.\d+ blocker \(2 CPUs", p.stdout), (
+            p.stdout[-3000:]
+        )
         # ours are gone; the blocker (not ours) is still there
         wait_until(lambda: "areal." not in steps_of(job), HANG_S, "the run's steps gone")
         assert "blocker" in steps_of(job)
@@ -458,27 +533,52 @@ def cfg(*overrides: str):
 
 
 def test_paper_split_two_nodes_of_eight_gpus():
-    c = cfg("server.backend=sglang", "server.num_servers=12", "server.host=0.0.0.0", "server.api_key=k",
-            "slurm.gpus_per_node=8", "train.nnodes=2", "train.nproc=2", "slurm.nodes=2")
+    c = cfg(
+        "server.backend=sglang",
+        "server.num_servers=12",
+        "server.host=0.0.0.0",
+        "server.api_key=k",
+        "slurm.gpus_per_node=8",
+        "train.nnodes=2",
+        "train.nproc=2",
+        "slurm.nodes=2",
+    )
     p = place(c, ["g1", "g2"], controller_node="g1")
     assert p.server_nodes == ["g1"] * 6 + ["g2"] * 6 and p.trainer_nodes == ["g1", "g2"]
     assert p.needs("g1") == p.needs("g2") == (6 * 2 + 2 * 2, 8)
     with pytest.raises(ConfigError, match=r"^slurm.gpus_per_node: the steps on g1 need 9 GPUs"):
-        place(cfg("server.backend=sglang", "server.num_servers=14", "server.host=0.0.0.0", "server.api_key=k",
-                  "slurm.gpus_per_node=8", "train.nnodes=2", "train.nproc=2"), ["g1", "g2"], controller_node="g1")
+        place(
+            cfg(
+                "server.backend=sglang",
+                "server.num_servers=14",
+                "server.host=0.0.0.0",
+                "server.api_key=k",
+                "slurm.gpus_per_node=8",
+                "train.nnodes=2",
+                "train.nproc=2",
+            ),
+            ["g1", "g2"],
+            controller_node="g1",
+        )
 
 
-@pytest.mark.parametrize("overrides,nodes,key", [
-    (["train.nnodes=2"], ["a"], "train.nnodes"),
-    (["server.num_servers=2"], ["a", "b"], "server.host"),  # server1 on b, bound to loopback
-    (["server.num_servers=3", "slurm.servers_per_node=1", "server.host=0.0.0.0", "server.api_key=k"], ["a", "b"],
-     "slurm.servers_per_node"),
-    (["server.num_servers=2", "server.host=0.0.0.0"], ["a", "b"], "server.api_key"),
-    (["server.backend=sglang"], ["a"], "slurm.gpus_per_node"),
-    (["train.cuda_visible_devices='1'"], ["a"], "train.cuda_visible_devices"),
-    (["train.torchrun_args=[--standalone]"], ["a"], "train.torchrun_args"),
-    (["slurm.nodes=3"], ["a", "b"], "slurm.nodes"),
-])
+@pytest.mark.parametrize(
+    "overrides,nodes,key",
+    [
+        (["train.nnodes=2"], ["a"], "train.nnodes"),
+        (["server.num_servers=2"], ["a", "b"], "server.host"),  # server1 on b, bound to loopback
+        (
+            ["server.num_servers=3", "slurm.servers_per_node=1", "server.host=0.0.0.0", "server.api_key=k"],
+            ["a", "b"],
+            "slurm.servers_per_node",
+        ),
+        (["server.num_servers=2", "server.host=0.0.0.0"], ["a", "b"], "server.api_key"),
+        (["server.backend=sglang"], ["a"], "slurm.gpus_per_node"),
+        (["train.cuda_visible_devices='1'"], ["a"], "train.cuda_visible_devices"),
+        (["train.torchrun_args=[--standalone]"], ["a"], "train.torchrun_args"),
+        (["slurm.nodes=3"], ["a", "b"], "slurm.nodes"),
+    ],
+)
 def test_impossible_layouts_name_the_key(overrides, nodes, key):
     with pytest.raises(ConfigError) as e:
         place(cfg(*overrides), nodes, controller_node="a")
@@ -493,20 +593,41 @@ def test_allocation_too_small_names_the_cpus():
 
 
 def test_batch_script_asks_for_what_the_steps_need(tmp_path):
-    c = cfg(f"run_dir={tmp_path / 'r'}", "slurm.partition=gpu", "slurm.gpus_per_node=8", "slurm.time_limit=2:00:00",
-            "server.num_servers=4", "server.host=0.0.0.0", "server.api_key=k", "train.nnodes=2",
-            "slurm.sbatch_args=[--exclusive]",
-            "slurm.setup=[module load cuda]")
-    script = render_sbatch(c, config_path="configs/default.yaml", overrides=["launcher=slurm", "slurm.detach=true"],
-                           cwd=str(tmp_path), python="/venv/bin/python")
+    c = cfg(
+        f"run_dir={tmp_path / 'r'}",
+        "slurm.partition=gpu",
+        "slurm.gpus_per_node=8",
+        "slurm.time_limit=2:00:00",
+        "server.num_servers=4",
+        "server.host=0.0.0.0",
+        "server.api_key=k",
+        "train.nnodes=2",
+        "slurm.sbatch_args=[--exclusive]",
+        "slurm.setup=[module load cuda]",
+    )
+    script = render_sbatch(
+        c,
+        config_path="configs/default.yaml",
+        overrides=["launcher=slurm", "slurm.detach=true"],
+        cwd=str(tmp_path),
+        python="/venv/bin/python",
+    )
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
-    for want in ("--nodes=2", "--gres=gpu:8", "--partition=gpu", "--time=0-02:00:00", "--exclusive",
-                 "--cpus-per-task=8", f"--output={tmp_path / 'r'}/logs/slurm-%j.out"):  # 2 servers x 2 + 2 + 2
+    for want in (
+        "--nodes=2",
+        "--gres=gpu:8",
+        "--partition=gpu",
+        "--time=0-02:00:00",
+        "--exclusive",
+        "--cpus-per-task=8",
+        f"--output={tmp_path / 'r'}/logs/slurm-%j.out",
+    ):  # 2 servers x 2 + 2 + 2
         assert f"#SBATCH {want}" in lines, (want, script)
     assert "module load cuda" in lines and f"cd {tmp_path}" in lines
-    assert lines[-1] == f"exec /venv/bin/python -m areal_async.run --config {tmp_path}/configs/default.yaml " \
-                        "launcher=slurm"
+    assert (
+        lines[-1] == f"exec /venv/bin/python -m areal_async.run --config {tmp_path}/configs/default.yaml launcher=slurm"
+    )
     assert "slurm.detach" not in script  # the job itself never detaches
 
 
@@ -534,8 +655,12 @@ def test_model_dtype_reaches_the_servers_in_slurm_steps():
     for backend, extra in (("embedded", []), ("sglang", ["slurm.gpus_per_node=2"])):
         c = cfg(f"server.backend={backend}", "model.dtype=bfloat16", *extra)
         procs = Recorder()
-        cluster = SimpleNamespace(processes=procs, alloc=SimpleNamespace(job_id="7"), step_name=lambda n: n,
-                                  registry=SimpleNamespace(env=lambda: {}))
+        cluster = SimpleNamespace(
+            processes=procs,
+            alloc=SimpleNamespace(job_id="7"),
+            step_name=lambda n: n,
+            registry=SimpleNamespace(env=lambda: {}),
+        )
         SlurmLauncher._start_servers(cluster, c, place(c, ["a"], controller_node="a"), "/m", b"s")
         (cmd,) = procs.cmds
         assert cmd[cmd.index("--dtype") + 1] == "bfloat16", (backend, cmd)
@@ -544,8 +669,10 @@ def test_model_dtype_reaches_the_servers_in_slurm_steps():
 def test_slurm_helpers():
     assert expand_counts("16") == [16] and expand_counts("8(x2),4") == [8, 8, 4]
     assert classify_reason("PartitionNodeLimit") == "cannot_start"
-    assert classify_reason("Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority "
-                           "partitions") == "nodes_unavailable"
+    assert (
+        classify_reason("Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority partitions")
+        == "nodes_unavailable"
+    )
     assert classify_reason("ReqNodeNotAvail, UnavailableNodes:n1") == "nodes_unavailable"
     assert classify_reason("Resources") == classify_reason("Priority") == "wait"
     with pytest.raises(ConfigError, match="^launcher: slurm runs inside an allocation"):
@@ -553,10 +680,16 @@ def test_slurm_helpers():
 
 
 def test_launch_modules_import_no_torch():
-    mods = ["areal_async.launch.slurm", "areal_async.launch.sbatch", "areal_async.net.registry",
-            "areal_async.launch.step"]
-    code = ("import json, sys\nfor m in sys.argv[1:]: __import__(m)\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))")
+    mods = [
+        "areal_async.launch.slurm",
+        "areal_async.launch.sbatch",
+        "areal_async.net.registry",
+        "areal_async.launch.step",
+    ]
+    code = (
+        "import json, sys\nfor m in sys.argv[1:]: __import__(m)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))"
+    )
     p = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == []

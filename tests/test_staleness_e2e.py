@@ -30,7 +30,7 @@ from areal_async.rollout.controller import AsyncRLController, RunState, Schedule
 from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.workflow_api import trajectory_from_generation
 from areal_async.train.client import TrainerGroup
-from areal_async.types import SamplingParams, Sample, Trajectory
+from areal_async.types import Sample, SamplingParams, Trajectory
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
 
@@ -55,16 +55,26 @@ class StragglerWorkflow:
         i = next(self.calls)
         t0 = time.monotonic()
         prompt = [5 + (7 * sample.id + j) % 60 for j in range(6 + sample.id % 5)]
-        gens = await asyncio.gather(*(
-            client.agenerate(prompt, SamplingParams(max_new_tokens=96 if (i + k) % 2 else 8, temperature=1.0,
-                                                    ignore_eos=True), session_key=f"s{i}")
-            for k in range(GROUP)))
+        gens = await asyncio.gather(
+            *(
+                client.agenerate(
+                    prompt,
+                    SamplingParams(max_new_tokens=96 if (i + k) % 2 else 8, temperature=1.0, ignore_eos=True),
+                    session_key=f"s{i}",
+                )
+                for k in range(GROUP)
+            )
+        )
         if B <= i < (self.eta + 1) * B:
             self.slow_started += 1
             while self.version() < self.first_version + self.eta and time.monotonic() - t0 < self.slow_timeout_s:
                 await asyncio.sleep(0.05)
-        return [trajectory_from_generation(prompt, g, reward=float(k), group_id=0, finish=g.finish_reason,
-                                           interruptions=g.num_interruptions) for k, g in enumerate(gens)]
+        return [
+            trajectory_from_generation(
+                prompt, g, reward=float(k), group_id=0, finish=g.finish_reason, interruptions=g.num_interruptions
+            )
+            for k, g in enumerate(gens)
+        ]
 
 
 class RecordingTrainer:
@@ -76,8 +86,9 @@ class RecordingTrainer:
         self.batches: list[tuple[int, list[list[int]]]] = []
 
     async def train_step(self, trajectories: list[Trajectory], policy_version: int):
-        self.batches.append((policy_version, [[ver for m, ver in zip(t.loss_mask, t.versions) if m]
-                                              for t in trajectories]))
+        self.batches.append(
+            (policy_version, [[ver for m, ver in zip(t.loss_mask, t.versions) if m] for t in trajectories])
+        )
         return await self.group.train_step(trajectories, policy_version)
 
     def __getattr__(self, name: str):  # publish, save_checkpoint, broadcast_weights
@@ -92,8 +103,9 @@ async def stack(tiny_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("staleness_e2e")
     secret = secrets.token_bytes(32)
     launcher = Launcher(str(root / "run"))
-    child = launcher.start_trainers(model=tiny_ckpt, nproc=1, config_json=json.dumps(CFG), seed=0,
-                                    secret_hex=secret.hex(), torch_threads=1)
+    child = launcher.start_trainers(
+        model=tiny_ckpt, nproc=1, config_json=json.dumps(CFG), seed=0, secret_hex=secret.hex(), torch_threads=1
+    )
     server = client = group = None
     try:
         server = await start_server(tiny_ckpt, port=0, device="cpu", max_total_tokens=16384)
@@ -125,10 +137,18 @@ async def run_with_stragglers(stack, eta: int, steps: int) -> tuple[RecordingTra
     first = stack["version"][0]  # the servers and the trainer are at this version
     trainer = RecordingTrainer(stack["group"])
     workflow = StragglerWorkflow(eta, first, slow_timeout_s=3.0)
-    sched = ScheduleConfig(batch_size=B, total_steps=first + steps, eta=eta, max_concurrent_groups=64,
-                           interruptible=True, eval_every=0)
-    ctrl = AsyncRLController(sched, stack["client"], trainer, workflow, SampleStream(SAMPLES, seed=eta),
-                             stack["run_dir"], state=RunState(version=first))
+    sched = ScheduleConfig(
+        batch_size=B, total_steps=first + steps, eta=eta, max_concurrent_groups=64, interruptible=True, eval_every=0
+    )
+    ctrl = AsyncRLController(
+        sched,
+        stack["client"],
+        trainer,
+        workflow,
+        SampleStream(SAMPLES, seed=eta),
+        stack["run_dir"],
+        state=RunState(version=first),
+    )
     workflow.version = lambda: ctrl.state.version
     await asyncio.wait_for(ctrl.run(), 150)
     stack["version"][0] = ctrl.state.version

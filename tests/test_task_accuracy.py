@@ -19,14 +19,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(240)
 def test_task_accuracy_greedy_and_sampled(tmp_path, tiny_ckpt):
     out = tmp_path / "acc.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "task_accuracy.py"), "--model", tiny_ckpt,
-           "--datasets", "arith,word_problems", "--reward", "arith", "--num", "6", "--max-new-tokens", "6",
-           "--no-chat-template", "--threads", "1", "--samples", "3", "--temperature", "1.0", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "task_accuracy.py"),
+        "--model",
+        tiny_ckpt,
+        "--datasets",
+        "arith,word_problems",
+        "--reward",
+        "arith",
+        "--num",
+        "6",
+        "--max-new-tokens",
+        "6",
+        "--no-chat-template",
+        "--threads",
+        "1",
+        "--samples",
+        "3",
+        "--temperature",
+        "1.0",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["model_dir"] == tiny_ckpt and [r["dataset"] for r in report["results"]] == ["arith",
-                                                                                               "word_problems"]
+    assert report["model_dir"] == tiny_ckpt and [r["dataset"] for r in report["results"]] == ["arith", "word_problems"]
     for res in report["results"]:
         rows = res["samples"]
         assert res["num"] == len(rows) == 6 and all(len(r["completions"]) == 3 for r in rows)

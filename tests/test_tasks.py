@@ -104,34 +104,40 @@ def test_spec_validation():
 # ---- answers and reward ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("12+3=15\n#### 15", "15"),
-    ("#### 1,200", "1200"),
-    ("####-7", "-7"),
-    ("#### 07", "7"),
-    ("#### 2.50", "2.5"),
-    ("#### 3\n#### 4", "4"),  # only the last answer counts
-    ("the answer is 15", None),
-    ("####", None),
-    ("#### abc", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("12+3=15\n#### 15", "15"),
+        ("#### 1,200", "1200"),
+        ("####-7", "-7"),
+        ("#### 07", "7"),
+        ("#### 2.50", "2.5"),
+        ("#### 3\n#### 4", "4"),  # only the last answer counts
+        ("the answer is 15", None),
+        ("####", None),
+        ("#### abc", None),
+        ("", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert arith.extract_answer(text) == expected
 
 
-@pytest.mark.parametrize("completion,answer,expected", [
-    ("3+4=7\n#### 7", "7", 1.0),
-    ("3+4=8\n#### 8", "7", 0.0),
-    ("#### 7", "Janet has 3+4=<<3+4=7>>7 eggs.\n#### 7", 1.0),  # GSM8K-style reference
-    ("#### 1200", "1,200", 1.0),
-    ("#### 7.0", "7", 1.0),
-    ("7", "7", 0.0),  # no final-answer line
-    ("####" * 1000, "7", 0.0),
-    ("\x00\xff garbage #### \n", "7", 0.0),
-    ("#### 7", "not a number", 0.0),
-    ("#### 7", "", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("3+4=7\n#### 7", "7", 1.0),
+        ("3+4=8\n#### 8", "7", 0.0),
+        ("#### 7", "Janet has 3+4=<<3+4=7>>7 eggs.\n#### 7", 1.0),  # GSM8K-style reference
+        ("#### 1200", "1,200", 1.0),
+        ("#### 7.0", "7", 1.0),
+        ("7", "7", 0.0),  # no final-answer line
+        ("####" * 1000, "7", 0.0),
+        ("\x00\xff garbage #### \n", "7", 0.0),
+        ("#### 7", "not a number", 0.0),
+        ("#### 7", "", 0.0),
+    ],
+)
 def test_reward(completion, answer, expected):
     assert arith.reward(completion, answer) == expected
 
@@ -165,8 +171,10 @@ def _write_jsonl(path, records) -> str:
 
 
 def _gsm_records(n: int) -> list[dict]:
-    return [{"question": f"What is {i}+1?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}",
-             "level": i % 3} for i in range(n)]
+    return [
+        {"question": f"What is {i}+1?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}", "level": i % 3}
+        for i in range(n)
+    ]
 
 
 def test_jsonl_with_eval_file(tmp_path):
@@ -196,11 +204,14 @@ def test_jsonl_held_out_slice_is_seeded_and_disjoint(tmp_path):
 
 
 def test_jsonl_chat_prompts_numeric_answers_and_blank_lines(tmp_path):
-    path = _write_jsonl(tmp_path / "chat.jsonl", [
-        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], "answer": 4},
-        "",
-        {"prompt": "3+3?", "answer": "6"},
-    ])
+    path = _write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], "answer": 4},
+            "",
+            {"prompt": "3+3?", "answer": "6"},
+        ],
+    )
     eval_path = _write_jsonl(tmp_path / "e.jsonl", [{"prompt": "1+1?", "answer": 2.5}])
     train, evals = load_samples(DataConfig(name=path, eval_path=eval_path, apply_chat_template=True))
     assert train[0].messages[1] == {"role": "user", "content": "2+2?"} and train[0].prompt == "2+2?"
@@ -209,15 +220,18 @@ def test_jsonl_chat_prompts_numeric_answers_and_blank_lines(tmp_path):
 
 
 def test_jsonl_malformed_records_are_all_reported(tmp_path):
-    path = _write_jsonl(tmp_path / "bad.jsonl", [
-        {"prompt": "ok", "answer": "1"},
-        "{not json",
-        {"prompt": "no answer"},
-        {"prompt": 5, "answer": "1"},
-        "[1, 2]",
-        {"prompt": "ok", "answer": {"x": 1}},
-        {"prompt": "ok", "answer": None},
-    ])
+    path = _write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"prompt": "ok", "answer": "1"},
+            "{not json",
+            {"prompt": "no answer"},
+            {"prompt": 5, "answer": "1"},
+            "[1, 2]",
+            {"prompt": "ok", "answer": {"x": 1}},
+            {"prompt": "ok", "answer": None},
+        ],
+    )
     with pytest.raises(DatasetError) as e:
         load_samples(DataConfig(name=path, eval_path=path))
     msg = str(e.value)
@@ -242,8 +256,9 @@ def test_parquet_loading_and_errors(tmp_path):
     import pyarrow.parquet as pq
 
     good = tmp_path / "d.parquet"
-    pq.write_table(pa.table({"q": [f"p{i}" for i in range(20)], "a": [str(i) for i in range(20)],
-                             "src": ["x"] * 20}), good)
+    pq.write_table(
+        pa.table({"q": [f"p{i}" for i in range(20)], "a": [str(i) for i in range(20)], "src": ["x"] * 20}), good
+    )
     train, evals = load_samples(DataConfig(name=str(good), prompt_key="q", answer_key="a", num_eval=5))
     assert len(evals) == 2 and len(train) == 18
     assert {s.prompt for s in train + evals} == {f"p{i}" for i in range(20)}
@@ -309,8 +324,14 @@ def _parse(prompt: str, group: str) -> tuple[str, tuple[int, ...]]:
 
 def _solve(prompt: str, group: str) -> tuple[str, int]:
     """(kind, answer) of a prompt, computed from its text alone."""
-    solve = {"add": lambda a, b, c: a + b, "sub": lambda a, b, c: a - b, "mul": lambda a, b, c: a * b,
-             "div": lambda a, b, c: a / b, "add_sub": lambda a, b, c: a + b - c, "mul_add": lambda a, b, c: a * b + c}
+    solve = {
+        "add": lambda a, b, c: a + b,
+        "sub": lambda a, b, c: a - b,
+        "mul": lambda a, b, c: a * b,
+        "div": lambda a, b, c: a / b,
+        "add_sub": lambda a, b, c: a + b - c,
+        "mul_add": lambda a, b, c: a * b + c,
+    }
     kind, nums = _parse(prompt, group)
     value = solve[kind](nums[0], nums[1], nums[2] if len(nums) > 2 else 0)
     assert value == int(value) and value >= 0, prompt
@@ -340,8 +361,9 @@ def test_word_problems_held_out_problems_never_appear_in_training():
 
 def test_word_problems_eval_and_other_pose_the_same_problems_and_are_deterministic():
     e, o = wp.generate(200, 3, "eval"), wp.generate(200, 3, "other")
-    assert [(s.answer, s.meta["kind"], s.meta["level"]) for s in e] == \
-        [(s.answer, s.meta["kind"], s.meta["level"]) for s in o]
+    assert [(s.answer, s.meta["kind"], s.meta["level"]) for s in e] == [
+        (s.answer, s.meta["kind"], s.meta["level"]) for s in o
+    ]
     assert len({s.prompt for s in e}) == len({s.prompt for s in o}) == 200
     assert [s.prompt for s in wp.generate(200, 3, "eval")] == [s.prompt for s in e]
     assert [s.prompt for s in wp.generate(200, 4, "eval")] != [s.prompt for s in e]
@@ -365,8 +387,9 @@ def test_word_problems_datasets_and_the_math_reward():
     from areal_async.rewards.math import math_reward
 
     train, evals = load_samples(DataConfig(name="word_problems", num_train=50, num_eval=20, apply_chat_template=True))
-    train2, other = load_samples(DataConfig(name="word_problems_other", num_train=50, num_eval=20,
-                                            apply_chat_template=True))
+    train2, other = load_samples(
+        DataConfig(name="word_problems_other", num_train=50, num_eval=20, apply_chat_template=True)
+    )
     assert [s.prompt for s in train] == [s.prompt for s in train2] and len(evals) == len(other) == 20
     assert [s.answer for s in evals] == [s.answer for s in other]
     assert {s.prompt for s in evals}.isdisjoint(s.prompt for s in other)

@@ -29,27 +29,40 @@ CONVERSATION = [
     {"role": "assistant", "content": "42."},
     {"role": "user", "content": "And 42 * 2? Ünï 😀"},
 ]
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two numbers — exactly.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                   "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers — exactly.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 
 # Templates of our own, each using features real templates use (Qwen, Llama 3, DeepSeek, Mistral styles).
 TEMPLATES = {
     "loop_controls": (
         "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
         "{% if loop.index > 3 %}{% break %}{% endif %}[{{ loop.index }}/{{ loop.length }}{{ '*' if loop.last }}]"
-        "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"),
+        "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    ),
     "namespace": (
         "{% set ns = namespace(system='', n=0, last_user=-1) %}"
         "{% for m in messages %}{% if m.role == 'system' %}{% set ns.system = m.content %}{% endif %}"
         "{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% set ns.n = ns.n + 1 %}"
-        "{% endfor %}SYS={{ ns.system }} N={{ ns.n }} LAST={{ ns.last_user }}"),
+        "{% endfor %}SYS={{ ns.system }} N={{ ns.n }} LAST={{ ns.last_user }}"
+    ),
     "tools_tojson": (
         "{%- if tools %}<tools>\n{% for t in tools %}{{ t | tojson }}\n{{ t | tojson(indent=2) }}\n"
         "{{ t.function | tojson(separators=(',', ':'), sort_keys=true) }}\n{{ t | tojson(ensure_ascii=true) }}\n"
         "{% endfor %}</tools>\n{%- endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>"
-        "{% endfor %}"),
+        "{% endfor %}"
+    ),
     "trim_lstrip": (
         "{% for message in messages %}\n"
         "    {% if message['role'] == 'user' %}\n"
@@ -58,30 +71,36 @@ TEMPLATES = {
         "        <|{{ message['role'] }}|>\n{{ message['content'] }}\n"
         "    {%- endif %}\n"
         "{% endfor %}\n"
-        "{% if add_generation_prompt %}\n    <|assistant|>\n{% endif %}\n"),
+        "{% if add_generation_prompt %}\n    <|assistant|>\n{% endif %}\n"
+    ),
     "special_tokens_and_kwargs": (
         "{{ bos_token }}{% for m in messages %}{{ m.role | upper }}: {{ m.content }}{{ eos_token }}{% endfor %}"
         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}"
-        "{{ pad_token ~ '|' ~ (custom_var | default('none')) }}"),
+        "{{ pad_token ~ '|' ~ (custom_var | default('none')) }}"
+    ),
     "dict_and_strings": (
         "{% set roles = dict(user='U', assistant='A', system='S') %}{% for m in messages %}"
         "{{ roles[m.role] }}{{ m.content.split(' ') | length }}:{{ m.content.strip().lower() }}"
         "{{ '!' if m.content.startswith('What') }}{{ m.content | replace('?', '¿') }};{% endfor %}"
-        "{% for k, v in roles.items() | sort %}{{ k }}={{ v }}{% endfor %}"),
+        "{% for k, v in roles.items() | sort %}{{ k }}={{ v }}{% endfor %}"
+    ),
     "reasoning_and_none": (
         "{% for m in messages %}{{ m.role }}"
         "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
         "{% if 'content' in m %}{{ m.content }}{% else %}(no content){% endif %}"
         "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}<call>{{ c.function.name }}"
-        "{{ c.function.arguments | tojson }}</call>{% endfor %}{% endif %}\n{% endfor %}"),
+        "{{ c.function.arguments | tojson }}</call>{% endfor %}{% endif %}\n{% endfor %}"
+    ),
     "documents": (
         "{% if documents %}{% for d in documents %}[{{ loop.index }}] {{ d.title }}: {{ d.text }}\n{% endfor %}"
-        "{% endif %}{% for m in messages %}{{ m.content }}\n{% endfor %}"),
+        "{% endif %}{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    ),
     "generation": (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n"
         "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}"
         "{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
     "strftime": "Today is {{ strftime_now('%d %B %Y') }}.{% for m in messages %} {{ m.content }}{% endfor %}",
 }
 
@@ -161,17 +180,25 @@ def test_feature_templates_render_as_transformers(smollm2, hf_smollm2, name, gen
     msgs = [dict(m) for m in CONVERSATION]
     kwargs: dict = {}
     if name == "reasoning_and_none":
-        msgs += [{"role": "assistant", "content": None, "reasoning": "12 * 2 = 84?",
-                  "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
-                 {"role": "tool", "content": "3"}]
+        msgs += [
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning": "12 * 2 = 84?",
+                "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+            },
+            {"role": "tool", "content": "3"},
+        ]
     if name == "special_tokens_and_kwargs":
         kwargs = {"enable_thinking": False, "custom_var": "x"}
     docs = [{"title": "Doc A", "text": "alpha"}, {"title": "Doc B", "text": "béta"}] if name == "documents" else None
     tools = TOOLS if name == "tools_tojson" else None
-    want = hf_smollm2.apply_chat_template(msgs, chat_template=src, tools=tools, documents=docs, tokenize=False,
-                                          add_generation_prompt=gen, **kwargs)
-    got = tok.apply_chat_template(msgs, chat_template=src, tools=tools, documents=docs, tokenize=False,
-                                  add_generation_prompt=gen, **kwargs)
+    want = hf_smollm2.apply_chat_template(
+        msgs, chat_template=src, tools=tools, documents=docs, tokenize=False, add_generation_prompt=gen, **kwargs
+    )
+    got = tok.apply_chat_template(
+        msgs, chat_template=src, tools=tools, documents=docs, tokenize=False, add_generation_prompt=gen, **kwargs
+    )
     assert got == want
     assert got.strip()  # each template renders something
 
@@ -180,12 +207,15 @@ def test_kwargs_override_special_tokens_and_continue_final_message(smollm2, hf_s
     tok = Tokenizer(smollm2)
     src = TEMPLATES["special_tokens_and_kwargs"]
     for kw in ({"eos_token": "<END>"}, {"bos_token": ""}):
-        assert tok.apply_chat_template(CONVERSATION, chat_template=src, tokenize=False, **kw) == \
-            hf_smollm2.apply_chat_template(CONVERSATION, chat_template=src, tokenize=False, **kw)
+        assert tok.apply_chat_template(
+            CONVERSATION, chat_template=src, tokenize=False, **kw
+        ) == hf_smollm2.apply_chat_template(CONVERSATION, chat_template=src, tokenize=False, **kw)
     prefill = CONVERSATION + [{"role": "assistant", "content": "Let me think: 42 * 2 = "}]
     want = hf_smollm2.apply_chat_template(prefill, continue_final_message=True, tokenize=False)
-    assert tok.apply_chat_template(prefill, continue_final_message=True, add_generation_prompt=False,
-                                   tokenize=False) == want
+    assert (
+        tok.apply_chat_template(prefill, continue_final_message=True, add_generation_prompt=False, tokenize=False)
+        == want
+    )
     assert want.endswith("42 * 2 = ") and "<|im_end|>" not in want[-12:]
     with pytest.raises(ValueError, match="not compatible"):
         tok.apply_chat_template(prefill, continue_final_message=True, add_generation_prompt=True)
@@ -195,10 +225,12 @@ def test_generation_blocks_give_the_same_assistant_mask_as_transformers(smollm2,
     tok = Tokenizer(smollm2)
     msgs = CONVERSATION + [{"role": "assistant", "content": "84, since 42 * 2 = 84."}]
     src = TEMPLATES["generation"]
-    want = hf_smollm2.apply_chat_template(msgs, chat_template=src, return_assistant_tokens_mask=True,
-                                          return_dict=True, add_generation_prompt=False)
-    got = tok.apply_chat_template(msgs, chat_template=src, return_assistant_tokens_mask=True,
-                                  add_generation_prompt=False)
+    want = hf_smollm2.apply_chat_template(
+        msgs, chat_template=src, return_assistant_tokens_mask=True, return_dict=True, add_generation_prompt=False
+    )
+    got = tok.apply_chat_template(
+        msgs, chat_template=src, return_assistant_tokens_mask=True, add_generation_prompt=False
+    )
     assert got["input_ids"] == list(want["input_ids"])
     assert got["assistant_masks"] == list(want["assistant_masks"])
     masked = [i for i, m in zip(got["input_ids"], got["assistant_masks"]) if m]
@@ -209,8 +241,10 @@ def test_template_errors_match_transformers(smollm2, hf_smollm2):
     import jinja2
 
     tok = Tokenizer(smollm2)
-    src = ("{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with a user message') }}"
-           "{% endif %}ok")
+    src = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with a user message') }}"
+        "{% endif %}ok"
+    )
     with pytest.raises(jinja2.TemplateError, match="must start with a user"):
         hf_smollm2.apply_chat_template(CONVERSATION, chat_template=src, tokenize=False)
     with pytest.raises(ChatTemplateError, match="must start with a user"):
@@ -232,8 +266,10 @@ def _render_both(path: str, **kw) -> tuple[str, str]:
     import transformers
 
     hf = transformers.AutoTokenizer.from_pretrained(path)
-    return (Tokenizer(path).apply_chat_template(CONVERSATION, tokenize=False, **kw),
-            hf.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True, **kw))
+    return (
+        Tokenizer(path).apply_chat_template(CONVERSATION, tokenize=False, **kw),
+        hf.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True, **kw),
+    )
 
 
 def test_template_layouts_read_as_transformers_reads_them(smollm2, tmp_path):
@@ -250,8 +286,7 @@ def test_template_layouts_read_as_transformers_reads_them(smollm2, tmp_path):
     d = _copy_tokenizer(smollm2, str(tmp_path / "config_str"), template_file=False, config_template=real)
     assert _render_both(d) == (ours, ours)
     # tokenizer_config.json only, as a named list; "tool_use" is chosen when tools are given
-    named = [{"name": "default", "template": real},
-             {"name": "tool_use", "template": TEMPLATES["tools_tojson"]}]
+    named = [{"name": "default", "template": real}, {"name": "tool_use", "template": TEMPLATES["tools_tojson"]}]
     d = _copy_tokenizer(smollm2, str(tmp_path / "config_list"), template_file=False, config_template=named)
     assert _render_both(d) == (ours, ours)
     tool_ours, tool_theirs = _render_both(d, tools=TOOLS)
@@ -266,8 +301,12 @@ def test_template_layouts_read_as_transformers_reads_them(smollm2, tmp_path):
     assert _render_both(d) == (ours, ours)
     assert _render_both(d, tools=TOOLS) == (tool_ours, tool_ours)
     # named templates without a default: an error that lists the names (transformers refuses too)
-    d = _copy_tokenizer(smollm2, str(tmp_path / "no_default"), template_file=False,
-                        config_template=[{"name": "chatml", "template": real}])
+    d = _copy_tokenizer(
+        smollm2,
+        str(tmp_path / "no_default"),
+        template_file=False,
+        config_template=[{"name": "chatml", "template": real}],
+    )
     with pytest.raises(TokenizerError, match=r"none named 'default'; name one of \['chatml'\]"):
         Tokenizer(d).apply_chat_template(CONVERSATION)
     assert Tokenizer(d).apply_chat_template(CONVERSATION, chat_template="chatml", tokenize=False) == ours
@@ -297,13 +336,26 @@ def test_added_tokens_from_the_config_join_the_vocabulary(tmp_path, smollm2):
     cfg_path = os.path.join(d, "tokenizer_config.json")
     cfg = json.load(open(cfg_path))
     cfg["added_tokens_decoder"] = {
-        "49152": {"content": "<tool_call>", "special": False, "normalized": False, "lstrip": False,
-                  "rstrip": False, "single_word": False},
-        "49153": {"content": "<|reserved|>", "special": True, "normalized": False, "lstrip": False,
-                  "rstrip": False, "single_word": False}}
+        "49152": {
+            "content": "<tool_call>",
+            "special": False,
+            "normalized": False,
+            "lstrip": False,
+            "rstrip": False,
+            "single_word": False,
+        },
+        "49153": {
+            "content": "<|reserved|>",
+            "special": True,
+            "normalized": False,
+            "lstrip": False,
+            "rstrip": False,
+            "single_word": False,
+        },
+    }
     json.dump(cfg, open(cfg_path, "w"))
     ours, hf = Tokenizer(d), transformers.AutoTokenizer.from_pretrained(d)
-    text = "call <tool_call>{\"a\": 1}<|reserved|> done<|im_end|>"
+    text = 'call <tool_call>{"a": 1}<|reserved|> done<|im_end|>'
     assert ours.token_to_id("<tool_call>") == hf.convert_tokens_to_ids("<tool_call>") == 49152
     assert ours.encode(text) == hf(text, add_special_tokens=False).input_ids
     ids = ours.encode(text)
@@ -320,7 +372,8 @@ def test_char_tokenizer_parity(tiny_ckpt):
         assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
     msgs = [{"role": "user", "content": "Add 7 to 12 until above 50."}]
     assert ours.apply_chat_template(msgs, tokenize=False) == hf.apply_chat_template(
-        msgs, tokenize=False, add_generation_prompt=True)
+        msgs, tokenize=False, add_generation_prompt=True
+    )
 
 
 # ---- check_tokenizer ----------------------------------------------------------------------------------------------
@@ -336,8 +389,11 @@ def test_check_tokenizer_errors_name_the_path_and_what_is_missing(tmp_path, smol
         check_tokenizer(str(empty))
     d = _copy_tokenizer(smollm2, str(tmp_path / "no_template"), template_file=False, config_template=None)
     check_tokenizer(d, need_chat_template=False)  # plain-text prompts need no template
-    with pytest.raises(TokenizerError, match=r"no_template: the tokenizer has no chat template \(neither "
-                                             r"chat_template\.jinja nor a chat_template entry"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"no_template: the tokenizer has no chat template \(neither "
+        r"chat_template\.jinja nor a chat_template entry",
+    ):
         check_tokenizer(d, need_chat_template=True)
     d = _copy_tokenizer(smollm2, str(tmp_path / "bad_syntax"), config_template=None)
     with open(os.path.join(d, "chat_template.jinja"), "w") as f:
@@ -355,8 +411,11 @@ def test_check_tokenizer_errors_name_the_path_and_what_is_missing(tmp_path, smol
     with pytest.raises(TokenizerError, match=r"bad_json/tokenizer_config\.json: not valid JSON"):
         check_tokenizer(d)
     d = _copy_tokenizer(smollm2, str(tmp_path / "no_eos"))
-    for name, key in (("generation_config.json", "eos_token_id"), ("config.json", "eos_token_id"),
-                      ("tokenizer_config.json", "eos_token")):
+    for name, key in (
+        ("generation_config.json", "eos_token_id"),
+        ("config.json", "eos_token_id"),
+        ("tokenizer_config.json", "eos_token"),
+    ):
         p = os.path.join(d, name)
         cfg = json.load(open(p))
         cfg.pop(key, None)

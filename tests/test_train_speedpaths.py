@@ -81,10 +81,12 @@ def test_rows_equal_each_sequence_alone(tiny_ckpts_all_archs, arch):
     seqs = random_sequences(model.config.vocab_size, LENS)
     temp = 0.7
     with torch.no_grad():
-        logp, ent = rows_forward_logprobs(model, torch.cat(seqs), LENS, temperature=temp, compute_entropy=True,
-                                          chunk_tokens=5)
-        packed, packed_ent = packed_forward_logprobs(model, torch.cat(seqs), LENS, temperature=temp,
-                                                     compute_entropy=True)
+        logp, ent = rows_forward_logprobs(
+            model, torch.cat(seqs), LENS, temperature=temp, compute_entropy=True, chunk_tokens=5
+        )
+        packed, packed_ent = packed_forward_logprobs(
+            model, torch.cat(seqs), LENS, temperature=temp, compute_entropy=True
+        )
         ref_lp, ref_ent = reference_logprobs(model, seqs, temp)
     assert logp.dtype == torch.float32 and logp.shape == (sum(LENS),)
     torch.testing.assert_close(logp, ref_lp, atol=1e-5, rtol=0)
@@ -145,8 +147,17 @@ def test_rows_forward_edge_cases(tiny_ckpt):
 def engine_steps(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("speedpaths")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           os.path.join(ROOT, "tests", "train_speedpaths_job.py"), tiny_ckpt, str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--standalone",
+        os.path.join(ROOT, "tests", "train_speedpaths_job.py"),
+        tiny_ckpt,
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out / "results.json") as f:
@@ -190,8 +201,9 @@ def test_engine_fast_paths_take_the_same_step(engine_steps, tiny_ckpt):
     _assert_same_step(results, weights, "k1_packed_separate_entkl", "k1_auto_entkl")
     # (the reference model's pass ran: at the first step it equals the policy, so the KL itself is 0)
     assert results["k1_auto_entkl"]["stats"]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
-    assert max(float(np.abs(weights["k1_auto_entkl"][n] - weights["k1_auto"][n]).max())
-               for n in weights["k1_auto"]) > 1e-4  # the entropy bonus changed the step
+    assert (
+        max(float(np.abs(weights["k1_auto_entkl"][n] - weights["k1_auto"][n]).max()) for n in weights["k1_auto"]) > 1e-4
+    )  # the entropy bonus changed the step
     # the step did something these comparisons could miss
     base = load_file(os.path.join(tiny_ckpt, "model.safetensors"))
     moved = max(float(np.abs(weights[ref][n] - base[n]).max()) for n in base)
@@ -207,8 +219,13 @@ def test_engine_fast_paths_take_the_same_step(engine_steps, tiny_ckpt):
 def test_benchmark_quick(tmp_path):
     out = tmp_path / "ts.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--quick",
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--quick", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["s_per_step"] > 0 and result["layout"] == "prefix" and result["fold_prox"] is True

@@ -28,7 +28,7 @@ from areal_async.net.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.client import TrainerError, TrainerGroup, split_by_rank
 from areal_async.train.errors import BatchError, PeerBatchError, kind_of
 from areal_async.train.packing import pack_micro_batches
-from areal_async.types import Array, Trajectory, TrainStepRequest, TrainStepResult, pack_trajectories
+from areal_async.types import Array, TrainStepRequest, TrainStepResult, Trajectory, pack_trajectories
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -36,10 +36,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest
 # large enough that one step moves the weights far beyond the comparison tolerances, and a warmup, so that a
 # resumed run must restore the schedule too (lr x0.5 at step 1, x1 at step 2).
 # Pinned to the CPU (fp32 numerics are compared against transformers), also on a GPU host.
-CFG = {"device": "cpu", "ppo_minibatches": 2, "micro_batch_tokens": 40, "advantage": {"batch_norm": True},
-       "loss": {"behav_imp_weight_cap": 5.0, "eps_clip": 0.2},
-       "optim": {"lr": 1e-3, "grad_clip": 0.05, "eps": 1e-8, "schedule": "cosine", "warmup_steps": 2,
-                 "total_steps": 6, "min_lr_ratio": 0.1}}
+CFG = {
+    "device": "cpu",
+    "ppo_minibatches": 2,
+    "micro_batch_tokens": 40,
+    "advantage": {"batch_norm": True},
+    "loss": {"behav_imp_weight_cap": 5.0, "eps_clip": 0.2},
+    "optim": {
+        "lr": 1e-3,
+        "grad_clip": 0.05,
+        "eps": 1e-8,
+        "schedule": "cosine",
+        "warmup_steps": 2,
+        "total_steps": 6,
+        "min_lr_ratio": 0.1,
+    },
+}
 STEP1_LR = 0.5e-3  # warmup: (0 + 1) / 2 of the peak
 
 
@@ -53,8 +65,9 @@ class Job:
         self.name, self.nproc, self.secret = name, nproc, secret
         self.launcher = Processes(str(root / name))
         self.run_dir = self.launcher.run_dir
-        self.child = self.launcher.start_trainers(model=model, nproc=nproc, config_json=json.dumps(cfg), seed=3,
-                                                  secret_hex=secret.hex(), torch_threads=1)
+        self.child = self.launcher.start_trainers(
+            model=model, nproc=nproc, config_json=json.dumps(cfg), seed=3, secret_hex=secret.hex(), torch_threads=1
+        )
         self.proc = self.child.proc  # torchrun's agent
         self.group: TrainerGroup | None = None
 
@@ -123,8 +136,9 @@ def _seq_logp(model, ids: list[int]):
     return torch.cat([lp.new_zeros(1), lp])  # [T]
 
 
-def make_batch(model, rng: random.Random, group_lens: list[list[tuple[int, int]]], policy_version: int
-               ) -> list[Trajectory]:
+def make_batch(
+    model, rng: random.Random, group_lens: list[list[tuple[int, int]]], policy_version: int
+) -> list[Trajectory]:
     """Trajectories whose behaviour logprobs sit near the model's own (importance weights around 1), with a few
     tokens far below (weights beyond the cap of 5: masked), rewards varying within groups."""
     import torch
@@ -140,9 +154,17 @@ def make_batch(model, rng: random.Random, group_lens: list[list[tuple[int, int]]
                 off = -2.5 if rng.random() < 0.1 else rng.gauss(0.0, 0.2)
                 behav.append(lp[t] + off)
             versions = [-1] * prompt_len + [max(policy_version - rng.randrange(0, 2), 0)] * resp_len
-            trajs.append(Trajectory(input_ids=ids, loss_mask=[0] * prompt_len + [1] * resp_len, logprobs=behav,
-                                    versions=versions, reward=float(rng.randrange(0, 3)), group_id=100 + g,
-                                    prompt_len=prompt_len))
+            trajs.append(
+                Trajectory(
+                    input_ids=ids,
+                    loss_mask=[0] * prompt_len + [1] * resp_len,
+                    logprobs=behav,
+                    versions=versions,
+                    reward=float(rng.randrange(0, 3)),
+                    group_id=100 + g,
+                    prompt_len=prompt_len,
+                )
+            )
     return trajs
 
 
@@ -161,8 +183,7 @@ def reference_step(model, trajs: list[Trajectory], num_minibatches: int) -> dict
     import torch
 
     loss_cfg, opt_cfg = CFG["loss"], CFG["optim"]
-    opt = torch.optim.AdamW(model.parameters(), lr=STEP1_LR, betas=(0.9, 0.999), eps=opt_cfg["eps"],
-                            weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=STEP1_LR, betas=(0.9, 0.999), eps=opt_cfg["eps"], weight_decay=0.0)
     with torch.no_grad():
         prox = [_seq_logp(model, t.input_ids) for t in trajs]
     rewards = np.array([t.reward for t in trajs], dtype=np.float64)
@@ -200,8 +221,12 @@ def reference_step(model, trajs: list[Trajectory], num_minibatches: int) -> dict
         opt.zero_grad()
         losses.append(float(loss.detach()))
         norms.append(norm)
-    return {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)), "grad_norms": norms,
-            "weights": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}}
+    return {
+        "loss": float(np.mean(losses)),
+        "grad_norm": float(np.mean(norms)),
+        "grad_norms": norms,
+        "weights": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
+    }
 
 
 def load_weights(path: str) -> dict[str, np.ndarray]:
@@ -261,8 +286,9 @@ async def trained(jobs, tiny_ckpt, secret):
         ra, rb = await asyncio.gather(a.group.train_step(batches[step], step), b.group.train_step(batches[step], step))
         out["A"].append(ra)
         out["B"].append(rb)
-        pa, pb = await asyncio.gather(a.group.publish(step + 1, str(root / "pubA")),
-                                      b.group.publish(step + 1, str(root / "pubB"), keep=5))
+        pa, pb = await asyncio.gather(
+            a.group.publish(step + 1, str(root / "pubA")), b.group.publish(step + 1, str(root / "pubB"), keep=5)
+        )
         out["pub"]["A"].append(load_weights(pa.path))
         out["pub"]["B"].append(load_weights(pb.path))
         if step == 0:
@@ -306,14 +332,25 @@ async def test_two_ranks_match_one_rank(trained):
     shards = split_by_rank(batch1, 2)
     lens = [[len(t.input_ids) for t in s] for s in shards]
     assert sum(lens[0]) != sum(lens[1])
-    assert len(pack_micro_batches(lens[0], CFG["micro_batch_tokens"])) != \
-        len(pack_micro_batches(lens[1], CFG["micro_batch_tokens"]))
+    assert len(pack_micro_batches(lens[0], CFG["micro_batch_tokens"])) != len(
+        pack_micro_batches(lens[1], CFG["micro_batch_tokens"])
+    )
     assert [len(s) for s in split_by_rank(trained["batches"][2], 2)] == [4, 0]
     for step in range(3):
         sa, sb = trained["A"][step].stats, trained["B"][step].stats
         assert trained["B"][step].version == step + 1
-        for key in ("loss", "grad_norm", "clip_frac", "imp_weight_mean", "imp_weight_max", "entropy",
-                    "staleness_mean", "adv_abs_mean", "response_tokens", "num_seqs"):
+        for key in (
+            "loss",
+            "grad_norm",
+            "clip_frac",
+            "imp_weight_mean",
+            "imp_weight_max",
+            "entropy",
+            "staleness_mean",
+            "adv_abs_mean",
+            "response_tokens",
+            "num_seqs",
+        ):
             assert sb[key] == pytest.approx(sa[key], rel=1e-5, abs=1e-6), (step, key)
         assert max_diff(trained["pub"]["A"][step], trained["pub"]["B"][step]) < 1e-5, step
     # step 2 mixes tokens of versions 0 and 1 at policy version 1
@@ -395,8 +432,10 @@ async def test_bad_batches_are_rejected_on_every_rank(trained, jobs):
     ids = reqs[1].batch.input_ids.to_numpy().copy()
     ids[3] = 10_000
     reqs[1] = TrainStepRequest(batch=msgspec.structs.replace(reqs[1].batch, input_ids=Array.from_numpy(ids)))
-    results = await asyncio.gather(*(cl.call("train_step", r, TrainStepResult, timeout=60)
-                                     for cl, r in zip(group.clients, reqs)), return_exceptions=True)
+    results = await asyncio.gather(
+        *(cl.call("train_step", r, TrainStepResult, timeout=60) for cl, r in zip(group.clients, reqs)),
+        return_exceptions=True,
+    )
     assert all(isinstance(r, RpcError) and r.remote_type.endswith("BatchError") for r in results), results
     assert "token ids must be in [0, 100)" in results[1].remote_message
     assert "another trainer rank" in results[0].remote_message
@@ -407,10 +446,13 @@ async def test_bad_batches_are_rejected_on_every_rank(trained, jobs):
     # a wrong dtype on the wire (rank 0 only), and a batch for another policy version
     n0 = len(reqs[0].batch.input_ids.to_numpy())
     reqs[1] = TrainStepRequest(batch=pack_trajectories(shards[1], v, total, len(good)))
-    reqs[0] = TrainStepRequest(batch=msgspec.structs.replace(
-        reqs[0].batch, logprobs=Array.from_numpy(np.zeros(n0, dtype=np.float64))))
-    results = await asyncio.gather(*(cl.call("train_step", r, TrainStepResult, timeout=60)
-                                     for cl, r in zip(group.clients, reqs)), return_exceptions=True)
+    reqs[0] = TrainStepRequest(
+        batch=msgspec.structs.replace(reqs[0].batch, logprobs=Array.from_numpy(np.zeros(n0, dtype=np.float64)))
+    )
+    results = await asyncio.gather(
+        *(cl.call("train_step", r, TrainStepResult, timeout=60) for cl, r in zip(group.clients, reqs)),
+        return_exceptions=True,
+    )
     assert "batch.logprobs: dtype must be float32" in results[0].remote_message
     assert isinstance(results[1], RpcError)
     with pytest.raises(TrainerError, match="policy_version") as info:
@@ -445,8 +487,10 @@ async def test_episode_weights_in_a_real_step(trained, jobs, tiny_ckpt):
     trajs = make_batch(_hf_model(tiny_ckpt), rng, [[(4, 6)] * 4, [(5, 5)] * 4, [(3, 8)] * 2], v)
     rewards = [1, 0, 0, 0, 2, 2, 0, 1, 0, 2]
     weights = [1, 1 / 3, 1 / 3, 1 / 3, 1 / 2, 1 / 2, 1, 1, None, None]  # None: no key (an ordinary workflow)
-    trajs = [msgspec.structs.replace(t, reward=float(r), info={} if w is None else {"episode_weight": w})
-             for t, r, w in zip(trajs, rewards, weights)]
+    trajs = [
+        msgspec.structs.replace(t, reward=float(r), info={} if w is None else {"episode_weight": w})
+        for t, r, w in zip(trajs, rewards, weights)
+    ]
     shards = split_by_rank(trajs, 2)
     assert all(any("episode_weight" in t.info for t in s) for s in shards)  # both ranks hold weighted groups
     gids = [t.group_id for t in trajs]
@@ -467,8 +511,10 @@ async def test_episode_weights_in_a_real_step(trained, jobs, tiny_ckpt):
     w1 = np.ones(len(shards[1]), dtype=np.float32)
     w1[-1] = 0.0
     reqs[1] = TrainStepRequest(batch=msgspec.structs.replace(reqs[1].batch, baseline_weights=Array.from_numpy(w1)))
-    results = await asyncio.gather(*(cl.call("train_step", r, TrainStepResult, timeout=60)
-                                     for cl, r in zip(group.clients, reqs)), return_exceptions=True)
+    results = await asyncio.gather(
+        *(cl.call("train_step", r, TrainStepResult, timeout=60) for cl, r in zip(group.clients, reqs)),
+        return_exceptions=True,
+    )
     assert kind_of(results[1].remote_type) is BatchError and kind_of(results[0].remote_type) is PeerBatchError
     assert "batch.baseline_weights: every weight must be finite and > 0" in results[1].remote_message
     assert [i.version for i in await group.info()] == [v, v]
@@ -530,7 +576,6 @@ async def test_shutdown_and_sigterm_exit_cleanly(tiny_ckpt, tmp_path, secret):
             if job.group is not None:
                 await job.group.close()
             job.kill()
-
 
 
 async def test_controller_side_is_torch_free():

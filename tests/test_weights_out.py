@@ -16,11 +16,11 @@ import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
+from error_bounds import checkpoint_logit_bound, gamma
 
 from areal_async.launch import Processes
 from areal_async.train.client import TrainerError, TrainerGroup
 from areal_async.types import Trajectory
-from error_bounds import checkpoint_logit_bound, gamma
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -28,8 +28,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest
 # proximal ones, plus an entropy bonus and a KL penalty to the frozen initial policy.
 ENTROPY_COEF, KL_COEF = 0.01, 0.1
 # pinned to the CPU: fp32 logprobs are compared, also on a GPU host
-CFG = {"device": "cpu", "micro_batch_tokens": 64, "optim": {"lr": 1e-3},
-       "loss": {"prox_logp": "behav", "entropy_coef": ENTROPY_COEF, "kl_coef": KL_COEF}}
+CFG = {
+    "device": "cpu",
+    "micro_batch_tokens": 64,
+    "optim": {"lr": 1e-3},
+    "loss": {"prox_logp": "behav", "entropy_coef": ENTROPY_COEF, "kl_coef": KL_COEF},
+}
 PROBES = [[3, 17, 42, 8, 64, 23, 5, 90, 31], [50, 2, 77, 13, 13, 60]]  # token sequences whose logprobs we compare
 
 
@@ -38,10 +42,17 @@ def make_batch(rng: random.Random, version: int) -> list[Trajectory]:
     for g in range(3):
         for _ in range(3):
             p, r = rng.randrange(3, 8), rng.randrange(4, 20)
-            trajs.append(Trajectory(input_ids=[rng.randrange(2, 100) for _ in range(p + r)],
-                                    loss_mask=[0] * p + [1] * r, logprobs=[0.0] * p + [-4.5] * r,
-                                    versions=[-1] * p + [version] * r, reward=float(rng.randrange(2)),
-                                    group_id=g, prompt_len=p))
+            trajs.append(
+                Trajectory(
+                    input_ids=[rng.randrange(2, 100) for _ in range(p + r)],
+                    loss_mask=[0] * p + [1] * r,
+                    logprobs=[0.0] * p + [-4.5] * r,
+                    versions=[-1] * p + [version] * r,
+                    reward=float(rng.randrange(2)),
+                    group_id=g,
+                    prompt_len=p,
+                )
+            )
     return trajs
 
 
@@ -65,8 +76,12 @@ async def server_logprobs(url: str) -> tuple[list[list[float]], str]:
     out, version = [], ""
     async with aiohttp.ClientSession() as s:
         for ids in PROBES:
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                    "logprob_start_len": 0}
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
             async with s.post(url + "/generate", json=body) as r:
                 assert r.status == 200, await r.text()
                 meta = (await r.json())["meta_info"]
@@ -96,8 +111,9 @@ async def setup(tiny_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("weights_out")
     secret = secrets.token_bytes(32)
     launcher = Processes(str(root / "run"))
-    child = launcher.start_trainers(model=tiny_ckpt, nproc=1, config_json=json.dumps(CFG), seed=1,
-                                    secret_hex=secret.hex(), torch_threads=1)
+    child = launcher.start_trainers(
+        model=tiny_ckpt, nproc=1, config_json=json.dumps(CFG), seed=1, secret_hex=secret.hex(), torch_threads=1
+    )
     server = client = group = None
     try:
         server = await start_server(tiny_ckpt, port=0, device="cpu")  # loads while the trainer loads
@@ -111,8 +127,16 @@ async def setup(tiny_ckpt, tmp_path_factory):
         group = connect.result()
         client = InferenceClient([server.url])
         initial = (await group.save_checkpoint(str(root / "initial"))).path  # version 0, for any test order
-        yield {"group": group, "server": server, "client": client, "root": root, "rng": random.Random(5),
-               "base": tiny_ckpt, "child": child, "initial": initial}
+        yield {
+            "group": group,
+            "server": server,
+            "client": client,
+            "root": root,
+            "rng": random.Random(5),
+            "base": tiny_ckpt,
+            "child": child,
+            "initial": initial,
+        }
     finally:
         if group is not None:
             try:
@@ -143,8 +167,9 @@ async def test_loss_options_enter_loss_and_stats(setup):
         # each term a token mean in fp32 over at most 9 x 27 = 243 tokens, summed in its own order: gamma(243)
         # relative to each term, plus the three roundings of the combination
         parts = abs(s["pg_loss"]) + KL_COEF * abs(s["kl_ref"]) + ENTROPY_COEF * abs(s["entropy"])
-        assert s["loss"] == pytest.approx(s["pg_loss"] + KL_COEF * s["kl_ref"] - ENTROPY_COEF * s["entropy"],
-                                          abs=gamma(243 + 3) * parts)
+        assert s["loss"] == pytest.approx(
+            s["pg_loss"] + KL_COEF * s["kl_ref"] - ENTROPY_COEF * s["entropy"], abs=gamma(243 + 3) * parts
+        )
 
 
 async def test_published_checkpoint_loads_everywhere_with_identical_logprobs(setup):
@@ -152,10 +177,17 @@ async def test_published_checkpoint_loads_everywhere_with_identical_logprobs(set
     await group.train_step(make_batch(setup["rng"], group.version), group.version)
     pub = await group.publish(group.version, str(root / "pub"))
     names = set(os.listdir(pub.path))
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "model.safetensors"} <= names
-    with open(os.path.join(setup["base"], "tokenizer_config.json")) as a, \
-            open(os.path.join(pub.path, "tokenizer_config.json")) as b:
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    } <= names
+    with (
+        open(os.path.join(setup["base"], "tokenizer_config.json")) as a,
+        open(os.path.join(pub.path, "tokenizer_config.json")) as b,
+    ):
         assert a.read() == b.read()  # copied byte for byte: chat template and special tokens cannot drift
     from safetensors import safe_open
 
@@ -249,8 +281,15 @@ async def test_sharded_publish_loads_in_transformers_and_engine_loader(tiny_ckpt
     from areal_async.train.publish import publish_hf
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
-    res = publish_hf(model, source_dir=tiny_ckpt, root=str(tmp_path), version=7, dtype=torch.float32,
-                     skip={"lm_head.weight"}, max_shard_bytes=40_000)
+    res = publish_hf(
+        model,
+        source_dir=tiny_ckpt,
+        root=str(tmp_path),
+        version=7,
+        dtype=torch.float32,
+        skip={"lm_head.weight"},
+        max_shard_bytes=40_000,
+    )
     files = sorted(f for f in os.listdir(res.path) if f.endswith(".safetensors"))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     with open(os.path.join(res.path, "model.safetensors.index.json")) as f:

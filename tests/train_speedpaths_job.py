@@ -21,8 +21,12 @@ import numpy as np
 # compares gradients; no clipping, so nothing hides a difference. Small micro-batches: several per rank.
 # CPU numerics are compared (fp32): pinned to the CPU, also on a GPU host (where "auto" would mean CUDA and bf16, with
 # both ranks on one device).
-BASE_CFG = {"device": "cpu", "micro_batch_tokens": 64, "loss": {"behav_imp_weight_cap": 5.0, "eps_clip": 0.2},
-            "optim": {"lr": 1.0, "eps": 1.0, "grad_clip": 0.0, "weight_decay": 0.0}}
+BASE_CFG = {
+    "device": "cpu",
+    "micro_batch_tokens": 64,
+    "loss": {"behav_imp_weight_cap": 5.0, "eps_clip": 0.2},
+    "optim": {"lr": 1.0, "eps": 1.0, "grad_clip": 0.0, "weight_decay": 0.0},
+}
 ENT_KL = {"entropy_coef": 0.2, "kl_coef": 0.1}  # entropy in the loss, and the frozen reference model's pass
 VARIANTS = {  # name -> (ppo_minibatches, layout, fold_prox, extra loss settings)
     "k1_packed_separate": (1, "packed", False, {}),  # the path before the speed-ups: the reference
@@ -53,10 +57,17 @@ def make_trajectories(vocab: int):
         for _ in range(4):
             r_len = int(rng.integers(2, 21))
             behav = (np.log(1.0 / vocab) + rng.normal(0.0, 0.3, r_len) - 3.0 * (rng.random(r_len) < 0.1)).tolist()
-            trajs.append(Trajectory(input_ids=prompt + rng.integers(2, vocab, r_len).tolist(),
-                                    loss_mask=[0] * p_len + [1] * r_len, logprobs=[0.0] * p_len + behav,
-                                    versions=[-1] * p_len + [0] * r_len, reward=float(rng.integers(0, 3)),
-                                    group_id=g, prompt_len=p_len))
+            trajs.append(
+                Trajectory(
+                    input_ids=prompt + rng.integers(2, vocab, r_len).tolist(),
+                    loss_mask=[0] * p_len + [1] * r_len,
+                    logprobs=[0.0] * p_len + behav,
+                    versions=[-1] * p_len + [0] * r_len,
+                    reward=float(rng.integers(0, 3)),
+                    group_id=g,
+                    prompt_len=p_len,
+                )
+            )
     return trajs
 
 
@@ -81,13 +92,17 @@ def main(model: str, out_dir: str) -> None:
         shard = split_by_rank(trajs, world)[rank]
         batch = pack_trajectories(shard, 0, sum(t.response_len for t in trajs), len(trajs))
         _, stats = engine.train_step(batch)
-        weights = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True,
-                                                                             cpu_offload=True))
+        weights = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
-            np.savez(os.path.join(out_dir, f"{name}.npz"),
-                     **{n: t.detach().float().numpy() for n, t in weights.items()})
-            results[name] = {"stats": stats, "layout": engine.layout, "step_layout": engine.last_step_layout,
-                             "shard_seqs": len(shard)}
+            np.savez(
+                os.path.join(out_dir, f"{name}.npz"), **{n: t.detach().float().numpy() for n, t in weights.items()}
+            )
+            results[name] = {
+                "stats": stats,
+                "layout": engine.layout,
+                "step_layout": engine.last_step_layout,
+                "shard_seqs": len(shard),
+            }
         del engine, weights
     if rank == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as f:

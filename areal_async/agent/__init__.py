@@ -6,5 +6,13 @@ from areal_async.agent.episode import CallRecord, Episode, ExportMode
 from areal_async.agent.openai_proxy import OpenAIProxy, PolicySampling, parse_tool_calls
 from areal_async.agent.workflow import AgentContext, AgentWorkflow
 
-__all__ = ["AgentContext", "AgentWorkflow", "CallRecord", "Episode", "ExportMode", "OpenAIProxy", "PolicySampling",
-           "parse_tool_calls"]
+__all__ = [
+    "AgentContext",
+    "AgentWorkflow",
+    "CallRecord",
+    "Episode",
+    "ExportMode",
+    "OpenAIProxy",
+    "PolicySampling",
+    "parse_tool_calls",
+]

@@ -105,7 +105,7 @@ class Episode:
         """True when every call's prompt extends the previous call's prompt + output, token for token."""
         for prev, cur in zip(self.calls, self.calls[1:]):
             seq = prev.prompt_ids + prev.output_ids
-            if len(cur.prompt_ids) < len(seq) or cur.prompt_ids[:len(seq)] != seq:
+            if len(cur.prompt_ids) < len(seq) or cur.prompt_ids[: len(seq)] != seq:
                 return False
         return True
 
@@ -115,8 +115,10 @@ class Episode:
         if mode not in ("auto", "concat", "per_call"):
             raise ValueError(f"unknown export mode {mode!r}")
         if not all(c.trainable for c in self.calls):
-            raise ValueError(f"episode {self.id} was not trainable: its calls were sampled as the agent asked, not "
-                             "at the policy's settings")
+            raise ValueError(
+                f"episode {self.id} was not trainable: its calls were sampled as the agent asked, not "
+                "at the policy's settings"
+            )
         temps = {c.temperature for c in self.calls}
         if len(temps) > 1:
             raise ValueError(f"episode {self.id}: calls were sampled at different temperatures {sorted(temps)}")
@@ -132,29 +134,64 @@ class Episode:
             out = []
             for i, c in enumerate(self.calls):
                 n_p, n_o = len(c.prompt_ids), len(c.output_ids)
-                out.append(Trajectory(
-                    input_ids=c.prompt_ids + c.output_ids, loss_mask=[0] * n_p + [1] * n_o,
-                    logprobs=[0.0] * n_p + c.output_logprobs, versions=[-1] * n_p + c.output_versions,
-                    reward=g[i], group_id=self.group_id, prompt_len=n_p,
-                    info={**base_info, "export": "per_call", "call": i, "finish": c.finish_reason,
-                          "episode_calls": len(self.calls), EPISODE_WEIGHT_KEY: 1.0 / len(self.calls)}))
+                out.append(
+                    Trajectory(
+                        input_ids=c.prompt_ids + c.output_ids,
+                        loss_mask=[0] * n_p + [1] * n_o,
+                        logprobs=[0.0] * n_p + c.output_logprobs,
+                        versions=[-1] * n_p + c.output_versions,
+                        reward=g[i],
+                        group_id=self.group_id,
+                        prompt_len=n_p,
+                        info={
+                            **base_info,
+                            "export": "per_call",
+                            "call": i,
+                            "finish": c.finish_reason,
+                            "episode_calls": len(self.calls),
+                            EPISODE_WEIGHT_KEY: 1.0 / len(self.calls),
+                        },
+                    )
+                )
             return out
         ids: list[int] = []
         mask: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
         for c in self.calls:
-            new_prompt = c.prompt_ids[len(ids):]  # everything since the last output: environment tokens
+            new_prompt = c.prompt_ids[len(ids) :]  # everything since the last output: environment tokens
             ids += new_prompt + c.output_ids
             mask += [0] * len(new_prompt) + [1] * len(c.output_ids)
             lps += [0.0] * len(new_prompt) + c.output_logprobs
             vers += [-1] * len(new_prompt) + c.output_versions
-        return [Trajectory(input_ids=ids, loss_mask=mask, logprobs=lps, versions=vers, reward=g[0],
-                           group_id=self.group_id, prompt_len=len(self.calls[0].prompt_ids),
-                           info={**base_info, "export": "concat", "finish": self.calls[-1].finish_reason})]
+        return [
+            Trajectory(
+                input_ids=ids,
+                loss_mask=mask,
+                logprobs=lps,
+                versions=vers,
+                reward=g[0],
+                group_id=self.group_id,
+                prompt_len=len(self.calls[0].prompt_ids),
+                info={**base_info, "export": "concat", "finish": self.calls[-1].finish_reason},
+            )
+        ]
 
     def summary(self) -> dict:
-        return {"id": self.id, "group_id": self.group_id, "calls": [
-            {"call_id": c.call_id, "kind": c.kind, "prompt_tokens": len(c.prompt_ids),
-             "completion_tokens": len(c.output_ids), "finish_reason": c.finish_reason, "reward": c.reward}
-            for c in self.calls], "episode_reward": self.episode_reward, "linear": self.is_linear()}
+        return {
+            "id": self.id,
+            "group_id": self.group_id,
+            "calls": [
+                {
+                    "call_id": c.call_id,
+                    "kind": c.kind,
+                    "prompt_tokens": len(c.prompt_ids),
+                    "completion_tokens": len(c.output_ids),
+                    "finish_reason": c.finish_reason,
+                    "reward": c.reward,
+                }
+                for c in self.calls
+            ],
+            "episode_reward": self.episode_reward,
+            "linear": self.is_linear(),
+        }

@@ -51,13 +51,12 @@ import msgspec
 from aiohttp import web
 
 from areal_async.agent.episode import CallRecord, Episode, ExportMode
-from areal_async.protocol import openai_requests
-from areal_async.protocol import openai_responses
+from areal_async.inference.transport import InferenceError
+from areal_async.protocol import openai_requests, openai_responses
 from areal_async.protocol.engine_api import EngineSampling
 from areal_async.protocol.sglang import Limits
-from areal_async.inference.transport import InferenceError
-from areal_async.rollout.workflow_api import Generator
 from areal_async.rollout.chat import ChatTokens
+from areal_async.rollout.workflow_api import Generator
 from areal_async.tokenizer import Tokenizer
 from areal_async.types import GenerationResult, SamplingParams, Trajectory
 
@@ -141,10 +140,15 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 def _same_message(a: dict, b: dict) -> bool:
     """Equal as far as the model is concerned: role, text, tool call names and arguments, tool_call_id."""
+
     def key(m: dict) -> tuple:
-        calls = tuple((tc.get("function", {}).get("name"), json.dumps(_args_obj(tc.get("function", {})
-                                                                                 .get("arguments")), sort_keys=True))
-                      for tc in (m.get("tool_calls") or []))
+        calls = tuple(
+            (
+                tc.get("function", {}).get("name"),
+                json.dumps(_args_obj(tc.get("function", {}).get("arguments")), sort_keys=True),
+            )
+            for tc in (m.get("tool_calls") or [])
+        )
         content = m.get("content")
         return (m.get("role"), (content if isinstance(content, str) else "").strip(), calls, m.get("tool_call_id"))
 
@@ -167,10 +171,19 @@ class _EpisodeState:
 class OpenAIProxy:
     """OpenAI-compatible HTTP front for a `Generator` (usually the controller's InferenceClient)."""
 
-    def __init__(self, generator: Generator | None, tokenizer: Tokenizer, *, model_name: str = "areal-policy",
-                 default_max_tokens: int = 512, max_context_tokens: int | None = None,
-                 require_known_episodes: bool = True, token_continuity: bool = True,
-                 policy: PolicySampling | None = None, sampling: SamplingMode = "enforce") -> None:
+    def __init__(
+        self,
+        generator: Generator | None,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str = "areal-policy",
+        default_max_tokens: int = 512,
+        max_context_tokens: int | None = None,
+        require_known_episodes: bool = True,
+        token_continuity: bool = True,
+        policy: PolicySampling | None = None,
+        sampling: SamplingMode = "enforce",
+    ) -> None:
         if sampling not in ("enforce", "reject"):
             raise ValueError(f"sampling must be 'enforce' or 'reject', got {sampling!r}")
         self.generator = generator
@@ -193,8 +206,15 @@ class OpenAIProxy:
 
     # ---- episodes (Python API) ---------------------------------------------------------------------------------
 
-    def start_episode(self, episode_id: str | None = None, *, generator: Generator | None = None,
-                      group_id: int = 0, meta: dict | None = None, trainable: bool = True) -> str:
+    def start_episode(
+        self,
+        episode_id: str | None = None,
+        *,
+        generator: Generator | None = None,
+        group_id: int = 0,
+        meta: dict | None = None,
+        trainable: bool = True,
+    ) -> str:
         """Open an episode and return its id (the API key the agent uses). `generator` overrides the proxy's own
         for this episode's calls (a workflow passes the controller's client here). A `trainable` episode is
         sampled with the proxy's `policy` settings (see the module docstring); others as the agent asks, and
@@ -216,8 +236,7 @@ class OpenAIProxy:
     def set_reward(self, episode_id: str, reward: float, call_id: str | None = None) -> None:
         self.episode(episode_id).set_reward(reward, call_id)
 
-    def finish_episode(self, episode_id: str, *, discount: float = 1.0, mode: ExportMode = "auto"
-                       ) -> list[Trajectory]:
+    def finish_episode(self, episode_id: str, *, discount: float = 1.0, mode: ExportMode = "auto") -> list[Trajectory]:
         """Close the episode and export it (see episode.py). Later calls with its id are refused."""
         ep = self.episode(episode_id)
         trajs = ep.to_trajectories(discount, mode)
@@ -266,7 +285,7 @@ class OpenAIProxy:
             self._runner = None
             self.url = None
 
-    async def __aenter__(self) -> "OpenAIProxy":
+    async def __aenter__(self) -> OpenAIProxy:
         if self._runner is None:
             await self.start()
         return self
@@ -323,8 +342,7 @@ class OpenAIProxy:
 
     # ---- sampling -----------------------------------------------------------------------------------------------
 
-    def _sampling(self, raw: bytes, s: EngineSampling, n: int, trainable: bool
-                  ) -> tuple[SamplingParams, list[str]]:
+    def _sampling(self, raw: bytes, s: EngineSampling, n: int, trainable: bool) -> tuple[SamplingParams, list[str]]:
         """The SamplingParams to generate with, and the keys the agent set that were overridden."""
         if not 1 <= n <= MAX_N:
             raise ProxyError(f"n must be in [1, {MAX_N}]", param="n")
@@ -340,49 +358,87 @@ class OpenAIProxy:
                 got = getattr(asked, key)
                 if got is not None and got != value:
                     if self.sampling_mode == "reject":
-                        raise ProxyError(f"{key}={got} differs from the policy's {key}={value}: trainable calls are "
-                                         "sampled as the trainer computes their logprobs", param=key)
+                        raise ProxyError(
+                            f"{key}={got} differs from the policy's {key}={value}: trainable calls are "
+                            "sampled as the trainer computes their logprobs",
+                            param=key,
+                        )
                     overridden.append(key)
             for key in overridden:
                 if key not in self._warned_override:
                     self._warned_override.add(key)
-                    log.warning("proxy: an agent asked for %s=%s; trainable calls are sampled with %s=%s",
-                                key, getattr(asked, key), key, want[key])
+                    log.warning(
+                        "proxy: an agent asked for %s=%s; trainable calls are sampled with %s=%s",
+                        key,
+                        getattr(asked, key),
+                        key,
+                        want[key],
+                    )
             temperature, top_p, top_k, min_p = p.temperature, p.top_p, p.top_k, p.min_p
         else:
             for key, neutral in _NEUTRAL.items():
                 if getattr(s, key) != neutral:
                     raise ProxyError(f"{key} is not supported by the proxy", param=key)
             temperature, top_p, top_k, min_p = s.temperature, s.top_p, s.top_k, s.min_p
-        return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              min_p=min_p, stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None,
-                              ignore_eos=s.ignore_eos, min_new_tokens=s.min_new_tokens,
-                              skip_special_tokens=s.skip_special_tokens), overridden
+        return SamplingParams(
+            max_new_tokens=s.max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            ignore_eos=s.ignore_eos,
+            min_new_tokens=s.min_new_tokens,
+            skip_special_tokens=s.skip_special_tokens,
+        ), overridden
 
-    async def _generate(self, st: _EpisodeState, prompts: list[list[int]], sp: SamplingParams
-                        ) -> list[GenerationResult]:
+    async def _generate(
+        self, st: _EpisodeState, prompts: list[list[int]], sp: SamplingParams
+    ) -> list[GenerationResult]:
         gen = st.generator or self.generator
         if gen is None:
             raise ProxyError("the proxy has no generator for this episode", 500)
         return list(await asyncio.gather(*(gen.agenerate(list(p), sp, session_key=st.episode.id) for p in prompts)))
 
     def _views(self, gens: list[GenerationResult], s: EngineSampling) -> list[openai_responses.GenerationChoice]:
-        return [openai_responses.GenerationChoice(g, self.tok, skip_special_tokens=s.skip_special_tokens,
-                                                  no_stop_trim=s.no_stop_trim, token_texts=self._token_texts)
-                for g in gens]
+        return [
+            openai_responses.GenerationChoice(
+                g,
+                self.tok,
+                skip_special_tokens=s.skip_special_tokens,
+                no_stop_trim=s.no_stop_trim,
+                token_texts=self._token_texts,
+            )
+            for g in gens
+        ]
 
-    def _extras(self, body: dict, gens: list[GenerationResult], sp: SamplingParams, overridden: list[str],
-                trainable: bool, continued: str | None = None) -> None:
-        areal: dict[str, Any] = {"weight_versions": sorted({v for g in gens for v in g.output_versions}),
-                                 "trainable": trainable, "overridden": overridden,
-                                 "sampling": {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-                                              "min_p": sp.min_p}}
+    def _extras(
+        self,
+        body: dict,
+        gens: list[GenerationResult],
+        sp: SamplingParams,
+        overridden: list[str],
+        trainable: bool,
+        continued: str | None = None,
+    ) -> None:
+        areal: dict[str, Any] = {
+            "weight_versions": sorted({v for g in gens for v in g.output_versions}),
+            "trainable": trainable,
+            "overridden": overridden,
+            "sampling": {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "min_p": sp.min_p},
+        }
         if continued is not None or body["object"] == "chat.completion":
             areal["continued_call"] = continued
         body["areal"] = areal
 
-    async def _answer(self, request: web.Request, plan: openai_requests.OpenAIPlan, body: dict,
-                      views: list[openai_responses.GenerationChoice]) -> web.StreamResponse:
+    async def _answer(
+        self,
+        request: web.Request,
+        plan: openai_requests.OpenAIPlan,
+        body: dict,
+        views: list[openai_responses.GenerationChoice],
+    ) -> web.StreamResponse:
         if not plan.stream:
             return _json(body)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -406,22 +462,26 @@ class OpenAIProxy:
             self._chat_tokens = ChatTokens(self.tok)
         return self._chat_tokens
 
-    def _chat_prompt(self, ep: Episode, messages: list[dict], tools: list[dict] | None, tools_json: str | None
-                     ) -> tuple[list[int], str | None]:
+    def _chat_prompt(
+        self, ep: Episode, messages: list[dict], tools: list[dict] | None, tools_json: str | None
+    ) -> tuple[list[int], str | None]:
         """(prompt ids, id of the call continued or None)."""
         if self.token_continuity:
             for call in reversed(ep.calls):
-                if call.kind != "chat" or call.messages is None or call.response_message is None \
-                        or call.tools_json != tools_json:
+                if (
+                    call.kind != "chat"
+                    or call.messages is None
+                    or call.response_message is None
+                    or call.tools_json != tools_json
+                ):
                     continue
                 prefix = call.messages + [call.response_message]
                 if len(messages) > len(prefix) and all(_same_message(a, b) for a, b in zip(messages, prefix)):
                     try:
-                        tail = self.chat_tokens.delta_ids(template_messages(messages[len(prefix):]))
+                        tail = self.chat_tokens.delta_ids(template_messages(messages[len(prefix) :]))
                     except ValueError:
                         break  # this template cannot append: render from scratch
-                    ids = (call.prompt_ids + call.output_ids + self.chat_tokens.close_turn_ids(call.output_ids)
-                           + tail)
+                    ids = call.prompt_ids + call.output_ids + self.chat_tokens.close_turn_ids(call.output_ids) + tail
                     return ids, call.call_id
         ids = self.tok.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True)
         assert isinstance(ids, list)
@@ -437,8 +497,9 @@ class OpenAIProxy:
             ids, seen["continued"] = self._chat_prompt(st.episode, messages, tools, seen["tools_json"])
             return ids
 
-        plan = openai_requests.parse_chat(raw, self.tok, self.limits, render,
-                                          default_max_tokens=self.default_max_tokens)
+        plan = openai_requests.parse_chat(
+            raw, self.tok, self.limits, render, default_max_tokens=self.default_max_tokens
+        )
         plan.return_token_ids = True
         s = plan.requests[0].sampling
         sp, overridden = self._sampling(raw, s, plan.n, st.trainable)
@@ -448,13 +509,25 @@ class OpenAIProxy:
         rid = "chatcmpl-" + uuid.uuid4().hex
         body = openai_responses.chat_response(plan, views, self.model_name, rid, int(time.time()))
         for i, (g, choice) in enumerate(zip(gens, body["choices"])):
-            st.episode.add(CallRecord(
-                call_id=rid if plan.n == 1 else f"{rid}/{i}", kind="chat", prompt_ids=list(prompt_ids),
-                output_ids=list(g.output_ids), output_logprobs=list(g.output_logprobs),
-                output_versions=list(g.output_versions), finish_reason=choice["finish_reason"], created=time.time(),
-                messages=[dict(m) for m in seen["messages"]], response_message=choice["message"],
-                tools_json=seen["tools_json"], temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                trainable=st.trainable))
+            st.episode.add(
+                CallRecord(
+                    call_id=rid if plan.n == 1 else f"{rid}/{i}",
+                    kind="chat",
+                    prompt_ids=list(prompt_ids),
+                    output_ids=list(g.output_ids),
+                    output_logprobs=list(g.output_logprobs),
+                    output_versions=list(g.output_versions),
+                    finish_reason=choice["finish_reason"],
+                    created=time.time(),
+                    messages=[dict(m) for m in seen["messages"]],
+                    response_message=choice["message"],
+                    tools_json=seen["tools_json"],
+                    temperature=sp.temperature,
+                    top_p=sp.top_p,
+                    top_k=sp.top_k,
+                    trainable=st.trainable,
+                )
+            )
         self._extras(body, gens, sp, overridden, st.trainable, seen["continued"])
         return await self._answer(request, plan, body, views)
 
@@ -463,9 +536,13 @@ class OpenAIProxy:
     def _continue_text(self, ep: Episode, text: str) -> list[int]:
         if self.token_continuity:
             for call in reversed(ep.calls):
-                if call.kind == "completion" and call.text is not None and len(text) > len(call.text) \
-                        and text.startswith(call.text):
-                    return call.prompt_ids + call.output_ids + self.tok.encode(text[len(call.text):])
+                if (
+                    call.kind == "completion"
+                    and call.text is not None
+                    and len(text) > len(call.text)
+                    and text.startswith(call.text)
+                ):
+                    return call.prompt_ids + call.output_ids + self.tok.encode(text[len(call.text) :])
         return self.tok.encode(text)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -491,21 +568,37 @@ class OpenAIProxy:
             ptext = texts[idx // plan.n] if texts else None
             text = view.text()
             exact = ptext is not None and self.tok.decode(g.output_ids, skip_special_tokens=False) == text
-            st.episode.add(CallRecord(
-                call_id=rid if len(gens) == 1 else f"{rid}/{idx}", kind="completion",
-                prompt_ids=list(plan.requests[idx].input_ids), output_ids=list(g.output_ids),
-                output_logprobs=list(g.output_logprobs), output_versions=list(g.output_versions),
-                finish_reason=choice["finish_reason"], created=time.time(),
-                text=(ptext + text) if exact else None, temperature=sp.temperature, top_p=sp.top_p,
-                top_k=sp.top_k, trainable=st.trainable))
+            st.episode.add(
+                CallRecord(
+                    call_id=rid if len(gens) == 1 else f"{rid}/{idx}",
+                    kind="completion",
+                    prompt_ids=list(plan.requests[idx].input_ids),
+                    output_ids=list(g.output_ids),
+                    output_logprobs=list(g.output_logprobs),
+                    output_versions=list(g.output_versions),
+                    finish_reason=choice["finish_reason"],
+                    created=time.time(),
+                    text=(ptext + text) if exact else None,
+                    temperature=sp.temperature,
+                    top_p=sp.top_p,
+                    top_k=sp.top_k,
+                    trainable=st.trainable,
+                )
+            )
         self._extras(body, gens, sp, overridden, st.trainable)
         return await self._answer(request, plan, body, views)
 
     # ---- models, rewards, episode --------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                  "created": self._created, "owned_by": "areal_async"}]})
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "areal_async"}
+                ],
+            }
+        )
 
     async def reward(self, request: web.Request) -> web.Response:
         st = self._state(request)
@@ -530,8 +623,9 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 
 def _error(message: str, status: int, param: str | None = None) -> web.Response:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(status,
-                                                                                                  "server_error")
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
+        status, "server_error"
+    )
     return _json({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from areal_async.agent.episode import ExportMode
 from areal_async.agent.openai_proxy import OpenAIProxy
@@ -55,8 +56,9 @@ class AgentWorkflow:
     the proxy and returns None). A failing agent loses only its own episode. Episodes are trainable: their calls
     are sampled with the proxy's `policy` settings (see openai_proxy.py)."""
 
-    def __init__(self, proxy: OpenAIProxy, agent: AgentFn, group_size: int, *, discount: float = 1.0,
-                 export: ExportMode = "auto") -> None:
+    def __init__(
+        self, proxy: OpenAIProxy, agent: AgentFn, group_size: int, *, discount: float = 1.0, export: ExportMode = "auto"
+    ) -> None:
         self.proxy = proxy
         self.agent = agent
         self.group_size = group_size

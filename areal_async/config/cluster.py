@@ -76,10 +76,16 @@ class SlurmConfig(Section):
             value = getattr(self, name)
             check(value is None or value >= 1, key_of(prefix, name), "must be >= 1")
         check(self.gpus_per_node >= 0, key_of(prefix, "gpus_per_node"), "must be >= 0")
-        check(not isinstance(self.time_limit, int) or self.time_limit > 0, key_of(prefix, "time_limit"),
-               "must be > 0 seconds")
-        check(self.queue_timeout_s is None or self.queue_timeout_s > 0, key_of(prefix, "queue_timeout_s"),
-               "must be > 0 or null")
+        check(
+            not isinstance(self.time_limit, int) or self.time_limit > 0,
+            key_of(prefix, "time_limit"),
+            "must be > 0 seconds",
+        )
+        check(
+            self.queue_timeout_s is None or self.queue_timeout_s > 0,
+            key_of(prefix, "queue_timeout_s"),
+            "must be > 0 or null",
+        )
         check(self.node_timeout_s > 0, key_of(prefix, "node_timeout_s"), "must be > 0")
 
 
@@ -120,5 +126,8 @@ class RecoveryConfig(Section):
             check(getattr(self, name) > 0, key_of(prefix, name), "must be > 0")
         for name in ("restart_backoff_s", "unhealthy_restart_s"):
             check(getattr(self, name) >= 0, key_of(prefix, name), "must be >= 0")
-        check(self.restart_backoff_max_s >= self.restart_backoff_s, key_of(prefix, "restart_backoff_max_s"),
-               "must be >= restart_backoff_s")
+        check(
+            self.restart_backoff_max_s >= self.restart_backoff_s,
+            key_of(prefix, "restart_backoff_max_s"),
+            "must be >= restart_backoff_s",
+        )

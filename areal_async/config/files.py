@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Callable, Literal, Optional
+from collections.abc import Callable
+from typing import Any, Literal
 
 import yaml
 
@@ -16,13 +17,17 @@ from areal_async.config.base import ConfigError
 __all__ = ["ALIASES", "TextKind", "apply_overrides", "lookup", "read_yaml"]
 
 # short override names (command line only; files use the full keys)
-ALIASES = {"mode": "schedule.mode", "eta": "schedule.eta", "steps": "schedule.total_steps",
-           "total_steps": "schedule.total_steps"}
+ALIASES = {
+    "mode": "schedule.mode",
+    "eta": "schedule.eta",
+    "steps": "schedule.total_steps",
+    "total_steps": "schedule.total_steps",
+}
 
 
 # How a field takes override text: "str" keeps the text as typed, "str?" too except for null / ~ / nothing (None),
 # "list[str]" keeps each item of a flow list as typed; None (any other field): the value is YAML.
-TextKind = Optional[Literal["str", "str?", "list[str]"]]
+TextKind = Literal["str", "str?", "list[str]"] | None
 
 _NULL_TAG = "tag:yaml.org,2002:null"
 
@@ -44,8 +49,11 @@ def _parse_value(text: str, kind: TextKind = None) -> Any:
             if kind == "str?" and node.tag == _NULL_TAG and not node.style:
                 return None
             return node.value
-        if (kind == "list[str]" and isinstance(node, yaml.SequenceNode)
-                and all(isinstance(item, yaml.ScalarNode) for item in node.value)):
+        if (
+            kind == "list[str]"
+            and isinstance(node, yaml.SequenceNode)
+            and all(isinstance(item, yaml.ScalarNode) for item in node.value)
+        ):
             return [item.value for item in node.value]
     try:
         return yaml.safe_load(text)
@@ -53,8 +61,9 @@ def _parse_value(text: str, kind: TextKind = None) -> Any:
         return text
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str],
-                    text_kind: Callable[[str], TextKind] | None = None) -> dict[str, Any]:
+def apply_overrides(
+    raw: dict[str, Any], overrides: list[str], text_kind: Callable[[str], TextKind] | None = None
+) -> dict[str, Any]:
     """Set dotted keys (`train.optim.lr=1e-5`) in a nested dict (a copy). Short names in `ALIASES` are expanded.
 
     `text_kind(key)` says which keys are text fields (run_config.py knows the types); their values are kept as typed
@@ -70,7 +79,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str],
         for i, part in enumerate(parts[:-1]):
             nxt = node.setdefault(part, {})
             if not isinstance(nxt, dict):
-                raise ConfigError(f"{'.'.join(parts[:i + 1])}: is not a section")
+                raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section")
             node = nxt
         node[parts[-1]] = _parse_value(value, text_kind(key) if text_kind is not None else None)
     return raw

@@ -10,13 +10,14 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import yaml
 
-from areal_async.config import run_config
 from areal_async.config import cluster as config_cluster
+from areal_async.config import run_config
 
 
 @functools.lru_cache(maxsize=1)
@@ -28,9 +29,13 @@ def _field_docs() -> dict[tuple[str, str], str]:
         if not isinstance(node, ast.ClassDef):
             continue
         for stmt, nxt in zip(node.body, node.body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[(node.name, stmt.target.id)] = inspect.cleandoc(nxt.value.value)
     return docs
 
@@ -39,8 +44,9 @@ def field_doc(cls: type[msgspec.Struct], name: str) -> str | None:
     return _field_docs().get((cls.__name__, name))
 
 
-def iter_fields(cls: type[msgspec.Struct] = run_config.RunConfig, prefix: str = ""
-                ) -> Iterator[tuple[str, Any, str | None]]:
+def iter_fields(
+    cls: type[msgspec.Struct] = run_config.RunConfig, prefix: str = ""
+) -> Iterator[tuple[str, Any, str | None]]:
     """(dotted key, default, doc) for every leaf field, depth first in declaration order."""
     default = cls()
     for name in cls.__struct_fields__:
@@ -52,10 +58,12 @@ def iter_fields(cls: type[msgspec.Struct] = run_config.RunConfig, prefix: str = 
             yield key, value, field_doc(cls, name)
 
 
-VALUES = ("Values are YAML (eta=null, server.urls=[http://a:1, http://b:2], train.optim.lr=1e-5), except for "
-          "text fields,\nwhich keep the text as typed (server.api_key=123456, slurm.account=no, "
-          "train.cuda_visible_devices=0); an\noptional text field takes null for null and '\"null\"' (quoted, "
-          "inside the shell's quotes) for the word.")
+VALUES = (
+    "Values are YAML (eta=null, server.urls=[http://a:1, http://b:2], train.optim.lr=1e-5), except for "
+    "text fields,\nwhich keep the text as typed (server.api_key=123456, slurm.account=no, "
+    "train.cuda_visible_devices=0); an\noptional text field takes null for null and '\"null\"' (quoted, "
+    "inside the shell's quotes) for the word."
+)
 
 
 def describe(cls: type[msgspec.Struct] = run_config.RunConfig) -> str:
@@ -67,8 +75,11 @@ def describe(cls: type[msgspec.Struct] = run_config.RunConfig) -> str:
         head = key.split(".")[0] if "." in key else ""
         if head != section:
             section = head
-            title = ((type(getattr(cls(), head)).__doc__ or "").strip().split("\n")[0] if head
-                     else (cls.__doc__ or "").strip().split("\n")[0])
+            title = (
+                (type(getattr(cls(), head)).__doc__ or "").strip().split("\n")[0]
+                if head
+                else (cls.__doc__ or "").strip().split("\n")[0]
+            )
             lines.append(f"\n{head or 'top level'}: {title}")
         shown = yaml.safe_dump(msgspec.to_builtins(default), default_flow_style=True).strip()
         lines.append(f"  {key} = {shown.removesuffix('...').strip()}")

@@ -28,7 +28,8 @@ config/types.py, the shared pieces in config/base.py. Never torch.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import msgspec
 
@@ -38,11 +39,35 @@ from areal_async.config.files import ALIASES, TextKind, apply_overrides, lookup,
 from areal_async.config.types import field_info, format_validation_error, text_kind_of
 
 # re-exported: the public names of the config live here
-__all__ = ["ConfigError", "RunConfig", "ModelConfig", "DataConfig", "ServerConfig", "ScheduleConfig",
-           "MultiTurnConfig", "RolloutConfig", "LossConfig", "AdvantageConfig", "OptimConfig", "TrainConfig",
-           "EvalConfig", "RendezvousConfig", "SlurmConfig", "RecoveryConfig", "ALIASES", "DERIVED",
-           "RESERVED_REWARD_ARGS", "GREEDY_TEMPERATURE", "logprob_temperature", "apply_overrides", "read_yaml",
-           "from_dict", "load_config", "to_dict", "text_kind"]
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "ModelConfig",
+    "DataConfig",
+    "ServerConfig",
+    "ScheduleConfig",
+    "MultiTurnConfig",
+    "RolloutConfig",
+    "LossConfig",
+    "AdvantageConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "EvalConfig",
+    "RendezvousConfig",
+    "SlurmConfig",
+    "RecoveryConfig",
+    "ALIASES",
+    "DERIVED",
+    "RESERVED_REWARD_ARGS",
+    "GREEDY_TEMPERATURE",
+    "logprob_temperature",
+    "apply_overrides",
+    "read_yaml",
+    "from_dict",
+    "load_config",
+    "to_dict",
+    "text_kind",
+]
 
 
 # the reward call's own arguments (RewardRunner.score's): neither data.reward_options nor a sample's meta may set them
@@ -143,8 +168,11 @@ class ServerConfig(Section):
     def validate(self, prefix: str = "") -> None:
         check(self.num_servers >= 1, key_of(prefix, "num_servers"), "must be >= 1")
         check(self.backend != "external" or bool(self.urls), key_of(prefix, "urls"), "required when backend=external")
-        check(all(u.startswith(("http://", "https://")) for u in self.urls), key_of(prefix, "urls"),
-               "every URL must start with http:// or https://")
+        check(
+            all(u.startswith(("http://", "https://")) for u in self.urls),
+            key_of(prefix, "urls"),
+            "every URL must start with http:// or https://",
+        )
         check(0 <= self.port <= 65535, key_of(prefix, "port"), "must be in 0..65535")
         check(self.max_total_tokens > 0, key_of(prefix, "max_total_tokens"), "must be > 0")
         check(self.max_running_requests >= 1, key_of(prefix, "max_running_requests"), "must be >= 1")
@@ -193,8 +221,11 @@ class ScheduleConfig(Section):
         check(self.eval_every >= 0, key_of(prefix, "eval_every"), "must be >= 0")
         check(self.checkpoint_every >= 0, key_of(prefix, "checkpoint_every"), "must be >= 0")
         check(self.max_consecutive_failures >= 1, key_of(prefix, "max_consecutive_failures"), "must be >= 1")
-        check(self.interruptible or self.interrupt_mode == "abort", key_of(prefix, "interrupt_mode"),
-               "in_place needs interruptible=true (with interruptible=false the update waits for requests)")
+        check(
+            self.interruptible or self.interrupt_mode == "abort",
+            key_of(prefix, "interrupt_mode"),
+            "in_place needs interruptible=true (with interruptible=false the update waits for requests)",
+        )
 
     @property
     def effective_eta(self) -> int | None:
@@ -224,8 +255,10 @@ class MultiTurnConfig(Section):
         try:
             self.feedback.format(prompt="", answer_text="")
         except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(f"{key_of(prefix, 'feedback')}: only {{prompt}} and {{answer_text}} may be filled in "
-                              f"({type(e).__name__}: {e})") from None
+            raise ConfigError(
+                f"{key_of(prefix, 'feedback')}: only {{prompt}} and {{answer_text}} may be filled in "
+                f"({type(e).__name__}: {e})"
+            ) from None
 
 
 class RolloutConfig(Section):
@@ -291,11 +324,15 @@ class LossConfig(Section):
 
     def validate(self, prefix: str = "") -> None:
         check(self.eps_clip > 0, key_of(prefix, "eps_clip"), "must be > 0")
-        check(self.eps_clip_high is None or self.eps_clip_high > 0, key_of(prefix, "eps_clip_high"),
-               "must be > 0 or null")
+        check(
+            self.eps_clip_high is None or self.eps_clip_high > 0, key_of(prefix, "eps_clip_high"), "must be > 0 or null"
+        )
         check(self.dual_clip is None or self.dual_clip > 1, key_of(prefix, "dual_clip"), "must be > 1")
-        check(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1,
-               key_of(prefix, "behav_imp_weight_cap"), "must be > 1 or null")
+        check(
+            self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1,
+            key_of(prefix, "behav_imp_weight_cap"),
+            "must be > 1 or null",
+        )
         check(self.kl_coef >= 0, key_of(prefix, "kl_coef"), "must be >= 0")
 
 
@@ -321,11 +358,17 @@ class AdvantageConfig(Section):
 
     def validate(self, prefix: str = "") -> None:
         check(self.reward_clip > 0, key_of(prefix, "reward_clip"), "must be > 0")
-        check(self.overlong_max_len is None or self.overlong_max_len >= 1, key_of(prefix, "overlong_max_len"),
-               "must be >= 1 or null")
+        check(
+            self.overlong_max_len is None or self.overlong_max_len >= 1,
+            key_of(prefix, "overlong_max_len"),
+            "must be >= 1 or null",
+        )
         check(self.overlong_cache_len >= 0, key_of(prefix, "overlong_cache_len"), "must be >= 0")
-        check(self.overlong_max_len is None or self.overlong_cache_len <= self.overlong_max_len,
-               key_of(prefix, "overlong_cache_len"), "must be <= overlong_max_len")
+        check(
+            self.overlong_max_len is None or self.overlong_cache_len <= self.overlong_max_len,
+            key_of(prefix, "overlong_cache_len"),
+            "must be <= overlong_max_len",
+        )
         check(self.overlong_factor >= 0, key_of(prefix, "overlong_factor"), "must be >= 0")
 
 
@@ -411,11 +454,17 @@ class TrainConfig(Section):
     def validate(self, prefix: str = "") -> None:
         check(self.nproc >= 1, key_of(prefix, "nproc"), "must be >= 1")
         check(self.nnodes >= 1, key_of(prefix, "nnodes"), "must be >= 1")
-        check(self.nnodes == 1 or not self.torchrun_args, key_of(prefix, "torchrun_args"),
-               "give the rendezvous either by hand here or through train.nnodes and train.rdzv, not both")
+        check(
+            self.nnodes == 1 or not self.torchrun_args,
+            key_of(prefix, "torchrun_args"),
+            "give the rendezvous either by hand here or through train.nnodes and train.rdzv, not both",
+        )
         self.rdzv.validate(key_of(prefix, "rdzv"))
-        check(self.rdzv.local_agents is None or self.rdzv.local_agents <= self.nnodes,
-               key_of(prefix, "rdzv.local_agents"), f"must be <= train.nnodes ({self.nnodes})")
+        check(
+            self.rdzv.local_agents is None or self.rdzv.local_agents <= self.nnodes,
+            key_of(prefix, "rdzv.local_agents"),
+            f"must be <= train.nnodes ({self.nnodes})",
+        )
         check(self.ppo_minibatches >= 1, key_of(prefix, "ppo_minibatches"), "must be >= 1")
         check(self.micro_batch_tokens >= 16, key_of(prefix, "micro_batch_tokens"), "must be >= 16")
         check(self.keep_versions >= 1, key_of(prefix, "keep_versions"), "must be >= 1")
@@ -477,8 +526,9 @@ class RunConfig(Section):
     def __post_init__(self) -> None:
         # the derived fields (see the module docstring); copies, so a section shared by two configs stays put
         optim = msgspec.structs.replace(self.train.optim, total_steps=self.schedule.total_steps)
-        self.train = msgspec.structs.replace(self.train, optim=optim,
-                                             temperature=logprob_temperature(self.rollout.temperature))
+        self.train = msgspec.structs.replace(
+            self.train, optim=optim, temperature=logprob_temperature(self.rollout.temperature)
+        )
 
     def validate(self, prefix: str = "") -> None:
         check(bool(self.run_dir), key_of(prefix, "run_dir"), "must not be empty")
@@ -487,10 +537,16 @@ class RunConfig(Section):
         # SGLang takes its writer lock per /update_weights_from_distributed call: unpaused, requests queued behind
         # one bucket run between buckets on a mix of old and new weights labelled old, and the first bucket waits
         # for every running request while trainer rank 0's broadcast is already posted (its timeout applies)
-        check(not (self.train.weight_sync == "broadcast" and not self.schedule.interruptible
-                   and self.schedule.mode == "async"), key_of(prefix, "schedule.interruptible"),
-              "false cannot be combined with train.weight_sync=broadcast in async mode (a broadcast is sent bucket "
-              "by bucket and needs the servers paused); use interruptible=true or train.weight_sync=disk")
+        check(
+            not (
+                self.train.weight_sync == "broadcast"
+                and not self.schedule.interruptible
+                and self.schedule.mode == "async"
+            ),
+            key_of(prefix, "schedule.interruptible"),
+            "false cannot be combined with train.weight_sync=broadcast in async mode (a broadcast is sent bucket "
+            "by bucket and needs the servers paused); use interruptible=true or train.weight_sync=disk",
+        )
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
@@ -573,8 +629,9 @@ def _drop_consistent_derived(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None,
-                cls: type[msgspec.Struct] = RunConfig) -> Any:
+def load_config(
+    path: str | None = None, overrides: list[str] | None = None, cls: type[msgspec.Struct] = RunConfig
+) -> Any:
     """Load a YAML file (or only the code defaults when path is None) and apply overrides (text fields keep the
     override's text as typed)."""
     raw = read_yaml(path) if path is not None else {}

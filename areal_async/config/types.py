@@ -80,9 +80,12 @@ def format_validation_error(e: msgspec.ValidationError, root: type[msgspec.Struc
         return ConfigError(f"{key_of(where, field)}: unknown key{hint}")
     info = field_info(root, where) if where else None
     if msg.startswith("Invalid enum value") and info is not None:
-        return ConfigError(f"{where}: {msg.replace('Invalid enum value', 'invalid value', 1)}; choose one of "
-                           f"{choices(info)}")
+        return ConfigError(
+            f"{where}: {msg.replace('Invalid enum value', 'invalid value', 1)}; choose one of {choices(info)}"
+        )
     if text_kind_of(info) in ("str", "str?") and msg.startswith("Expected `str"):
-        msg += (" (a text field: quote the value in a YAML file, e.g. \"123456\"; a key=value override keeps "
-                "its text as typed)")
+        msg += (
+            ' (a text field: quote the value in a YAML file, e.g. "123456"; a key=value override keeps '
+            "its text as typed)"
+        )
     return ConfigError(f"{where or '<root>'}: {msg}")

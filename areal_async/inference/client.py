@@ -17,16 +17,29 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
-from areal_async.inference.fleet import (IN_PLACE_MIN_SGLANG, Fleet, WeightSource, WeightTarget, in_place_supported,
-                                         parse_weight_version)
+from areal_async.inference.fleet import (
+    IN_PLACE_MIN_SGLANG,
+    Fleet,
+    WeightSource,
+    WeightTarget,
+    in_place_supported,
+    parse_weight_version,
+)
 from areal_async.inference.resume import ResumeState, SegmentEnd, SegmentRejected, find_stop, generate_resumable
 from areal_async.inference.routing import ServerState
 from areal_async.inference.sglang_wire import SegmentReader, segment_payload
 from areal_async.inference.transport import AdminError, ConnectionFailed, InferenceError, ServerPool
 from areal_async.types import GenerationResult, SamplingParams
 
-__all__ = ["AdminError", "InferenceClient", "InferenceError", "PauseMode", "WeightTarget", "find_stop",
-           "parse_weight_version"]
+__all__ = [
+    "AdminError",
+    "InferenceClient",
+    "InferenceError",
+    "PauseMode",
+    "WeightTarget",
+    "find_stop",
+    "parse_weight_version",
+]
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -46,21 +59,41 @@ class InferenceClient:
     server is bounded by `weight_load_timeout_s` (the heartbeat leaves loading servers alone).
     """
 
-    def __init__(self, urls: list[str] | str, *, api_key: str | None = None, timeout_s: float = 3600,
-                 max_retries: int = 3, backoff_s: float = 0.2, probe_interval_s: float = 1.0,
-                 max_connections: int = 1024, unavailable_timeout_s: float = 300.0,
-                 connect_timeout_s: float = 10.0, health_timeout_s: float = 10.0, max_health_failures: int = 2,
-                 weight_load_timeout_s: float = 600.0, stream: bool | Literal["auto"] = "auto"):
+    def __init__(
+        self,
+        urls: list[str] | str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 3600,
+        max_retries: int = 3,
+        backoff_s: float = 0.2,
+        probe_interval_s: float = 1.0,
+        max_connections: int = 1024,
+        unavailable_timeout_s: float = 300.0,
+        connect_timeout_s: float = 10.0,
+        health_timeout_s: float = 10.0,
+        max_health_failures: int = 2,
+        weight_load_timeout_s: float = 600.0,
+        stream: bool | Literal["auto"] = "auto",
+    ):
         if stream not in (True, False, "auto"):
             raise ValueError(f"stream must be True, False or 'auto', got {stream!r}")
         if isinstance(urls, str):
             urls = [urls]
-        self._pool = ServerPool([u.rstrip("/") for u in urls], api_key=api_key, timeout_s=timeout_s,
-                                max_retries=max_retries, backoff_s=backoff_s, probe_interval_s=probe_interval_s,
-                                max_connections=max_connections, unavailable_timeout_s=unavailable_timeout_s,
-                                connect_timeout_s=connect_timeout_s, health_timeout_s=health_timeout_s,
-                                max_health_failures=max_health_failures,
-                                weight_load_timeout_s=weight_load_timeout_s)
+        self._pool = ServerPool(
+            [u.rstrip("/") for u in urls],
+            api_key=api_key,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            probe_interval_s=probe_interval_s,
+            max_connections=max_connections,
+            unavailable_timeout_s=unavailable_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            health_timeout_s=health_timeout_s,
+            max_health_failures=max_health_failures,
+            weight_load_timeout_s=weight_load_timeout_s,
+        )
         self._fleet = Fleet(self._pool, on_ready=self._align_pause)
         self.api_key = api_key
         self.max_retries = max_retries
@@ -83,7 +116,7 @@ class InferenceClient:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> "InferenceClient":
+    async def __aenter__(self) -> InferenceClient:
         self._pool.session()
         return self
 
@@ -96,8 +129,10 @@ class InferenceClient:
         every waiter (they raise), close the session."""
         if self._groups and not self._pool.closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.gather(*(self.destroy_weights_update_group(name)
-                                                        for name in list(self._groups))), group_timeout_s)
+                await asyncio.wait_for(
+                    asyncio.gather(*(self.destroy_weights_update_group(name) for name in list(self._groups))),
+                    group_timeout_s,
+                )
         self._resumed.set()
         await self._pool.close()
 
@@ -119,9 +154,16 @@ class InferenceClient:
     def cancelled(self, rid: str) -> bool:
         return self._active.get(rid, False)
 
-    async def agenerate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
-                        session_key: str | None = None, return_text: bool = False,
-                        priority: int | None = None) -> GenerationResult:
+    async def agenerate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        session_key: str | None = None,
+        return_text: bool = False,
+        priority: int | None = None,
+    ) -> GenerationResult:
         """Generate one completion of `input_ids`, resuming across interruptions and lost servers until stop or
         length.
 
@@ -167,9 +209,14 @@ class InferenceClient:
                 assert reader is not None
                 reader.feed(data)
 
-            data, server = await self._pool.routed("POST", "/generate", make_body, session_key,
-                                                   on_event=on_event if self.stream is not False else None,
-                                                   progress=lambda: len(st.out_ids))
+            data, server = await self._pool.routed(
+                "POST",
+                "/generate",
+                make_body,
+                session_key,
+                on_event=on_event if self.stream is not False else None,
+                progress=lambda: len(st.out_ids),
+            )
             if server is None:
                 return None
             assert reader is not None
@@ -178,8 +225,9 @@ class InferenceClient:
             return reader.end()
 
         try:
-            result = await generate_resumable(state, submit, self, return_text=return_text,
-                                              max_idle_aborts=self.max_retries, backoff_s=self.backoff_s)
+            result = await generate_resumable(
+                state, submit, self, return_text=return_text, max_idle_aborts=self.max_retries, backoff_s=self.backoff_s
+            )
         except SegmentRejected as e:
             raise InferenceError(f"{e.server}/generate aborted: {e}", status=e.status, url=e.server) from None
         except BaseException:  # cancelled or failed: a server may still be generating for nobody
@@ -207,8 +255,9 @@ class InferenceClient:
 
     async def _ask_stream_mode(self, server: ServerState) -> None:
         try:
-            status, body = await self._pool.send(server, "GET", "/get_server_info", None,
-                                                 timeout=self._pool.probe_timeout(), probe=True)
+            status, body = await self._pool.send(
+                server, "GET", "/get_server_info", None, timeout=self._pool.probe_timeout(), probe=True
+            )
             info = msgspec.json.decode(body) if status == 200 else None
             server.incremental_stream = bool(isinstance(info, dict) and info.get("incremental_streaming_output"))
         except (ConnectionFailed, InferenceError, msgspec.DecodeError):
@@ -217,15 +266,15 @@ class InferenceClient:
             self._asking.discard(server.url)
 
     async def _abort_everywhere(self, rid: str) -> None:
-        await self._pool.fanout("POST", "/abort_request", {"rid": rid, "abort_all": False},
-                                servers=self._reachable())
+        await self._pool.fanout("POST", "/abort_request", {"rid": rid, "abort_all": False}, servers=self._reachable())
 
     async def acompletion_raw(self, path: str, payload: dict, *, session_key: str | None = None) -> Any:
         """POST any JSON body (e.g. /v1/completions, /v1/chat/completions) with routing, retries and failover;
         returns the decoded JSON answer. No resumption: an OpenAI-style caller sees aborts as they are."""
         body = self._enc.encode(payload)
-        data, _ = await self._pool.routed("POST", path if path.startswith("/") else "/" + path, lambda _a, _u: body,
-                                          session_key)
+        data, _ = await self._pool.routed(
+            "POST", path if path.startswith("/") else "/" + path, lambda _a, _u: body, session_key
+        )
         return msgspec.json.decode(data)
 
     # ---- admin fan-out ------------------------------------------------------------------------------------------
@@ -254,8 +303,9 @@ class InferenceClient:
         elif rid in self._active:
             self._active[rid] = True
         sent = "" if abort_all or rid is None else self._segment_rid.get(rid, rid)
-        return await self._pool.fanout("POST", "/abort_request", {"rid": sent, "abort_all": abort_all},
-                                       servers=self._reachable())
+        return await self._pool.fanout(
+            "POST", "/abort_request", {"rid": sent, "abort_all": abort_all}, servers=self._reachable()
+        )
 
     async def pause(self, mode: PauseMode = "abort") -> dict[str, Any]:
         """Pause every reachable server. With "abort", in-flight requests come back with their partial tokens and
@@ -287,8 +337,11 @@ class InferenceClient:
         results = await pool.fanout("POST", path, payload, servers=servers, admin=True, timeout=bound)
         for server in servers:
             r = results.get(server.url)
-            if isinstance(r, InferenceError) and r.status is None and server.state in ("serving", "syncing",
-                                                                                        "draining"):
+            if (
+                isinstance(r, InferenceError)
+                and r.status is None
+                and server.state in ("serving", "syncing", "draining")
+            ):
                 pool.server_failed(server, f"hung: {path} unanswered within {bound.total:g}s")
         return results
 
@@ -305,9 +358,12 @@ class InferenceClient:
                 self._in_place_ok[url] = in_place_supported(info)
         old = sorted(u for u, ok in self._in_place_ok.items() if not ok and u in self._pool.router.servers)
         if old:
-            raise AdminError(f"pause(mode='in_place') needs SGLang >= {'.'.join(map(str, IN_PLACE_MIN_SGLANG))}; "
-                             f"older servers ignore the mode and abort every request: {', '.join(old)} "
-                             "(set schedule.interrupt_mode=abort, or upgrade SGLang)", {})
+            raise AdminError(
+                f"pause(mode='in_place') needs SGLang >= {'.'.join(map(str, IN_PLACE_MIN_SGLANG))}; "
+                f"older servers ignore the mode and abort every request: {', '.join(old)} "
+                "(set schedule.interrupt_mode=abort, or upgrade SGLang)",
+                {},
+            )
 
     @property
     def paused(self) -> bool:
@@ -320,26 +376,35 @@ class InferenceClient:
         else:
             await self._pool.send(server, "POST", "/continue_generation", b"{}")
 
-    async def update_weights_from_disk(self, path: str, version: int, *, flush_cache: bool = True,
-                                       abort_all_requests: bool = False) -> dict[str, Any]:
+    async def update_weights_from_disk(
+        self, path: str, version: int, *, flush_cache: bool = True, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
         """Every reachable server loads the HF checkpoint at `path` as weight version `version`.
 
         Servers that fail keep their old weights and leave rotation until they have loaded it (retried in the
         background); servers that are down load it when they come back. Returns url -> answer or exception.
         Raises `AdminError` only when every reachable server failed: then nothing changed anywhere."""
-        return await self._fleet.update_from_disk(path, version, flush_cache=flush_cache,
-                                                  abort_all_requests=abort_all_requests)
+        return await self._fleet.update_from_disk(
+            path, version, flush_cache=flush_cache, abort_all_requests=abort_all_requests
+        )
 
     async def update_weight_version(self, version: int, *, abort_all_requests: bool = False) -> dict[str, Any]:
         """Relabel the current weights (after an update made by other means). Servers that do not hold them are
         not relabelled: they catch up first, under the new label."""
-        return self._raise_if_failed("update_weight_version",
-                                     await self._fleet.relabel(version, abort_all_requests=abort_all_requests))
+        return self._raise_if_failed(
+            "update_weight_version", await self._fleet.relabel(version, abort_all_requests=abort_all_requests)
+        )
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, *,
-                                        ranks_per_server: int | list[int] = 1,
-                                        group_name: str = "weight_update_group", backend: str = "nccl",
-                                        urls: list[str] | None = None) -> dict[str, Any]:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        ranks_per_server: int | list[int] = 1,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        urls: list[str] | None = None,
+    ) -> dict[str, Any]:
         """Every server (or those in `urls`: a group re-formed after a server was lost) joins the trainer's
         broadcast group. The trainer is rank 0; server i's ranks start after the ranks of servers 0..i-1
         (`ranks_per_server` = each server's tensor-parallel size). The calls block until the trainer joins too, so
@@ -352,17 +417,23 @@ class InferenceClient:
         world_size = 1 + sum(per)
 
         def payload(i: int, _url: str) -> dict:
-            return {"master_address": master_address, "master_port": master_port, "rank_offset": offsets[i],
-                    "world_size": world_size, "group_name": group_name, "backend": backend}
+            return {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": offsets[i],
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
 
         servers = [self._pool.router.servers[u] for u in urls]
-        results = await self._pool.fanout("POST", "/init_weights_update_group", payload, servers=servers,
-                                          check_success=True, admin=True)
+        results = await self._pool.fanout(
+            "POST", "/init_weights_update_group", payload, servers=servers, check_success=True, admin=True
+        )
         self._groups[group_name] = [u for u, r in results.items() if not isinstance(r, BaseException)]
         return self._raise_if_failed("init_weights_update_group", results)
 
-    async def destroy_weights_update_group(self, group_name: str, urls: list[str] | None = None
-                                           ) -> dict[str, Any]:
+    async def destroy_weights_update_group(self, group_name: str, urls: list[str] | None = None) -> dict[str, Any]:
         """The servers leave weight-update group `group_name` (default: those that joined it through this
         client). A server that no longer has it answers 400 "does not exist" (SGLang's answer): that counts as
         done. Returns url -> answer or exception; never raises for one server."""
@@ -370,39 +441,63 @@ class InferenceClient:
         servers = [self._pool.router.servers[u] for u in targets or [] if u in self._pool.router.servers]
         if not servers:
             return {}
-        results = await self._pool.fanout("POST", "/destroy_weights_update_group", {"group_name": group_name},
-                                          servers=servers, timeout=self._pool.probe_timeout(), admin=True)
-        return {u: (None if isinstance(r, InferenceError) and r.status == 400 and "not exist" in str(r) else r)
-                for u, r in results.items()}
+        results = await self._pool.fanout(
+            "POST",
+            "/destroy_weights_update_group",
+            {"group_name": group_name},
+            servers=servers,
+            timeout=self._pool.probe_timeout(),
+            admin=True,
+        )
+        return {
+            u: (None if isinstance(r, InferenceError) and r.status == 400 and "not exist" in str(r) else r)
+            for u, r in results.items()
+        }
 
     async def server_info(self, urls: list[str] | None = None) -> dict[str, Any]:
         """GET /get_server_info (SGLang: its ServerArgs, e.g. tp_size, dp_size, plus scheduler state) from
         `urls` (default: every server). Returns url -> dict or exception."""
         targets = [self._pool.router.servers[u.rstrip("/")] for u in (self.urls if urls is None else urls)]
-        results = await self._pool.fanout("GET", "/get_server_info", servers=targets,
-                                          timeout=self._pool.probe_timeout())
+        results = await self._pool.fanout(
+            "GET", "/get_server_info", servers=targets, timeout=self._pool.probe_timeout()
+        )
         for url, r in results.items():  # servers that only know the newer name
             if isinstance(r, InferenceError) and r.status == 404:
                 try:
-                    status, data = await self._pool.send(self._pool.router.servers[url], "GET", "/server_info",
-                                                          None, timeout=self._pool.probe_timeout())
+                    status, data = await self._pool.send(
+                        self._pool.router.servers[url], "GET", "/server_info", None, timeout=self._pool.probe_timeout()
+                    )
                     results[url] = msgspec.json.decode(data) if status == 200 else r
                 except (ConnectionFailed, InferenceError, KeyError, msgspec.DecodeError) as e:
                     results[url] = e
         return results
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              version: int | None, *, group_name: str = "weight_update_group",
-                                              flush_cache: bool = True, abort_all_requests: bool = False,
-                                              urls: list[str] | None = None) -> dict[str, Any]:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: int | None,
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        urls: list[str] | None = None,
+    ) -> dict[str, Any]:
         """Every reachable server receives the named tensors by broadcast from the trainer (which broadcasts while
         this is pending) and tags them `version` (None, for every bucket but the last: no label is sent and the
         servers keep theirs). A server that fails a bucket leaves rotation (it may hold a mix of versions) until
         `load_weights` or the `weight_source` hook brings it to the current weights. Raises `AdminError` only when
         every reachable server failed. `urls`: the group's members (default: the servers that joined
         `group_name` through this client, else every reachable one)."""
-        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        payload = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
         if version is not None:  # None (every bucket but the last): the servers keep their label
             payload["weight_version"] = str(version)
         members = urls if urls is not None else self._groups.get(group_name)
@@ -440,8 +535,9 @@ class InferenceClient:
         for url, r in results.items():
             if isinstance(r, InferenceError) and r.status == 404:
                 try:
-                    status, data = await self._pool.send(self._pool.router.servers[url], "GET", "/get_model_info",
-                                                         None, timeout=timeout)
+                    status, data = await self._pool.send(
+                        self._pool.router.servers[url], "GET", "/get_model_info", None, timeout=timeout
+                    )
                     results[url] = msgspec.json.decode(data) if status == 200 else r
                 except (ConnectionFailed, InferenceError, KeyError) as e:
                     results[url] = e
@@ -503,10 +599,22 @@ class InferenceClient:
 
     def stats(self) -> dict[str, Any]:
         """Totals since start and each server's state right now."""
-        return {**self._pool.counts, **self._fleet.counts, **self._counts,
-                "servers": {s.url: {"outstanding": s.outstanding, "healthy": s.healthy, "state": s.state,
-                                    "requests": s.num_requests, "failures": s.num_failures, "version": s.version}
-                            for s in self._pool.router.servers.values()}}
+        return {
+            **self._pool.counts,
+            **self._fleet.counts,
+            **self._counts,
+            "servers": {
+                s.url: {
+                    "outstanding": s.outstanding,
+                    "healthy": s.healthy,
+                    "state": s.state,
+                    "requests": s.num_requests,
+                    "failures": s.num_failures,
+                    "version": s.version,
+                }
+                for s in self._pool.router.servers.values()
+            },
+        }
 
     def session_server(self, session_key: str) -> str | None:
         """The URL a session key is pinned to (None before its first request)."""

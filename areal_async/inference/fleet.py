@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, Awaitable, Callable, NamedTuple
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
@@ -136,8 +137,13 @@ class Fleet:
         """One weight call on one server (counted as a weight load: the heartbeat leaves it alone meanwhile)."""
         server.admin_ops += 1
         try:
-            status, body = await self.pool.send(server, "POST", path, msgspec.json.encode(payload),
-                                                timeout=aiohttp.ClientTimeout(total=self.pool.weight_load_timeout_s))
+            status, body = await self.pool.send(
+                server,
+                "POST",
+                path,
+                msgspec.json.encode(payload),
+                timeout=aiohttp.ClientTimeout(total=self.pool.weight_load_timeout_s),
+            )
         finally:
             server.admin_ops -= 1
         if status != 200:
@@ -168,8 +174,9 @@ class Fleet:
             server.version = have
             return True
         if target.launch:  # the current weights are the launch weights under a new label
-            ok, why = await self._post(server, "/update_weight_version",
-                                       {"new_version": str(target.version), "abort_all_requests": False})
+            ok, why = await self._post(
+                server, "/update_weight_version", {"new_version": str(target.version), "abort_all_requests": False}
+            )
         else:
             path = target.path
             if path is None and self.weight_source is not None:
@@ -177,25 +184,44 @@ class Fleet:
                     path = await self.weight_source(target.version)
                 except Exception as e:  # the hook's failure keeps the server out, like a failed load
                     self.counts["weight_load_failures"] += 1
-                    log.warning("inference server %s: weight_source(%d) failed: %s: %s", server.url,
-                                target.version, type(e).__name__, e)
+                    log.warning(
+                        "inference server %s: weight_source(%d) failed: %s: %s",
+                        server.url,
+                        target.version,
+                        type(e).__name__,
+                        e,
+                    )
                     return False
                 if self.target == target:  # later catch-ups of this version load the same checkpoint
                     self.target = target = target._replace(path=path)
             if path is None:
                 if server.url not in self._warned_stuck:
                     self._warned_stuck.add(server.url)
-                    log.warning("inference server %s holds version %s, not %d, and the current weights came by "
-                                "broadcast: it stays out of rotation until load_weights() brings it to version %d "
-                                "or a weight_source is set", server.url, have, target.version, target.version)
+                    log.warning(
+                        "inference server %s holds version %s, not %d, and the current weights came by "
+                        "broadcast: it stays out of rotation until load_weights() brings it to version %d "
+                        "or a weight_source is set",
+                        server.url,
+                        have,
+                        target.version,
+                        target.version,
+                    )
                 return False
-            ok, why = await self._post(server, "/update_weights_from_disk",
-                                       {"model_path": path, "weight_version": str(target.version),
-                                        "abort_all_requests": False, "flush_cache": True})
+            ok, why = await self._post(
+                server,
+                "/update_weights_from_disk",
+                {
+                    "model_path": path,
+                    "weight_version": str(target.version),
+                    "abort_all_requests": False,
+                    "flush_cache": True,
+                },
+            )
         if not ok:
             self.counts["weight_load_failures"] += 1
-            log.warning("inference server %s failed to catch up to weight version %d: %s", server.url,
-                        target.version, why)
+            log.warning(
+                "inference server %s failed to catch up to weight version %d: %s", server.url, target.version, why
+            )
             return False
         if self.target != target:  # an update landed meanwhile: check again against the new target
             return await self._catch_up(server, self.target) if self.target is not None else True
@@ -215,9 +241,16 @@ class Fleet:
             raise KeyError(f"unknown server {url!r}")
         async with self._lock(server.url):
             try:
-                ok, why = await self._post(server, "/update_weights_from_disk",
-                                           {"model_path": path, "weight_version": str(version),
-                                            "abort_all_requests": False, "flush_cache": True})
+                ok, why = await self._post(
+                    server,
+                    "/update_weights_from_disk",
+                    {
+                        "model_path": path,
+                        "weight_version": str(version),
+                        "abort_all_requests": False,
+                        "flush_cache": True,
+                    },
+                )
             except ConnectionFailed as e:
                 raise InferenceError(str(e), url=server.url) from e
             if not ok:  # the server keeps the weights it had
@@ -255,8 +288,9 @@ class Fleet:
                 raise r
         return {s.url: r for s, r in zip(servers, results)}
 
-    def _settle(self, what: str, servers: list[ServerState], results: dict[str, Any], version: int, *,
-                taints: bool = False) -> None:
+    def _settle(
+        self, what: str, servers: list[ServerState], results: dict[str, Any], version: int, *, taints: bool = False
+    ) -> None:
         """Servers that took the update hold `version`; the others leave rotation until they catch up (with
         `taints`, a failure also means the server's label can no longer be trusted for `version`)."""
         for s in servers:
@@ -272,13 +306,18 @@ class Fleet:
                 if s.state == "syncing":  # it was catching up and now holds the current weights
                     self.pool.spawn(self.pool.try_admit(s))
 
-    async def update_from_disk(self, path: str, version: int, *, flush_cache: bool, abort_all_requests: bool
-                               ) -> dict[str, Any]:
+    async def update_from_disk(
+        self, path: str, version: int, *, flush_cache: bool, abort_all_requests: bool
+    ) -> dict[str, Any]:
         servers = self.reachable()
         previous = self.target
         self.target = WeightTarget(version, path)
-        payload = {"model_path": path, "weight_version": str(version), "abort_all_requests": abort_all_requests,
-                   "flush_cache": flush_cache}
+        payload = {
+            "model_path": path,
+            "weight_version": str(version),
+            "abort_all_requests": abort_all_requests,
+            "flush_cache": flush_cache,
+        }
         results = await self._fan(servers, "/update_weights_from_disk", payload)
         if servers and all(isinstance(r, BaseException) for r in results.values()):
             self.target = previous  # nobody took it: every server still holds what it held
@@ -300,8 +339,7 @@ class Fleet:
         self._settle("update_weight_version", servers, results, version)
         return results
 
-    async def distributed(self, payload: dict, version: int | None, urls: list[str] | None = None
-                          ) -> dict[str, Any]:
+    async def distributed(self, payload: dict, version: int | None, urls: list[str] | None = None) -> dict[str, Any]:
         """One bucket of a broadcast. Buckets before the last carry no version (`None`): nothing is relabelled yet,
         and a server that fails one is remembered and treated as failed (tainted) when the last bucket settles.
 
@@ -311,8 +349,9 @@ class Fleet:
         if urls is None:
             servers = self.reachable()
         else:
-            servers = [self.pool.router.servers[u.rstrip("/")] for u in urls
-                       if u.rstrip("/") in self.pool.router.servers]
+            servers = [
+                self.pool.router.servers[u.rstrip("/")] for u in urls if u.rstrip("/") in self.pool.router.servers
+            ]
         results = await self._fan(servers, "/update_weights_from_distributed", payload)
         if servers and all(isinstance(r, BaseException) for r in results.values()):
             detail = "; ".join(f"{u}: {r}" for u, r in results.items())
@@ -346,5 +385,6 @@ class Fleet:
                 continue
             self.counts["weight_load_failures"] += 1
             self._tainted[server.url] = self.target.version
-            self.pool.needs_sync(server, f"a weight broadcast stopped part-way for it ({why}); it holds a mix of "
-                                         "versions")
+            self.pool.needs_sync(
+                server, f"a weight broadcast stopped part-way for it ({why}); it holds a mix of versions"
+            )

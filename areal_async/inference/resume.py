@@ -12,7 +12,8 @@ import asyncio
 import bisect
 import logging
 import time
-from typing import Awaitable, Callable, NamedTuple, Protocol
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple, Protocol
 
 from areal_async.types import GenerationResult, SamplingParams
 
@@ -101,8 +102,13 @@ class ResumeState:
         self.segment_starts.append(len(self.out_ids))
         self.segment_texts.append("")
 
-    def add_tokens(self, ids: list[int] | tuple[int, ...], logprobs: list[float] | tuple[float, ...],
-                   versions: list[int], texts: list[str | None] | tuple[str | None, ...] | None = None) -> None:
+    def add_tokens(
+        self,
+        ids: list[int] | tuple[int, ...],
+        logprobs: list[float] | tuple[float, ...],
+        versions: list[int],
+        texts: list[str | None] | tuple[str | None, ...] | None = None,
+    ) -> None:
         """New output tokens, in order; `versions[i]` is the weight version that made `ids[i]`."""
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError("ids, logprobs and versions must have equal lengths")
@@ -132,19 +138,27 @@ class ResumeState:
             return None
         return find_stop(self.token_texts, self.stops, self.sampling.min_new_tokens)  # type: ignore[arg-type]
 
-    def result(self, finish: str, matched: int | str | None, *, return_text: bool,
-               text_override: str | None = None) -> GenerationResult:
+    def result(
+        self, finish: str, matched: int | str | None, *, return_text: bool, text_override: str | None = None
+    ) -> GenerationResult:
         if not return_text:
             text = ""
         elif text_override is not None:
             text = text_override
         else:
             text = "".join(self.segment_texts)
-        return GenerationResult(input_ids=self.prompt, output_ids=self.out_ids, output_logprobs=self.out_logprobs,
-                                output_versions=self.out_versions, finish_reason=finish,  # type: ignore[arg-type]
-                                text=text, matched_stop=matched if finish == "stop" else None,
-                                num_interruptions=self.interruptions, latency_s=time.perf_counter() - self.started,
-                                server=self.server)
+        return GenerationResult(
+            input_ids=self.prompt,
+            output_ids=self.out_ids,
+            output_logprobs=self.out_logprobs,
+            output_versions=self.out_versions,
+            finish_reason=finish,  # type: ignore[arg-type]
+            text=text,
+            matched_stop=matched if finish == "stop" else None,
+            num_interruptions=self.interruptions,
+            latency_s=time.perf_counter() - self.started,
+            server=self.server,
+        )
 
 
 class ResumeControl(Protocol):
@@ -164,8 +178,15 @@ class ResumeControl(Protocol):
 Submit = Callable[[ResumeState], Awaitable["SegmentEnd | None"]]
 
 
-async def generate_resumable(state: ResumeState, submit: Submit, control: ResumeControl, *, return_text: bool,
-                             max_idle_aborts: int = 3, backoff_s: float = 0.2) -> GenerationResult:
+async def generate_resumable(
+    state: ResumeState,
+    submit: Submit,
+    control: ResumeControl,
+    *,
+    return_text: bool,
+    max_idle_aborts: int = 3,
+    backoff_s: float = 0.2,
+) -> GenerationResult:
     """Drive `submit` until the generation ends (docs/inference.md has the transitions); one seamless result.
 
     `submit(state)` sends one segment (prompt + `state.out_ids`, `state.remaining` new tokens at most, at least
@@ -185,7 +206,7 @@ async def generate_resumable(state: ResumeState, submit: Submit, control: Resume
         hit = state.stop_across_boundaries()
         if hit is not None:
             tok, s, pos = hit
-            del state.out_ids[tok + 1:], state.out_logprobs[tok + 1:], state.out_versions[tok + 1:]
+            del state.out_ids[tok + 1 :], state.out_logprobs[tok + 1 :], state.out_versions[tok + 1 :]
             text = "".join(state.token_texts[: tok + 1])[:pos]  # type: ignore[arg-type]
             return state.result("stop", s, return_text=return_text, text_override=text)
         if end.finish != "abort":
@@ -202,7 +223,7 @@ async def generate_resumable(state: ResumeState, submit: Submit, control: Resume
             idle_aborts = 0 if len(state.out_ids) > before else idle_aborts + 1
             if idle_aborts > max_idle_aborts:
                 return state.result("abort", None, return_text=return_text)
-            await asyncio.sleep(backoff_s * 2 ** idle_aborts)
+            await asyncio.sleep(backoff_s * 2**idle_aborts)
         if control.cancelled(state.rid):
             return state.result("abort", None, return_text=return_text)
         state.interruptions += 1

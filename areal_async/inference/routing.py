@@ -27,8 +27,18 @@ ServerStatus = Literal["serving", "down", "syncing", "draining"]
 class ServerState:
     """What the client knows about one server."""
 
-    __slots__ = ("url", "outstanding", "exchanges", "state", "num_requests", "num_failures", "health_failures",
-                 "admin_ops", "version", "incremental_stream")
+    __slots__ = (
+        "url",
+        "outstanding",
+        "exchanges",
+        "state",
+        "num_requests",
+        "num_failures",
+        "health_failures",
+        "admin_ops",
+        "version",
+        "incremental_stream",
+    )
 
     def __init__(self, url: str, state: ServerStatus = "serving"):
         self.url = url

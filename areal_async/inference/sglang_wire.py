@@ -55,8 +55,13 @@ def segment_payload(state: ResumeState, rid: str, base: dict, *, stream: bool, p
     sp = dict(base)
     sp["max_new_tokens"] = state.remaining
     sp["min_new_tokens"] = state.min_remaining
-    payload: dict[str, Any] = {"input_ids": state.segment_input(), "sampling_params": sp, "return_logprob": True,
-                               "stream": stream, "rid": rid}
+    payload: dict[str, Any] = {
+        "input_ids": state.segment_input(),
+        "sampling_params": sp,
+        "return_logprob": True,
+        "stream": stream,
+        "rid": rid,
+    }
     if state.stops:  # per-token text lets the client honour a stop string that spans a resubmission boundary
         payload["return_text_in_logprobs"] = True
     if priority is not None:
@@ -75,8 +80,10 @@ def span_versions(spans: list[tuple[int, Any]], n: int, start: int, where: str) 
     prev = -1
     for off, _ in spans:
         if not isinstance(off, int) or off <= prev or off >= n or (prev == -1 and off != 0):
-            raise InferenceError(f"{where}: malformed weight_version_spans {spans!r} for {n} tokens (offsets "
-                                 "must ascend from 0 and stay below the token count)")
+            raise InferenceError(
+                f"{where}: malformed weight_version_spans {spans!r} for {n} tokens (offsets "
+                "must ascend from 0 and stay below the token count)"
+            )
         prev = off
     out: list[int] = []
     for i, (off, ver) in enumerate(spans):
@@ -123,8 +130,10 @@ class SegmentReader:
         elif total == have + n:  # incremental stream: only the new tokens
             start, cumulative = 0, False
         else:
-            raise InferenceError(f"{self.where}: an event with {n} tokens fits neither a cumulative nor an "
-                                 f"incremental stream ({have} received, completion_tokens {total})")
+            raise InferenceError(
+                f"{self.where}: an event with {n} tokens fits neither a cumulative nor an "
+                f"incremental stream ({have} received, completion_tokens {total})"
+            )
         if n > start:
             new = triples[start:] if start else triples
             if meta.weight_version_spans is not None:

@@ -25,7 +25,8 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -99,10 +100,22 @@ class ServerPool:
     router. Probes and admin calls never wait behind them.
     """
 
-    def __init__(self, urls: list[str], *, api_key: str | None = None, timeout_s: float = 3600,
-                 max_retries: int = 3, backoff_s: float = 0.2, probe_interval_s: float = 1.0,
-                 max_connections: int = 1024, unavailable_timeout_s: float = 300.0, connect_timeout_s: float = 10.0,
-                 health_timeout_s: float = 10.0, max_health_failures: int = 2, weight_load_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 3600,
+        max_retries: int = 3,
+        backoff_s: float = 0.2,
+        probe_interval_s: float = 1.0,
+        max_connections: int = 1024,
+        unavailable_timeout_s: float = 300.0,
+        connect_timeout_s: float = 10.0,
+        health_timeout_s: float = 10.0,
+        max_health_failures: int = 2,
+        weight_load_timeout_s: float = 600.0,
+    ):
         self.router = Router(urls)
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -122,8 +135,14 @@ class ServerPool:
         # /continue_generation (503 after 20 s), so a paused server would look hung to the heartbeat
         self.probes_paused = False
         self.closed = False
-        self.counts = {"requests": 0, "retries": 0, "failovers": 0, "errors": 0, "servers_lost": 0,
-                       "servers_recovered": 0}
+        self.counts = {
+            "requests": 0,
+            "retries": 0,
+            "failovers": 0,
+            "errors": 0,
+            "servers_lost": 0,
+            "servers_recovered": 0,
+        }
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -150,8 +169,9 @@ class ServerPool:
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
             timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
             # no cookie jar: SGLang sets no cookies, and a real jar costs a cookie filter + parse per request
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
-                                                  cookie_jar=aiohttp.DummyCookieJar())
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, headers=headers, cookie_jar=aiohttp.DummyCookieJar()
+            )
             self._slots = asyncio.Semaphore(self.max_connections)
             self._loop = loop
             self._heartbeat = loop.create_task(self._heartbeat_loop())
@@ -191,9 +211,18 @@ class ServerPool:
 
     # ---- one HTTP exchange --------------------------------------------------------------------------------------
 
-    async def send(self, server: ServerState, method: str, path: str, body: bytes | None, *,
-                   timeout: aiohttp.ClientTimeout | None = None, on_event: EventSink | None = None,
-                   routed: bool = False, probe: bool = False) -> tuple[int, bytes]:
+    async def send(
+        self,
+        server: ServerState,
+        method: str,
+        path: str,
+        body: bytes | None,
+        *,
+        timeout: aiohttp.ClientTimeout | None = None,
+        on_event: EventSink | None = None,
+        routed: bool = False,
+        probe: bool = False,
+    ) -> tuple[int, bytes]:
         """(status, body) of one request, or `ConnectionFailed` if the server cannot be reached, drops us, or leaves
         rotation meanwhile. With `on_event`, a 200 `text/event-stream` answer is read event by event (each `data:`
         payload goes to `on_event`) and (200, b"") comes back after `[DONE]`; a stream cut before `[DONE]` is a
@@ -236,9 +265,16 @@ class ServerPool:
                 self._lost_cancels[task] = why
                 task.cancel()
 
-    async def _exchange(self, session: aiohttp.ClientSession, server: ServerState, method: str, path: str,
-                        body: bytes | None, timeout: aiohttp.ClientTimeout | None,
-                        on_event: EventSink | None) -> tuple[int, bytes]:
+    async def _exchange(
+        self,
+        session: aiohttp.ClientSession,
+        server: ServerState,
+        method: str,
+        path: str,
+        body: bytes | None,
+        timeout: aiohttp.ClientTimeout | None,
+        on_event: EventSink | None,
+    ) -> tuple[int, bytes]:
         kw: dict[str, Any] = {}
         if body is not None:
             kw["data"] = body
@@ -247,13 +283,16 @@ class ServerPool:
             kw["timeout"] = timeout
         try:
             async with session.request(method, server.url + path, **kw) as resp:
-                if on_event is None or resp.status != 200 \
-                        or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                if (
+                    on_event is None
+                    or resp.status != 200
+                    or not resp.headers.get("Content-Type", "").startswith("text/event-stream")
+                ):
                     return resp.status, await resp.read()
                 return await _read_events(resp, on_event, server.url + path)
         except aiohttp.ClientError as e:  # includes connect timeouts: the server is unreachable
             raise ConnectionFailed(f"{server.url}{path}: {e!r}") from e
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             total = timeout.total if timeout is not None else self.timeout_s
             raise InferenceError(f"{server.url}{path}: no answer within {total:g}s", url=server.url) from e
         except OSError as e:
@@ -284,8 +323,7 @@ class ServerPool:
         if server.url not in self.router.servers or server.state in ("down", "draining"):
             return
         if server.state == "serving":
-            log.warning("inference server %s out of rotation until it holds the current weights: %s",
-                        server.url, why)
+            log.warning("inference server %s out of rotation until it holds the current weights: %s", server.url, why)
         self.router.set_state(server.url, "syncing")
         if not self.router.healthy():
             self._any_healthy.clear()
@@ -360,8 +398,12 @@ class ServerPool:
             if self.probes_paused:
                 continue
             for s in list(self.router.servers.values()):
-                if s.state in ("serving", "draining") and s.exchanges > 0 and s.admin_ops == 0 \
-                        and s.url not in self._probing:
+                if (
+                    s.state in ("serving", "draining")
+                    and s.exchanges > 0
+                    and s.admin_ops == 0
+                    and s.url not in self._probing
+                ):
                     self._probing.add(s.url)
                     self.spawn(self._heartbeat_probe(s))
 
@@ -376,8 +418,9 @@ class ServerPool:
         except InferenceError:  # no answer within health_timeout_s
             server.health_failures += 1
             if server.health_failures >= self.max_health_failures and server.state in ("serving", "draining"):
-                self.server_failed(server, f"hung: {server.health_failures} health probes unanswered within "
-                                           f"{self.health_timeout_s:g}s")
+                self.server_failed(
+                    server, f"hung: {server.health_failures} health probes unanswered within {self.health_timeout_s:g}s"
+                )
             return
         finally:
             self._probing.discard(server.url)
@@ -423,18 +466,27 @@ class ServerPool:
     async def _wait_for_healthy(self, deadline: float, last_err: BaseException | None) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise InferenceError(f"no healthy inference server among {self.urls} for "
-                                 f"{self.unavailable_timeout_s:g}s; last error: {last_err}")
+            raise InferenceError(
+                f"no healthy inference server among {self.urls} for "
+                f"{self.unavailable_timeout_s:g}s; last error: {last_err}"
+            )
         try:
             await asyncio.wait_for(self._any_healthy.wait(), remaining)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         if self.closed:
             raise InferenceError("InferenceClient is closed")
 
-    async def routed(self, method: str, path: str, make_body: BodyFn, session_key: str | None = None, *,
-                     on_event: EventSink | None = None, progress: Callable[[], int] | None = None
-                     ) -> tuple[bytes, ServerState | None]:
+    async def routed(
+        self,
+        method: str,
+        path: str,
+        make_body: BodyFn,
+        session_key: str | None = None,
+        *,
+        on_event: EventSink | None = None,
+        progress: Callable[[], int] | None = None,
+    ) -> tuple[bytes, ServerState | None]:
         """One logical request with routing, retries, failover and waiting out a full outage.
 
         `make_body(attempt, url)` builds the body per attempt: generation gives each attempt its own rid (a retry never
@@ -452,8 +504,7 @@ class ServerPool:
         last_err: BaseException | None = None
         deadline: float | None = None
         while True:
-            sent = await self._send_one(slots, method, path, make_body, session_key, tried, attempt, on_event,
-                                        progress)
+            sent = await self._send_one(slots, method, path, make_body, session_key, tried, attempt, on_event, progress)
             if sent is None:  # no healthy server: wait for one, up to unavailable_timeout_s
                 if deadline is None:
                     deadline = time.monotonic() + self.unavailable_timeout_s
@@ -478,10 +529,18 @@ class ServerPool:
             if not any(s.url not in tried for s in self.router.healthy()):  # nowhere new to go: back off first
                 await asyncio.sleep(self.backoff_s * 2 ** (failures - 1) * (0.5 + random.random()))
 
-    async def _send_one(self, slots: asyncio.Semaphore, method: str, path: str, make_body: BodyFn,
-                        session_key: str | None, tried: list[str], attempt: int, on_event: EventSink | None,
-                        progress: Callable[[], int] | None
-                        ) -> tuple[ServerState, tuple[int, bytes] | BaseException | None, int] | None:
+    async def _send_one(
+        self,
+        slots: asyncio.Semaphore,
+        method: str,
+        path: str,
+        make_body: BodyFn,
+        session_key: str | None,
+        tried: list[str],
+        attempt: int,
+        on_event: EventSink | None,
+        progress: Callable[[], int] | None,
+    ) -> tuple[ServerState, tuple[int, bytes] | BaseException | None, int] | None:
         """One attempt of `routed`: None when no server is healthy, else (the server picked, its answer: (status,
         data), the ConnectionFailed or StreamError it raised, or None when `make_body` has nothing left to ask,
         `progress()` before the attempt)."""
@@ -500,23 +559,24 @@ class ServerPool:
             before = progress() if progress is not None else 0
             try:
                 answer: tuple[int, bytes] | BaseException = await self.send(
-                    server, method, path, body, on_event=on_event, routed=True)
+                    server, method, path, body, on_event=on_event, routed=True
+                )
             except (ConnectionFailed, StreamError) as e:
                 answer = e
             return server, answer, before
         finally:
             slots.release()
 
-    def _failed_attempt(self, server: ServerState, path: str, answer: tuple[int, bytes] | BaseException
-                        ) -> InferenceError | ConnectionFailed:
+    def _failed_attempt(
+        self, server: ServerState, path: str, answer: tuple[int, bytes] | BaseException
+    ) -> InferenceError | ConnectionFailed:
         """Book a failed attempt against `server` and return its error, or raise it when retrying cannot help
         (a client error: the request itself is wrong)."""
         if isinstance(answer, ConnectionFailed):
             self.server_failed(server, str(answer))
             return answer
         if isinstance(answer, StreamError):
-            err = InferenceError(f"{server.url}{path}: error in stream: {answer}", status=answer.status,
-                                 url=server.url)
+            err = InferenceError(f"{server.url}{path}: error in stream: {answer}", status=answer.status, url=server.url)
             if not 500 <= answer.status < 600 and answer.status != 429:
                 self.counts["errors"] += 1
                 raise err
@@ -537,9 +597,17 @@ class ServerPool:
 
     # ---- admin fan-out ------------------------------------------------------------------------------------------
 
-    async def fanout(self, method: str, path: str, payload: dict | Callable[[int, str], dict] | None = None, *,
-                     servers: list[ServerState] | None = None, check_success: bool = False,
-                     timeout: aiohttp.ClientTimeout | None = None, admin: bool = False) -> dict[str, Any]:
+    async def fanout(
+        self,
+        method: str,
+        path: str,
+        payload: dict | Callable[[int, str], dict] | None = None,
+        *,
+        servers: list[ServerState] | None = None,
+        check_success: bool = False,
+        timeout: aiohttp.ClientTimeout | None = None,
+        admin: bool = False,
+    ) -> dict[str, Any]:
         """Send to `servers` (default: every known server, in any state) at once. Returns url -> decoded answer,
         or the exception. `check_success`: a 200 answer with `"success": false` is an `InferenceError` too.
         `admin`: the call counts as an admin operation on each server (the heartbeat leaves it alone meanwhile:
@@ -561,8 +629,9 @@ class ServerPool:
                 if admin:
                     server.admin_ops -= 1
             if status != 200:
-                raise InferenceError(f"{server.url}{path} -> HTTP {status}: {error_message(data)}",
-                                     status=status, url=server.url)
+                raise InferenceError(
+                    f"{server.url}{path} -> HTTP {status}: {error_message(data)}", status=status, url=server.url
+                )
             try:
                 out = msgspec.json.decode(data) if data else None
             except msgspec.DecodeError:

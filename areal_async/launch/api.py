@@ -36,8 +36,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Literal, Protocol, TypeVar, Union
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 from areal_async.launch.processes import ChildFailed
 
@@ -99,7 +100,7 @@ class ServerLeft:
     url: str
 
 
-ClusterEvent = Union[ProcessExited, ServerJoined, ServerLeft]
+ClusterEvent = ProcessExited | ServerJoined | ServerLeft
 EventHandler = Callable[[ClusterEvent], Awaitable[None]]
 
 
@@ -119,7 +120,7 @@ class Cluster(Protocol):
 
 
 class Launcher(Protocol):
-    async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> Cluster:
+    async def launch(self, cfg: RunConfig, *, model_path: str, trainer_resume: str | None = None) -> Cluster:
         """Start what `cfg` asks for and return once the servers answer /health (the trainers may still be loading;
         the run connects to them). `model_path` is the resolved base model directory; `trainer_resume` a trainer
         checkpoint to start from. On failure, everything started is stopped before the error propagates."""
@@ -137,8 +138,9 @@ async def end_run_on_failure(event: ClusterEvent) -> None:
     raise ChildFailed(f"{event.name} at {event.url}: {type(event).__name__} has no handler here")
 
 
-async def supervise(body: Awaitable[T], cluster: Cluster, on_event: EventHandler, *,
-                    diagnosis_grace_s: float = 2.0) -> T:
+async def supervise(
+    body: Awaitable[T], cluster: Cluster, on_event: EventHandler, *, diagnosis_grace_s: float = 2.0
+) -> T:
     """Await `body` while `cluster.watch(on_event)` runs beside it. When the handler raises, `body` is cancelled
     (its own cleanup runs) and the handler's error is raised instead of whatever the cancellation caused.
 

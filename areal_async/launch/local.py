@@ -16,19 +16,19 @@ import logging
 import os
 import secrets
 import shlex
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import msgspec
 
 from areal_async.config import ConfigError
-from areal_async.launch.api import (ClusterEvent, EventHandler, ProcessExited, ServerHandle, ServerJoined,
-                                    TrainerHandle)
+from areal_async.launch.api import ClusterEvent, EventHandler, ProcessExited, ServerHandle, ServerJoined, TrainerHandle
 from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
-from areal_async.net.registry import Registry, rank_files_dir, read_secret
 from areal_async.net.address import host_address, rendezvous_host
+from areal_async.net.registry import Registry, rank_files_dir, read_secret
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -42,10 +42,19 @@ class LocalCluster:
     the run goes on (the recovery policy, launch/recovery.py, does so): `restart_server`, `stop_server`,
     `restart_trainers`. A restarted server is announced by `watch` as `ServerJoined` under its old name."""
 
-    def __init__(self, processes: Processes, servers: list[ServerHandle], trainers: TrainerHandle,
-                 poll_s: float = 0.5, registry: Registry | None = None, join: JoinFile | None = None, *,
-                 cfg: "RunConfig | None" = None, model_path: str | None = None,
-                 start_server: Callable[[int, int], Child] | None = None) -> None:
+    def __init__(
+        self,
+        processes: Processes,
+        servers: list[ServerHandle],
+        trainers: TrainerHandle,
+        poll_s: float = 0.5,
+        registry: Registry | None = None,
+        join: JoinFile | None = None,
+        *,
+        cfg: RunConfig | None = None,
+        model_path: str | None = None,
+        start_server: Callable[[int, int], Child] | None = None,
+    ) -> None:
         self.processes = processes
         self.servers = servers
         self.trainers = trainers
@@ -115,8 +124,9 @@ class LocalCluster:
         port = 0 if name in self._fresh_port else (urlsplit(self.servers[index].url).port or 0)
         child = self._start_server(int(name.removeprefix("server")), port)
         try:
-            await self.processes.wait_healthy([child], self._cfg.server.startup_timeout_s, self._cfg.server.api_key,
-                                              only=True)
+            await self.processes.wait_healthy(
+                [child], self._cfg.server.startup_timeout_s, self._cfg.server.api_key, only=True
+            )
         except BaseException:
             self._fresh_port.add(name)  # its port may be taken now
             await asyncio.to_thread(self.processes.stop, child, 0)
@@ -136,8 +146,9 @@ class LocalCluster:
             raise NotImplementedError("this cluster cannot restart its trainers")
         t = self._cfg.train
         if (t.rdzv.local_agents or t.nnodes) < t.nnodes:
-            raise NotImplementedError("trainer agents started by hand elsewhere (train.rdzv.local_agents) cannot be "
-                                      "restarted by this run")
+            raise NotImplementedError(
+                "trainer agents started by hand elsewhere (train.rdzv.local_agents) cannot be restarted by this run"
+            )
         for old in [c for c in self.processes.children if c.role == "trainer"]:
             await asyncio.to_thread(self.processes.stop, old, 10.0)
         if self.registry is not None:
@@ -149,20 +160,28 @@ class LocalCluster:
                 if entry.endswith(".json"):
                     with contextlib.suppress(OSError):
                         os.remove(os.path.join(rank_dir, entry))
-        self.trainers, self.registry = await _start_trainers(self.processes, self._cfg, self._model_path, resume,
-                                                             self.trainers.master_address)
+        self.trainers, self.registry = await _start_trainers(
+            self.processes, self._cfg, self._model_path, resume, self.trainers.master_address
+        )
         return self.trainers
 
 
 def _exit_event(child: Child) -> ClusterEvent:
-    return ProcessExited(role=child.role, name=child.name, exit_code=child.proc.poll(), log_path=child.log_path,
-                         log_tail=tail(child.log_path), url=child.url, pid=child.proc.pid)
+    return ProcessExited(
+        role=child.role,
+        name=child.name,
+        exit_code=child.proc.poll(),
+        log_path=child.log_path,
+        log_tail=tail(child.log_path),
+        url=child.url,
+        pid=child.proc.pid,
+    )
 
 
 class LocalLauncher:
     """`server.backend` embedded or sglang: `server.num_servers` servers and one torchrun job, all on this host."""
 
-    async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> LocalCluster:
+    async def launch(self, cfg: RunConfig, *, model_path: str, trainer_resume: str | None = None) -> LocalCluster:
         procs = Processes(cfg.run_dir)
         registry = None
         try:
@@ -174,40 +193,67 @@ class LocalLauncher:
             await _stop(procs, registry)
             raise
         handles = [ServerHandle(c.name, c.url or "") for c in servers]
-        return LocalCluster(procs, handles, trainers, registry=registry, join=joins(cfg, handles), cfg=cfg,
-                            model_path=model_path, start_server=functools.partial(_start_server, procs, cfg,
-                                                                                  model_path))
+        return LocalCluster(
+            procs,
+            handles,
+            trainers,
+            registry=registry,
+            join=joins(cfg, handles),
+            cfg=cfg,
+            model_path=model_path,
+            start_server=functools.partial(_start_server, procs, cfg, model_path),
+        )
 
     @staticmethod
-    def _start_servers(procs: Processes, cfg: "RunConfig", model_path: str) -> list[Child]:
+    def _start_servers(procs: Processes, cfg: RunConfig, model_path: str) -> list[Child]:
         srv = cfg.server
         place = plan_placement(cfg)  # each server's GPU (launch/placement.py)
-        return [_start_server(procs, cfg, model_path, i, srv.port + i if srv.port else 0, place)
-                for i in range(srv.num_servers)]
+        return [
+            _start_server(procs, cfg, model_path, i, srv.port + i if srv.port else 0, place)
+            for i in range(srv.num_servers)
+        ]
 
 
-def _start_server(procs: Processes, cfg: "RunConfig", model_path: str, index: int, port: int,
-                  place: "Placement | None" = None) -> Child:
+def _start_server(
+    procs: Processes, cfg: RunConfig, model_path: str, index: int, port: int, place: Placement | None = None
+) -> Child:
     """Server `index` as `server.backend` asks (at launch, and again when the recovery policy restarts it, on the
     same GPU: the placement is a function of the config and the host's GPUs)."""
     srv = cfg.server
     place = place or plan_placement(cfg)
     if srv.backend == "embedded":
         return procs.start_embedded_server(
-            index, model_path, host=srv.host, port=port, device=place.server_devices[index],
-            max_total_tokens=srv.max_total_tokens, max_running_requests=srv.max_running_requests,
-            api_key=srv.api_key, torch_threads=srv.torch_threads, prefix_cache=srv.prefix_cache,
-            cuda_visible_devices=place.server_visible[index], dtype=cfg.model.dtype)
+            index,
+            model_path,
+            host=srv.host,
+            port=port,
+            device=place.server_devices[index],
+            max_total_tokens=srv.max_total_tokens,
+            max_running_requests=srv.max_running_requests,
+            api_key=srv.api_key,
+            torch_threads=srv.torch_threads,
+            prefix_cache=srv.prefix_cache,
+            cuda_visible_devices=place.server_visible[index],
+            dtype=cfg.model.dtype,
+        )
     return procs.start_sglang_server(
-        index, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=srv.extra_args,
-        base_gpu_id=srv.base_gpu_id, gpus_per_server=srv.gpus_per_server, dtype=cfg.model.dtype)
+        index,
+        model_path,
+        host=srv.host,
+        port=port,
+        api_key=srv.api_key,
+        extra_args=srv.extra_args,
+        base_gpu_id=srv.base_gpu_id,
+        gpus_per_server=srv.gpus_per_server,
+        dtype=cfg.model.dtype,
+    )
 
 
 class ExternalLauncher:
     """`server.backend=external`: the servers at `server.urls` must answer /health within
     `server.startup_timeout_s`; the trainers are a torchrun job started here."""
 
-    async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> LocalCluster:
+    async def launch(self, cfg: RunConfig, *, model_path: str, trainer_resume: str | None = None) -> LocalCluster:
         procs = Processes(cfg.run_dir)
         registry = None
         try:
@@ -219,14 +265,19 @@ class ExternalLauncher:
             await _stop(procs, registry)
             raise
         servers = [ServerHandle(f"server{i}", url.rstrip("/")) for i, url in enumerate(cfg.server.urls)]
-        return LocalCluster(procs, servers, trainers, registry=registry, join=joins(cfg, servers), cfg=cfg,
-                            model_path=model_path)
+        return LocalCluster(
+            procs, servers, trainers, registry=registry, join=joins(cfg, servers), cfg=cfg, model_path=model_path
+        )
 
 
-def joins(cfg: "RunConfig", launched: list[ServerHandle]) -> JoinFile:
+def joins(cfg: RunConfig, launched: list[ServerHandle]) -> JoinFile:
     """The watcher of run_dir/servers.txt (servers added to and taken out of a running job)."""
-    return JoinFile(join_file(cfg.run_dir), api_key=cfg.server.api_key,
-                    startup_timeout_s=cfg.server.startup_timeout_s, exclude=[s.url for s in launched])
+    return JoinFile(
+        join_file(cfg.run_dir),
+        api_key=cfg.server.api_key,
+        startup_timeout_s=cfg.server.startup_timeout_s,
+        exclude=[s.url for s in launched],
+    )
 
 
 async def _stop(procs: Processes, registry: Registry | None) -> None:
@@ -235,7 +286,7 @@ async def _stop(procs: Processes, registry: Registry | None) -> None:
         await registry.close()
 
 
-def run_secret(cfg: "RunConfig") -> bytes:
+def run_secret(cfg: RunConfig) -> bytes:
     """The RPC secret of a run: fresh, unless agents are started by hand elsewhere (train.rdzv.local_agents):
     they need it too, so it comes from AREAL_RPC_SECRET in this environment and theirs."""
     t = cfg.train
@@ -243,15 +294,16 @@ def run_secret(cfg: "RunConfig") -> bytes:
         try:
             return read_secret()
         except ValueError as e:
-            raise ConfigError(f"train.rdzv.local_agents: agents started by hand need the run's RPC secret: {e}; "
-                              f"export the same AREAL_RPC_SECRET here and on their nodes") from None
+            raise ConfigError(
+                f"train.rdzv.local_agents: agents started by hand need the run's RPC secret: {e}; "
+                f"export the same AREAL_RPC_SECRET here and on their nodes"
+            ) from None
     return os.urandom(32)
 
 
-
-
-async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, resume: str | None,
-                          master_address: str) -> tuple[TrainerHandle, Registry | None]:
+async def _start_trainers(
+    procs: Processes, cfg: RunConfig, model_path: str, resume: str | None, master_address: str
+) -> tuple[TrainerHandle, Registry | None]:
     """One torchrun agent (train.nnodes=1), or the agents of a c10d job of train.nnodes nodes started here (all of
     them, or node ranks below train.rdzv.local_agents; the command for the others is logged)."""
     t = cfg.train
@@ -265,34 +317,55 @@ async def _start_trainers(procs: Processes, cfg: "RunConfig", model_path: str, r
         registry = Registry(secret, cfg.run_dir)
         await registry.start("0.0.0.0" if remote else "127.0.0.1", host_address() if remote else None)
         env = registry.env()
-    common = dict(model=model_path, nproc=t.nproc, config_json=msgspec.json.encode(t).decode(), seed=cfg.seed,
-                  resume=resume)
+    common = dict(
+        model=model_path, nproc=t.nproc, config_json=msgspec.json.encode(t).decode(), seed=cfg.seed, resume=resume
+    )
     try:
         if t.nnodes == 1:
-            procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
-                                 torchrun_args=t.torchrun_args, cuda_visible_devices=gpus[0], env=env)
+            procs.start_trainers(
+                **common,
+                secret_hex=secret.hex(),
+                torch_threads=t.torch_threads,
+                torchrun_args=t.torchrun_args,
+                cuda_visible_devices=gpus[0],
+                env=env,
+            )
         else:
             endpoint = t.rdzv.endpoint or f"{rendezvous_host() if remote else '127.0.0.1'}:{free_port()}"
-            rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=secrets.token_hex(4),
-                             timeout_s=t.rdzv.timeout_s)
+            rdzv = c10d_args(
+                nnodes=t.nnodes, endpoint=endpoint, run_id=secrets.token_hex(4), timeout_s=t.rdzv.timeout_s
+            )
             for node in range(here):
-                procs.start_trainers(**common, secret_hex=secret.hex(), torch_threads=t.torch_threads,
-                                     torchrun_args=rdzv, cuda_visible_devices=gpus[node],
-                                     name=f"trainer{node}", env=env)
+                procs.start_trainers(
+                    **common,
+                    secret_hex=secret.hex(),
+                    torch_threads=t.torch_threads,
+                    torchrun_args=rdzv,
+                    cuda_visible_devices=gpus[node],
+                    name=f"trainer{node}",
+                    env=env,
+                )
             if remote:
                 cmd = trainer_cmd(**common, run_dir=cfg.run_dir, torchrun_args=rdzv, rpc_host="0.0.0.0")
-                log.warning("train.nnodes=%d, %d agent(s) started here; start the other %d, one per node, with "
-                            "AREAL_RPC_SECRET exported as here and:\n  %s %s", t.nnodes, here, t.nnodes - here,
-                            " ".join(f"{k}={v}" for k, v in env.items()), shlex.join(cmd))
+                log.warning(
+                    "train.nnodes=%d, %d agent(s) started here; start the other %d, one per node, with "
+                    "AREAL_RPC_SECRET exported as here and:\n  %s %s",
+                    t.nnodes,
+                    here,
+                    t.nnodes - here,
+                    " ".join(f"{k}={v}" for k, v in env.items()),
+                    shlex.join(cmd),
+                )
     except BaseException:
         if registry is not None:
             await registry.close()
         raise
-    return TrainerHandle(world_size=t.nnodes * t.nproc, rendezvous_dir=cfg.run_dir, secret=secret,
-                         master_address=master_address), registry
+    return TrainerHandle(
+        world_size=t.nnodes * t.nproc, rendezvous_dir=cfg.run_dir, secret=secret, master_address=master_address
+    ), registry
 
 
-def launcher_for(cfg: "RunConfig") -> "Launcher":
+def launcher_for(cfg: RunConfig) -> Launcher:
     """The launcher `launcher` and `server.backend` ask for."""
     if cfg.launcher == "slurm":
         from areal_async.launch.slurm import SlurmLauncher

@@ -66,8 +66,9 @@ class JoinFile:
     """Turns changes of `run_dir/servers.txt` into `ServerJoined` and `ServerLeft` events (see the module
     docstring). `poll()` is cheap when nothing changed: one stat()."""
 
-    def __init__(self, path: str, *, api_key: str | None, startup_timeout_s: float,
-                 exclude: list[str] | None = None) -> None:
+    def __init__(
+        self, path: str, *, api_key: str | None, startup_timeout_s: float, exclude: list[str] | None = None
+    ) -> None:
         self.path = path
         self.api_key = api_key
         self.startup_timeout_s = startup_timeout_s
@@ -107,8 +108,13 @@ class JoinFile:
             if now > give_up:
                 del self.waiting[url]
                 self._given_up.add(url)
-                log.error("%s (from %s) did not answer /health within %.0fs (server.startup_timeout_s); not added "
-                          "(edit the file to try again)", url, self.path, self.startup_timeout_s)
+                log.error(
+                    "%s (from %s) did not answer /health within %.0fs (server.startup_timeout_s); not added "
+                    "(edit the file to try again)",
+                    url,
+                    self.path,
+                    self.startup_timeout_s,
+                )
         due = [u for u, (_, at) in self.waiting.items() if at <= now]
         if due:
             healthy = await asyncio.gather(*(self._healthy(u) for u in due))
@@ -129,7 +135,7 @@ class JoinFile:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as s:
                 async with s.get(url + "/health", headers=headers) as r:
                     return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return False
 
 
@@ -143,8 +149,9 @@ class FleetPolicy:
     """The run's event handler: servers join and leave the inference client; anything else goes to `fallback`
     (today a dead process ends the run)."""
 
-    def __init__(self, session: HoldsClient, fallback: EventHandler = end_run_on_failure, *,
-                 wait_client_s: float = 600.0) -> None:
+    def __init__(
+        self, session: HoldsClient, fallback: EventHandler = end_run_on_failure, *, wait_client_s: float = 600.0
+    ) -> None:
         self.session = session
         self.fallback = fallback
         self.wait_client_s = wait_client_s
@@ -182,8 +189,9 @@ class FleetPolicy:
             log.error("%s at %s cannot leave: %s", event.name, event.url, e)
 
 
-def failure_policy(cfg: RunConfig, cluster: Cluster, session: HoldsClient,
-                   recovery_log: RecoveryLog | None = None) -> FleetPolicy | RunRecovery:
+def failure_policy(
+    cfg: RunConfig, cluster: Cluster, session: HoldsClient, recovery_log: RecoveryLog | None = None
+) -> FleetPolicy | RunRecovery:
     """The event handler of a run. `session` holds the inference client the fleet handler adds servers to (filled
     in as the run creates it). Servers join and leave through `FleetPolicy`; with `recovery.enabled` the handler is
     a `RunRecovery` (launch/recovery.py) that sees every event first, restarts what died or hangs, and records what

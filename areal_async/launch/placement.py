@@ -28,8 +28,9 @@ import functools
 import logging
 import os
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from areal_async.config import ConfigError
 
@@ -103,34 +104,42 @@ def _int_flag(args: list[str], key: str, *names: str) -> int | None:
         raise ConfigError(f"{key}: {names[0]} needs a whole number, got {value!r}") from None
 
 
-def _check_sglang_args(cfg: "RunConfig") -> int:
+def _check_sglang_args(cfg: RunConfig) -> int:
     """The argument checks; returns how many GPUs one SGLang server takes."""
     srv = cfg.server
     args = list(srv.extra_args)
     if srv.num_servers > 1 and sglang_flag(args, "--base-gpu-id") is not None:
-        raise ConfigError("server.extra_args: --base-gpu-id would put all server.num_servers="
-                          f"{srv.num_servers} servers on the same GPUs; set server.base_gpu_id instead (server i "
-                          "starts at base_gpu_id + i * gpus_per_server)")
+        raise ConfigError(
+            "server.extra_args: --base-gpu-id would put all server.num_servers="
+            f"{srv.num_servers} servers on the same GPUs; set server.base_gpu_id instead (server i "
+            "starts at base_gpu_id + i * gpus_per_server)"
+        )
     tp = _int_flag(args, "server.extra_args", "--tp-size", "--tp", "--tensor-parallel-size")
     if tp is not None and tp != srv.gpus_per_server:
-        raise ConfigError(f"server.extra_args: --tp-size {tp} differs from server.gpus_per_server="
-                          f"{srv.gpus_per_server}; set server.gpus_per_server (the launcher passes --tp-size)")
+        raise ConfigError(
+            f"server.extra_args: --tp-size {tp} differs from server.gpus_per_server="
+            f"{srv.gpus_per_server}; set server.gpus_per_server (the launcher passes --tp-size)"
+        )
     dp = _int_flag(args, "server.extra_args", "--dp-size", "--dp", "--data-parallel-size") or 1
     pp = _int_flag(args, "server.extra_args", "--pp-size", "--pp", "--pipeline-parallel-size") or 1
     dp_attention = sglang_flag(args, "--enable-dp-attention") is not None
     if cfg.train.weight_sync == "broadcast":
         if dp > 1 and not dp_attention:
-            raise ConfigError(f"server.extra_args: --dp-size {dp} with train.weight_sync=broadcast: SGLang refuses "
-                              "distributed weight updates with data parallelism unless --enable-dp-attention; "
-                              "use train.weight_sync=disk, or server.num_servers replicas of --dp-size 1")
+            raise ConfigError(
+                f"server.extra_args: --dp-size {dp} with train.weight_sync=broadcast: SGLang refuses "
+                "distributed weight updates with data parallelism unless --enable-dp-attention; "
+                "use train.weight_sync=disk, or server.num_servers replicas of --dp-size 1"
+            )
         if pp > 1:
-            raise ConfigError(f"server.extra_args: --pp-size {pp} with train.weight_sync=broadcast: every pipeline "
-                              "stage would join the weight-update group as the same ranks; use "
-                              "train.weight_sync=disk")
+            raise ConfigError(
+                f"server.extra_args: --pp-size {pp} with train.weight_sync=broadcast: every pipeline "
+                "stage would join the weight-update group as the same ranks; use "
+                "train.weight_sync=disk"
+            )
     return srv.gpus_per_server * (dp if dp > 1 and not dp_attention else 1) * pp
 
 
-def plan_placement(cfg: "RunConfig", gpus: tuple[str, ...] | None = None) -> Placement:
+def plan_placement(cfg: RunConfig, gpus: tuple[str, ...] | None = None) -> Placement:
     """The GPUs of every server and trainer agent this host starts (`gpus`: the host's, default `visible_gpus()`).
     Raises ConfigError naming the keys when the layout cannot work."""
     srv, t = cfg.server, cfg.train
@@ -142,12 +151,19 @@ def plan_placement(cfg: "RunConfig", gpus: tuple[str, ...] | None = None) -> Pla
     servers, devices, server_visible, seen = _place_servers(cfg, gpus, per_server)
     visible, trainer_gpus = _place_trainers(cfg, gpus, here, seen)
     shared = _check_shared(cfg, gpus, seen, trainer_gpus)
-    return Placement(gpus=gpus, servers=tuple(servers), server_devices=tuple(devices),
-                     server_visible=tuple(server_visible), trainer_visible=tuple(visible), shared=shared)
+    return Placement(
+        gpus=gpus,
+        servers=tuple(servers),
+        server_devices=tuple(devices),
+        server_visible=tuple(server_visible),
+        trainer_visible=tuple(visible),
+        shared=shared,
+    )
 
 
-def _place_servers(cfg: "RunConfig", gpus: tuple[str, ...], per_server: int
-                   ) -> tuple[list[tuple[int, ...]], list[str], list[str | None], dict[int, int]]:
+def _place_servers(
+    cfg: RunConfig, gpus: tuple[str, ...], per_server: int
+) -> tuple[list[tuple[int, ...]], list[str], list[str | None], dict[int, int]]:
     """Per launched server: its GPU indices, its --device and its CUDA_VISIBLE_DEVICES (embedded servers); and which
     server takes each GPU index. Refuses overlapping servers and GPUs past the host's count."""
     srv = cfg.server
@@ -158,8 +174,10 @@ def _place_servers(cfg: "RunConfig", gpus: tuple[str, ...], per_server: int
     server_visible: list[str | None] = []
     dev = srv.device
     if launched and srv.backend == "embedded" and dev.startswith("cuda:") and srv.num_servers > 1:
-        raise ConfigError(f"server.device: {dev} would put all server.num_servers={srv.num_servers} servers on one "
-                          "GPU; use auto or cuda (server i on cuda:<base_gpu_id + i * gpus_per_server>)")
+        raise ConfigError(
+            f"server.device: {dev} would put all server.num_servers={srv.num_servers} servers on one "
+            "GPU; use auto or cuda (server i on cuda:<base_gpu_id + i * gpus_per_server>)"
+        )
     on_gpu = srv.backend == "sglang" or dev in ("auto", "cuda") or dev.startswith("cuda:")
     for i in range(srv.num_servers if launched else 0):
         first = srv.base_gpu_id + i * srv.gpus_per_server
@@ -176,10 +194,12 @@ def _place_servers(cfg: "RunConfig", gpus: tuple[str, ...], per_server: int
             server_visible.append(gpus[first] if pinned and first < n else None)
     used = [g for s in servers for g in s]
     if n and used and max(used) >= n:
-        raise ConfigError(f"server.base_gpu_id: servers need GPUs {min(used)}..{max(used)} "
-                          f"(server.num_servers={srv.num_servers}, server.gpus_per_server={srv.gpus_per_server}"
-                          f"{', server.device=' + dev if dev.startswith('cuda:') else ''}), this host has {n} "
-                          f"visible ({', '.join(gpus)})")
+        raise ConfigError(
+            f"server.base_gpu_id: servers need GPUs {min(used)}..{max(used)} "
+            f"(server.num_servers={srv.num_servers}, server.gpus_per_server={srv.gpus_per_server}"
+            f"{', server.device=' + dev if dev.startswith('cuda:') else ''}), this host has {n} "
+            f"visible ({', '.join(gpus)})"
+        )
     seen: dict[int, int] = {}
     for i, s in enumerate(servers):
         for g in s:
@@ -189,8 +209,9 @@ def _place_servers(cfg: "RunConfig", gpus: tuple[str, ...], per_server: int
     return servers, devices, server_visible, seen
 
 
-def _place_trainers(cfg: "RunConfig", gpus: tuple[str, ...], here: int, seen: dict[int, int]
-                    ) -> tuple[list[str | None], list[str]]:
+def _place_trainers(
+    cfg: RunConfig, gpus: tuple[str, ...], here: int, seen: dict[int, int]
+) -> tuple[list[str | None], list[str]]:
     """Per torchrun agent on this host: its CUDA_VISIBLE_DEVICES (None: as is); and the GPUs (entries of `gpus`)
     the trainer ranks take. `seen`: the GPU indices servers take. Refuses two ranks on one GPU."""
     srv, t = cfg.server, cfg.train
@@ -203,34 +224,43 @@ def _place_trainers(cfg: "RunConfig", gpus: tuple[str, ...], here: int, seen: di
         if len(set(entries)) != len(entries):
             raise ConfigError(f"train.cuda_visible_devices: {t.cuda_visible_devices!r} names a GPU twice")
         if t.device != "cpu" and len(entries) < t.nproc:
-            raise ConfigError(f"train.cuda_visible_devices: {len(entries)} GPU(s) for train.nproc={t.nproc} ranks "
-                              "(two ranks on one GPU fail NCCL's setup)")
+            raise ConfigError(
+                f"train.cuda_visible_devices: {len(entries)} GPU(s) for train.nproc={t.nproc} ranks "
+                "(two ranks on one GPU fail NCCL's setup)"
+            )
         if here > 1 and n:  # several agents on this host: each takes its slice
             if len(entries) < need:
-                raise ConfigError(f"train.cuda_visible_devices: {here} torchrun agents of train.nproc={t.nproc} "
-                                  f"on this host need {need} GPUs, {len(entries)} given")
-            visible = [",".join(entries[k * t.nproc:(k + 1) * t.nproc]) for k in range(here)]
+                raise ConfigError(
+                    f"train.cuda_visible_devices: {here} torchrun agents of train.nproc={t.nproc} "
+                    f"on this host need {need} GPUs, {len(entries)} given"
+                )
+            visible = [",".join(entries[k * t.nproc : (k + 1) * t.nproc]) for k in range(here)]
         trainer_gpus = entries
     elif t.device != "cpu" and n:
         if need > n:
-            raise ConfigError(f"train.nproc: {need} trainer rank(s) on this host need {need} GPUs, it has {n} "
-                              f"visible ({', '.join(gpus)}); two ranks on one GPU fail NCCL's setup")
+            raise ConfigError(
+                f"train.nproc: {need} trainer rank(s) on this host need {need} GPUs, it has {n} "
+                f"visible ({', '.join(gpus)}); two ranks on one GPU fail NCCL's setup"
+            )
         free = [i for i in range(n) if i not in seen]
         if len(free) >= need:
             pick = free[:need]
         elif srv.backend == "sglang" and seen:
-            raise ConfigError(f"train.nproc: the SGLang servers take GPUs {sorted(seen)} of {n}; {need} trainer "
-                              f"rank(s) need {need} more (lower server.num_servers or server.gpus_per_server, or "
-                              "set train.cuda_visible_devices)")
+            raise ConfigError(
+                f"train.nproc: the SGLang servers take GPUs {sorted(seen)} of {n}; {need} trainer "
+                f"rank(s) need {need} more (lower server.num_servers or server.gpus_per_server, or "
+                "set train.cuda_visible_devices)"
+            )
         else:
             pick = list(range(need))
         trainer_gpus = [gpus[i] for i in pick]
-        visible = [",".join(trainer_gpus[k * t.nproc:(k + 1) * t.nproc]) for k in range(here)]
+        visible = [",".join(trainer_gpus[k * t.nproc : (k + 1) * t.nproc]) for k in range(here)]
     return visible, trainer_gpus
 
 
-def _check_shared(cfg: "RunConfig", gpus: tuple[str, ...], seen: dict[int, int], trainer_gpus: list[str]
-                  ) -> tuple[str, ...]:
+def _check_shared(
+    cfg: RunConfig, gpus: tuple[str, ...], seen: dict[int, int], trainer_gpus: list[str]
+) -> tuple[str, ...]:
     """The GPUs a server and a trainer rank both use; refused for SGLang servers with the broadcast or without
     --mem-fraction-static, a warning otherwise."""
     srv = cfg.server
@@ -238,15 +268,22 @@ def _check_shared(cfg: "RunConfig", gpus: tuple[str, ...], seen: dict[int, int],
     shared = tuple(sorted(server_entries & set(trainer_gpus)))
     if shared and srv.backend == "sglang":
         if cfg.train.weight_sync == "broadcast":
-            raise ConfigError(f"train.cuda_visible_devices: the trainers would share GPU(s) {', '.join(shared)} "
-                              "with SGLang servers, and an nccl weight broadcast cannot join two processes on one "
-                              "GPU; give them other GPUs (server.base_gpu_id, train.cuda_visible_devices) or use "
-                              "train.weight_sync=disk")
+            raise ConfigError(
+                f"train.cuda_visible_devices: the trainers would share GPU(s) {', '.join(shared)} "
+                "with SGLang servers, and an nccl weight broadcast cannot join two processes on one "
+                "GPU; give them other GPUs (server.base_gpu_id, train.cuda_visible_devices) or use "
+                "train.weight_sync=disk"
+            )
         if sglang_flag(list(srv.extra_args), "--mem-fraction-static") is None:
-            raise ConfigError(f"server.extra_args: SGLang servers would share GPU(s) {', '.join(shared)} with the "
-                              "trainers while taking ~88% of their memory; pass --mem-fraction-static (e.g. 0.4) "
-                              "or give the trainers other GPUs (train.cuda_visible_devices)")
+            raise ConfigError(
+                f"server.extra_args: SGLang servers would share GPU(s) {', '.join(shared)} with the "
+                "trainers while taking ~88% of their memory; pass --mem-fraction-static (e.g. 0.4) "
+                "or give the trainers other GPUs (train.cuda_visible_devices)"
+            )
     if shared:
-        log.warning("GPU(s) %s hold both a server and a trainer rank%s", ", ".join(shared),
-                    " (the weight broadcast goes over gloo)" if cfg.train.weight_sync == "broadcast" else "")
+        log.warning(
+            "GPU(s) %s hold both a server and a trainer rank%s",
+            ", ".join(shared),
+            " (the weight broadcast goes over gloo)" if cfg.train.weight_sync == "broadcast" else "",
+        )
     return shared

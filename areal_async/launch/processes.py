@@ -46,8 +46,7 @@ class Child:
     log_offset: int = 0  # where this process's part of its (appended-to) log starts
 
     def describe_exit(self) -> str:
-        return (f"{self.name} exited with code {self.proc.poll()}; log tail ({self.log_path}):\n"
-                f"{tail(self.log_path)}")
+        return f"{self.name} exited with code {self.proc.poll()}; log tail ({self.log_path}):\n{tail(self.log_path)}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,7 +65,7 @@ def tail(path: str, lines: int = 40) -> str:
         return "<no log>"
 
 
-def _url_from_log(procs: "Processes", name: str) -> str:
+def _url_from_log(procs: Processes, name: str) -> str:
     """The URL a child started on port 0 printed in its ready line (server/cli.py's READY_PREFIX); "" until then.
     Found, it becomes the child's `url`."""
     from areal_async.server.cli import READY_PREFIX
@@ -84,7 +83,7 @@ def _url_from_log(procs: "Processes", name: str) -> str:
         return ""
     for line in text.splitlines():
         if line.startswith(READY_PREFIX):
-            child.url = line[len(READY_PREFIX):].strip()
+            child.url = line[len(READY_PREFIX) :].strip()
             return child.url
     return ""
 
@@ -114,6 +113,7 @@ def descendants(pid: int) -> list[tuple[int, str]]:
 
 def kill_left(procs: list[tuple[int, str]], timeout_s: float = 10.0) -> None:
     """SIGKILL those of `procs` (from `descendants`) still alive, and wait until they are gone."""
+
     def live(p: int, start: str) -> bool:
         try:
             with open(f"/proc/{p}/stat") as f:
@@ -155,21 +155,53 @@ def interrupt_on_sigterm() -> None:
 def thread_env(n: int) -> dict[str, str]:
     """Environment that pins a child's intra-op thread pools to n threads (children share the host's cores)."""
     n = max(1, n)
-    return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "AREAL_TORCH_THREADS": str(n),
-            "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        "OMP_NUM_THREADS": str(n),
+        "MKL_NUM_THREADS": str(n),
+        "AREAL_TORCH_THREADS": str(n),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 # ---- commands (shared by the launchers: a Slurm step runs the same command under srun) ----------------------------
 
 
-def embedded_server_cmd(model: str, *, host: str, port: str, device: str, max_total_tokens: int,
-                        max_running_requests: int, api_key: str | None, weight_version: int = 0,
-                        prefix_cache: bool = True, dtype: str = "auto") -> list[str]:
+def embedded_server_cmd(
+    model: str,
+    *,
+    host: str,
+    port: str,
+    device: str,
+    max_total_tokens: int,
+    max_running_requests: int,
+    api_key: str | None,
+    weight_version: int = 0,
+    prefix_cache: bool = True,
+    dtype: str = "auto",
+) -> list[str]:
     """`port` is a string so that a launcher can pass a placeholder the step fills in (launch/step.py); `dtype`
     is `model.dtype` (the server's weights and KV cache)."""
-    cmd = [sys.executable, "-m", "areal_async.serve", "--model", model, "--host", host, "--port", port,
-           "--device", device, "--dtype", dtype, "--max-total-tokens", str(max_total_tokens),
-           "--max-running-requests", str(max_running_requests), "--weight-version", str(weight_version)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.serve",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        port,
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--max-running-requests",
+        str(max_running_requests),
+        "--weight-version",
+        str(weight_version),
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     if not prefix_cache:
@@ -177,15 +209,34 @@ def embedded_server_cmd(model: str, *, host: str, port: str, device: str, max_to
     return cmd
 
 
-def sglang_server_cmd(model: str, *, host: str, port: str, api_key: str | None, extra_args: list[str],
-                      base_gpu_id: int = 0, tp_size: int = 1, dtype: str = "auto") -> list[str]:
+def sglang_server_cmd(
+    model: str,
+    *,
+    host: str,
+    port: str,
+    api_key: str | None,
+    extra_args: list[str],
+    base_gpu_id: int = 0,
+    tp_size: int = 1,
+    dtype: str = "auto",
+) -> list[str]:
     """`tp_size` (server.gpus_per_server) becomes --tp-size: without it SGLang runs tp 1 on the first of the
     server's GPUs, and the weight broadcast would count ranks the server does not have. `dtype` (model.dtype)
     becomes --dtype unless `extra_args` has one (SGLang's own default is auto, so auto adds nothing)."""
     from areal_async.launch.placement import sglang_flag
 
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", port,
-           *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model,
+        "--host",
+        host,
+        "--port",
+        port,
+        *extra_args,
+    ]
     if sglang_flag(extra_args, "--base-gpu-id") is None:
         cmd += ["--base-gpu-id", str(base_gpu_id)]
     if tp_size > 1 and sglang_flag(extra_args, "--tp-size", "--tp", "--tensor-parallel-size") is None:
@@ -197,13 +248,32 @@ def sglang_server_cmd(model: str, *, host: str, port: str, api_key: str | None, 
     return cmd
 
 
-def trainer_cmd(*, model: str, nproc: int, config_json: str, seed: int, run_dir: str, resume: str | None = None,
-                torchrun_args: list[str] | None = None, rpc_host: str | None = None) -> list[str]:
+def trainer_cmd(
+    *,
+    model: str,
+    nproc: int,
+    config_json: str,
+    seed: int,
+    run_dir: str,
+    resume: str | None = None,
+    torchrun_args: list[str] | None = None,
+    rpc_host: str | None = None,
+) -> list[str]:
     """One torchrun agent: `torchrun_args` carries the rendezvous (empty: --standalone)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     cmd += torchrun_args if torchrun_args else ["--standalone"]
-    cmd += ["-m", "areal_async.train.worker", "--model", model, "--run-dir", run_dir, "--config-json", config_json,
-            "--seed", str(seed)]
+    cmd += [
+        "-m",
+        "areal_async.train.worker",
+        "--model",
+        model,
+        "--run-dir",
+        run_dir,
+        "--config-json",
+        config_json,
+        "--seed",
+        str(seed),
+    ]
     if resume:
         cmd += ["--resume", resume]
     if rpc_host:
@@ -214,8 +284,20 @@ def trainer_cmd(*, model: str, nproc: int, config_json: str, seed: int, run_dir:
 def c10d_args(*, nnodes: int, endpoint: str, run_id: str, timeout_s: float) -> list[str]:
     """torchrun's elastic (c10d) rendezvous of `nnodes` agents: the agent on the endpoint's host serves the store,
     the others connect; they give up after `timeout_s` if not all of them arrive."""
-    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--rdzv-conf", f"join_timeout={int(max(1, timeout_s))}", "--max-restarts", "0"]
+    return [
+        "--nnodes",
+        str(nnodes),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"join_timeout={int(max(1, timeout_s))}",
+        "--max-restarts",
+        "0",
+    ]
 
 
 class Processes:
@@ -227,8 +309,16 @@ class Processes:
         os.makedirs(self.log_dir, exist_ok=True)
         self.children: list[Child] = []
 
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None, *, role: Role = "other",
-              url: str | None = None, unset: frozenset[str] = frozenset()) -> Child:
+    def spawn(
+        self,
+        name: str,
+        cmd: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        role: Role = "other",
+        url: str | None = None,
+        unset: frozenset[str] = frozenset(),
+    ) -> Child:
         """Start `cmd` with this environment plus `env`, minus the variables named in `unset`."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         out = open(log_path, "ab")
@@ -238,8 +328,15 @@ class Processes:
         inherited = {k: v for k, v in os.environ.items() if k not in unset}
         full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         try:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=full_env, start_new_session=True, preexec_fn=_child_setup)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                start_new_session=True,
+                preexec_fn=_child_setup,
+            )
         finally:
             out.close()
         child = Child(name, proc, log_path, role=role, url=url, log_offset=offset)
@@ -249,44 +346,83 @@ class Processes:
 
     # ---- servers ------------------------------------------------------------------------------------------------
 
-    def start_embedded_server(self, index: int, model: str, *, host: str, port: int, device: str,
-                              max_total_tokens: int, max_running_requests: int, api_key: str | None,
-                              torch_threads: int, weight_version: int = 0, prefix_cache: bool = True,
-                              cuda_visible_devices: str | None = None, dtype: str = "auto") -> Child:
+    def start_embedded_server(
+        self,
+        index: int,
+        model: str,
+        *,
+        host: str,
+        port: int,
+        device: str,
+        max_total_tokens: int,
+        max_running_requests: int,
+        api_key: str | None,
+        torch_threads: int,
+        weight_version: int = 0,
+        prefix_cache: bool = True,
+        cuda_visible_devices: str | None = None,
+        dtype: str = "auto",
+    ) -> Child:
         """Port 0: the server binds a free port itself and prints it in its ready line (server/cli.py); its `url` is
         filled in from its log by `wait_healthy` (no port picked here and bound there later, which another
         process could take in between)."""
-        cmd = embedded_server_cmd(model, host=host, port=str(port), device=device, max_total_tokens=max_total_tokens,
-                                  max_running_requests=max_running_requests, api_key=api_key,
-                                  weight_version=weight_version, prefix_cache=prefix_cache, dtype=dtype)
+        cmd = embedded_server_cmd(
+            model,
+            host=host,
+            port=str(port),
+            device=device,
+            max_total_tokens=max_total_tokens,
+            max_running_requests=max_running_requests,
+            api_key=api_key,
+            weight_version=weight_version,
+            prefix_cache=prefix_cache,
+            dtype=dtype,
+        )
         env = thread_env(torch_threads)
         if cuda_visible_devices is not None:  # launch/placement.py: this server's GPU
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         return self.spawn(f"server{index}", cmd, env, role="server", url=f"http://{host}:{port}" if port else None)
 
-    def start_sglang_server(self, index: int, model: str, *, host: str, port: int, api_key: str | None,
-                            extra_args: list[str], base_gpu_id: int = 0, gpus_per_server: int = 1,
-                            dtype: str = "auto") -> Child:
+    def start_sglang_server(
+        self,
+        index: int,
+        model: str,
+        *,
+        host: str,
+        port: int,
+        api_key: str | None,
+        extra_args: list[str],
+        base_gpu_id: int = 0,
+        gpus_per_server: int = 1,
+        dtype: str = "auto",
+    ) -> Child:
         port = port or free_port(host)  # SGLang needs its port on the command line
-        cmd = sglang_server_cmd(model, host=host, port=str(port), api_key=api_key, extra_args=extra_args,
-                                base_gpu_id=base_gpu_id + index * gpus_per_server, tp_size=gpus_per_server,
-                                dtype=dtype)
+        cmd = sglang_server_cmd(
+            model,
+            host=host,
+            port=str(port),
+            api_key=api_key,
+            extra_args=extra_args,
+            base_gpu_id=base_gpu_id + index * gpus_per_server,
+            tp_size=gpus_per_server,
+            dtype=dtype,
+        )
         return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 
-    async def wait_healthy(self, servers: list[Child] | list[str], timeout_s: float, api_key: str | None = None,
-                           *, only: bool = False) -> None:
+    async def wait_healthy(
+        self, servers: list[Child] | list[str], timeout_s: float, api_key: str | None = None, *, only: bool = False
+    ) -> None:
         """Poll GET /health of every server (children, or plain URLs of servers started elsewhere) until each
         answers 200. Fails fast, with the log tail, as soon as ANY child of this set exits: a trainer that dies
         while the servers load must not leave the launch waiting for them. With `only` (a server restarted while
         the run goes on), only the given children count, and other children's exits stay for the watch."""
         deadline = time.monotonic() + timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        pending: list[tuple[str, str]] = [(s.name, s.url or "") if isinstance(s, Child) else (s, s)
-                                          for s in servers]
+        pending: list[tuple[str, str]] = [(s.name, s.url or "") if isinstance(s, Child) else (s, s) for s in servers]
         mine = [s for s in servers if isinstance(s, Child)]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while pending:
-                for child in ([c for c in mine if c.proc.poll() is not None] if only else self.exited()):
+                for child in [c for c in mine if c.proc.poll() is not None] if only else self.exited():
                     child.reported = True
                     raise ChildFailed(child.describe_exit())
                 pending = [(name, url or _url_from_log(self, name)) for name, url in pending]
@@ -302,23 +438,46 @@ class Processes:
                     if time.monotonic() > deadline:
                         name, url = pending[0]
                         child = next((c for c in self.children if c.name == name), None)
-                        where = (f"; log tail ({child.log_path}):\n{tail(child.log_path)}" if child is not None
-                                 else f" (no answer from {url}/health)")
+                        where = (
+                            f"; log tail ({child.log_path}):\n{tail(child.log_path)}"
+                            if child is not None
+                            else f" (no answer from {url}/health)"
+                        )
                         raise ChildFailed(f"{name} not healthy after {timeout_s:.0f}s{where}")
                     await asyncio.sleep(0.2)
 
     # ---- trainers -----------------------------------------------------------------------------------------------
 
-    def start_trainers(self, *, model: str, nproc: int, config_json: str, seed: int, secret_hex: str,
-                       torch_threads: int, resume: str | None = None, torchrun_args: list[str] | None = None,
-                       cuda_visible_devices: str | None = None, name: str = "trainer", rpc_host: str | None = None,
-                       env: dict[str, str] | None = None) -> Child:
+    def start_trainers(
+        self,
+        *,
+        model: str,
+        nproc: int,
+        config_json: str,
+        seed: int,
+        secret_hex: str,
+        torch_threads: int,
+        resume: str | None = None,
+        torchrun_args: list[str] | None = None,
+        cuda_visible_devices: str | None = None,
+        name: str = "trainer",
+        rpc_host: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Child:
         """One torchrun agent of `nproc` ranks (standalone, or one node of a job `torchrun_args` describes); each
         rank reads its TrainConfig (temperature included) from `config_json` and announces itself: a rank file
         `<run_dir>/trainer/rank<r>.json`, or a report to the controller's registry when `env` names one
         (net/registry.py)."""
-        cmd = trainer_cmd(model=model, nproc=nproc, config_json=config_json, seed=seed, run_dir=self.run_dir,
-                          resume=resume, torchrun_args=torchrun_args, rpc_host=rpc_host)
+        cmd = trainer_cmd(
+            model=model,
+            nproc=nproc,
+            config_json=config_json,
+            seed=seed,
+            run_dir=self.run_dir,
+            resume=resume,
+            torchrun_args=torchrun_args,
+            rpc_host=rpc_host,
+        )
         full_env = {**thread_env(torch_threads), "AREAL_RPC_SECRET": secret_hex, **(env or {})}
         if cuda_visible_devices is not None:
             full_env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices

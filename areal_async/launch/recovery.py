@@ -17,13 +17,22 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import aiohttp
 
-from areal_async.launch.api import (Cluster, ClusterEvent, EventHandler, ProcessExited, ServerHandle, ServerJoined,
-                                    TrainerHandle, end_run_on_failure)
+from areal_async.launch.api import (
+    Cluster,
+    ClusterEvent,
+    EventHandler,
+    ProcessExited,
+    ServerHandle,
+    ServerJoined,
+    TrainerHandle,
+    end_run_on_failure,
+)
 from areal_async.launch.outcomes import NoServerServing, RunStopped, TrainerLost
 from areal_async.launch.processes import ChildFailed
 from areal_async.train.client import TrainerError
@@ -35,8 +44,18 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["LOCK_FILE", "LOG_FILE", "NoServerServing", "RecoveryLog", "RestartableCluster", "RunLock", "RunRecovery",
-           "RunStopped", "TrainerLost", "backoff_s"]
+__all__ = [
+    "LOCK_FILE",
+    "LOG_FILE",
+    "NoServerServing",
+    "RecoveryLog",
+    "RestartableCluster",
+    "RunLock",
+    "RunRecovery",
+    "RunStopped",
+    "TrainerLost",
+    "backoff_s",
+]
 
 LOG_FILE = "recoveries.jsonl"
 LOCK_FILE = "controller.lock"
@@ -81,15 +100,28 @@ class RecoveryLog:
     def record(self, outcome: str, event: str, name: str, what: str, action: str, **extra: Any) -> dict[str, Any]:
         version = extra.pop("version", None)
         version = self.version() if version is None else version
-        rec = {"outcome": outcome, "event": event, "name": name, "what": what, "action": action, "version": version,
-               "time": time.time(), **extra}
+        rec = {
+            "outcome": outcome,
+            "event": event,
+            "name": name,
+            "what": what,
+            "action": action,
+            "version": version,
+            "time": time.time(),
+            **extra,
+        }
         self.history.append(rec)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         (log.info if outcome == "info" else log.warning)(
-            "recovery: %s %s: %s -> %s%s", event, name, what.splitlines()[0] if what else "", action,
-            f" ({extra['recover_s']:.1f}s)" if "recover_s" in extra else "")
+            "recovery: %s %s: %s -> %s%s",
+            event,
+            name,
+            what.splitlines()[0] if what else "",
+            action,
+            f" ({extra['recover_s']:.1f}s)" if "recover_s" in extra else "",
+        )
         if self.metrics is not None:
             with contextlib.suppress(Exception):  # a closed logger mid-rollback must not fail a recovery
                 self.metrics("recovery", version, {k: v for k, v in rec.items() if k != "time"})
@@ -137,8 +169,9 @@ class RunLock:
             pass
         except BlockingIOError:
             os.close(fd)
-            raise RuntimeError(f"{os.path.dirname(self.path)} is in use by another running controller "
-                               f"({self._read().get('pid', '?')})") from None
+            raise RuntimeError(
+                f"{os.path.dirname(self.path)} is in use by another running controller ({self._read().get('pid', '?')})"
+            ) from None
         self._fd = fd
         previous = self._read()
         self._started = time.time()
@@ -187,17 +220,18 @@ class _ServerWatch:
     warned: bool = False
 
 
-def backoff_s(cfg: "RecoveryConfig", earlier: int) -> float:
+def backoff_s(cfg: RecoveryConfig, earlier: int) -> float:
     """The wait before a restart that follows `earlier` restarts in the window."""
-    return min(cfg.restart_backoff_max_s, cfg.restart_backoff_s * 2 ** earlier)
+    return min(cfg.restart_backoff_max_s, cfg.restart_backoff_s * 2**earlier)
 
 
 class RunRecovery:
     """The recovering event handler of a run (see the module docstring). Call `attach(client)` once the inference
     client exists (the watchdog starts), run the training loop under `guard`, and `close()` at the end."""
 
-    def __init__(self, cfg: "RunConfig", cluster: Cluster, log_: RecoveryLog,
-                 fallback: EventHandler | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, cluster: Cluster, log_: RecoveryLog, fallback: EventHandler | None = None
+    ) -> None:
         self.cfg = cfg.recovery
         self.fallback = fallback or end_run_on_failure  # servers joining and leaving (launch/membership.py), the rest
         self.startup_timeout_s = cfg.server.startup_timeout_s
@@ -233,8 +267,9 @@ class RunRecovery:
             await self._admit(event.name, event.url)
         elif isinstance(event, ProcessExited) and event.role == "server" and event.name in self._urls:
             self._spawn(self._recover_server(event.name, "server_exited", event.describe(), time.monotonic()))
-        elif (isinstance(event, ProcessExited) and event.role == "trainer" and self.can_restart_trainers
-              and self.guarded):  # before anything ran under the guard, a trainer exit is a failed launch (below)
+        elif (
+            isinstance(event, ProcessExited) and event.role == "trainer" and self.can_restart_trainers and self.guarded
+        ):  # before anything ran under the guard, a trainer exit is a failed launch (below)
             if event.pid is not None and event.pid not in self.cluster.trainer_pids():
                 return  # a job that was already replaced
             self.fail(TrainerLost(f"the trainer job exited: {event.describe()}", pid=event.pid))
@@ -255,8 +290,13 @@ class RunRecovery:
 
     # ---- the training loop's guard ------------------------------------------------------------------------------
 
-    async def guard(self, body: Awaitable[T], *, stop: Callable[[BaseException], Awaitable[None]] | None = None,
-                    stop_grace_s: float = 60.0) -> T:
+    async def guard(
+        self,
+        body: Awaitable[T],
+        *,
+        stop: Callable[[BaseException], Awaitable[None]] | None = None,
+        stop_grace_s: float = 60.0,
+    ) -> T:
         """Await `body`; when the trainer job fails (a `TrainerError` out of `body`, or the job's exit) cancel it
         and raise `TrainerLost`; when the servers are gone (`NoServerServing`) ask `body` to `stop` (it finishes
         the step it is in, so the trainer state stays checkpointable), wait `stop_grace_s`, then raise it."""
@@ -351,7 +391,7 @@ class RunRecovery:
         try:
             async with http.get(url + "/health") as r:
                 return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def check(self, http: aiohttp.ClientSession) -> None:
@@ -374,28 +414,44 @@ class RunRecovery:
             limit = self.cfg.unhealthy_restart_s
             if not limit or now - w.unwell_since < limit:
                 continue
-            why = (f"silent on /health for {now - w.unwell_since:.0f}s" if not ok
-                   else f"out of rotation ({state}) for {now - w.unwell_since:.0f}s")
+            why = (
+                f"silent on /health for {now - w.unwell_since:.0f}s"
+                if not ok
+                else f"out of rotation ({state}) for {now - w.unwell_since:.0f}s"
+            )
             if self.can_restart_servers and self.cluster.server_alive(h.name):
-                self._spawn(self._recover_server(h.name, "server_unhealthy", f"{h.url}: {why}", w.unwell_since,
-                                                 kill=True))
+                self._spawn(
+                    self._recover_server(h.name, "server_unhealthy", f"{h.url}: {why}", w.unwell_since, kill=True)
+                )
             elif not self.can_restart_servers and not w.warned:
                 w.warned = True
-                log.warning("inference server %s (%s): %s; it was not started by this run, so it is left to come "
-                            "back by itself", h.name, h.url, why)
+                log.warning(
+                    "inference server %s (%s): %s; it was not started by this run, so it is left to come "
+                    "back by itself",
+                    h.name,
+                    h.url,
+                    why,
+                )
         if any(s == "serving" for s in states.values()):
             self._none_since = None
         elif states:
             self._none_since = self._none_since or now
             if now - self._none_since >= self.cfg.no_server_timeout_s and self._failure is None:
-                self.log.record("gave_up", "no_server", "servers",
-                                f"no inference server has been serving for {now - self._none_since:.0f}s "
-                                f"(states: {states})", "stopping the run")
-                self.fail(NoServerServing(f"no inference server has been serving for "
-                                          f"{now - self._none_since:.0f}s (recovery.no_server_timeout_s)"))
+                self.log.record(
+                    "gave_up",
+                    "no_server",
+                    "servers",
+                    f"no inference server has been serving for {now - self._none_since:.0f}s (states: {states})",
+                    "stopping the run",
+                )
+                self.fail(
+                    NoServerServing(
+                        f"no inference server has been serving for "
+                        f"{now - self._none_since:.0f}s (recovery.no_server_timeout_s)"
+                    )
+                )
 
-    async def _recover_server(self, name: str, event: str, what: str, lost_at: float, *, kill: bool = False
-                              ) -> None:
+    async def _recover_server(self, name: str, event: str, what: str, lost_at: float, *, kill: bool = False) -> None:
         """Bring server `name` back: kill it first when it is alive but unwell, restart it with backoff within
         its budget, let the client load the current weights into it, and record how long it took."""
         w = self._watch(name)
@@ -404,8 +460,13 @@ class RunRecovery:
         w.busy = True
         try:
             if not self.can_restart_servers:
-                self.log.record("fault", event, name, what, "this cluster cannot restart it: left to the client, "
-                                                            "which re-admits it if it answers again")
+                self.log.record(
+                    "fault",
+                    event,
+                    name,
+                    what,
+                    "this cluster cannot restart it: left to the client, which re-admits it if it answers again",
+                )
                 return
             action = "restarting" if self.cfg.max_server_restarts else "not restarted (recovery.max_server_restarts=0)"
             self.log.record("fault", event, name, what, f"killed; {action}" if kill else action)
@@ -418,16 +479,28 @@ class RunRecovery:
             try:
                 await self.client.wait_serving(handle.url, self.cfg.unhealthy_restart_s or self.startup_timeout_s)
             except Exception as e:  # InferenceError; KeyError if it was removed meanwhile
-                self.log.record("info", "server_not_serving", name, f"{handle.url} restarted but not serving: {e}",
-                                "left to the watchdog")
+                self.log.record(
+                    "info",
+                    "server_not_serving",
+                    name,
+                    f"{handle.url} restarted but not serving: {e}",
+                    "left to the watchdog",
+                )
                 return
             target = self.client.weight_target
             held = self.client.stats()["servers"].get(handle.url, {}).get("version")
             current = target.version if target is not None else 0
-            self.log.record("recovered", "server_recovered", name, f"{handle.url} serving again",
-                            f"restarted and loaded weight version {held if held is not None else 0} "
-                            f"(current {current})", recover_s=time.monotonic() - lost_at, restarts=len(w.restarts),
-                            server_version=held if held is not None else 0, current_version=current)
+            self.log.record(
+                "recovered",
+                "server_recovered",
+                name,
+                f"{handle.url} serving again",
+                f"restarted and loaded weight version {held if held is not None else 0} (current {current})",
+                recover_s=time.monotonic() - lost_at,
+                restarts=len(w.restarts),
+                server_version=held if held is not None else 0,
+                current_version=current,
+            )
         finally:
             w.busy = False
             w.unwell_since = None
@@ -439,9 +512,13 @@ class RunRecovery:
                 w.restarts.popleft()
             if len(w.restarts) >= self.cfg.max_server_restarts:
                 w.given_up = True
-                self.log.record("gave_up", "server_given_up", name,
-                                f"{len(w.restarts)} restarts within {self.cfg.server_restart_window_s:g}s",
-                                "restarts spent (recovery.max_server_restarts): it stays out of the run")
+                self.log.record(
+                    "gave_up",
+                    "server_given_up",
+                    name,
+                    f"{len(w.restarts)} restarts within {self.cfg.server_restart_window_s:g}s",
+                    "restarts spent (recovery.max_server_restarts): it stays out of the run",
+                )
                 return None
             await asyncio.sleep(backoff_s(self.cfg, len(w.restarts)))
             w.restarts.append(time.monotonic())

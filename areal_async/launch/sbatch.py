@@ -32,7 +32,8 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Callable, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
 
 from areal_async.config import ConfigError
 from areal_async.launch.slurm import SlurmError, in_allocation, job_nodes, place, slurm_cmd
@@ -43,13 +44,33 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # squeue reasons for a job that will not start as asked: fail at once
-CANNOT_START = ("PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
-                "DependencyNeverSatisfied", "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed",
-                "MaxCpuPerAccount", "AssocMaxNodesPerJobLimit", "AssocMaxCpuPerJobLimit", "QOSMaxNodePerJobLimit",
-                "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob")
+CANNOT_START = (
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "PartitionConfig",
+    "BadConstraints",
+    "DependencyNeverSatisfied",
+    "InvalidAccount",
+    "InvalidQOS",
+    "AccountNotAllowed",
+    "QOSNotAllowed",
+    "MaxCpuPerAccount",
+    "AssocMaxNodesPerJobLimit",
+    "AssocMaxCpuPerJobLimit",
+    "QOSMaxNodePerJobLimit",
+    "QOSMaxCpuPerJobLimit",
+    "QOSMaxGRESPerJob",
+)
 # ... held by nodes that are down, drained or not answering: fail after slurm.node_timeout_s
-NODES_UNAVAILABLE = ("ReqNodeNotAvail", "NodeDown", "PartitionDown", "PartitionInactive", "DOWN, DRAINED",
-                     "DOWN,_DRAINED", "Nodes required for job are DOWN")
+NODES_UNAVAILABLE = (
+    "ReqNodeNotAvail",
+    "NodeDown",
+    "PartitionDown",
+    "PartitionInactive",
+    "DOWN, DRAINED",
+    "DOWN,_DRAINED",
+    "Nodes required for job are DOWN",
+)
 _POLL_S = 1.0
 
 
@@ -62,26 +83,38 @@ def classify_reason(reason: str) -> str:
     return "wait"
 
 
-def job_cpus_per_node(cfg: "RunConfig") -> int:
+def job_cpus_per_node(cfg: RunConfig) -> int:
     """CPUs per node the submitted job asks for: the busiest node's steps, plus the controller on the first."""
     nodes = [f"node{i}" for i in range(job_nodes(cfg))]
     p = place(cfg, nodes, controller_node=nodes[0])
     return max(p.needs(n)[0] + (cfg.slurm.controller_cpus if i == 0 else 0) for i, n in enumerate(nodes))
 
 
-def log_path(cfg: "RunConfig") -> str:
+def log_path(cfg: RunConfig) -> str:
     return os.path.join(os.path.abspath(cfg.run_dir), "logs", "slurm-%j.out")
 
 
-def render_sbatch(cfg: "RunConfig", *, config_path: str | None, overrides: list[str], cwd: str | None = None,
-                  python: str = sys.executable) -> str:
+def render_sbatch(
+    cfg: RunConfig,
+    *,
+    config_path: str | None,
+    overrides: list[str],
+    cwd: str | None = None,
+    python: str = sys.executable,
+) -> str:
     """The batch script: #SBATCH lines from the slurm section, then this very command in the job (where it finds
     itself inside an allocation and launches the steps). Raises ConfigError when the run cannot be laid out."""
     s = cfg.slurm
     cwd = os.path.abspath(cwd or os.getcwd())
     name = "areal-" + (os.path.basename(os.path.normpath(os.path.abspath(cfg.run_dir))) or "run")
-    opts = [f"--job-name={name}", f"--nodes={job_nodes(cfg)}", "--ntasks-per-node=1",
-            f"--cpus-per-task={job_cpus_per_node(cfg)}", f"--output={log_path(cfg)}", "--open-mode=append"]
+    opts = [
+        f"--job-name={name}",
+        f"--nodes={job_nodes(cfg)}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={job_cpus_per_node(cfg)}",
+        f"--output={log_path(cfg)}",
+        "--open-mode=append",
+    ]
     if s.gpus_per_node:
         opts.append(f"--gres=gpu:{s.gpus_per_node}")
     limit = s.time_limit
@@ -95,22 +128,38 @@ def render_sbatch(cfg: "RunConfig", *, config_path: str | None, overrides: list[
     if config_path:
         args += ["--config", os.path.join(cwd, config_path)]  # absolute stays absolute
     args += [o for o in overrides if not o.startswith("slurm.detach=")]
-    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts),
-             "# Written by `python -m areal_async.run ... --print-sbatch`. Submit with `sbatch FILE`: the controller",
-             "# runs on the job's first node and starts the servers and trainers as srun steps (docs/cluster.md).",
-             f"# The log directory {os.path.dirname(log_path(cfg))} must exist before the job starts.",
-             "set -eo pipefail", f"cd {shlex.quote(cwd)}", *s.setup, "exec " + shlex.join(args), ""]
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {o}" for o in opts),
+        "# Written by `python -m areal_async.run ... --print-sbatch`. Submit with `sbatch FILE`: the controller",
+        "# runs on the job's first node and starts the servers and trainers as srun steps (docs/cluster.md).",
+        f"# The log directory {os.path.dirname(log_path(cfg))} must exist before the job starts.",
+        "set -eo pipefail",
+        f"cd {shlex.quote(cwd)}",
+        *s.setup,
+        "exec " + shlex.join(args),
+        "",
+    ]
     return "\n".join(lines)
 
 
-def check_submission(cfg: "RunConfig", script: str) -> str:
+def check_submission(cfg: RunConfig, script: str) -> str:
     """`sbatch --test-only`: Slurm's verdict without submitting. Its refusal becomes a ConfigError naming the key."""
     try:
         return _sbatch(["--test-only"], script)
     except SlurmError as e:
         text, low = str(e), str(e).lower()
-        key = ("slurm.partition" if "partition" in low else "slurm.gpus_per_node" if "gres" in low else
-               "slurm.account" if "account" in low else "slurm.nodes" if "node configuration" in low else "slurm")
+        key = (
+            "slurm.partition"
+            if "partition" in low
+            else "slurm.gpus_per_node"
+            if "gres" in low
+            else "slurm.account"
+            if "account" in low
+            else "slurm.nodes"
+            if "node configuration" in low
+            else "slurm"
+        )
         if "node configuration" in low:  # too much asked, or the nodes that could serve it are down or drained
             text += f" ({node_states(cfg.slurm.partition)})"
         raise ConfigError(f"{key}: Slurm refuses the job: {text}") from None
@@ -119,8 +168,9 @@ def check_submission(cfg: "RunConfig", script: str) -> str:
 def node_states(partition: str | None) -> str:
     """'nodes of partition debug: 1 drained, 3 idle'"""
     try:
-        out = slurm_cmd(["sinfo", "--noheader", *(["--partition", partition] if partition else []),
-                         "--format", "%P|%T|%D"])
+        out = slurm_cmd(
+            ["sinfo", "--noheader", *(["--partition", partition] if partition else []), "--format", "%P|%T|%D"]
+        )
     except SlurmError as e:
         return f"sinfo failed: {e}"
     counts: dict[str, int] = {}
@@ -145,8 +195,9 @@ def _sbatch(flags: list[str], script: str) -> str:
     return (p.stdout + p.stderr).strip()
 
 
-def submit(cfg: "RunConfig", *, config_path: str | None, overrides: list[str], print_only: bool = False,
-           out: TextIO = sys.stdout) -> int:
+def submit(
+    cfg: RunConfig, *, config_path: str | None, overrides: list[str], print_only: bool = False, out: TextIO = sys.stdout
+) -> int:
     """`--print-sbatch` (print_only) or the submission from outside an allocation; returns the exit code."""
     cfg.validate()
     script = render_sbatch(cfg, config_path=config_path, overrides=overrides)
@@ -161,8 +212,9 @@ def submit(cfg: "RunConfig", *, config_path: str | None, overrides: list[str], p
     if cfg.slurm.detach:
         print(f"detached: `squeue -j {job}` shows it, `scancel {job}` stops it", flush=True)
         return 0
-    return follow(job, log_file, queue_timeout_s=cfg.slurm.queue_timeout_s, node_timeout_s=cfg.slurm.node_timeout_s,
-                  out=out)
+    return follow(
+        job, log_file, queue_timeout_s=cfg.slurm.queue_timeout_s, node_timeout_s=cfg.slurm.node_timeout_s, out=out
+    )
 
 
 def job_state(job: str) -> tuple[str, str] | None:
@@ -222,8 +274,9 @@ class _LogTail:
             self.out.flush()
 
 
-def follow(job: str, log_file: str, *, queue_timeout_s: float | None, node_timeout_s: float,
-           out: TextIO = sys.stdout) -> int:
+def follow(
+    job: str, log_file: str, *, queue_timeout_s: float | None, node_timeout_s: float, out: TextIO = sys.stdout
+) -> int:
     """Stream the job's log until it ends; its exit code. Ctrl-C (KeyboardInterrupt) cancels the job: 130."""
     submitted = time.monotonic()
     unavailable_since: float | None = None
@@ -254,8 +307,10 @@ def follow(job: str, log_file: str, *, queue_timeout_s: float | None, node_timeo
                 if kind == "nodes_unavailable":
                     unavailable_since = unavailable_since or time.monotonic()
                     if time.monotonic() - unavailable_since > node_timeout_s:
-                        _cancel(job, f"its nodes did not come up within {node_timeout_s:.0f}s "
-                                     f"(slurm.node_timeout_s): {reason}")
+                        _cancel(
+                            job,
+                            f"its nodes did not come up within {node_timeout_s:.0f}s (slurm.node_timeout_s): {reason}",
+                        )
                         return 1
                 else:
                     unavailable_since = None
@@ -276,15 +331,21 @@ def follow(job: str, log_file: str, *, queue_timeout_s: float | None, node_timeo
     return code if state in ("COMPLETED", "FAILED") else max(code, 1)
 
 
-def needs_submission(cfg: "RunConfig") -> bool:
+def needs_submission(cfg: RunConfig) -> bool:
     return cfg.launcher == "slurm" and not in_allocation()
 
 
 __all__ = ["classify_reason", "cli", "follow", "job_cpus_per_node", "needs_submission", "render_sbatch", "submit"]
 
 
-def cli(cfg: "RunConfig", config_path: str | None, overrides: list[str], *, print_sbatch: bool,
-        check: "Callable[[RunConfig], None] | None" = None) -> int | None:
+def cli(
+    cfg: RunConfig,
+    config_path: str | None,
+    overrides: list[str],
+    *,
+    print_sbatch: bool,
+    check: Callable[[RunConfig], None] | None = None,
+) -> int | None:
     """run.py's hook: the exit code when this invocation is a submission or `--print-sbatch`, else None (the run
     goes on here: launcher=local, or inside an allocation). `check` (run.py's checks before launch: model,
     dataset, reward, template) runs before anything is written or submitted, so a run that cannot work never

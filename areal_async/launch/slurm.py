@@ -49,8 +49,18 @@ import msgspec
 from areal_async.config import ConfigError
 from areal_async.launch.api import EventHandler, ProcessExited, ServerHandle, TrainerHandle
 from areal_async.launch.membership import JoinFile, join_file
-from areal_async.launch.processes import (Child, ChildFailed, Processes, c10d_args, embedded_server_cmd, free_port,
-                                          sglang_server_cmd, tail, thread_env, trainer_cmd)
+from areal_async.launch.processes import (
+    Child,
+    ChildFailed,
+    Processes,
+    c10d_args,
+    embedded_server_cmd,
+    free_port,
+    sglang_server_cmd,
+    tail,
+    thread_env,
+    trainer_cmd,
+)
 from areal_async.net.registry import Registry, route_address
 
 if TYPE_CHECKING:
@@ -118,13 +128,15 @@ class Allocation:
     controller_node: str | None  # the node this controller runs on, when it is one of the job's
 
     @classmethod
-    def current(cls, env: dict[str, str] | os._Environ = os.environ) -> "Allocation":
+    def current(cls, env: dict[str, str] | os._Environ = os.environ) -> Allocation:
         """The allocation this process runs in (sbatch, salloc, or SLURM_JOB_ID naming a running job)."""
         job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
         if not job:
-            raise ConfigError("launcher: slurm runs inside an allocation (SLURM_JOB_ID is not set); start it with "
-                              "`python -m areal_async.run launcher=slurm ...`, which submits a batch job, or under "
-                              "salloc/sbatch")
+            raise ConfigError(
+                "launcher: slurm runs inside an allocation (SLURM_JOB_ID is not set); start it with "
+                "`python -m areal_async.run launcher=slurm ...`, which submits a batch job, or under "
+                "salloc/sbatch"
+            )
         nodelist, cpus_spec = env.get("SLURM_JOB_NODELIST"), env.get("SLURM_JOB_CPUS_PER_NODE")
         if nodelist and cpus_spec:
             nodes = hostnames(nodelist)
@@ -174,11 +186,13 @@ class NodeAssignment:
         """(CPUs, GPUs) the steps on `node` ask for together."""
         n = self.server_nodes.count(node)
         t = int(node in self.trainer_nodes)
-        return (n * self.cpus_per_server + t * self.cpus_per_trainer_node,
-                n * self.gpus_per_server + t * self.gpus_per_trainer_node)
+        return (
+            n * self.cpus_per_server + t * self.cpus_per_trainer_node,
+            n * self.gpus_per_server + t * self.gpus_per_trainer_node,
+        )
 
 
-def job_nodes(cfg: "RunConfig") -> int:
+def job_nodes(cfg: RunConfig) -> int:
     """Nodes a submitted job asks for: slurm.nodes, or enough for the trainers and slurm.servers_per_node."""
     if cfg.slurm.nodes:
         return cfg.slurm.nodes
@@ -194,7 +208,7 @@ def _loopback(host: str) -> bool:
     return host == "localhost"
 
 
-def place(cfg: "RunConfig", nodes: list[str], controller_node: str | None) -> NodeAssignment:
+def place(cfg: RunConfig, nodes: list[str], controller_node: str | None) -> NodeAssignment:
     """Lay the run out on `nodes`; every impossibility is a ConfigError naming the key to change."""
     s, srv, t = cfg.slurm, cfg.server, cfg.train
     if s.nodes is not None:
@@ -204,44 +218,63 @@ def place(cfg: "RunConfig", nodes: list[str], controller_node: str | None) -> No
     if t.nnodes > len(nodes):
         raise ConfigError(f"train.nnodes: {t.nnodes} trainer nodes, the job has {len(nodes)} ({','.join(nodes)})")
     for key, bad, why in (
-            ("train.torchrun_args", bool(t.torchrun_args), "under Slurm the rendezvous comes from train.nnodes"),
-            ("train.cuda_visible_devices", t.cuda_visible_devices is not None,
-             "under Slurm each step gets its GPUs from Slurm (slurm.gpus_per_node)"),
-            ("server.base_gpu_id", srv.base_gpu_id != 0, "under Slurm each server step gets its GPUs from Slurm"),
-            ("train.rdzv.local_agents", t.rdzv.local_agents is not None, "is for launcher=local"),
-            ("slurm.gpus_per_node", srv.backend == "sglang" and s.gpus_per_node == 0,
-             "sglang servers need GPUs: set the GPUs each node has")):
+        ("train.torchrun_args", bool(t.torchrun_args), "under Slurm the rendezvous comes from train.nnodes"),
+        (
+            "train.cuda_visible_devices",
+            t.cuda_visible_devices is not None,
+            "under Slurm each step gets its GPUs from Slurm (slurm.gpus_per_node)",
+        ),
+        ("server.base_gpu_id", srv.base_gpu_id != 0, "under Slurm each server step gets its GPUs from Slurm"),
+        ("train.rdzv.local_agents", t.rdzv.local_agents is not None, "is for launcher=local"),
+        (
+            "slurm.gpus_per_node",
+            srv.backend == "sglang" and s.gpus_per_node == 0,
+            "sglang servers need GPUs: set the GPUs each node has",
+        ),
+    ):
         if bad:
             raise ConfigError(f"{key}: {why}")
     server_nodes: list[str] = []
     if srv.backend != "external":
         per = s.servers_per_node or math.ceil(srv.num_servers / len(nodes))
         if math.ceil(srv.num_servers / per) > len(nodes):
-            raise ConfigError(f"slurm.servers_per_node: {srv.num_servers} servers at {per} per node need "
-                              f"{math.ceil(srv.num_servers / per)} nodes, the job has {len(nodes)}")
+            raise ConfigError(
+                f"slurm.servers_per_node: {srv.num_servers} servers at {per} per node need "
+                f"{math.ceil(srv.num_servers / per)} nodes, the job has {len(nodes)}"
+            )
         server_nodes = [nodes[i // per] for i in range(srv.num_servers)]
         remote = [n for n in server_nodes if n != controller_node]
         if remote and _loopback(srv.host):
-            raise ConfigError(f"server.host: {srv.host} cannot be reached from the controller "
-                              f"({controller_node or socket.gethostname()}) on {remote[0]}; bind 0.0.0.0 and set "
-                              f"server.api_key")
+            raise ConfigError(
+                f"server.host: {srv.host} cannot be reached from the controller "
+                f"({controller_node or socket.gethostname()}) on {remote[0]}; bind 0.0.0.0 and set "
+                f"server.api_key"
+            )
         if not _loopback(srv.host) and not srv.api_key:
-            raise ConfigError(f"server.api_key: servers bound to {srv.host} take weight updates from anyone who "
-                              f"reaches them; set a key (the controller sends it)")
+            raise ConfigError(
+                f"server.api_key: servers bound to {srv.host} take weight updates from anyone who "
+                f"reaches them; set a key (the controller sends it)"
+            )
     gpus = s.gpus_per_node > 0
-    server_gpus = 0 if not gpus else (srv.gpus_per_server if srv.backend == "sglang"
-                                      else int(srv.device != "cpu"))
-    p = NodeAssignment(nodes=nodes, server_nodes=server_nodes, trainer_nodes=nodes[: t.nnodes],
-                       cpus_per_server=s.cpus_per_server or srv.torch_threads + 1, gpus_per_server=server_gpus,
-                       cpus_per_trainer_node=t.nproc * (s.cpus_per_trainer or t.torch_threads + 1),
-                       gpus_per_trainer_node=t.nproc if gpus and t.device != "cpu" else 0)
+    server_gpus = 0 if not gpus else (srv.gpus_per_server if srv.backend == "sglang" else int(srv.device != "cpu"))
+    p = NodeAssignment(
+        nodes=nodes,
+        server_nodes=server_nodes,
+        trainer_nodes=nodes[: t.nnodes],
+        cpus_per_server=s.cpus_per_server or srv.torch_threads + 1,
+        gpus_per_server=server_gpus,
+        cpus_per_trainer_node=t.nproc * (s.cpus_per_trainer or t.torch_threads + 1),
+        gpus_per_trainer_node=t.nproc if gpus and t.device != "cpu" else 0,
+    )
     for node in nodes:
         _, g = p.needs(node)
         if g > s.gpus_per_node:
-            raise ConfigError(f"slurm.gpus_per_node: the steps on {node} need {g} GPUs "
-                              f"({p.server_nodes.count(node)} servers x {p.gpus_per_server}"
-                              f"{f' + {p.gpus_per_trainer_node} trainer ranks' if node in p.trainer_nodes else ''})"
-                              f", a node has {s.gpus_per_node}")
+            raise ConfigError(
+                f"slurm.gpus_per_node: the steps on {node} need {g} GPUs "
+                f"({p.server_nodes.count(node)} servers x {p.gpus_per_server}"
+                f"{f' + {p.gpus_per_trainer_node} trainer ranks' if node in p.trainer_nodes else ''})"
+                f", a node has {s.gpus_per_node}"
+            )
     return p
 
 
@@ -249,11 +282,13 @@ def check_allocation(p: NodeAssignment, alloc: Allocation) -> None:
     for node in p.nodes:
         c, _ = p.needs(node)
         if c > alloc.cpus.get(node, 0):
-            raise ConfigError(f"slurm.cpus_per_server: the steps on {node} need {c} CPUs "
-                              f"({p.server_nodes.count(node)} servers x {p.cpus_per_server}"
-                              f"{f' + trainers {p.cpus_per_trainer_node}' if node in p.trainer_nodes else ''}), "
-                              f"job {alloc.job_id} holds {alloc.cpus.get(node, 0)} there "
-                              f"(or lower slurm.cpus_per_trainer)")
+            raise ConfigError(
+                f"slurm.cpus_per_server: the steps on {node} need {c} CPUs "
+                f"({p.server_nodes.count(node)} servers x {p.cpus_per_server}"
+                f"{f' + trainers {p.cpus_per_trainer_node}' if node in p.trainer_nodes else ''}), "
+                f"job {alloc.job_id} holds {alloc.cpus.get(node, 0)} there "
+                f"(or lower slurm.cpus_per_trainer)"
+            )
 
 
 # ---- steps --------------------------------------------------------------------------------------------------------
@@ -262,19 +297,58 @@ def check_allocation(p: NodeAssignment, alloc: Allocation) -> None:
 # What a batch job or salloc exports about its own request (or a site's defaults, such as DefMemPerCPU) and srun would
 # read as options of our steps; some combinations are fatal to srun ("SLURM_MEM_PER_CPU, SLURM_MEM_PER_GPU, and
 # SLURM_MEM_PER_NODE are mutually exclusive"). Every step gives its own, so srun runs without them.
-SRUN_UNSET = frozenset({
-    "SLURM_CPUS_PER_TASK", "SLURM_TRES_PER_TASK", "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU",
-    "SLURM_MEM_PER_NODE", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_CORE", "SLURM_NTASKS_PER_GPU",
-    "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET", "SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK",
-    "SLURM_GRES", "SLURM_DISTRIBUTION", "SLURM_EXCLUSIVE", "SLURM_OVERLAP", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"})
+SRUN_UNSET = frozenset(
+    {
+        "SLURM_CPUS_PER_TASK",
+        "SLURM_TRES_PER_TASK",
+        "SLURM_CPUS_PER_GPU",
+        "SLURM_MEM_PER_CPU",
+        "SLURM_MEM_PER_GPU",
+        "SLURM_MEM_PER_NODE",
+        "SLURM_NTASKS",
+        "SLURM_NPROCS",
+        "SLURM_NTASKS_PER_CORE",
+        "SLURM_NTASKS_PER_GPU",
+        "SLURM_NTASKS_PER_NODE",
+        "SLURM_NTASKS_PER_SOCKET",
+        "SLURM_GPUS",
+        "SLURM_GPUS_PER_NODE",
+        "SLURM_GPUS_PER_TASK",
+        "SLURM_GRES",
+        "SLURM_DISTRIBUTION",
+        "SLURM_EXCLUSIVE",
+        "SLURM_OVERLAP",
+        "SLURM_NNODES",
+        "SLURM_JOB_NUM_NODES",
+    }
+)
 
 
-def srun_cmd(job_id: str, step_name: str, nodes: list[str], *, cpus_per_task: int, gpus_per_node: int,
-             extra: list[str], label: bool = False) -> list[str]:
+def srun_cmd(
+    job_id: str,
+    step_name: str,
+    nodes: list[str],
+    *,
+    cpus_per_task: int,
+    gpus_per_node: int,
+    extra: list[str],
+    label: bool = False,
+) -> list[str]:
     """One task per node with exactly these CPUs and GPUs; the step dies whole when one task fails."""
-    cmd = ["srun", f"--jobid={job_id}", f"--job-name={step_name}", f"--nodes={len(nodes)}",
-           f"--ntasks={len(nodes)}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
-           f"--cpus-per-task={cpus_per_task}", "--exact", "--mem=0", "--kill-on-bad-exit=1", "--input=none"]
+    cmd = [
+        "srun",
+        f"--jobid={job_id}",
+        f"--job-name={step_name}",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={len(nodes)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        f"--cpus-per-task={cpus_per_task}",
+        "--exact",
+        "--mem=0",
+        "--kill-on-bad-exit=1",
+        "--input=none",
+    ]
     if gpus_per_node:
         cmd.append(f"--gres=gpu:{gpus_per_node}")
     if label:
@@ -304,9 +378,19 @@ def list_steps(job_id: str) -> dict[str, str]:
 class SlurmCluster:
     """srun children of this controller, one per step; watched by polling like LocalCluster."""
 
-    def __init__(self, alloc: Allocation, processes: Processes, registry: Registry, tag: str,
-                 servers: list[ServerHandle], world_size: int, secret: bytes, rank_dir: str, fallback_master: str,
-                 poll_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        alloc: Allocation,
+        processes: Processes,
+        registry: Registry,
+        tag: str,
+        servers: list[ServerHandle],
+        world_size: int,
+        secret: bytes,
+        rank_dir: str,
+        fallback_master: str,
+        poll_s: float = 0.5,
+    ) -> None:
         self.alloc = alloc
         self.processes = processes
         self.registry = registry
@@ -332,8 +416,16 @@ class SlurmCluster:
     async def watch(self, on_event: EventHandler) -> None:
         while True:
             for child in self.processes.exited():  # an srun exits when its step ends
-                await on_event(ProcessExited(role=child.role, name=child.name, exit_code=child.proc.poll(),
-                                             log_path=child.log_path, log_tail=tail(child.log_path), url=child.url))
+                await on_event(
+                    ProcessExited(
+                        role=child.role,
+                        name=child.name,
+                        exit_code=child.proc.poll(),
+                        log_path=child.log_path,
+                        log_tail=tail(child.log_path),
+                        url=child.url,
+                    )
+                )
             if self.join is not None:
                 for event in await self.join.poll():
                     await on_event(event)
@@ -410,21 +502,26 @@ def describe_steps(alloc: Allocation) -> str:
         f = dict(re.findall(r"(\w+)=(\S+)", line))
         if f.get("StepId", "").endswith((".batch", ".extern")) or f.get("State") == "PENDING":
             continue  # they hold no CPUs a step could use
-        steps.append(f"{f.get('StepId')} {f.get('Name')} ({f.get('CPUs')} CPUs on {f.get('NodeList')}, "
-                     f"{f.get('State', '').lower()})")
+        steps.append(
+            f"{f.get('StepId')} {f.get('Name')} ({f.get('CPUs')} CPUs on {f.get('NodeList')}, "
+            f"{f.get('State', '').lower()})"
+        )
     return f"job {alloc.job_id} holds {holds}; its running steps: {', '.join(steps) or 'none'}"
 
 
 class SlurmLauncher:
     """Start the run's steps in the allocation this process runs in (see the module docstring)."""
 
-    async def launch(self, cfg: "RunConfig", *, model_path: str, trainer_resume: str | None = None) -> SlurmCluster:
+    async def launch(self, cfg: RunConfig, *, model_path: str, trainer_resume: str | None = None) -> SlurmCluster:
         alloc = await asyncio.to_thread(Allocation.current)
         assignment = place(cfg, alloc.nodes, alloc.controller_node)
         check_allocation(assignment, alloc)
         if os.environ.get("SLURM_STEP_ID"):
-            log.warning("the controller runs inside step %s.%s: the CPUs it holds are not free for the run's steps",
-                        alloc.job_id, os.environ["SLURM_STEP_ID"])
+            log.warning(
+                "the controller runs inside step %s.%s: the CPUs it holds are not free for the run's steps",
+                alloc.job_id,
+                os.environ["SLURM_STEP_ID"],
+            )
         secret = os.urandom(32)
         registry = Registry(secret, cfg.run_dir)
         others = [n for n in assignment.nodes if n != alloc.controller_node]
@@ -436,14 +533,20 @@ class SlurmLauncher:
         cluster: SlurmCluster | None = None
         try:
             world = cfg.train.nnodes * cfg.train.nproc
-            cluster = SlurmCluster(alloc, procs, registry, tag, [], world, secret, cfg.run_dir,
-                                   _node_address(assignment.trainer_nodes[0]))
+            cluster = SlurmCluster(
+                alloc, procs, registry, tag, [], world, secret, cfg.run_dir, _node_address(assignment.trainer_nodes[0])
+            )
             trainer = self._start_trainers(cluster, cfg, assignment, model_path, trainer_resume, secret, remote)
             servers = self._start_servers(cluster, cfg, assignment, model_path, secret)
             await self._wait_created(cluster, [trainer, *servers], cfg.slurm.node_timeout_s)
             for child in servers:
-                reg = await _wait_or_fail(procs, registry.wait_for(child.name), cfg.slurm.node_timeout_s,
-                                          f"{child.name} did not report its address", child)
+                reg = await _wait_or_fail(
+                    procs,
+                    registry.wait_for(child.name),
+                    cfg.slurm.node_timeout_s,
+                    f"{child.name} did not report its address",
+                    child,
+                )
                 child.url = "http://" + reg.address.removeprefix("tcp://")
             if cfg.server.backend == "external":
                 await procs.wait_healthy(list(cfg.server.urls), cfg.server.startup_timeout_s, cfg.server.api_key)
@@ -451,9 +554,12 @@ class SlurmLauncher:
             else:
                 await procs.wait_healthy(servers, cfg.server.startup_timeout_s, cfg.server.api_key)
                 cluster.servers = [ServerHandle(c.name, c.url or "") for c in servers]
-            cluster.join = JoinFile(join_file(cfg.run_dir), api_key=cfg.server.api_key,
-                                    startup_timeout_s=cfg.server.startup_timeout_s,
-                                    exclude=[s.url for s in cluster.servers])
+            cluster.join = JoinFile(
+                join_file(cfg.run_dir),
+                api_key=cfg.server.api_key,
+                startup_timeout_s=cfg.server.startup_timeout_s,
+                exclude=[s.url for s in cluster.servers],
+            )
         except BaseException:
             if cluster is not None:
                 await cluster.shutdown()
@@ -463,49 +569,100 @@ class SlurmLauncher:
         return cluster
 
     @staticmethod
-    def _start_trainers(cluster: SlurmCluster, cfg: "RunConfig", p: NodeAssignment, model_path: str,
-                        resume: str | None, secret: bytes, remote: bool) -> Child:
+    def _start_trainers(
+        cluster: SlurmCluster,
+        cfg: RunConfig,
+        p: NodeAssignment,
+        model_path: str,
+        resume: str | None,
+        secret: bytes,
+        remote: bool,
+    ) -> Child:
         t, alloc = cfg.train, cluster.alloc
         rdzv: list[str] = []
         if t.nnodes > 1:
-            endpoint = t.rdzv.endpoint or (f"{p.trainer_nodes[0]}:"
-                                           f"{rdzv_port(alloc.job_id, alloc.controller_node, p.trainer_nodes[0])}")
-            rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=f"{alloc.job_id}-{cluster.tag}",
-                             timeout_s=t.rdzv.timeout_s)
-        cmd = trainer_cmd(model=model_path, nproc=t.nproc, config_json=msgspec.json.encode(t).decode(),
-                          seed=cfg.seed, run_dir=cfg.run_dir, resume=resume, torchrun_args=rdzv,
-                          rpc_host="0.0.0.0" if remote else "127.0.0.1")
+            endpoint = t.rdzv.endpoint or (
+                f"{p.trainer_nodes[0]}:{rdzv_port(alloc.job_id, alloc.controller_node, p.trainer_nodes[0])}"
+            )
+            rdzv = c10d_args(
+                nnodes=t.nnodes, endpoint=endpoint, run_id=f"{alloc.job_id}-{cluster.tag}", timeout_s=t.rdzv.timeout_s
+            )
+        cmd = trainer_cmd(
+            model=model_path,
+            nproc=t.nproc,
+            config_json=msgspec.json.encode(t).decode(),
+            seed=cfg.seed,
+            run_dir=cfg.run_dir,
+            resume=resume,
+            torchrun_args=rdzv,
+            rpc_host="0.0.0.0" if remote else "127.0.0.1",
+        )
         env = {**thread_env(t.torch_threads), "AREAL_RPC_SECRET": secret.hex()}
         if t.rdzv.discovery == "registry":
             env.update(cluster.registry.env())
-        srun = srun_cmd(alloc.job_id, cluster.step_name("trainer"), p.trainer_nodes,
-                        cpus_per_task=p.cpus_per_trainer_node, gpus_per_node=p.gpus_per_trainer_node,
-                        extra=cfg.slurm.srun_args, label=t.nnodes > 1)
+        srun = srun_cmd(
+            alloc.job_id,
+            cluster.step_name("trainer"),
+            p.trainer_nodes,
+            cpus_per_task=p.cpus_per_trainer_node,
+            gpus_per_node=p.gpus_per_trainer_node,
+            extra=cfg.slurm.srun_args,
+            label=t.nnodes > 1,
+        )
         return cluster.processes.spawn("trainer", srun + cmd, env, role="trainer", unset=SRUN_UNSET)
 
     @staticmethod
-    def _start_servers(cluster: SlurmCluster, cfg: "RunConfig", p: NodeAssignment, model_path: str,
-                       secret: bytes) -> list[Child]:
+    def _start_servers(
+        cluster: SlurmCluster, cfg: RunConfig, p: NodeAssignment, model_path: str, secret: bytes
+    ) -> list[Child]:
         srv, out = cfg.server, []
         for i, node in enumerate(p.server_nodes):
             port = str(srv.port + i) if srv.port else "{port}"
             if srv.backend == "embedded":
-                cmd = embedded_server_cmd(model_path, host=srv.host, port=port, device=srv.device,
-                                          max_total_tokens=srv.max_total_tokens,
-                                          max_running_requests=srv.max_running_requests, api_key=srv.api_key,
-                                          prefix_cache=srv.prefix_cache, dtype=cfg.model.dtype)
+                cmd = embedded_server_cmd(
+                    model_path,
+                    host=srv.host,
+                    port=port,
+                    device=srv.device,
+                    max_total_tokens=srv.max_total_tokens,
+                    max_running_requests=srv.max_running_requests,
+                    api_key=srv.api_key,
+                    prefix_cache=srv.prefix_cache,
+                    dtype=cfg.model.dtype,
+                )
             else:
-                cmd = sglang_server_cmd(model_path, host=srv.host, port=port, api_key=srv.api_key,
-                                        extra_args=srv.extra_args, base_gpu_id=0,
-                                        tp_size=srv.gpus_per_server, dtype=cfg.model.dtype)
-            step = [sys.executable, "-m", "areal_async.launch.step", "--name", f"server{i}", "--host", srv.host,
-                    "--port", str(srv.port + i if srv.port else 0), "--"]
+                cmd = sglang_server_cmd(
+                    model_path,
+                    host=srv.host,
+                    port=port,
+                    api_key=srv.api_key,
+                    extra_args=srv.extra_args,
+                    base_gpu_id=0,
+                    tp_size=srv.gpus_per_server,
+                    dtype=cfg.model.dtype,
+                )
+            step = [
+                sys.executable,
+                "-m",
+                "areal_async.launch.step",
+                "--name",
+                f"server{i}",
+                "--host",
+                srv.host,
+                "--port",
+                str(srv.port + i if srv.port else 0),
+                "--",
+            ]
             env = {**thread_env(srv.torch_threads), "AREAL_RPC_SECRET": secret.hex(), **cluster.registry.env()}
-            srun = srun_cmd(cluster.alloc.job_id, cluster.step_name(f"server{i}"), [node],
-                            cpus_per_task=p.cpus_per_server, gpus_per_node=p.gpus_per_server,
-                            extra=cfg.slurm.srun_args)
-            out.append(cluster.processes.spawn(f"server{i}", srun + step + cmd, env, role="server",
-                                               unset=SRUN_UNSET))
+            srun = srun_cmd(
+                cluster.alloc.job_id,
+                cluster.step_name(f"server{i}"),
+                [node],
+                cpus_per_task=p.cpus_per_server,
+                gpus_per_node=p.gpus_per_server,
+                extra=cfg.slurm.srun_args,
+            )
+            out.append(cluster.processes.spawn(f"server{i}", srun + step + cmd, env, role="server", unset=SRUN_UNSET))
         return out
 
     @staticmethod
@@ -527,9 +684,11 @@ class SlurmLauncher:
             if time.monotonic() > deadline:
                 child = next(iter(pending.values()))
                 why = await asyncio.to_thread(describe_steps, cluster.alloc)
-                raise ChildFailed(f"{child.name}: Slurm did not create its step within {timeout_s:.0f}s "
-                                  f"(slurm.node_timeout_s): its nodes are busy, down or not answering; {why}; "
-                                  f"srun's log ({child.log_path}):\n{tail(child.log_path)}")
+                raise ChildFailed(
+                    f"{child.name}: Slurm did not create its step within {timeout_s:.0f}s "
+                    f"(slurm.node_timeout_s): its nodes are busy, down or not answering; {why}; "
+                    f"srun's log ({child.log_path}):\n{tail(child.log_path)}"
+                )
             await asyncio.sleep(0.5)
 
 
@@ -542,8 +701,9 @@ async def _wait_or_fail(procs: Processes, awaitable, timeout_s: float, what: str
             for c in procs.exited():
                 raise ChildFailed(c.describe_exit())
             if time.monotonic() > deadline:
-                raise ChildFailed(f"{what} within {timeout_s:.0f}s; log tail ({child.log_path}):\n"
-                                  f"{tail(child.log_path)}")
+                raise ChildFailed(
+                    f"{what} within {timeout_s:.0f}s; log tail ({child.log_path}):\n{tail(child.log_path)}"
+                )
             await asyncio.wait({task}, timeout=0.2)
         return task.result()
     finally:

@@ -15,8 +15,14 @@ import os
 import socket
 import sys
 
-from areal_async.net.registry import (REGISTRY_ENV, SECRET_ENV, Registration, reachable_address, report_sync,
-                                         slurm_step_id)
+from areal_async.net.registry import (
+    REGISTRY_ENV,
+    SECRET_ENV,
+    Registration,
+    reachable_address,
+    report_sync,
+    slurm_step_id,
+)
 
 
 def _free_port(host: str) -> int:
@@ -29,8 +35,7 @@ def _free_port(host: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        print("usage: python -m areal_async.launch.step --name NAME --host HOST [--port P] -- CMD ...",
-              file=sys.stderr)
+        print("usage: python -m areal_async.launch.step --name NAME --host HOST [--port P] -- CMD ...", file=sys.stderr)
         return 2
     split = argv.index("--")
     p = argparse.ArgumentParser(prog="python -m areal_async.launch.step")
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True, help="the interface the server binds")
     p.add_argument("--port", type=int, default=0, help="0: a free port on this node")
     args = p.parse_args(argv[:split])
-    cmd = argv[split + 1:]
+    cmd = argv[split + 1 :]
     if not cmd:
         print("step: no command after --", file=sys.stderr)
         return 2
@@ -48,8 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     port = args.port or _free_port(args.host)
     address = reachable_address(f"tcp://{args.host}:{port}", registry)
-    reg = Registration(kind="step", name=args.name, address=address, node=socket.gethostname(), pid=os.getpid(),
-                       slurm_step=slurm_step_id())
+    reg = Registration(
+        kind="step",
+        name=args.name,
+        address=address,
+        node=socket.gethostname(),
+        pid=os.getpid(),
+        slurm_step=slurm_step_id(),
+    )
     print(f"step {args.name}: node {reg.node}, Slurm step {reg.slurm_step}, serving at {address}", flush=True)
     try:
         report_sync(reg, registry=registry, secret=bytes.fromhex(secret_hex))

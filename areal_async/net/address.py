@@ -72,4 +72,3 @@ def rendezvous_host() -> str:
     except OSError:
         own = set()
     return addr if addr in own else name
-

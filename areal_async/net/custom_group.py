@@ -28,8 +28,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["new_custom_group", "open_store", "connect_store", "unbound_default_group", "concrete_device",
-           "bind_cuda", "device_uuid"]
+__all__ = [
+    "new_custom_group",
+    "open_store",
+    "connect_store",
+    "unbound_default_group",
+    "concrete_device",
+    "bind_cuda",
+    "device_uuid",
+]
 
 
 def concrete_device(device: torch.device | str) -> torch.device:
@@ -85,12 +92,27 @@ def open_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.
 
     The store is created here rather than through a tcp:// rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
     that rendezvous would make even rank 0 a client and nobody would host it."""
-    return dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=True,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=port != 0)
+    return dist.TCPStore(
+        host_name=host,
+        port=port,
+        world_size=world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=port != 0,
+    )
 
 
-def new_custom_group(backend: str, store: dist.Store, *, world_size: int, rank: int, group_name: str,
-                     device: torch.device | str, timeout_s: float = 600.0) -> dist.ProcessGroup:
+def new_custom_group(
+    backend: str,
+    store: dist.Store,
+    *,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    device: torch.device | str,
+    timeout_s: float = 600.0,
+) -> dist.ProcessGroup:
     """Create process group `group_name` of `world_size` ranks on `store` (already connected), as `rank`. Blocks
     until every rank has joined. Works whether or not this process has a default group."""
     from torch.distributed import distributed_c10d as c10d
@@ -107,8 +129,9 @@ def new_custom_group(backend: str, store: dist.Store, *, world_size: int, rank: 
     timeout = timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(group_name, store)
     with unbound_default_group():
-        pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, prefixed, group_name=group_name,
-                                               timeout=timeout)
+        pg, _ = c10d._new_process_group_helper(
+            world_size, rank, [], backend, prefixed, group_name=group_name, timeout=timeout
+        )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == rank, for broadcast(src=0)
     return pg
 

@@ -19,7 +19,6 @@ one spelling of where a trainer rank's address file lives (`rank_file`). Torch-f
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -150,12 +149,26 @@ class Registry:
         if reg.kind == "rank":
             if not 0 <= reg.rank < max(reg.world_size, 1):
                 raise ValueError(f"rank {reg.rank} outside world size {reg.world_size}")
-            _write_atomic(rank_file(self.rank_dir, reg.rank), {
-                "address": reg.address, "rank": reg.rank, "world_size": reg.world_size, "pid": reg.pid,
-                "node": reg.node, "slurm_step": reg.slurm_step})
+            _write_atomic(
+                rank_file(self.rank_dir, reg.rank),
+                {
+                    "address": reg.address,
+                    "rank": reg.rank,
+                    "world_size": reg.world_size,
+                    "pid": reg.pid,
+                    "node": reg.node,
+                    "slurm_step": reg.slurm_step,
+                },
+            )
         self.entries[reg.name] = reg
-        log.info("registered %s at %s (node %s, pid %d%s)", reg.name, reg.address, reg.node, reg.pid,
-                 f", Slurm step {reg.slurm_step}" if reg.slurm_step else "")
+        log.info(
+            "registered %s at %s (node %s, pid %d%s)",
+            reg.name,
+            reg.address,
+            reg.node,
+            reg.pid,
+            f", Slurm step {reg.slurm_step}" if reg.slurm_step else "",
+        )
         self._changed.set()
         return Ack()
 
@@ -199,10 +212,19 @@ async def announce_rank(run_dir: str, rank: int, world_size: int, address: str, 
     node = socket.gethostname()
     if not registry:
         path = rank_file(run_dir, rank)
-        _write_atomic(path, {"address": address, "rank": rank, "world_size": world_size, "pid": os.getpid(),
-                             "node": node})
+        _write_atomic(
+            path, {"address": address, "rank": rank, "world_size": world_size, "pid": os.getpid(), "node": node}
+        )
         return path
-    reg = Registration(kind="rank", name=f"rank{rank}", address=reachable_address(address, registry), node=node,
-                       pid=os.getpid(), rank=rank, world_size=world_size, slurm_step=slurm_step_id())
+    reg = Registration(
+        kind="rank",
+        name=f"rank{rank}",
+        address=reachable_address(address, registry),
+        node=node,
+        pid=os.getpid(),
+        rank=rank,
+        world_size=world_size,
+        slurm_step=slurm_step_id(),
+    )
     await report(reg, registry=registry, secret=secret)
     return None

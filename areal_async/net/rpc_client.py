@@ -15,10 +15,33 @@ from typing import Any
 import msgspec
 
 from areal_async.net.rpc_connection import CLOSE_FLUSH_S, Connection
-from areal_async.net.rpc_wire import (AUTH, AUTH_FAIL, AUTH_OK, CLIENT_LABEL, DEFAULT_MAX_FRAME_BYTES, ERROR, HELLO,
-                                      HANDSHAKE_MAX_FRAME, PROTOCOL_VERSION, REQUEST, RESPONSE, SERVER_LABEL, Auth,
-                                      AuthFail, AuthOk, ErrorInfo, Hello, ProtocolViolation, RpcAuthError, RpcError,
-                                      check_secret, decode_control, decode_envelope, handshake_mac, parse_address)
+from areal_async.net.rpc_wire import (
+    AUTH,
+    AUTH_FAIL,
+    AUTH_OK,
+    CLIENT_LABEL,
+    DEFAULT_MAX_FRAME_BYTES,
+    ERROR,
+    HANDSHAKE_MAX_FRAME,
+    HELLO,
+    PROTOCOL_VERSION,
+    REQUEST,
+    RESPONSE,
+    SERVER_LABEL,
+    Auth,
+    AuthFail,
+    AuthOk,
+    ErrorInfo,
+    Hello,
+    ProtocolViolation,
+    RpcAuthError,
+    RpcError,
+    check_secret,
+    decode_control,
+    decode_envelope,
+    handshake_mac,
+    parse_address,
+)
 
 __all__ = ["RpcClient"]
 
@@ -46,8 +69,9 @@ class RpcClient:
         self.server_name = ""
 
     @classmethod
-    async def connect(cls, address: str, secret: bytes, *, timeout: float = 30.0,
-                      max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> "RpcClient":
+    async def connect(
+        cls, address: str, secret: bytes, *, timeout: float = 30.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> RpcClient:
         """Connect and authenticate, retrying refused connections until `timeout` (the server may be starting).
 
         Raises RpcAuthError if either side fails to prove it knows the secret, ConnectionError on timeout.
@@ -68,14 +92,14 @@ class RpcClient:
                     coro = loop.create_unix_connection(lambda: conn, target)
                 await asyncio.wait_for(coro, max(deadline - loop.time(), 0.001))
                 break
-            except (ConnectionError, FileNotFoundError, asyncio.TimeoutError) as e:
+            except (TimeoutError, ConnectionError, FileNotFoundError) as e:
                 if loop.time() + delay >= deadline:
                     raise ConnectionError(f"could not connect to {address} within {timeout}s: {e!r}") from e
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.25)
         try:
             await asyncio.wait_for(client._handshake, max(deadline - loop.time(), 1.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             conn.close("handshake timed out")
             raise ConnectionError(f"{address}: no handshake from the server within {timeout}s") from None
         except BaseException:
@@ -118,8 +142,11 @@ class RpcClient:
     def _on_hello(self, conn: Connection, payload: memoryview) -> None:
         hello = decode_control(payload, Hello, "HELLO")
         if hello.protocol != PROTOCOL_VERSION:
-            self._fail_handshake(ConnectionError(
-                f"{self.address} speaks rpc protocol {hello.protocol}, this client speaks {PROTOCOL_VERSION}"))
+            self._fail_handshake(
+                ConnectionError(
+                    f"{self.address} speaks rpc protocol {hello.protocol}, this client speaks {PROTOCOL_VERSION}"
+                )
+            )
             conn.close("protocol version mismatch", error=True)
             return
         self._server_nonce = hello.nonce
@@ -140,8 +167,13 @@ class RpcClient:
             if not fut.done():
                 fut.set_exception(ConnectionError(f"{self.address}: {reason}"))
         if self._authed and reason != "client closed":
-            log.log(logging.WARNING if pending else logging.INFO, "%s: %s (%d calls pending)", conn.label, reason,
-                    len(pending))
+            log.log(
+                logging.WARNING if pending else logging.INFO,
+                "%s: %s (%d calls pending)",
+                conn.label,
+                reason,
+                len(pending),
+            )
 
     # -- public
 
@@ -173,7 +205,7 @@ class RpcClient:
                 kind, payload = await fut
             else:
                 kind, payload = await asyncio.wait_for(fut, max(deadline - loop.time(), 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"rpc {method!r} to {self.address} timed out after {timeout}s") from None
         finally:
             self._pending.pop(req_id, None)
@@ -191,7 +223,8 @@ class RpcClient:
         except msgspec.DecodeError as e:
             expected = getattr(response_type, "__name__", response_type)
             raise msgspec.ValidationError(
-                f"reply to {method!r} from {self.address} is not a valid {expected}: {e}") from None
+                f"reply to {method!r} from {self.address} is not a valid {expected}: {e}"
+            ) from None
 
     async def close(self) -> None:
         """Close the connection; calls still pending fail with ConnectionError."""
@@ -201,7 +234,7 @@ class RpcClient:
         conn.close("client closed")
         await conn.wait_closed(CLOSE_FLUSH_S)
 
-    async def __aenter__(self) -> "RpcClient":
+    async def __aenter__(self) -> RpcClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

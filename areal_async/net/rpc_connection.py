@@ -93,8 +93,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._big is not None:
-            return memoryview(self._big)[self._big_filled:]
-        return memoryview(self._scratch)[self._end:]
+            return memoryview(self._big)[self._big_filled :]
+        return memoryview(self._scratch)[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
@@ -121,13 +121,13 @@ class Connection(asyncio.BufferedProtocol):
             body = self._start + HEADER.size
             if self._end - body >= n:
                 self._start = body + n
-                self.owner.on_frame(self, buf[body:self._start])
+                self.owner.on_frame(self, buf[body : self._start])
                 continue
             if HEADER.size + n > len(buf):  # will not fit: receive the rest directly into the frame's own buffer
                 # Up to malloc's mmap threshold a bytearray reuses warm heap pages; above it both would map fresh
                 # pages, and an anonymous mmap skips bytearray's memset, so the frame is touched once, by recv_into.
                 big = bytearray(n) if n <= _HEAP_FRAME_BYTES else mmap.mmap(-1, n)
-                big[: self._end - body] = buf[body:self._end]
+                big[: self._end - body] = buf[body : self._end]
                 self._big, self._big_filled = big, self._end - body
                 self._start = self._end = 0
                 return
@@ -138,7 +138,7 @@ class Connection(asyncio.BufferedProtocol):
             self._start = self._end = 0
         elif self._start > 0 or self._scratch is not buf:  # keep the partial frame at the front, so the next fits
             rest = self._end - self._start
-            self._scratch[:rest] = buf[self._start:self._end]
+            self._scratch[:rest] = buf[self._start : self._end]
             self._start, self._end = 0, rest
 
     def eof_received(self) -> bool:
@@ -188,8 +188,10 @@ class Connection(asyncio.BufferedProtocol):
         _ENCODER.encode_into(payload, buf, -1)  # appended after the prefix: the envelope's last element
         n = len(buf) - HEADER.size
         if n > self.peer_max_frame_bytes:
-            raise ValueError(f"{self.label}: a {n}-byte frame for {method!r} exceeds the peer's "
-                             f"max_frame_bytes={self.peer_max_frame_bytes}")
+            raise ValueError(
+                f"{self.label}: a {n}-byte frame for {method!r} exceeds the peer's "
+                f"max_frame_bytes={self.peer_max_frame_bytes}"
+            )
         HEADER.pack_into(buf, 0, n)
         # uvloop keeps a reference to the view until it is sent (no copy); the stdlib loop copies what the socket
         # does not take at once. Either way `buf` is never touched again.
@@ -241,5 +243,5 @@ class Connection(asyncio.BufferedProtocol):
         self._lost_waiter = self._lost_waiter or asyncio.get_running_loop().create_future()
         try:
             await asyncio.wait_for(asyncio.shield(self._lost_waiter), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.transport.abort()

@@ -19,11 +19,33 @@ from typing import Any, NamedTuple
 import msgspec
 
 from areal_async.net.rpc_connection import CLOSE_FLUSH_S, Connection
-from areal_async.net.rpc_wire import (AUTH, AUTH_FAIL, AUTH_OK, CLIENT_LABEL, DEFAULT_MAX_FRAME_BYTES, ERROR,
-                                      HANDSHAKE_MAX_FRAME, HANDSHAKE_TIMEOUT_S, HELLO, PROTOCOL_VERSION, REQUEST,
-                                      RESPONSE, SERVER_LABEL, Auth, AuthFail, AuthOk, Envelope, ErrorInfo, Hello,
-                                      ProtocolViolation, check_secret, decode_control, decode_envelope, handshake_mac,
-                                      type_name)
+from areal_async.net.rpc_wire import (
+    AUTH,
+    AUTH_FAIL,
+    AUTH_OK,
+    CLIENT_LABEL,
+    DEFAULT_MAX_FRAME_BYTES,
+    ERROR,
+    HANDSHAKE_MAX_FRAME,
+    HANDSHAKE_TIMEOUT_S,
+    HELLO,
+    PROTOCOL_VERSION,
+    REQUEST,
+    RESPONSE,
+    SERVER_LABEL,
+    Auth,
+    AuthFail,
+    AuthOk,
+    Envelope,
+    ErrorInfo,
+    Hello,
+    ProtocolViolation,
+    check_secret,
+    decode_control,
+    decode_envelope,
+    handshake_mac,
+    type_name,
+)
 
 __all__ = ["RpcServer"]
 
@@ -47,7 +69,7 @@ class _Handler(NamedTuple):
 class _Session:
     """Server side of one connection: handshake state, then requests."""
 
-    def __init__(self, server: "RpcServer") -> None:
+    def __init__(self, server: RpcServer) -> None:
         self.server = server
         self.conn: Connection | None = None
         self.authed = False
@@ -111,8 +133,9 @@ class _Session:
         except Exception as e:  # unencodable or too big: tell the caller instead
             self.reply_error(req_id, method, e)
 
-    def reply_error(self, req_id: int, method: str, exc: BaseException | None = None, *,
-                    remote_type: str = "", message: str = "") -> None:
+    def reply_error(
+        self, req_id: int, method: str, exc: BaseException | None = None, *, remote_type: str = "", message: str = ""
+    ) -> None:
         conn = self.conn
         if conn is None or conn.closed:
             return
@@ -132,8 +155,14 @@ class _Session:
 class RpcServer:
     """Serves registered handlers to authenticated clients on any number of listeners (start_tcp, listen)."""
 
-    def __init__(self, secret: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, name: str = "rpc",
-                 blocking_initializer: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        name: str = "rpc",
+        blocking_initializer: Callable[[], None] | None = None,
+    ) -> None:
         """`blocking_initializer` runs once in the worker thread of blocking handlers before its first call (a
         trainer sets that thread's torch threads there: it is the one that computes)."""
         check_secret(secret)
@@ -155,8 +184,9 @@ class RpcServer:
         self._inflight = 0
         self._closed = False
 
-    def register(self, method: str, handler: Callable[[Any], Any], request_type: type, *,
-                 blocking: bool = False) -> None:
+    def register(
+        self, method: str, handler: Callable[[Any], Any], request_type: type, *, blocking: bool = False
+    ) -> None:
         """Serve `method`: requests are decoded as `request_type`; `handler(request)` returns the response.
 
         blocking=True runs a sync handler in the server's single worker thread, in call order (torch work, collectives).
@@ -172,8 +202,9 @@ class RpcServer:
         decoder = msgspec.msgpack.Decoder(request_type)  # raises now for types msgspec cannot decode
         self._handlers[method] = _Handler(handler, decoder, request_type, blocking)
         if blocking and self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-blocking",
-                                                initializer=self._blocking_initializer)
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"{self.name}-blocking", initializer=self._blocking_initializer
+            )
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -191,8 +222,11 @@ class RpcServer:
         loop = self._bind_loop()
         return await self.listen(lambda protocol: loop.create_server(protocol, host, port), _tcp_address)
 
-    async def listen(self, open_listener: Callable[[Callable[[], Connection]], Awaitable[asyncio.AbstractServer]],
-                     describe: Callable[[asyncio.AbstractServer], str]) -> str:
+    async def listen(
+        self,
+        open_listener: Callable[[Callable[[], Connection]], Awaitable[asyncio.AbstractServer]],
+        describe: Callable[[asyncio.AbstractServer], str],
+    ) -> str:
         """Serve on one more listener, which `open_listener(protocol_factory)` opens on this server's loop;
         `describe(listener)` is its address (returned, and kept in `addresses`). close() closes it.
 
@@ -269,7 +303,7 @@ class RpcServer:
             self._stopped.set()
         log.info("%s: closed", self.name)
 
-    async def __aenter__(self) -> "RpcServer":
+    async def __aenter__(self) -> RpcServer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -286,15 +320,23 @@ class RpcServer:
     def _dispatch(self, session: _Session, req_id: int, method: str, payload: memoryview) -> None:
         handler = self._handlers.get(method)
         if handler is None:
-            session.reply_error(req_id, method, remote_type="UnknownMethodError",
-                                message=f"no method {method!r} on {self.name}; known: {sorted(self._handlers)}")
+            session.reply_error(
+                req_id,
+                method,
+                remote_type="UnknownMethodError",
+                message=f"no method {method!r} on {self.name}; known: {sorted(self._handlers)}",
+            )
             return
         try:
             request = handler.decoder.decode(payload)
         except msgspec.DecodeError as e:
             log.warning("%s: bad request payload for %r from %s: %s", self.name, method, session.peer, e)
-            session.reply_error(req_id, method, remote_type=type_name(type(e)),
-                                message=f"request is not a valid {getattr(handler.request_type, '__name__', '?')}: {e}")
+            session.reply_error(
+                req_id,
+                method,
+                remote_type=type_name(type(e)),
+                message=f"request is not a valid {getattr(handler.request_type, '__name__', '?')}: {e}",
+            )
             return
         self._begin(session)
         if handler.blocking:

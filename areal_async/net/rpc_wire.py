@@ -15,11 +15,37 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["PROTOCOL_VERSION", "DEFAULT_MAX_FRAME_BYTES", "HANDSHAKE_TIMEOUT_S", "HANDSHAKE_MAX_FRAME", "HEADER",
-           "HELLO", "AUTH", "AUTH_OK", "AUTH_FAIL", "REQUEST", "RESPONSE", "ERROR", "CLIENT_LABEL", "SERVER_LABEL",
-           "RpcError", "RpcAuthError", "Envelope", "Hello", "Auth", "AuthOk", "AuthFail", "ErrorInfo",
-           "ProtocolViolation", "handshake_mac", "check_secret", "decode_control", "type_name", "decode_envelope",
-           "parse_address"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "HANDSHAKE_TIMEOUT_S",
+    "HANDSHAKE_MAX_FRAME",
+    "HEADER",
+    "HELLO",
+    "AUTH",
+    "AUTH_OK",
+    "AUTH_FAIL",
+    "REQUEST",
+    "RESPONSE",
+    "ERROR",
+    "CLIENT_LABEL",
+    "SERVER_LABEL",
+    "RpcError",
+    "RpcAuthError",
+    "Envelope",
+    "Hello",
+    "Auth",
+    "AuthOk",
+    "AuthFail",
+    "ErrorInfo",
+    "ProtocolViolation",
+    "handshake_mac",
+    "check_secret",
+    "decode_control",
+    "type_name",
+    "decode_envelope",
+    "parse_address",
+]
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 4 << 30
@@ -150,15 +176,15 @@ def decode_envelope(frame: bytearray | mmap.mmap) -> tuple[Envelope, memoryview]
         raise ProtocolViolation(f"malformed frame ({len(frame)} bytes): {e}") from None
     # The payload is the envelope's last element, so it ends where the frame ends. Decoding from a view of the
     # frame (rather than from the Raw) makes memoryview fields of the payload writable views of the frame.
-    return env, memoryview(frame)[len(frame) - len(memoryview(env.payload)):]
+    return env, memoryview(frame)[len(frame) - len(memoryview(env.payload)) :]
 
 
 def parse_address(address: str) -> tuple[str, str, int]:
     """'tcp://host:port' -> ('tcp', host, port); 'unix:///abs/path' -> ('unix', path, 0)."""
     if address.startswith("tcp://"):
-        host, sep, port = address[len("tcp://"):].rpartition(":")
+        host, sep, port = address[len("tcp://") :].rpartition(":")
         if sep and host and port.isdigit():
             return "tcp", host.strip("[]"), int(port)
     elif address.startswith("unix://") and len(address) > len("unix://"):
-        return "unix", address[len("unix://"):], 0
+        return "unix", address[len("unix://") :], 0
     raise ValueError(f"rpc address must look like tcp://host:port or unix:///path, got {address!r}")

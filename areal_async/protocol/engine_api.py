@@ -7,7 +7,8 @@ replaced (and tested) on its own. No torch here.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Literal, Protocol
+from collections.abc import AsyncIterator
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -90,19 +91,26 @@ class Engine(Protocol):
     @property
     def paused(self) -> bool: ...
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None,
-                                       abort_all_requests: bool = False, flush_cache: bool = True
-                                       ) -> tuple[bool, str, int]:
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None, abort_all_requests: bool = False, flush_cache: bool = True
+    ) -> tuple[bool, str, int]:
         """Load and fully validate the checkpoint before swapping; on failure keep the old weights.
         Returns (success, message, num_paused_requests)."""
         ...
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> tuple[bool, str]: ...
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> tuple[bool, str]: ...
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: str | None,
-                                              flush_cache: bool = True) -> tuple[bool, str]: ...
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool = True,
+    ) -> tuple[bool, str]: ...
 
     async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
         """Leave the group (False, "The group to be destroyed does not exist." for an unknown name)."""
@@ -125,8 +133,9 @@ class Engine(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
     @property
     def eos_token_ids(self) -> list[int]: ...

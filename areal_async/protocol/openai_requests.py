@@ -10,16 +10,26 @@ as in sglang.py. No torch here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import msgspec
 
 from areal_async.protocol.engine_api import EngineRequest, EngineSampling
-from areal_async.protocol.sglang import (Limits, ProtocolError, Tokenizer, check_prompt, check_request_count,
-                                           check_sampling, check_unique_rids, decode_body, new_rid, sample_rids,
-                                           stop_list)
-
+from areal_async.protocol.sglang import (
+    Limits,
+    ProtocolError,
+    Tokenizer,
+    check_prompt,
+    check_request_count,
+    check_sampling,
+    check_unique_rids,
+    decode_body,
+    new_rid,
+    sample_rids,
+    stop_list,
+)
 
 # ---- OpenAI-compatible requests -----------------------------------------------------------------------------------
 
@@ -89,12 +99,21 @@ def _sampling_from_openai(o: _OpenAIIn, max_tokens: int | None, prompt_len: int,
 
     s = EngineSampling(
         max_new_tokens=limits.context_len - prompt_len if max_tokens is None else max_tokens,
-        temperature=opt(o.temperature, 1.0), top_p=opt(o.top_p, 1.0), top_k=opt(o.top_k, -1), min_p=opt(o.min_p, 0.0),
-        stop=stop_list(o.stop), stop_token_ids=list(o.stop_token_ids or []), ignore_eos=bool(o.ignore_eos),
-        min_new_tokens=opt(o.min_tokens, 0), no_stop_trim=bool(o.no_stop_trim),
-        skip_special_tokens=opt(o.skip_special_tokens, True), frequency_penalty=opt(o.frequency_penalty, 0.0),
-        presence_penalty=opt(o.presence_penalty, 0.0), repetition_penalty=opt(o.repetition_penalty, 1.0),
-        seed=o.seed)
+        temperature=opt(o.temperature, 1.0),
+        top_p=opt(o.top_p, 1.0),
+        top_k=opt(o.top_k, -1),
+        min_p=opt(o.min_p, 0.0),
+        stop=stop_list(o.stop),
+        stop_token_ids=list(o.stop_token_ids or []),
+        ignore_eos=bool(o.ignore_eos),
+        min_new_tokens=opt(o.min_tokens, 0),
+        no_stop_trim=bool(o.no_stop_trim),
+        skip_special_tokens=opt(o.skip_special_tokens, True),
+        frequency_penalty=opt(o.frequency_penalty, 0.0),
+        presence_penalty=opt(o.presence_penalty, 0.0),
+        repetition_penalty=opt(o.repetition_penalty, 1.0),
+        seed=o.seed,
+    )
     check_sampling(s, prompt_len, limits, n=opt(o.n, 1), names=_OPENAI_NAMES)
     return s
 
@@ -129,8 +148,9 @@ def _openai_rids(rid: str | list[str] | None, num_prompts: int, n: int, prefix: 
     return rids
 
 
-def parse_completion(body: bytes, tok: Tokenizer, limits: Limits, *,
-                     encode: Callable[[str], list[int]] | None = None) -> OpenAIPlan:
+def parse_completion(
+    body: bytes, tok: Tokenizer, limits: Limits, *, encode: Callable[[str], list[int]] | None = None
+) -> OpenAIPlan:
     """`encode` turns a text prompt into ids (default `tok.encode`; the proxy continues earlier calls' tokens)."""
     c: CompletionIn = decode_body(body, CompletionIn)
     if c.prompt is None:
@@ -148,8 +168,9 @@ def parse_completion(body: bytes, tok: Tokenizer, limits: Limits, *,
         if not p:
             raise ProtocolError("prompt is an empty list")
         if len(kinds) > 1:
-            raise ProtocolError("prompt must be a string, a list of strings, a list of ints or a list of lists of "
-                                "ints, not a mix")
+            raise ProtocolError(
+                "prompt must be a string, a list of strings, a list of ints or a list of lists of ints, not a mix"
+            )
         if kinds != {int}:
             check_request_count(len(p))
         if kinds == {str}:
@@ -169,16 +190,32 @@ def parse_completion(body: bytes, tok: Tokenizer, limits: Limits, *,
     samplings = [_sampling_from_openai(c, c.max_tokens, len(ids), limits) for ids in prompts]
     check_request_count(len(prompts) * n)
     rids = _openai_rids(c.rid, len(prompts), n, "cmpl-")
-    reqs = [EngineRequest(rid=rids[i * n + j], input_ids=ids, sampling=samplings[i], return_logprob=want_lp,
-                          logprob_start_len=0 if (want_lp and echo) else -1,
-                          top_logprobs_num=c.logprobs or 0)
-            for i, ids in enumerate(prompts) for j in range(n)]
+    reqs = [
+        EngineRequest(
+            rid=rids[i * n + j],
+            input_ids=ids,
+            sampling=samplings[i],
+            return_logprob=want_lp,
+            logprob_start_len=0 if (want_lp and echo) else -1,
+            top_logprobs_num=c.logprobs or 0,
+        )
+        for i, ids in enumerate(prompts)
+        for j in range(n)
+    ]
     echo_texts = None
     if echo:
         echo_texts = texts if texts is not None else [tok.decode(ids, skip_special_tokens=False) for ids in prompts]
-    return OpenAIPlan(kind="completion", requests=reqs, prompts=prompts, n=n, stream=bool(c.stream),
-                      include_usage=bool(c.stream_options and c.stream_options.include_usage),
-                      return_token_ids=bool(c.return_token_ids), logprobs=c.logprobs, echo_texts=echo_texts)
+    return OpenAIPlan(
+        kind="completion",
+        requests=reqs,
+        prompts=prompts,
+        n=n,
+        stream=bool(c.stream),
+        include_usage=bool(c.stream_options and c.stream_options.include_usage),
+        return_token_ids=bool(c.return_token_ids),
+        logprobs=c.logprobs,
+        echo_texts=echo_texts,
+    )
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -220,7 +257,7 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[di
     for i, t in enumerate(tools):
         fn = t.get("function")
         if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ProtocolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": str, ...}}}}")
+            raise ProtocolError(f'tools[{i}] must be {{"type": "function", "function": {{"name": str, ...}}}}')
     if tool_choice is None or tool_choice in ("auto", "required", "none"):
         pass
     elif isinstance(tool_choice, dict):
@@ -232,9 +269,14 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[di
     return [] if tool_choice == "none" else tools
 
 
-def parse_chat(body: bytes, tok: Tokenizer, limits: Limits,
-               apply_chat_template: Callable[[list[dict], list[dict] | None], list[int]], *,
-               default_max_tokens: int | None = None) -> OpenAIPlan:
+def parse_chat(
+    body: bytes,
+    tok: Tokenizer,
+    limits: Limits,
+    apply_chat_template: Callable[[list[dict], list[dict] | None], list[int]],
+    *,
+    default_max_tokens: int | None = None,
+) -> OpenAIPlan:
     """Without max_tokens a chat answer may fill the context (SGLang), or take `default_max_tokens` when given."""
     c: ChatIn = decode_body(body, ChatIn)
     if c.messages is None:
@@ -264,9 +306,20 @@ def parse_chat(body: bytes, tok: Tokenizer, limits: Limits,
     else:
         rids = _openai_rids(c.rid, 1, n, "chatcmpl-")
     want_lp = bool(c.logprobs)
-    reqs = [EngineRequest(rid=r, input_ids=ids, sampling=s, return_logprob=want_lp,
-                          top_logprobs_num=(top or 0) if want_lp else 0) for r in rids]
-    return OpenAIPlan(kind="chat", requests=reqs, prompts=[ids], n=n, stream=bool(c.stream),
-                      include_usage=bool(c.stream_options and c.stream_options.include_usage),
-                      return_token_ids=bool(c.return_token_ids), logprobs=(top or 0) if want_lp else None,
-                      tools=tools)
+    reqs = [
+        EngineRequest(
+            rid=r, input_ids=ids, sampling=s, return_logprob=want_lp, top_logprobs_num=(top or 0) if want_lp else 0
+        )
+        for r in rids
+    ]
+    return OpenAIPlan(
+        kind="chat",
+        requests=reqs,
+        prompts=[ids],
+        n=n,
+        stream=bool(c.stream),
+        include_usage=bool(c.stream_options and c.stream_options.include_usage),
+        return_token_ids=bool(c.return_token_ids),
+        logprobs=(top or 0) if want_lp else None,
+        tools=tools,
+    )

@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Collection, Protocol
+from collections.abc import Collection
+from typing import Any, Protocol
 
 from areal_async.protocol.openai_requests import OpenAIPlan
 from areal_async.protocol.sglang import Tokenizer, stop_hold
 from areal_async.types import GenerationResult
+
 
 class ChoiceView(Protocol):
     """What the response builders read of one choice (the server's `Accumulator` is one)."""
@@ -45,8 +47,15 @@ class GenerationChoice:
     """A finished `GenerationResult` (the inference client's answer) as a `ChoiceView`. Its text is decoded here,
     trimmed of a matched stop string, as the server trims it; top logprobs are not available (empty)."""
 
-    def __init__(self, gen: GenerationResult, tok: Tokenizer, *, skip_special_tokens: bool = True,
-                 no_stop_trim: bool = False, token_texts: dict[int, str] | None = None):
+    def __init__(
+        self,
+        gen: GenerationResult,
+        tok: Tokenizer,
+        *,
+        skip_special_tokens: bool = True,
+        no_stop_trim: bool = False,
+        token_texts: dict[int, str] | None = None,
+    ):
         self.gen = gen
         self.tok = tok
         self.output_ids = gen.output_ids
@@ -112,8 +121,15 @@ def usage(plan: OpenAIPlan, accs: list[ChoiceView]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(acc: ChoiceView, top_n: int, start: int, text_offset: int, *,
-                        echo_ids: list[int] | None = None, echo_lps: list | None = None) -> dict:
+def completion_logprobs(
+    acc: ChoiceView,
+    top_n: int,
+    start: int,
+    text_offset: int,
+    *,
+    echo_ids: list[int] | None = None,
+    echo_lps: list | None = None,
+) -> dict:
     """OpenAI legacy logprobs over output tokens [start:], optionally preceded by the echoed prompt's."""
     tokens: list[str] = []
     token_lps: list[float | None] = []
@@ -166,18 +182,34 @@ def completion_response(plan: OpenAIPlan, accs: list[ChoiceView], model: str, ri
         lp = None
         echo = plan.echo_texts[prompt_i] if plan.echo_texts is not None else None
         if plan.logprobs is not None:
-            lp = completion_logprobs(acc, plan.logprobs, 0, 0,
-                                     echo_ids=plan.prompts[prompt_i] if echo is not None else None,
-                                     echo_lps=acc.input_logprobs)
-        choice = {"index": idx, "text": (echo or "") + text, "logprobs": lp,
-                  "finish_reason": openai_finish_reason(acc.finish_reason),
-                  "matched_stop": matched_stop(acc.finish_reason)}
+            lp = completion_logprobs(
+                acc,
+                plan.logprobs,
+                0,
+                0,
+                echo_ids=plan.prompts[prompt_i] if echo is not None else None,
+                echo_lps=acc.input_logprobs,
+            )
+        choice = {
+            "index": idx,
+            "text": (echo or "") + text,
+            "logprobs": lp,
+            "finish_reason": openai_finish_reason(acc.finish_reason),
+            "matched_stop": matched_stop(acc.finish_reason),
+        }
         if plan.return_token_ids:
             choice["prompt_token_ids"] = plan.prompts[prompt_i]
             choice["token_ids"] = list(acc.output_ids)
         choices.append(choice)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(plan, accs), "metadata": {"weight_version": _version(accs)}}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(plan, accs),
+        "metadata": {"weight_version": _version(accs)},
+    }
 
 
 def _version(accs: list[ChoiceView]) -> str:
@@ -211,15 +243,25 @@ def parse_tool_calls(text: str, tool_names: Collection[str] | None = None) -> tu
             continue
         name = obj.get("name")
         args = obj.get("arguments", obj.get("parameters", {}))
-        if not isinstance(name, str) or not name or (tool_names is not None and name not in tool_names) \
-                or not isinstance(args, (dict, str)):
+        if (
+            not isinstance(name, str)
+            or not name
+            or (tool_names is not None and name not in tool_names)
+            or not isinstance(args, (dict, str))
+        ):
             continue
-        kept.append(text[pos:m.start()])
+        kept.append(text[pos : m.start()])
         pos = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name,
-                                   "arguments": args if isinstance(args, str) else json.dumps(args,
-                                                                                              ensure_ascii=False)}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                },
+            }
+        )
     if not calls:
         return text, []
     kept.append(text[pos:])
@@ -245,14 +287,25 @@ def chat_response(plan: OpenAIPlan, accs: list[ChoiceView], model: str, rid: str
     choices = []
     for idx, acc in enumerate(accs):
         msg, finish = chat_message(plan, acc)
-        choice = {"index": idx, "message": msg,
-                  "logprobs": chat_logprobs(acc, 0, plan.logprobs or 0) if plan.logprobs is not None else None,
-                  "finish_reason": finish, "matched_stop": matched_stop(acc.finish_reason)}
+        choice = {
+            "index": idx,
+            "message": msg,
+            "logprobs": chat_logprobs(acc, 0, plan.logprobs or 0) if plan.logprobs is not None else None,
+            "finish_reason": finish,
+            "matched_stop": matched_stop(acc.finish_reason),
+        }
         if plan.return_token_ids:
             choice["token_ids"] = list(acc.output_ids)
         choices.append(choice)
-    out = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-           "usage": usage(plan, accs), "metadata": {"weight_version": _version(accs)}}
+    out = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(plan, accs),
+        "metadata": {"weight_version": _version(accs)},
+    }
     if plan.return_token_ids:
         out["prompt_token_ids"] = plan.prompts[0]
     return out
@@ -280,7 +333,7 @@ class StreamDelta:
             text = text[:cut]
         # Decoding more tokens only appends to an already-sent prefix (partial characters and possible stop
         # strings are withheld upstream), so the delta is the tail past what the client already has.
-        delta = text[len(self.sent_text):]
+        delta = text[len(self.sent_text) :]
         self.sent_text += delta
         return delta
 
@@ -300,8 +353,9 @@ class StreamDelta:
         return start
 
 
-def completion_chunk(plan: OpenAIPlan, idx: int, acc: ChoiceView, st: StreamDelta, model: str, rid: str,
-                     created: int) -> dict | None:
+def completion_chunk(
+    plan: OpenAIPlan, idx: int, acc: ChoiceView, st: StreamDelta, model: str, rid: str, created: int
+) -> dict | None:
     """The next streamed /v1/completions chunk for choice `idx`, or None when nothing is new."""
     final = acc.finished
     prefix = ""
@@ -312,16 +366,26 @@ def completion_chunk(plan: OpenAIPlan, idx: int, acc: ChoiceView, st: StreamDelt
     start = st.new_tokens(acc)
     if plan.logprobs is not None:
         echo = plan.echo_texts is not None and not st.started
-        lp = completion_logprobs(acc, plan.logprobs, start, st.text_offset,
-                                 echo_ids=plan.prompts[idx // plan.n] if echo else None,
-                                 echo_lps=acc.input_logprobs)
+        lp = completion_logprobs(
+            acc,
+            plan.logprobs,
+            start,
+            st.text_offset,
+            echo_ids=plan.prompts[idx // plan.n] if echo else None,
+            echo_lps=acc.input_logprobs,
+        )
         if lp["tokens"]:
             st.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
     if not (prefix or text or final or (lp and lp["tokens"])):
         return None
     st.started = True
-    choice = {"index": idx, "text": prefix + text, "logprobs": lp,
-              "finish_reason": openai_finish_reason(acc.finish_reason), "matched_stop": matched_stop(acc.finish_reason)}
+    choice = {
+        "index": idx,
+        "text": prefix + text,
+        "logprobs": lp,
+        "finish_reason": openai_finish_reason(acc.finish_reason),
+        "matched_stop": matched_stop(acc.finish_reason),
+    }
     if plan.return_token_ids:
         choice["token_ids"] = acc.output_ids[start:]
         if prefix or start == 0:
@@ -329,8 +393,9 @@ def completion_chunk(plan: OpenAIPlan, idx: int, acc: ChoiceView, st: StreamDelt
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_chunk(plan: OpenAIPlan, idx: int, acc: ChoiceView, st: StreamDelta, model: str, rid: str,
-               created: int) -> dict | None:
+def chat_chunk(
+    plan: OpenAIPlan, idx: int, acc: ChoiceView, st: StreamDelta, model: str, rid: str, created: int
+) -> dict | None:
     """The next streamed chat.completion.chunk for choice `idx`, or None when nothing is new."""
     final = acc.finished
     delta: dict[str, Any] = {}
@@ -354,8 +419,13 @@ def chat_chunk(plan: OpenAIPlan, idx: int, acc: ChoiceView, st: StreamDelta, mod
     if not (delta or final or (lp and lp["content"])):
         return None
     st.started = True
-    choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": finish if final else None,
-              "matched_stop": matched_stop(acc.finish_reason)}
+    choice = {
+        "index": idx,
+        "delta": delta,
+        "logprobs": lp,
+        "finish_reason": finish if final else None,
+        "matched_stop": matched_stop(acc.finish_reason),
+    }
     if plan.return_token_ids:
         choice["token_ids"] = acc.output_ids[start:]
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}

@@ -132,9 +132,11 @@ def check_prompt(ids: list[int], limits: Limits, where: str = "prompt") -> None:
         raise ProtocolError(f"{where} has {len(ids)} tokens; the model's context length is {limits.context_len}")
 
 
-def check_sampling(s: EngineSampling, prompt_len: int, limits: Limits, *, n: int = 1,
-                   names: dict[str, str] | None = None) -> None:
+def check_sampling(
+    s: EngineSampling, prompt_len: int, limits: Limits, *, n: int = 1, names: dict[str, str] | None = None
+) -> None:
     """SGLang's range rules; `names` maps our field names to the ones the client used (OpenAI's max_tokens...)."""
+
     def name(k: str) -> str:
         return (names or {}).get(k, k)
 
@@ -147,8 +149,11 @@ def check_sampling(s: EngineSampling, prompt_len: int, limits: Limits, *, n: int
     need(0.0 < s.top_p <= 1.0, "top_p", f"must be in (0, 1], got {s.top_p}")
     need(s.top_k == -1 or s.top_k >= 1, "top_k", f"must be -1 (disabled) or >= 1, got {s.top_k}")
     need(0.0 <= s.min_p <= 1.0, "min_p", f"must be in [0, 1], got {s.min_p}")
-    need(0 <= s.min_new_tokens <= s.max_new_tokens, "min_new_tokens",
-         f"must be in [0, {name('max_new_tokens')}={s.max_new_tokens}], got {s.min_new_tokens}")
+    need(
+        0 <= s.min_new_tokens <= s.max_new_tokens,
+        "min_new_tokens",
+        f"must be in [0, {name('max_new_tokens')}={s.max_new_tokens}], got {s.min_new_tokens}",
+    )
     need(-2.0 <= s.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {s.frequency_penalty}")
     need(-2.0 <= s.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {s.presence_penalty}")
     need(0.0 < s.repetition_penalty <= 2.0, "repetition_penalty", f"must be in (0, 2], got {s.repetition_penalty}")
@@ -159,7 +164,8 @@ def check_sampling(s: EngineSampling, prompt_len: int, limits: Limits, *, n: int
     if prompt_len + s.max_new_tokens > limits.context_len:
         raise ProtocolError(
             f"requested {prompt_len + s.max_new_tokens} tokens ({prompt_len} in the prompt + "
-            f"{s.max_new_tokens} {name('max_new_tokens')}); the model's context length is {limits.context_len}")
+            f"{s.max_new_tokens} {name('max_new_tokens')}); the model's context length is {limits.context_len}"
+        )
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -179,11 +185,22 @@ def _sampling_from_sglang(sp: SamplingIn, prompt_len: int, limits: Limits) -> En
     _unsupported_constraints(sp)
     max_new = limits.context_len - prompt_len if sp.max_new_tokens is None else sp.max_new_tokens
     s = EngineSampling(
-        max_new_tokens=max_new, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-        stop=stop_list(sp.stop), stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
-        min_new_tokens=sp.min_new_tokens, no_stop_trim=sp.no_stop_trim, skip_special_tokens=sp.skip_special_tokens,
-        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-        repetition_penalty=sp.repetition_penalty, seed=sp.sampling_seed)
+        max_new_tokens=max_new,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        stop=stop_list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids or []),
+        ignore_eos=sp.ignore_eos,
+        min_new_tokens=sp.min_new_tokens,
+        no_stop_trim=sp.no_stop_trim,
+        skip_special_tokens=sp.skip_special_tokens,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        seed=sp.sampling_seed,
+    )
     check_sampling(s, prompt_len, limits, n=sp.n)
     return s
 
@@ -206,8 +223,11 @@ def parse_generate(body: bytes, tok: Tokenizer, limits: Limits) -> GeneratePlan:
     """Validate a /generate body and expand it into engine requests (batch x n), in the order of the response."""
     g: GenerateIn = decode_body(body, GenerateIn)
     if (g.text is None) == (g.input_ids is None):
-        raise ProtocolError("exactly one of `text` or `input_ids` must be given"
-                            if g.text is not None else "missing prompt: give `text` or `input_ids`")
+        raise ProtocolError(
+            "exactly one of `text` or `input_ids` must be given"
+            if g.text is not None
+            else "missing prompt: give `text` or `input_ids`"
+        )
     if g.text is not None:
         batched = isinstance(g.text, list)
         texts = g.text if batched else [g.text]
@@ -252,25 +272,36 @@ def parse_generate(body: bytes, tok: Tokenizer, limits: Limits) -> GeneratePlan:
         s = _sampling_from_sglang(sp, len(p), limits)
         start, top = starts[i], tops[i]
         if ret_lp[i] and (start < -1 or start >= len(p)):
-            raise ProtocolError(f"logprob_start_len must be -1 or in [0, {len(p) - 1}] (the prompt has "
-                                f"{len(p)} tokens), got {start}")
+            raise ProtocolError(
+                f"logprob_start_len must be -1 or in [0, {len(p) - 1}] (the prompt has {len(p)} tokens), got {start}"
+            )
         if ret_lp[i] and (top < 0 or top > limits.vocab_size):
             raise ProtocolError(f"top_logprobs_num must be in [0, {limits.vocab_size}], got {top}")
         any_n |= sp.n > 1
         check_request_count(len(requests) + sp.n)
         for rid in sample_rids(bases[i], sp.n):
-            requests.append(EngineRequest(rid=rid, input_ids=p, sampling=s, return_logprob=ret_lp[i],
-                                          logprob_start_len=start if ret_lp[i] else -1,
-                                          top_logprobs_num=top if ret_lp[i] else 0, priority=prios[i]))
+            requests.append(
+                EngineRequest(
+                    rid=rid,
+                    input_ids=p,
+                    sampling=s,
+                    return_logprob=ret_lp[i],
+                    logprob_start_len=start if ret_lp[i] else -1,
+                    top_logprobs_num=top if ret_lp[i] else 0,
+                    priority=prios[i],
+                )
+            )
     check_unique_rids([r.rid for r in requests])
-    return GeneratePlan(requests=requests, batched=batched or any_n, stream=g.stream,
-                        return_text_in_logprobs=g.return_text_in_logprobs)
+    return GeneratePlan(
+        requests=requests, batched=batched or any_n, stream=g.stream, return_text_in_logprobs=g.return_text_in_logprobs
+    )
 
 
 def check_request_count(count: int) -> None:
     if count > MAX_REQUESTS_PER_CALL:
-        raise ProtocolError(f"one call may ask for at most {MAX_REQUESTS_PER_CALL} generations (prompts x n), "
-                            f"this one asks for {count}")
+        raise ProtocolError(
+            f"one call may ask for at most {MAX_REQUESTS_PER_CALL} generations (prompts x n), this one asks for {count}"
+        )
 
 
 def check_unique_rids(rids: list[str]) -> None:
@@ -309,8 +340,9 @@ class Accumulator:
     decode, trimmed of the matched stop.
     """
 
-    def __init__(self, req: EngineRequest, tok: Tokenizer, *, text_in_logprobs: bool = False,
-                 started: float | None = None):
+    def __init__(
+        self, req: EngineRequest, tok: Tokenizer, *, text_in_logprobs: bool = False, started: float | None = None
+    ):
         self.req = req
         self.tok = tok
         self.text_in_logprobs = text_in_logprobs
@@ -380,7 +412,7 @@ class Accumulator:
             ids = ids[:-1]
         if fr is None:
             text = self._decode_more()
-            return text[:len(text) - stop_hold(text, s.stop)]
+            return text[: len(text) - stop_hold(text, s.stop)]
         text = self.tok.decode(ids, skip_special_tokens=s.skip_special_tokens)
         if isinstance(matched, str) and not s.no_stop_trim:
             pos = text.find(matched)
@@ -399,10 +431,10 @@ class Accumulator:
         if self._read == len(ids):
             return self._text
         skip = self.req.sampling.skip_special_tokens
-        before = self.tok.decode(ids[self._prefix:self._read], skip_special_tokens=skip)
-        after = self.tok.decode(ids[self._prefix:], skip_special_tokens=skip)
+        before = self.tok.decode(ids[self._prefix : self._read], skip_special_tokens=skip)
+        after = self.tok.decode(ids[self._prefix :], skip_special_tokens=skip)
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._text += after[len(before):]
+            self._text += after[len(before) :]
             self._prefix, self._read = self._read, len(ids)
         return self._text
 
@@ -426,12 +458,13 @@ class Accumulator:
         if req.return_logprob:
             m["output_token_logprobs"] = self._triples(self.logprobs, self.output_ids)
             if req.logprob_start_len >= 0:
-                ids = req.input_ids[req.logprob_start_len:]
+                ids = req.input_ids[req.logprob_start_len :]
                 lps = self.input_logprobs if self.input_logprobs is not None else []
                 m["input_token_logprobs"] = self._triples(lps, ids)
             if req.top_logprobs_num > 0:
-                m["output_top_logprobs"] = [self._triples([lp for lp, _ in top], [t for _, t in top])
-                                            for top in self.top_logprobs]
+                m["output_top_logprobs"] = [
+                    self._triples([lp for lp, _ in top], [t for _, t in top]) for top in self.top_logprobs
+                ]
         return m
 
     def generate_response(self) -> dict:
@@ -490,8 +523,10 @@ class UpdateFromDistributedIn(msgspec.Struct, kw_only=True):
 
     def check(self) -> None:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ProtocolError(f"names, dtypes and shapes must have equal lengths, got {len(self.names)}, "
-                                f"{len(self.dtypes)}, {len(self.shapes)}")
+            raise ProtocolError(
+                f"names, dtypes and shapes must have equal lengths, got {len(self.names)}, "
+                f"{len(self.dtypes)}, {len(self.shapes)}"
+            )
         if any(d < 0 for s in self.shapes for d in s):
             raise ProtocolError("shapes must be non-negative")
 
@@ -507,6 +542,10 @@ def version_str(v: str | int | None) -> str | None:
 
 def error_body(message: str, status: int = 400) -> dict:
     """The error object every endpoint returns (OpenAI's shape, which SGLang's OpenAI routes use too)."""
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            503: "ServiceUnavailableError"}.get(status, "InternalServerError" if status >= 500 else "Error")
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        503: "ServiceUnavailableError",
+    }.get(status, "InternalServerError" if status >= 500 else "Error")
     return {"error": {"message": message, "type": kind, "code": status}}

@@ -61,7 +61,7 @@ def _own_paths() -> dict[str, str]:
             for line in f:
                 parts = line.rstrip("\n").split(":", 2)
                 if len(parts) == 3:
-                    for ctl in (parts[1].split(",") if parts[1] else [""]):
+                    for ctl in parts[1].split(",") if parts[1] else [""]:
                         out[ctl] = parts[2]
     except OSError:
         pass
@@ -254,7 +254,7 @@ def sweep(support: CgroupSupport | None = None) -> int:
         for name in names:
             if not name.startswith(PREFIX):
                 continue
-            pid = name[len(PREFIX):].split("-", 1)[0]
+            pid = name[len(PREFIX) :].split("-", 1)[0]
             if not pid.isdigit() or _alive(int(pid)):
                 continue
             d = os.path.join(parent, name)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -37,8 +38,16 @@ from areal_async.rewards.grading import ServerSession, outputs_match, run_calls,
 from areal_async.rewards.registry import time_left
 from areal_async.rewards.sandbox import Sandbox, SandboxLimits, probe_isolation
 
-__all__ = ["CodeTests", "CodeVerdict", "SandboxIsolationError", "code_reward", "evaluate_code", "extract_code",
-           "outputs_match", "parse_tests"]
+__all__ = [
+    "CodeTests",
+    "CodeVerdict",
+    "SandboxIsolationError",
+    "code_reward",
+    "evaluate_code",
+    "extract_code",
+    "outputs_match",
+    "parse_tests",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +85,14 @@ def extract_code(completion: str) -> str:
         eol = text.find("\n", start + 3)
         if eol < 0:
             break
-        info = text[start + 3:eol].lstrip(" \t")
+        info = text[start + 3 : eol].lstrip(" \t")
         n = 0
         while n < len(info) and info[n] in _LANG_CHARS:
             n += 1
         end = text.find("```", eol + 1)
         if end < 0:
             break
-        blocks.append((info[:n], text[eol + 1:end]))
+        blocks.append((info[:n], text[eol + 1 : end]))
         pos = end + 3
     if not blocks:
         return text
@@ -104,8 +113,10 @@ def check_isolation(require: bool, *, disable: Iterable[str] = (), allow_network
         key = (disable, allow_network)
         if key not in _warned:
             _warned.add(key)
-            log.warning("code reward: the sandbox is weak on this machine (%s); set require_isolation=True to "
-                        "refuse", report.summary())
+            log.warning(
+                "code reward: the sandbox is weak on this machine (%s); set require_isolation=True to refuse",
+                report.summary(),
+            )
         if not {"uid", "userns"} & set(report.achieved):
             _not_dumpable()
     return report.achieved
@@ -117,15 +128,23 @@ def _not_dumpable() -> None:
     import ctypes
 
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(4), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                                                 ctypes.c_ulong(0), ctypes.c_ulong(0))  # PR_SET_DUMPABLE, 0
+        ctypes.CDLL(None, use_errno=True).prctl(
+            ctypes.c_int(4), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)
+        )  # PR_SET_DUMPABLE, 0
     except (OSError, AttributeError):
         log.warning("code reward: could not make this process non-dumpable")
 
 
-def evaluate_code(code: str, tests: CodeTests, *, all_or_nothing: bool = False, limits: SandboxLimits | None = None,
-                  budget_s: float = DEFAULT_BUDGET_S, require_isolation: bool = False,
-                  disable: Iterable[str] = ()) -> CodeVerdict:
+def evaluate_code(
+    code: str,
+    tests: CodeTests,
+    *,
+    all_or_nothing: bool = False,
+    limits: SandboxLimits | None = None,
+    budget_s: float = DEFAULT_BUDGET_S,
+    require_isolation: bool = False,
+    disable: Iterable[str] = (),
+) -> CodeVerdict:
     """Run `code` against `tests` and return the verdict; the whole evaluation ends within `budget_s`.
 
     `disable` switches sandbox mechanisms off (see sandbox.MECHANISMS): for tests of the weaker modes."""
@@ -147,8 +166,17 @@ def evaluate_code(code: str, tests: CodeTests, *, all_or_nothing: bool = False, 
                     results += run_calls(server, tests.fn_name, tests.calls, lim, deadline, all_or_nothing)
                 if tests.snippets and not (all_or_nothing and any(results)):
                     with Sandbox(lim, disable=disable) as judge_sb:
-                        got, _ = run_judged(server, judge_sb, tests.snippets, tests.setup, tests.proxies,
-                                            tests.modules, lim, deadline, all_or_nothing)
+                        got, _ = run_judged(
+                            server,
+                            judge_sb,
+                            tests.snippets,
+                            tests.setup,
+                            tests.proxies,
+                            tests.modules,
+                            lim,
+                            deadline,
+                            all_or_nothing,
+                        )
                         results += got
             finally:
                 server.close()
@@ -158,8 +186,14 @@ def evaluate_code(code: str, tests: CodeTests, *, all_or_nothing: bool = False, 
     failures = [r for r in results if r is not None]
     ok_all = passed == total and total > 0
     reward = (1.0 if ok_all else 0.0) if all_or_nothing else (passed / total if total else 0.0)
-    return CodeVerdict(reward=reward, passed=passed, total=total, reason=failures[0] if failures else None,
-                       failures=failures, isolation=list(iso))
+    return CodeVerdict(
+        reward=reward,
+        passed=passed,
+        total=total,
+        reason=failures[0] if failures else None,
+        failures=failures,
+        isolation=list(iso),
+    )
 
 
 def _flag(value: Any) -> bool:
@@ -168,8 +202,7 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
-def code_reward(completion: str, answer: str, *, prompt: str = "", all_or_nothing: bool = False,
-                **meta: Any) -> float:
+def code_reward(completion: str, answer: str, *, prompt: str = "", all_or_nothing: bool = False, **meta: Any) -> float:
     """Reward-function entry point ("code" in the registry). Bad tests or any failure of the solution score 0.0;
     the only exception it raises is SandboxIsolationError, when isolation is required and weak.
 
@@ -194,8 +227,14 @@ def code_reward(completion: str, answer: str, *, prompt: str = "", all_or_nothin
     except (ValueError, TypeError, OverflowError):
         return 0.0
     try:
-        verdict = evaluate_code(extract_code(completion), tests, all_or_nothing=bool(all_or_nothing),
-                                limits=limits, budget_s=budget, require_isolation=require)
+        verdict = evaluate_code(
+            extract_code(completion),
+            tests,
+            all_or_nothing=bool(all_or_nothing),
+            limits=limits,
+            budget_s=budget,
+            require_isolation=require,
+        )
     except SandboxIsolationError:
         raise
     except Exception:

@@ -129,7 +129,9 @@ def parse_tests(answer: str | dict, meta: dict[str, Any] | None = None, max_test
     if fn:
         if not isinstance(fn, str) or not _FN_NAME_RE.fullmatch(fn):
             raise ValueError(f"bad fn_name {fn!r}")
-        calls = [(args if isinstance(args, list) else [args], want)
-                 for args, want in zip(inputs[:max_tests], outputs[:max_tests])]
+        calls = [
+            (args if isinstance(args, list) else [args], want)
+            for args, want in zip(inputs[:max_tests], outputs[:max_tests])
+        ]
         return CodeTests(fn_name=fn, calls=calls)
     return CodeTests(stdio=[(str(i), str(o)) for i, o in zip(inputs[:max_tests], outputs[:max_tests])])

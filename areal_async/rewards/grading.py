@@ -41,14 +41,16 @@ def _source(name: str) -> str:
 
 def _program(module: str, call: str) -> str:
     """A `python -c` program: plaindata and one sandbox-side module loaded from source, then `call`."""
-    return ("import sys, types\n"
-            "def _load(name, src):\n"
-            "    m = types.ModuleType(name)\n"
-            "    exec(compile(src, name + '.py', 'exec'), m.__dict__)\n"
-            "    return m\n"
-            f"_pd = _load('areal_plaindata', {_source('plaindata.py')!r})\n"
-            f"_mod = _load('areal_{module}', {_source(module + '.py')!r})\n"
-            f"{call}\n")
+    return (
+        "import sys, types\n"
+        "def _load(name, src):\n"
+        "    m = types.ModuleType(name)\n"
+        "    exec(compile(src, name + '.py', 'exec'), m.__dict__)\n"
+        "    return m\n"
+        f"_pd = _load('areal_plaindata', {_source('plaindata.py')!r})\n"
+        f"_mod = _load('areal_{module}', {_source(module + '.py')!r})\n"
+        f"{call}\n"
+    )
 
 
 def outputs_match(got: str, want: str, rel_tol: float = 1e-6) -> bool:
@@ -106,8 +108,10 @@ class ServerSession:
         if left <= 0.05:
             return "budget_exhausted"
         self.starts += 1
-        live = self.sb.start([self.sb.python(), "-I", "-c", _program("solution_server", "_mod.serve(_pd)")],
-                             limits=session_limits(self.limits, left))
+        live = self.sb.start(
+            [self.sb.python(), "-I", "-c", _program("solution_server", "_mod.serve(_pd)")],
+            limits=session_limits(self.limits, left),
+        )
         if isinstance(live, SandboxResult):
             self.load_error = live.reason or "sandbox_error"
             return self.load_error
@@ -174,8 +178,9 @@ def _json(line: bytes | None) -> Any:
 # ---- the three kinds of tests --------------------------------------------------------------------------------
 
 
-def run_stdio(sb: Sandbox, cases: list[tuple[str, str]], limits: SandboxLimits, deadline: float,
-              stop_on_failure: bool) -> tuple[list[str | None], list[str]]:
+def run_stdio(
+    sb: Sandbox, cases: list[tuple[str, str]], limits: SandboxLimits, deadline: float, stop_on_failure: bool
+) -> tuple[list[str | None], list[str]]:
     """Each case in a fresh run of solution.py; returns (per-case result, isolation achieved)."""
     results: list[str | None] = []
     iso: list[str] = []
@@ -193,13 +198,18 @@ def run_stdio(sb: Sandbox, cases: list[tuple[str, str]], limits: SandboxLimits, 
     return results, iso
 
 
-def run_calls(server: ServerSession, fn_name: str, calls: list[tuple[list, Any]], limits: SandboxLimits,
-              deadline: float, stop_on_failure: bool) -> list[str | None]:
+def run_calls(
+    server: ServerSession,
+    fn_name: str,
+    calls: list[tuple[list, Any]],
+    limits: SandboxLimits,
+    deadline: float,
+    stop_on_failure: bool,
+) -> list[str | None]:
     """Call `fn_name(*args)` in the solution for each case and compare on the host."""
     results: list[str | None] = []
     for i, (args, want) in enumerate(calls):
-        req = {"id": i + 1, "op": "call", "ref": {"name": fn_name}, "args": [pd.encode(a) for a in args],
-               "kwargs": []}
+        req = {"id": i + 1, "op": "call", "ref": {"name": fn_name}, "args": [pd.encode(a) for a in args], "kwargs": []}
         _raw, reply, lost = server.request(req, min(limits.wall_s, deadline - time.monotonic()))
         if lost:
             results.append(lost)
@@ -216,9 +226,17 @@ def run_calls(server: ServerSession, fn_name: str, calls: list[tuple[list, Any]]
     return results
 
 
-def run_judged(server: ServerSession, judge_sb: Sandbox, snippets: list[str], setup: str, proxies: list[str],
-               modules: list[str], limits: SandboxLimits, deadline: float,
-               stop_on_failure: bool) -> tuple[list[str | None], list[str]]:
+def run_judged(
+    server: ServerSession,
+    judge_sb: Sandbox,
+    snippets: list[str],
+    setup: str,
+    proxies: list[str],
+    modules: list[str],
+    limits: SandboxLimits,
+    deadline: float,
+    stop_on_failure: bool,
+) -> tuple[list[str | None], list[str]]:
     """Run test code in the judge, relaying its calls into the solution; returns (per-test result, judge isolation)."""
     n = len(snippets)
     results: list[str | None] = ["not_run"] * n
@@ -244,8 +262,15 @@ def run_judged(server: ServerSession, judge_sb: Sandbox, snippets: list[str], se
     return results, iso
 
 
-def _relay(server: ServerSession, judge: LiveRun, cfg: dict, results: list[str | None], limits: SandboxLimits,
-           deadline: float, stop_on_failure: bool) -> tuple[int, bool]:
+def _relay(
+    server: ServerSession,
+    judge: LiveRun,
+    cfg: dict,
+    results: list[str | None],
+    limits: SandboxLimits,
+    deadline: float,
+    stop_on_failure: bool,
+) -> tuple[int, bool]:
     """Drive one judge process; returns (the test to restart from, stop). Fills `results`."""
     n = len(results)
     if not judge.send(json.dumps(cfg, separators=(",", ":")).encode(), limits.wall_s):
@@ -279,8 +304,7 @@ def _relay(server: ServerSession, judge: LiveRun, cfg: dict, results: list[str |
             test_deadline = min(deadline, time.monotonic() + limits.wall_s)
         elif "rpc" in msg and cur is not None:
             req = msg["rpc"]
-            raw, _reply, why = server.request(req if isinstance(req, dict) else {},
-                                              test_deadline - time.monotonic())
+            raw, _reply, why = server.request(req if isinstance(req, dict) else {}, test_deadline - time.monotonic())
             if why:
                 lost.setdefault(cur, why)
                 raw = json.dumps({"id": req.get("id") if isinstance(req, dict) else None, "lost": why}).encode()

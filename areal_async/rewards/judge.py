@@ -46,7 +46,7 @@ class _Link:
     def send(self, obj) -> None:
         data = memoryview((json.dumps(obj, separators=(",", ":")) + "\n").encode())
         while data:
-            data = data[os.write(self.wfd, data):]
+            data = data[os.write(self.wfd, data) :]
 
     def read(self):
         line = self.reader.readline()
@@ -93,8 +93,9 @@ class Remote:
 
     def __call__(self, *args, **kwargs):
         link = self._link
-        return link.rpc("call", self._ref, args=[link.arg(a) for a in args],
-                        kwargs=[[k, link.arg(v)] for k, v in kwargs.items()])
+        return link.rpc(
+            "call", self._ref, args=[link.arg(a) for a in args], kwargs=[[k, link.arg(v)] for k, v in kwargs.items()]
+        )
 
     def __getattr__(self, name: str):
         if name.startswith("__"):

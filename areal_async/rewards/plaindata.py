@@ -186,11 +186,17 @@ def values_match(got, want, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> boo
     if tw is int:
         return (tg is int and got == want) or (tg is float and math.isfinite(got) and got == want)
     if tw in (list, tuple):
-        return tg in (list, tuple) and len(got) == len(want) and all(
-            values_match(g, w, rel_tol, abs_tol) for g, w in zip(got, want))
+        return (
+            tg in (list, tuple)
+            and len(got) == len(want)
+            and all(values_match(g, w, rel_tol, abs_tol) for g, w in zip(got, want))
+        )
     if tw is dict:
-        return tg is dict and got.keys() == want.keys() and all(
-            values_match(got[k], want[k], rel_tol, abs_tol) for k in want)
+        return (
+            tg is dict
+            and got.keys() == want.keys()
+            and all(values_match(got[k], want[k], rel_tol, abs_tol) for k in want)
+        )
     if tw in (set, frozenset):
         return tg in (set, frozenset) and got == want
     if tw in (str, bytes, bytearray, complex) or want is None:

@@ -21,8 +21,9 @@ import inspect
 import math
 import numbers
 import time
+from collections.abc import Callable, Iterator
 from functools import lru_cache
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 RewardFn = Callable[..., float]
 
@@ -94,8 +95,9 @@ def _accepted(fn: RewardFn) -> tuple[bool, bool]:
     return var_kw or any(p.name == "prompt" for p in params), var_kw
 
 
-def call_reward(fn: RewardFn, completion: str, answer: str, prompt: str = "",
-                meta: dict[str, Any] | None = None) -> float:
+def call_reward(
+    fn: RewardFn, completion: str, answer: str, prompt: str = "", meta: dict[str, Any] | None = None
+) -> float:
     """Call `fn` with the keywords it accepts and check the result is a finite number (raises otherwise)."""
     takes_prompt, takes_meta = _accepted(fn)
     kw: dict[str, Any] = dict(meta or {}) if takes_meta else {}

@@ -89,7 +89,7 @@ class _Worker:
             try:
                 self.proc.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(self.proc.wait(), grace_s)
-            except (ProcessLookupError, asyncio.TimeoutError):
+            except (TimeoutError, ProcessLookupError):
                 pass
         await self.kill()
 
@@ -109,8 +109,14 @@ class _Worker:
 class RewardRunner:
     """`async with RewardRunner(max_workers=2) as rr: reward, why = await rr.score("math", text, answer)`."""
 
-    def __init__(self, max_workers: int = 2, *, import_timeout_s: float = 120.0, term_grace_s: float = 3.0,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        max_workers: int = 2,
+        *,
+        import_timeout_s: float = 120.0,
+        term_grace_s: float = 3.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         if max_workers < 1:
             raise ValueError("max_workers must be >= 1")
         self.max_workers = max_workers
@@ -123,14 +129,15 @@ class RewardRunner:
         self._closed = False
         self.stats = RewardStats()
 
-    async def __aenter__(self) -> "RewardRunner":
+    async def __aenter__(self) -> RewardRunner:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def score(self, fn_spec: str, completion: str, answer: str, *, prompt: str = "",
-                    timeout_s: float = 10.0, **meta: Any) -> tuple[float, str | None]:
+    async def score(
+        self, fn_spec: str, completion: str, answer: str, *, prompt: str = "", timeout_s: float = 10.0, **meta: Any
+    ) -> tuple[float, str | None]:
         """(reward, None) on success; (0.0, reason) on any failure: unknown reward, exception, timeout, crash."""
         self.stats.calls += 1
         try:
@@ -146,8 +153,9 @@ class RewardRunner:
                 self.stats.errors += 1
                 return 0.0, _describe(e)
         try:
-            req = ScoreRequest(fn=entry.target, completion=completion, answer=answer, prompt=prompt, meta=meta,
-                               timeout_s=timeout_s)
+            req = ScoreRequest(
+                fn=entry.target, completion=completion, answer=answer, prompt=prompt, meta=meta, timeout_s=timeout_s
+            )
             msgspec.msgpack.encode(req)  # fail here, not in the worker, on meta that cannot travel
         except (TypeError, msgspec.ValidationError) as e:
             self.stats.errors += 1
@@ -184,14 +192,19 @@ class RewardRunner:
                 if first.reward is None:
                     return 0.0, "worker sent no reward"
                 return first.reward, None
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if not self._closed:
                     self.stats.workers_killed += 1
                     self._all.discard(worker)
                     await asyncio.shield(worker.terminate(self.term_grace_s))
                 return 0.0, "timeout"
-            except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, ValueError,
-                    msgspec.DecodeError) as e:
+            except (
+                asyncio.IncompleteReadError,
+                ConnectionError,
+                BrokenPipeError,
+                ValueError,
+                msgspec.DecodeError,
+            ) as e:
                 if self._closed:
                     return 0.0, "runner closed"
                 await worker.kill()
@@ -215,9 +228,15 @@ class RewardRunner:
         # the package itself must be importable even when it is not installed
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from areal_async.rewards.runner import _worker_main; _worker_main()",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True,
-            limit=_MAX_FRAME)
+            sys.executable,
+            "-c",
+            "from areal_async.rewards.runner import _worker_main; _worker_main()",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            limit=_MAX_FRAME,
+        )
         w = _Worker(proc)
         self._all.add(w)
         self.stats.workers_started += 1

@@ -50,23 +50,44 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
 from areal_async.rewards import cgroups
 from areal_async.rewards.sandbox_proc import LiveRun, SandboxResult
 
-__all__ = ["IsolationReport", "LiveRun", "MECHANISMS", "Sandbox", "SandboxLimits", "SandboxResult", "default_python",
-           "host_leftovers", "kill_uid", "probe_isolation", "run_python"]
+__all__ = [
+    "IsolationReport",
+    "LiveRun",
+    "MECHANISMS",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxResult",
+    "default_python",
+    "host_leftovers",
+    "kill_uid",
+    "probe_isolation",
+    "run_python",
+]
 
 log = logging.getLogger(__name__)
 
 MECHANISMS = ("namespaces", "userns", "rootfs", "cgroup", "seccomp", "uid")  # what `disable=` may switch off
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_ETC = ("/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/ld.so.cache", "/etc/ld.so.conf",
-        "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives", "/etc/hosts", "/etc/os-release",
-        "/etc/mime.types")
+_ETC = (
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/alternatives",
+    "/etc/hosts",
+    "/etc/os-release",
+    "/etc/mime.types",
+)
 _BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
 
 
@@ -162,8 +183,13 @@ def default_python(unprivileged: bool) -> str:
     system python3 (with a private root the interpreter's prefix is mounted, see `Sandbox.python`)."""
     if not unprivileged:
         return _base_interpreter()
-    for cand in (sys.executable, getattr(sys, "_base_executable", ""), "/usr/bin/python3", "/usr/local/bin/python3",
-                 shutil.which("python3") or ""):
+    for cand in (
+        sys.executable,
+        getattr(sys, "_base_executable", ""),
+        "/usr/bin/python3",
+        "/usr/local/bin/python3",
+        shutil.which("python3") or "",
+    ):
         if cand and _world_executable(cand):
             return os.path.realpath(cand)
     raise RuntimeError("no python interpreter is executable by an unprivileged uid; pass interpreter= explicitly")
@@ -306,8 +332,14 @@ class Sandbox:
     seen by the next or left on the host. Runs share the uid. `close()` kills whatever still runs.
     """
 
-    def __init__(self, limits: SandboxLimits | None = None, *, drop_privileges: bool | None = None,
-                 disable: Iterable[str] = (), ro_paths: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        drop_privileges: bool | None = None,
+        disable: Iterable[str] = (),
+        ro_paths: Iterable[str] = (),
+    ) -> None:
         global _swept
         if not sys.platform.startswith("linux"):
             raise RuntimeError("the code sandbox needs Linux (rlimits and namespaces)")
@@ -333,7 +365,7 @@ class Sandbox:
             _swept = True
             sweep_leftovers()
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -362,8 +394,14 @@ class Sandbox:
         self._files[name] = content.encode() if isinstance(content, str) else bytes(content)
         return name
 
-    def run(self, argv: Sequence[str], *, stdin: bytes | str = b"", env: dict[str, str] | None = None,
-            limits: SandboxLimits | None = None) -> SandboxResult:
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | str = b"",
+        env: dict[str, str] | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
         """Run `argv` (argv[0] an absolute path) inside the sandbox and wait for it, within the limits."""
         stdin_b = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
         live = self._launch(argv, env, limits or self.limits, stdin_b, channel=False)
@@ -375,8 +413,9 @@ class Sandbox:
             result = self.finish(live, grace_s=0.0)
         return result
 
-    def start(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
-              limits: SandboxLimits | None = None) -> LiveRun | SandboxResult:
+    def start(
+        self, argv: Sequence[str], *, env: dict[str, str] | None = None, limits: SandboxLimits | None = None
+    ) -> LiveRun | SandboxResult:
         """Start a session: the program reads messages on fd 3 and writes them on fd 4 (one JSON line each) while
         the host talks to it through `send`/`recv`; `finish()` ends it. A SandboxResult means it did not start."""
         live = self._launch(argv, env, limits or self.limits, b"", channel=True)
@@ -410,13 +449,22 @@ class Sandbox:
         host_tasks = 0 if self.uid is not None else len(_pids_of_uid(os.getuid(), True))
         return {"base": lim.max_processes, "shared": 0 if self.uid is not None else 2, "host_tasks": host_tasks}
 
-    def _launch(self, argv: Sequence[str], env: dict[str, str] | None, lim: SandboxLimits, stdin_b: bytes, *,
-                channel: bool) -> LiveRun | SandboxResult:
+    def _launch(
+        self, argv: Sequence[str], env: dict[str, str] | None, lim: SandboxLimits, stdin_b: bytes, *, channel: bool
+    ) -> LiveRun | SandboxResult:
         if not argv or not os.path.isabs(argv[0]):
             raise ValueError("argv[0] must be an absolute path to the executable")
-        base_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-                    "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8",
-                    "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        base_env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "PYTHONIOENCODING": "utf-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
         cg = None
         if "cgroup" not in self.disable:
             support = cgroups.detect()
@@ -450,23 +498,41 @@ class Sandbox:
                 fds += [to_r, to_w, from_r, from_w]
                 chan_host, chan_prog = (from_r, to_w), [to_r, from_w]
                 os.set_blocking(to_w, False)
-            cfg = {"argv": list(argv), "env": {**base_env, **(env or {})}, "uid": self.uid, "mode": self.mode,
-                   "rlimits": self._rlimits(lim), "nproc": self._nproc(lim), "allow_network": lim.allow_network,
-                   "tmpfs_bytes": lim.tmpfs_bytes,
-                   "info_fd": info_w, "parent_pid": os.getpid(), "host_dir": host_dir,
-                   "newroot": os.path.join(self._base, "mnt"), "rootfs": "rootfs" not in self.disable,
-                   "ro_binds": _ro_binds(self.ro_paths, argv[0]), "seccomp": "seccomp" not in self.disable,
-                   "cgroup_procs": cg.procs_files if cg else [], "chan": chan_prog,
-                   "files": [[n, _b64(c)] for n, c in self._files.items()]}
+            cfg = {
+                "argv": list(argv),
+                "env": {**base_env, **(env or {})},
+                "uid": self.uid,
+                "mode": self.mode,
+                "rlimits": self._rlimits(lim),
+                "nproc": self._nproc(lim),
+                "allow_network": lim.allow_network,
+                "tmpfs_bytes": lim.tmpfs_bytes,
+                "info_fd": info_w,
+                "parent_pid": os.getpid(),
+                "host_dir": host_dir,
+                "newroot": os.path.join(self._base, "mnt"),
+                "rootfs": "rootfs" not in self.disable,
+                "ro_binds": _ro_binds(self.ro_paths, argv[0]),
+                "seccomp": "seccomp" not in self.disable,
+                "cgroup_procs": cg.procs_files if cg else [],
+                "chan": chan_prog,
+                "files": [[n, _b64(c)] for n, c in self._files.items()],
+            }
             cfg_fd = os.memfd_create("areal-sandbox-cfg", os.MFD_CLOEXEC)
             fds.append(cfg_fd)
             os.write(cfg_fd, json.dumps(cfg).encode())
             os.set_inheritable(cfg_fd, False)
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", _BOOT, str(cfg_fd)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=[info_w, cfg_fd, *(chan_prog or [])], start_new_session=True,
-                env={"PATH": base_env["PATH"], "LANG": "C.UTF-8"}, cwd="/", close_fds=True)
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=[info_w, cfg_fd, *(chan_prog or [])],
+                start_new_session=True,
+                env={"PATH": base_env["PATH"], "LANG": "C.UTF-8"},
+                cwd="/",
+                close_fds=True,
+            )
         except OSError as e:
             for fd in fds:
                 os.close(fd)
@@ -495,8 +561,9 @@ def _probe(euid: int, drop: bool | None, disable: frozenset[str], allow_network:
     return _report(r.isolation, notes, allow_network)
 
 
-def probe_isolation(*, drop_privileges: bool | None = None, disable: Iterable[str] = (),
-                    allow_network: bool = False) -> IsolationReport:
+def probe_isolation(
+    *, drop_privileges: bool | None = None, disable: Iterable[str] = (), allow_network: bool = False
+) -> IsolationReport:
     """Run a trivial program once (cached per process) and report the isolation this machine gives."""
     return _probe(os.geteuid(), drop_privileges, frozenset(disable), allow_network)
 
@@ -506,8 +573,9 @@ def session_limits(lim: SandboxLimits, wall_s: float) -> SandboxLimits:
     return msgspec.structs.replace(lim, wall_s=wall_s, cpu_s=max(lim.cpu_s, math.ceil(wall_s) + 1))
 
 
-def run_python(source: str, *, stdin: bytes | str = b"", limits: SandboxLimits | None = None,
-               interpreter: str | None = None) -> SandboxResult:
+def run_python(
+    source: str, *, stdin: bytes | str = b"", limits: SandboxLimits | None = None, interpreter: str | None = None
+) -> SandboxResult:
     """Convenience: run one Python program in a fresh sandbox."""
     with Sandbox(limits) as sb:
         sb.write("main.py", source)

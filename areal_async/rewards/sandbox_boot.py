@@ -36,51 +36,208 @@ import struct
 import sys
 
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
-NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWCGROUP = (0x20000, 0x4000000, 0x8000000, 0x10000000, 0x20000000,
-                                                             0x40000000, 0x02000000)
+NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWCGROUP = (
+    0x20000,
+    0x4000000,
+    0x8000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+    0x02000000,
+)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
 # statvfs f_flag bit -> the mount flag that must be kept when remounting a bind (locked flags in a user namespace)
-_ST_TO_MS = ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC), (1024, MS_NOATIME),
-             (2048, MS_NODIRATIME), (4096, MS_RELATIME))
+_ST_TO_MS = (
+    (1, MS_RDONLY),
+    (2, MS_NOSUID),
+    (4, MS_NODEV),
+    (8, MS_NOEXEC),
+    (1024, MS_NOATIME),
+    (2048, MS_NODIRATIME),
+    (4096, MS_RELATIME),
+)
 
 # syscall numbers: x86_64 and the generic table (aarch64)
 _ARCH = {
-    "x86_64": dict(audit=0xC000003E, pivot_root=155, nr={
-        "memfd_create": 319, "memfd_secret": 447, "userfaultfd": 323, "bpf": 321, "perf_event_open": 298,
-        "keyctl": 250, "add_key": 248, "request_key": 249, "ptrace": 101, "process_vm_readv": 310,
-        "process_vm_writev": 311, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "unshare": 272, "setns": 308,
-        "init_module": 175, "finit_module": 313, "delete_module": 176, "kexec_load": 246, "kexec_file_load": 320,
-        "reboot": 169, "swapon": 167, "swapoff": 168, "acct": 163, "open_by_handle_at": 304,
-        "name_to_handle_at": 303, "fanotify_init": 300, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-        "fspick": 433, "move_mount": 429, "open_tree": 428, "mount_setattr": 442, "syslog": 103, "quotactl": 179,
-        "lookup_dcookie": 212, "vhangup": 153, "kcmp": 312, "pidfd_getfd": 438, "process_madvise": 440,
-        "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
-        "clone": 56, "clone3": 435, "socket": 41, "setsid": 112, "setpgid": 109}),
-    "aarch64": dict(audit=0xC00000B7, pivot_root=41, nr={
-        "memfd_create": 279, "memfd_secret": 447, "userfaultfd": 282, "bpf": 280, "perf_event_open": 241,
-        "keyctl": 219, "add_key": 217, "request_key": 218, "ptrace": 117, "process_vm_readv": 270,
-        "process_vm_writev": 271, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "unshare": 97, "setns": 268,
-        "init_module": 105, "finit_module": 273, "delete_module": 106, "kexec_load": 104, "kexec_file_load": 294,
-        "reboot": 142, "swapon": 224, "swapoff": 225, "acct": 89, "open_by_handle_at": 265,
-        "name_to_handle_at": 264, "fanotify_init": 262, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-        "fspick": 433, "move_mount": 429, "open_tree": 428, "mount_setattr": 442, "syslog": 116, "quotactl": 60,
-        "lookup_dcookie": 18, "vhangup": 58, "kcmp": 272, "pidfd_getfd": 438, "process_madvise": 440,
-        "settimeofday": 170, "clock_settime": 112, "clock_adjtime": 266, "adjtimex": 171,
-        "clone": 220, "clone3": 435, "socket": 198, "setsid": 157, "setpgid": 154}),
+    "x86_64": dict(
+        audit=0xC000003E,
+        pivot_root=155,
+        nr={
+            "memfd_create": 319,
+            "memfd_secret": 447,
+            "userfaultfd": 323,
+            "bpf": 321,
+            "perf_event_open": 298,
+            "keyctl": 250,
+            "add_key": 248,
+            "request_key": 249,
+            "ptrace": 101,
+            "process_vm_readv": 310,
+            "process_vm_writev": 311,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
+            "mount": 165,
+            "umount2": 166,
+            "pivot_root": 155,
+            "chroot": 161,
+            "unshare": 272,
+            "setns": 308,
+            "init_module": 175,
+            "finit_module": 313,
+            "delete_module": 176,
+            "kexec_load": 246,
+            "kexec_file_load": 320,
+            "reboot": 169,
+            "swapon": 167,
+            "swapoff": 168,
+            "acct": 163,
+            "open_by_handle_at": 304,
+            "name_to_handle_at": 303,
+            "fanotify_init": 300,
+            "fsopen": 430,
+            "fsconfig": 431,
+            "fsmount": 432,
+            "fspick": 433,
+            "move_mount": 429,
+            "open_tree": 428,
+            "mount_setattr": 442,
+            "syslog": 103,
+            "quotactl": 179,
+            "lookup_dcookie": 212,
+            "vhangup": 153,
+            "kcmp": 312,
+            "pidfd_getfd": 438,
+            "process_madvise": 440,
+            "settimeofday": 164,
+            "clock_settime": 227,
+            "clock_adjtime": 305,
+            "adjtimex": 159,
+            "clone": 56,
+            "clone3": 435,
+            "socket": 41,
+            "setsid": 112,
+            "setpgid": 109,
+        },
+    ),
+    "aarch64": dict(
+        audit=0xC00000B7,
+        pivot_root=41,
+        nr={
+            "memfd_create": 279,
+            "memfd_secret": 447,
+            "userfaultfd": 282,
+            "bpf": 280,
+            "perf_event_open": 241,
+            "keyctl": 219,
+            "add_key": 217,
+            "request_key": 218,
+            "ptrace": 117,
+            "process_vm_readv": 270,
+            "process_vm_writev": 271,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
+            "mount": 40,
+            "umount2": 39,
+            "pivot_root": 41,
+            "chroot": 51,
+            "unshare": 97,
+            "setns": 268,
+            "init_module": 105,
+            "finit_module": 273,
+            "delete_module": 106,
+            "kexec_load": 104,
+            "kexec_file_load": 294,
+            "reboot": 142,
+            "swapon": 224,
+            "swapoff": 225,
+            "acct": 89,
+            "open_by_handle_at": 265,
+            "name_to_handle_at": 264,
+            "fanotify_init": 262,
+            "fsopen": 430,
+            "fsconfig": 431,
+            "fsmount": 432,
+            "fspick": 433,
+            "move_mount": 429,
+            "open_tree": 428,
+            "mount_setattr": 442,
+            "syslog": 116,
+            "quotactl": 60,
+            "lookup_dcookie": 18,
+            "vhangup": 58,
+            "kcmp": 272,
+            "pidfd_getfd": 438,
+            "process_madvise": 440,
+            "settimeofday": 170,
+            "clock_settime": 112,
+            "clock_adjtime": 266,
+            "adjtimex": 171,
+            "clone": 220,
+            "clone3": 435,
+            "socket": 198,
+            "setsid": 157,
+            "setpgid": 154,
+        },
+    ),
 }
 # always refused with EPERM: memory outside the rlimits (memfd, userfaultfd), other namespaces and mounts,
 # inspecting other processes, kernel attack surface nobody's solution needs
-_DENY = ("memfd_create", "memfd_secret", "userfaultfd", "bpf", "perf_event_open", "keyctl", "add_key",
-         "request_key", "ptrace", "process_vm_readv", "process_vm_writev", "io_uring_setup", "io_uring_enter",
-         "io_uring_register", "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "init_module",
-         "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "acct",
-         "open_by_handle_at", "name_to_handle_at", "fanotify_init", "fsopen", "fsconfig", "fsmount", "fspick",
-         "move_mount", "open_tree", "mount_setattr", "syslog", "quotactl", "lookup_dcookie", "vhangup", "kcmp",
-         "pidfd_getfd", "process_madvise", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex")
+_DENY = (
+    "memfd_create",
+    "memfd_secret",
+    "userfaultfd",
+    "bpf",
+    "perf_event_open",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "fanotify_init",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "move_mount",
+    "open_tree",
+    "mount_setattr",
+    "syslog",
+    "quotactl",
+    "lookup_dcookie",
+    "vhangup",
+    "kcmp",
+    "pidfd_getfd",
+    "process_madvise",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+)
 _CLONE_NS_FLAGS = NEWNS | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET | NEWCGROUP
 
 
@@ -117,7 +274,7 @@ class _Boot:
         return self.libc.unshare(ctypes.c_int(flags)) == 0
 
     def mount(self, src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-        enc = (lambda s: None if s is None else s.encode())
+        enc = lambda s: None if s is None else s.encode()
         if self.libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
             e = ctypes.get_errno()
             raise OSError(e, f"mount {src or fstype} on {dst}: {os.strerror(e)}")
@@ -127,8 +284,13 @@ class _Boot:
     def enter_namespaces(self) -> None:
         cfg, net = self.cfg, self.cfg["allow_network"]
         if cfg["mode"] == "root":
-            for name, flag in (("pidns", NEWPID), ("netns", 0 if net else NEWNET), ("mountns", NEWNS),
-                               ("ipcns", NEWIPC), ("utsns", NEWUTS)):
+            for name, flag in (
+                ("pidns", NEWPID),
+                ("netns", 0 if net else NEWNET),
+                ("mountns", NEWNS),
+                ("ipcns", NEWIPC),
+                ("utsns", NEWUTS),
+            ):
                 if not flag:
                     continue
                 if self.unshare(flag):
@@ -142,8 +304,11 @@ class _Boot:
                 self.fail("userns")
                 return
             try:
-                for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{real_uid} {real_uid} 1"),
-                                   ("/proc/self/gid_map", f"{real_gid} {real_gid} 1")):
+                for path, text in (
+                    ("/proc/self/setgroups", "deny"),
+                    ("/proc/self/uid_map", f"{real_uid} {real_uid} 1"),
+                    ("/proc/self/gid_map", f"{real_gid} {real_gid} 1"),
+                ):
                     with open(path, "w") as f:
                         f.write(text)
             except OSError as e:
@@ -204,8 +369,13 @@ class _Boot:
         for name in ("null", "zero", "full", "random", "urandom"):
             os.close(os.open(f"{dev}/{name}", os.O_WRONLY | os.O_CREAT, 0o666))
             self.mount(f"/dev/{name}", f"{dev}/{name}", None, MS_BIND)
-        for name, to in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
+        for name, to in (
+            ("fd", "/proc/self/fd"),
+            ("stdin", "/proc/self/fd/0"),
+            ("stdout", "/proc/self/fd/1"),
+            ("stderr", "/proc/self/fd/2"),
+            ("shm", "/tmp"),
+        ):
             os.symlink(to, f"{dev}/{name}")
         self.mount(None, dev, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
         tmp = new + "/tmp"
@@ -266,13 +436,14 @@ class _Boot:
                         d = nd
                         if uid is not None:
                             os.fchown(d, uid, uid)
-                    fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                 0o644, dir_fd=d)
+                    fd = os.open(
+                        parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=d
+                    )
                     try:
                         data = base64.b64decode(b64)
                         view = memoryview(data)
                         while view:
-                            view = view[os.write(fd, view):]
+                            view = view[os.write(fd, view) :]
                         if uid is not None:
                             os.fchown(fd, uid, uid)
                     finally:
@@ -292,9 +463,13 @@ class _Boot:
         nr = arch["nr"]
         ld_w, jeq, jset, jge, ret = 0x20, 0x15, 0x45, 0x35, 0x06
         allow, kill = 0x7FFF0000, 0x80000000
-        errno_ret = (lambda e: 0x00050000 | e)
-        ins: list[tuple[int, int, int, int]] = [(ld_w, 0, 0, 4), (jeq, 1, 0, arch["audit"]), (ret, 0, 0, kill),
-                                                (ld_w, 0, 0, 0)]
+        errno_ret = lambda e: 0x00050000 | e
+        ins: list[tuple[int, int, int, int]] = [
+            (ld_w, 0, 0, 4),
+            (jeq, 1, 0, arch["audit"]),
+            (ret, 0, 0, kill),
+            (ld_w, 0, 0, 0),
+        ]
         if os.uname().machine == "x86_64":
             ins += [(jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # x32 ABI syscalls
         deny = [(n, errno.EPERM) for n in _DENY] + [("clone3", errno.ENOSYS)]  # libc falls back to clone
@@ -305,8 +480,13 @@ class _Boot:
         for name, e in deny:
             ins += [(jeq, 0, 1, nr[name]), (ret, 0, 0, errno_ret(e))]
         # clone with a namespace flag; the flags are the first argument (low 32 bits at offset 16)
-        ins += [(jeq, 0, 3, nr["clone"]), (ld_w, 0, 0, 16), (jset, 0, 1, _CLONE_NS_FLAGS),
-                (ret, 0, 0, errno_ret(errno.EPERM)), (ret, 0, 0, allow)]
+        ins += [
+            (jeq, 0, 3, nr["clone"]),
+            (ld_w, 0, 0, 16),
+            (jset, 0, 1, _CLONE_NS_FLAGS),
+            (ret, 0, 0, errno_ret(errno.EPERM)),
+            (ret, 0, 0, allow),
+        ]
         return b"".join(struct.pack("HBBI", *i) for i in ins)
 
     def install_seccomp(self, prog: bytes) -> bool:

@@ -39,8 +39,17 @@ class SandboxResult(msgspec.Struct, kw_only=True):
 class LiveRun:
     """The host's end of one bootstrap process. Create through `Sandbox.run` / `Sandbox.start`, not directly."""
 
-    def __init__(self, proc: subprocess.Popen, info_r: int, chan: tuple[int, int] | None, stdin: bytes,
-                 wall_s: float, output_bytes: int, message_bytes: int, cleanup) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        info_r: int,
+        chan: tuple[int, int] | None,
+        stdin: bytes,
+        wall_s: float,
+        output_bytes: int,
+        message_bytes: int,
+        cleanup,
+    ) -> None:
         self.proc = proc
         self.info_r = info_r
         self.chan_r, self.chan_w = chan if chan else (None, None)
@@ -191,7 +200,7 @@ class LiveRun:
                 if not sel.select(timeout=min(0.25, max(0.0, end - time.monotonic()))):
                     continue
                 try:
-                    data = data[os.write(self.chan_w, data):]
+                    data = data[os.write(self.chan_w, data) :]
                 except BlockingIOError:
                     continue
                 except OSError:
@@ -249,13 +258,15 @@ class LiveRun:
                 if f is not None:
                     f.close()
             oom = self._cleanup()
-        self._finished = _verdict(self.proc.returncode, self.out, self.err, self.info, self.cut,
-                                  time.monotonic() - self.t0, oom)
+        self._finished = _verdict(
+            self.proc.returncode, self.out, self.err, self.info, self.cut, time.monotonic() - self.t0, oom
+        )
         return self._finished
 
 
-def _verdict(returncode: int | None, out: bytes, err: bytes, info: bytes, cut: str | None, wall: float,
-             oom: bool) -> SandboxResult:
+def _verdict(
+    returncode: int | None, out: bytes, err: bytes, info: bytes, cut: str | None, wall: float, oom: bool
+) -> SandboxResult:
     iso: list[str] = []
     notes: list[str] = []
     status: dict = {}

@@ -34,7 +34,7 @@ MAX_ITEMS = 1_000_000  # iterating a handle (a generator) materialises at most t
 def _send(fd: int, obj) -> None:
     data = memoryview((json.dumps(obj, separators=(",", ":")) + "\n").encode())
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def _describe(e: BaseException) -> dict:

@@ -21,8 +21,9 @@ trainer's GPU when the broadcast is on (launch/placement.py). Controller side: n
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,13 @@ def server_ranks(url: str, info: Mapping[str, Any] | None, default: int) -> int:
         raise BroadcastLayoutError(
             f"{url} runs dp_size={dp} without --enable-dp-attention: SGLang cannot update such a server by "
             "broadcast (dp_size must be 1 or dp attention must be enabled); use train.weight_sync=disk, or one "
-            "server per replica (server.num_servers)")
+            "server per replica (server.num_servers)"
+        )
     if pp > 1:
         raise BroadcastLayoutError(
             f"{url} runs pp_size={pp}: every pipeline stage would join the weight-update group as the same ranks "
-            "(rank_offset + tp_rank); use train.weight_sync=disk")
+            "(rank_offset + tp_rank); use train.weight_sync=disk"
+        )
     if tp < 1:
         raise BroadcastLayoutError(f"{url} reports tp_size={tp}")
     return tp
@@ -83,20 +86,26 @@ def group_backend(requested: str, trainer_gpu: str, server_gpus: list[str]) -> t
     return "nccl", ""
 
 
-async def plan_group(client: Any, urls: list[str], trainer: Any, *, default_ranks: int, backend: str
-                     ) -> GroupPlan:
+async def plan_group(client: Any, urls: list[str], trainer: Any, *, default_ranks: int, backend: str) -> GroupPlan:
     """Ask every member server for its layout (`client.server_info`) and plan the group. `trainer` is trainer
     rank 0's TrainerInfo (its `gpu_uuid`). A server that cannot be asked counts `default_ranks`."""
     infos = await client.server_info(urls) if hasattr(client, "server_info") else {}
     got = {u: (i if isinstance(i, Mapping) else None) for u, i in infos.items()}
     for u, i in infos.items():
         if not isinstance(i, Mapping):
-            log.warning("%s: no /get_server_info answer (%s); counting %d rank(s) (server.gpus_per_server)",
-                        u, i, default_ranks)
+            log.warning(
+                "%s: no /get_server_info answer (%s); counting %d rank(s) (server.gpus_per_server)", u, i, default_ranks
+            )
     ranks = [server_ranks(u, got.get(u), default_ranks) for u in urls]
-    chosen, reason = group_backend(backend, getattr(trainer, "gpu_uuid", "") or "",
-                                   [str((got.get(u) or {}).get("gpu_uuid") or "") for u in urls])
+    chosen, reason = group_backend(
+        backend, getattr(trainer, "gpu_uuid", "") or "", [str((got.get(u) or {}).get("gpu_uuid") or "") for u in urls]
+    )
     if chosen != backend:
-        log.warning("weight broadcast over %s instead of %s: %s (NCCL refuses two ranks on one GPU); give the "
-                    "servers and trainers their own GPUs for nccl", chosen, backend, reason)
+        log.warning(
+            "weight broadcast over %s instead of %s: %s (NCCL refuses two ranks on one GPU); give the "
+            "servers and trainers their own GPUs for nccl",
+            chosen,
+            backend,
+            reason,
+        )
     return GroupPlan(ranks=ranks, backend=chosen, reason=reason)

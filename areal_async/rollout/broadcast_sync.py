@@ -72,9 +72,19 @@ class ElasticBroadcastSync:
     latest_checkpoint: str | None = None
     bucketed = True  # rollout/weight_sync.py: never applied without a pause
 
-    def __init__(self, trainers: Any, client: Any, master_address: str, *, ranks_per_server: int, backend: str,
-                 api_key: str | None = None, settle_s: float = 10.0, catch_up_root: str | None = None,
-                 max_attempts: int = 2) -> None:
+    def __init__(
+        self,
+        trainers: Any,
+        client: Any,
+        master_address: str,
+        *,
+        ranks_per_server: int,
+        backend: str,
+        api_key: str | None = None,
+        settle_s: float = 10.0,
+        catch_up_root: str | None = None,
+        max_attempts: int = 2,
+    ) -> None:
         self.trainers = trainers
         self.client = client
         self.master_address = master_address
@@ -103,8 +113,12 @@ class ElasticBroadcastSync:
         # a member that failed a bucket stays out until it is back in rotation (it caught up by other means): alive
         # and reachable, it may well fail the next broadcast the same way, and every member's failure aborts one
         self._failed = {u for u in self._failed if states.get(u) not in (None, "serving")}
-        return tuple(u for u in self.client.urls if u not in self._failed and (states.get(u) != "down"
-                     or (newcomers_down and u not in self.members and u not in self._waited)))
+        return tuple(
+            u
+            for u in self.client.urls
+            if u not in self._failed
+            and (states.get(u) != "down" or (newcomers_down and u not in self.members and u not in self._waited))
+        )
 
     async def form_group(self) -> None:
         members = self._targets(newcomers_down=False)
@@ -115,17 +129,31 @@ class ElasticBroadcastSync:
         # group registry) refuses a name it has seen
         name = f"areal-{self.run_token}-{self.generation}"
         # each server's ranks (its tensor-parallel size) and the backend come from the servers (broadcast_group.py)
-        plan = await plan_group(self.client, list(members), (getattr(self.trainers, "infos", None) or [None])[0],
-                                default_ranks=self.ranks_per_server, backend=self.backend)
+        plan = await plan_group(
+            self.client,
+            list(members),
+            (getattr(self.trainers, "infos", None) or [None])[0],
+            default_ranks=self.ranks_per_server,
+            backend=self.backend,
+        )
         # rank 0 hosts the group's store on a port it binds itself; the address is the launcher's view of where
         # the servers reach rank 0 (the same host's address for a local run, the trainer node's under Slurm)
         await self.trainers.init_broadcast_group(
-            _Members(self.client, members), num_server_ranks=plan.num_server_ranks,
-            master_address=self.master_address, ranks_per_server=plan.ranks, group_name=name,
-            backend=plan.backend)
+            _Members(self.client, members),
+            num_server_ranks=plan.num_server_ranks,
+            master_address=self.master_address,
+            ranks_per_server=plan.ranks,
+            group_name=name,
+            backend=plan.backend,
+        )
         old, self.group_name, self.members = self.group_name, name, members
-        log.info("weight-update group %s (%s): trainer rank 0 and %d server(s), %d server rank(s)", name,
-                 plan.backend, len(members), plan.num_server_ranks)
+        log.info(
+            "weight-update group %s (%s): trainer rank 0 and %d server(s), %d server rank(s)",
+            name,
+            plan.backend,
+            len(members),
+            plan.num_server_ranks,
+        )
         if old is not None:
             await self._destroy_on_servers(old, members)
 
@@ -160,20 +188,26 @@ class ElasticBroadcastSync:
                 await self._members_settled()
                 await self.form_group()
             try:
-                await self.trainers.broadcast_weights(self.client, version, group_name=self.group_name,
-                                                      flush_cache=flush_cache)
+                await self.trainers.broadcast_weights(
+                    self.client, version, group_name=self.group_name, flush_cache=flush_cache
+                )
                 return
             except (TrainerError, BroadcastIncomplete) as e:
                 if isinstance(e, TrainerError) and e.bad_input:
                     raise
                 if self.trainers.world_size > 1 and isinstance(e, TrainerError) and not _ranks_agreed(e):
-                    raise TrainerLost(f"the weight broadcast of version {version} failed ({e}); with "
-                                      f"{self.trainers.world_size} trainer ranks the others may be stuck in a "
-                                      "collective") from e
+                    raise TrainerLost(
+                        f"the weight broadcast of version {version} failed ({e}); with "
+                        f"{self.trainers.world_size} trainer ranks the others may be stuck in a "
+                        "collective"
+                    ) from e
                 if attempt == self.max_attempts:
                     raise
-                log.warning("weight broadcast of version %d failed (%s): forming a new group and sending again",
-                            version, str(e).splitlines()[0])
+                log.warning(
+                    "weight broadcast of version %d failed (%s): forming a new group and sending again",
+                    version,
+                    str(e).splitlines()[0],
+                )
                 self.members = ()
             finally:
                 self._failed.update(getattr(self.trainers, "broadcast_failures", None) or {})

@@ -141,8 +141,10 @@ class StalenessBuffer:
         if n < 1:
             raise ValueError("get_batch: n must be >= 1")
         if self.eta is not None and n != self.batch_size:
-            raise ValueError(f"get_batch: n={n}, but with a bounded eta every step takes batch_size="
-                             f"{self.batch_size} groups (the staleness bound counts on it)")
+            raise ValueError(
+                f"get_batch: n={n}, but with a bounded eta every step takes batch_size="
+                f"{self.batch_size} groups (the staleness bound counts on it)"
+            )
         loop = asyncio.get_running_loop()
         async with self._cond:
             held_since: float | None = None
@@ -172,8 +174,10 @@ class StalenessBuffer:
         bound's proof counts B trained groups per version."""
         async with self._cond:
             if version not in (self.version, self.version + 1):
-                raise ValueError(f"set_version({version}) at version {self.version}: versions move one step at a "
-                                 "time (use restore() when resuming)")
+                raise ValueError(
+                    f"set_version({version}) at version {self.version}: versions move one step at a "
+                    "time (use restore() when resuming)"
+                )
             if version == self.version + 1:
                 if self.eta is not None and self._taken_at_version < self.batch_size:
                     raise ValueError(f"set_version({version}) before the batch of step {self.version} was taken")
@@ -188,8 +192,13 @@ class StalenessBuffer:
         if version < 0:
             raise ValueError("restore: version must be >= 0")
         booked = self.version * self.batch_size
-        if self.running or self._n_buffered or self.rejected_total or self.accepted_total != booked \
-                or self.trained_total != booked:
+        if (
+            self.running
+            or self._n_buffered
+            or self.rejected_total
+            or self.accepted_total != booked
+            or self.trained_total != booked
+        ):
             raise ValueError("restore() must come before any group starts or any batch is taken")
         self.version = version
         self.accepted_total = version * self.batch_size

@@ -26,7 +26,8 @@ class ChatTokens:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tok = tokenizer
         closed = tokenizer.apply_chat_template(
-            _STAND_IN[:1] + [{"role": "assistant", "content": _MARK}], add_generation_prompt=False, tokenize=False)
+            _STAND_IN[:1] + [{"role": "assistant", "content": _MARK}], add_generation_prompt=False, tokenize=False
+        )
         assert isinstance(closed, str)
         if _MARK not in closed:
             raise ValueError("the chat template drops assistant content; cannot find its end-of-turn text")
@@ -35,13 +36,16 @@ class ChatTokens:
     def delta_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Ids of `messages` rendered as the continuation of a conversation that ended with an assistant turn."""
         base = self.tok.apply_chat_template(_STAND_IN, add_generation_prompt=False, tokenize=False)
-        full = self.tok.apply_chat_template(_STAND_IN + list(messages), add_generation_prompt=add_generation_prompt,
-                                            tokenize=False)
+        full = self.tok.apply_chat_template(
+            _STAND_IN + list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         assert isinstance(base, str) and isinstance(full, str)
         if not full.startswith(base):
-            raise ValueError("the chat template renders earlier turns differently once more messages follow; "
-                             "appending feedback tokens is not possible with it")
-        return self.tok.encode(full[len(base):])
+            raise ValueError(
+                "the chat template renders earlier turns differently once more messages follow; "
+                "appending feedback tokens is not possible with it"
+            )
+        return self.tok.encode(full[len(base) :])
 
     def close_turn_ids(self, output_ids: list[int]) -> list[int]:
         """The end-of-turn tokens the template puts after an assistant message, minus what the model generated.
@@ -52,6 +56,6 @@ class ChatTokens:
         if output_ids:
             last = self.tok.decode([output_ids[-1]], skip_special_tokens=False)
             if last and self.turn_end.startswith(last):
-                rest = self.turn_end[len(last):]
+                rest = self.turn_end[len(last) :]
                 return self.tok.encode(rest) if rest else []
         return self.tok.encode(self.turn_end)

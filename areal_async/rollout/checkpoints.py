@@ -16,15 +16,21 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 from areal_async.atomic_write import write_json_atomic
 from areal_async.metrics import cut_back
 from areal_async.rollout.ledger import FILE_NAME as LEDGER_FILE
 from areal_async.rollout.ledger import truncate
 
-__all__ = ["RunState", "discard_after", "load_state", "prune_checkpoints", "rewind_records", "rollback_target",
-           "save_state"]
+__all__ = [
+    "RunState",
+    "discard_after",
+    "load_state",
+    "prune_checkpoints",
+    "rewind_records",
+    "rollback_target",
+    "save_state",
+]
 
 LATEST = "latest.json"
 CONTROLLER_FILE = "controller.json"

@@ -37,13 +37,22 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from areal_async.config import ScheduleConfig
 from areal_async.rollout.buffer import StalenessBuffer
+
 # the state on disk lives in checkpoints.py; its names stay importable from here (run_plan.py, embedders)
-from areal_async.rollout.checkpoints import (RunState, checkpoint_dir, discard_after, load_state, prune_checkpoints,
-                                             rollback_target, save_state)
+from areal_async.rollout.checkpoints import (
+    RunState,
+    checkpoint_dir,
+    discard_after,
+    load_state,
+    prune_checkpoints,
+    rollback_target,
+    save_state,
+)
 from areal_async.rollout.ledger import SampleLedger
 from areal_async.rollout.manager import RolloutManager
 from areal_async.rollout.samples import SampleStream
@@ -53,8 +62,18 @@ from areal_async.types import CheckpointResult, PublishResult, TrainStepResult, 
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncRLController", "RunState", "ScheduleConfig", "Trainer", "InferenceAdmin", "discard_after",
-           "load_state", "prune_checkpoints", "rollback_target", "save_state"]
+__all__ = [
+    "AsyncRLController",
+    "RunState",
+    "ScheduleConfig",
+    "Trainer",
+    "InferenceAdmin",
+    "discard_after",
+    "load_state",
+    "prune_checkpoints",
+    "rollback_target",
+    "save_state",
+]
 
 
 class Trainer(Protocol):
@@ -77,12 +96,24 @@ Evaluator = Callable[[], Awaitable[dict[str, float]]]
 
 
 class AsyncRLController:
-    def __init__(self, schedule: ScheduleConfig, client: InferenceAdmin, trainer: Trainer, workflow: Workflow,
-                 stream: SampleStream, run_dir: str, *, weights: WeightSync | None = None,
-                 evaluator: Evaluator | None = None, logger: Any = None, state: RunState | None = None,
-                 ledger: SampleLedger | None = None,
-                 busy_probe: Callable[[], Awaitable[float | None]] | None = None, keep_checkpoints: int = 0,
-                 checkpointed: bool = False) -> None:
+    def __init__(
+        self,
+        schedule: ScheduleConfig,
+        client: InferenceAdmin,
+        trainer: Trainer,
+        workflow: Workflow,
+        stream: SampleStream,
+        run_dir: str,
+        *,
+        weights: WeightSync | None = None,
+        evaluator: Evaluator | None = None,
+        logger: Any = None,
+        state: RunState | None = None,
+        ledger: SampleLedger | None = None,
+        busy_probe: Callable[[], Awaitable[float | None]] | None = None,
+        keep_checkpoints: int = 0,
+        checkpointed: bool = False,
+    ) -> None:
         """`weights` defaults to disk sync under `run_dir/weights`; `ledger` to one without a file (the run passes
         one that writes trained_index.jsonl); `busy_probe` reads the servers' cumulative compute seconds.
         `keep_checkpoints`: complete checkpoints kept (0: all); `checkpointed`: `state` is what the checkpoint at
@@ -104,13 +135,25 @@ class AsyncRLController:
         self.buffer.restore(self.state.version)
         self.stream.seek(self.state.data_position)
         self.stream.redraw(self.state.pending)
-        self.rollout = RolloutManager(client, workflow, stream, self.buffer,
-                                      filter_uniform_reward=schedule.filter_uniform_reward,
-                                      max_consecutive_failures=schedule.max_consecutive_failures, ledger=self.ledger)
+        self.rollout = RolloutManager(
+            client,
+            workflow,
+            stream,
+            self.buffer,
+            filter_uniform_reward=schedule.filter_uniform_reward,
+            max_consecutive_failures=schedule.max_consecutive_failures,
+            ledger=self.ledger,
+        )
         self.interrupt = interrupt_mode(schedule.interruptible, schedule.interrupt_mode)
         # eval_s: every eval's own duration; eval_wait_s: how long the train loop waited for a periodic eval
-        self.timings = {"wait_batch_s": 0.0, "train_s": 0.0, "publish_s": 0.0, "weight_load_s": 0.0, "eval_s": 0.0,
-                        "eval_wait_s": 0.0}
+        self.timings = {
+            "wait_batch_s": 0.0,
+            "train_s": 0.0,
+            "publish_s": 0.0,
+            "weight_load_s": 0.0,
+            "eval_s": 0.0,
+            "eval_wait_s": 0.0,
+        }
         self.evals: list[dict[str, float]] = []
         self._eval_due = False  # a periodic eval waits for the next batch, then runs beside that train step
         self._eval_task: asyncio.Task | None = None
@@ -134,8 +177,12 @@ class AsyncRLController:
                     break
                 await self._train_one_step(t_start)
                 st.wall_s = time.monotonic() - t_start
-                if self.evaluator is not None and self.cfg.eval_every and st.version % self.cfg.eval_every == 0 \
-                        and st.version < self.cfg.total_steps:
+                if (
+                    self.evaluator is not None
+                    and self.cfg.eval_every
+                    and st.version % self.cfg.eval_every == 0
+                    and st.version < self.cfg.total_steps
+                ):
                     self._eval_due = True  # started by the next step once it has its batch (see _train_one_step)
                 if self.cfg.checkpoint_every and st.version % self.cfg.checkpoint_every == 0:
                     await self.save_checkpoint()
@@ -276,10 +323,19 @@ class AsyncRLController:
         if self.logger is not None:
             self.logger.log(kind, step, values)
         if kind == "train":
-            log.info("step %d  reward %.3f  len %.1f  staleness %.2f/%d  samples/s %.1f  wait %.2fs  train %.2fs  "
-                     "sync %.2fs", step, values["reward_mean"], values["response_len_mean"],
-                     values["staleness_mean"], values["staleness_max"], values["samples_per_s"],
-                     values["wait_batch_s"], values["train_step_s"], values["weight_sync_s"])
+            log.info(
+                "step %d  reward %.3f  len %.1f  staleness %.2f/%d  samples/s %.1f  wait %.2fs  train %.2fs  "
+                "sync %.2fs",
+                step,
+                values["reward_mean"],
+                values["response_len_mean"],
+                values["staleness_mean"],
+                values["staleness_max"],
+                values["samples_per_s"],
+                values["wait_batch_s"],
+                values["train_step_s"],
+                values["weight_sync_s"],
+            )
         else:
             log.info("eval @ version %d: accuracy %.1f%%  (%.1fs)", step, 100 * values["accuracy"], values["seconds"])
 

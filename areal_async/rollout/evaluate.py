@@ -8,12 +8,20 @@ import time
 from areal_async.rollout.prompts import prompt_ids
 from areal_async.rollout.workflow_api import Generator, ScoreFn, score_sample
 from areal_async.tokenizer import Tokenizer
-from areal_async.types import SamplingParams, Sample
+from areal_async.types import Sample, SamplingParams
 
 
-async def evaluate(client: Generator, tokenizer: Tokenizer, samples: list[Sample], score: ScoreFn, *,
-                   max_new_tokens: int, use_chat_template: bool = False, concurrency: int = 256,
-                   priority: int | None = None) -> dict[str, float]:
+async def evaluate(
+    client: Generator,
+    tokenizer: Tokenizer,
+    samples: list[Sample],
+    score: ScoreFn,
+    *,
+    max_new_tokens: int,
+    use_chat_template: bool = False,
+    concurrency: int = 256,
+    priority: int | None = None,
+) -> dict[str, float]:
     """Greedy accuracy on `samples` (a reward >= 0.5 counts as correct), mean completion length, seconds, and the
     lowest and highest weight version among the generated tokens (equal when the weights held still throughout;
     -1 when nothing was generated). `priority` is passed to every request: an eval beside running rollouts (the

@@ -134,5 +134,4 @@ def check_invariant(records: list[dict[str, Any]]) -> None:
     top = max(seen, default=-1)
     missing = sorted(set(range(top + 1)) - set(seen))
     if twice or missing:
-        raise AssertionError(f"trained_index: appear more than once {twice[:10]}, missing {missing[:10]} "
-                             f"(of 0..{top})")
+        raise AssertionError(f"trained_index: appear more than once {twice[:10]}, missing {missing[:10]} (of 0..{top})")

@@ -53,9 +53,18 @@ class RolloutManager:
     collector from the loop while started (see `GCPacer`); turn it off if the process manages its own collector.
     `ledger` records every draw and drop (an in-memory one by default)."""
 
-    def __init__(self, client: Generator, workflow: Workflow, stream: SampleStream, buffer: StalenessBuffer, *,
-                 filter_uniform_reward: bool = False, max_consecutive_failures: int = 50,
-                 pace_gc: bool = True, ledger: SampleLedger | None = None) -> None:
+    def __init__(
+        self,
+        client: Generator,
+        workflow: Workflow,
+        stream: SampleStream,
+        buffer: StalenessBuffer,
+        *,
+        filter_uniform_reward: bool = False,
+        max_consecutive_failures: int = 50,
+        pace_gc: bool = True,
+        ledger: SampleLedger | None = None,
+    ) -> None:
         self.client = client
         self.workflow = workflow
         self.stream = stream
@@ -143,8 +152,9 @@ class RolloutManager:
         self._consecutive_failures += 1
         if self._consecutive_failures >= self.max_consecutive_failures and not self._gave_up:
             self._gave_up = True  # the first reason stands: later failures are the same outage
-            await self.buffer.close(RuntimeError(
-                f"{self._consecutive_failures} prompt groups failed in a row; last error: {what}"))
+            await self.buffer.close(
+                RuntimeError(f"{self._consecutive_failures} prompt groups failed in a row; last error: {what}")
+            )
 
     @property
     def in_flight(self) -> int:

@@ -72,8 +72,9 @@ async def update_weights(sync: WeightSync, servers: PausableServers, version: in
     `prepare`d the version already (that part overlaps generation and is timed apart). The modes: docs/weights.md."""
     if mode == "wait":
         if getattr(sync, "bucketed", False):
-            raise ValueError("a bucketed (broadcast) weight update needs the servers paused: interruptible=false "
-                             "is for disk sync")
+            raise ValueError(
+                "a bucketed (broadcast) weight update needs the servers paused: interruptible=false is for disk sync"
+            )
         await sync.apply(version, flush_cache=True)
         return
     await servers.pause(mode)

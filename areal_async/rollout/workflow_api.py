@@ -13,7 +13,8 @@ No torch here.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from areal_async.types import GenerationResult, Sample, SamplingParams, Trajectory
 
@@ -21,9 +22,16 @@ from areal_async.types import GenerationResult, Sample, SamplingParams, Trajecto
 class Generator(Protocol):
     """What a workflow needs from the inference side (InferenceClient implements it)."""
 
-    async def agenerate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
-                        session_key: str | None = None, return_text: bool = False,
-                        priority: int | None = None) -> GenerationResult: ...
+    async def agenerate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        session_key: str | None = None,
+        return_text: bool = False,
+        priority: int | None = None,
+    ) -> GenerationResult: ...
 
 
 class ScoreFn(Protocol):
@@ -31,8 +39,9 @@ class ScoreFn(Protocol):
     (per-sample settings of the reward, such as the code reward's wall_s, cpu_s and memory_mb); it is passed only
     when the sample has some, so a three-argument function still serves datasets without meta."""
 
-    async def __call__(self, completion: str, answer: str, prompt: str = "",
-                       meta: Mapping[str, Any] | None = None) -> tuple[float, str | None]: ...
+    async def __call__(
+        self, completion: str, answer: str, prompt: str = "", meta: Mapping[str, Any] | None = None
+    ) -> tuple[float, str | None]: ...
 
 
 async def score_sample(score: ScoreFn, completion: str, sample: Sample) -> tuple[float, str | None]:
@@ -53,8 +62,9 @@ class Workflow(Protocol):
     async def run(self, client: Generator, sample: Sample) -> list[Trajectory] | None: ...
 
 
-def trajectory_from_generation(prompt_ids: list[int], gen: GenerationResult, reward: float,
-                               **info: float | int | str | bool) -> Trajectory:
+def trajectory_from_generation(
+    prompt_ids: list[int], gen: GenerationResult, reward: float, **info: float | int | str | bool
+) -> Trajectory:
     """A single-turn trajectory with the package's alignment convention (see areal_async.types); its group id is
     set by the rollout manager and `info["finish"]` is the generation's finish reason."""
     n_prompt = len(prompt_ids)

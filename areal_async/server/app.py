@@ -40,8 +40,7 @@ import msgspec
 from aiohttp import web
 
 from areal_async import __version__
-from areal_async.protocol import openai_requests
-from areal_async.protocol import openai_responses
+from areal_async.protocol import openai_requests, openai_responses
 from areal_async.protocol import sglang as sglang_protocol
 from areal_async.protocol.engine_api import Engine, EngineRequest, EngineSampling
 
@@ -74,7 +73,7 @@ class _Run:
     even when the handler itself is being cancelled by a client disconnect.
     """
 
-    def __init__(self, server: "SGLangServer", accs: list[sglang_protocol.Accumulator]):
+    def __init__(self, server: SGLangServer, accs: list[sglang_protocol.Accumulator]):
         self.server = server
         self.engine = server.engine
         self.accs = accs
@@ -153,7 +152,8 @@ class SGLangServer:
         dup = next((r for r in rids if r in self.inflight), None)
         if dup is not None:
             raise sglang_protocol.ProtocolError(
-                f"duplicate request id {dup!r}: a request with this rid is already in flight")
+                f"duplicate request id {dup!r}: a request with this rid is already in flight"
+            )
         self.inflight.update(rids)
 
     def release(self, rids: list[str]) -> None:
@@ -177,8 +177,10 @@ class SGLangServer:
     def start_run(self, reqs: list[EngineRequest], *, text_in_logprobs: bool = False) -> _Run:
         started = time.perf_counter()
         self.claim([r.rid for r in reqs])
-        accs = [sglang_protocol.Accumulator(r, self.engine, text_in_logprobs=text_in_logprobs, started=started)
-                for r in reqs]
+        accs = [
+            sglang_protocol.Accumulator(r, self.engine, text_in_logprobs=text_in_logprobs, started=started)
+            for r in reqs
+        ]
         return _Run(self, accs)
 
     async def run_to_end(self, run: _Run) -> None:
@@ -192,8 +194,13 @@ class SGLangServer:
         finally:
             await run.close()
 
-    async def stream(self, request: web.Request, run: _Run, render: Callable[[int], list[dict]],
-                     tail: Callable[[], list[dict]] = lambda: []) -> web.StreamResponse:
+    async def stream(
+        self,
+        request: web.Request,
+        run: _Run,
+        render: Callable[[int], list[dict]],
+        tail: Callable[[], list[dict]] = lambda: [],
+    ) -> web.StreamResponse:
         """Server-sent events: `render(i)` turns progress on request i into events; `[DONE]` ends the stream.
 
         Headers go out with the first event, so an engine refusal before any token is still a plain 400.
@@ -275,8 +282,9 @@ class SGLangServer:
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        a: sglang_protocol.AbortIn = sglang_protocol.decode_body(await request.read(), sglang_protocol.AbortIn,
-                                                                 empty_ok=True)
+        a: sglang_protocol.AbortIn = sglang_protocol.decode_body(
+            await request.read(), sglang_protocol.AbortIn, empty_ok=True
+        )
         if a.abort_all:
             await self.engine.abort(abort_all=True)
         elif a.rid:  # an empty rid would prefix-match everything; only abort_all may do that
@@ -289,11 +297,15 @@ class SGLangServer:
         return web.Response(status=400, text="Cache not flushed: requests are running or waiting.\n")
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        u: sglang_protocol.UpdateFromDiskIn = sglang_protocol.decode_body(await request.read(),
-                                                                          sglang_protocol.UpdateFromDiskIn)
+        u: sglang_protocol.UpdateFromDiskIn = sglang_protocol.decode_body(
+            await request.read(), sglang_protocol.UpdateFromDiskIn
+        )
         try:
-            ok, msg, paused = await self.shielded(self.engine.update_weights_from_disk(
-                u.model_path, sglang_protocol.version_str(u.weight_version), u.abort_all_requests, u.flush_cache))
+            ok, msg, paused = await self.shielded(
+                self.engine.update_weights_from_disk(
+                    u.model_path, sglang_protocol.version_str(u.weight_version), u.abort_all_requests, u.flush_cache
+                )
+            )
         except Exception as e:
             log.exception("update_weights_from_disk(%s) failed", u.model_path)
             ok, msg, paused = False, f"{type(e).__name__}: {e}", 0
@@ -301,23 +313,34 @@ class SGLangServer:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         g: sglang_protocol.InitGroupIn = sglang_protocol.decode_body(await request.read(), sglang_protocol.InitGroupIn)
-        return await self._success_call("init_weights_update_group", self.engine.init_weights_update_group(
-            g.master_address, g.master_port, g.rank_offset, g.world_size, g.group_name, g.backend))
+        return await self._success_call(
+            "init_weights_update_group",
+            self.engine.init_weights_update_group(
+                g.master_address, g.master_port, g.rank_offset, g.world_size, g.group_name, g.backend
+            ),
+        )
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        g: sglang_protocol.DestroyGroupIn = sglang_protocol.decode_body(await request.read(),
-                                                                        sglang_protocol.DestroyGroupIn, empty_ok=True)
-        return await self._success_call("destroy_weights_update_group",
-                                        self.engine.destroy_weights_update_group(g.group_name))
+        g: sglang_protocol.DestroyGroupIn = sglang_protocol.decode_body(
+            await request.read(), sglang_protocol.DestroyGroupIn, empty_ok=True
+        )
+        return await self._success_call(
+            "destroy_weights_update_group", self.engine.destroy_weights_update_group(g.group_name)
+        )
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         u: sglang_protocol.UpdateFromDistributedIn = sglang_protocol.decode_body(
-            await request.read(), sglang_protocol.UpdateFromDistributedIn)
+            await request.read(), sglang_protocol.UpdateFromDistributedIn
+        )
         u.check()
         if u.abort_all_requests:
             await self.engine.abort(abort_all=True)
-        return await self._success_call("update_weights_from_distributed", self.engine.update_weights_from_distributed(
-            u.names, u.dtypes, u.shapes, u.group_name, sglang_protocol.version_str(u.weight_version), u.flush_cache))
+        return await self._success_call(
+            "update_weights_from_distributed",
+            self.engine.update_weights_from_distributed(
+                u.names, u.dtypes, u.shapes, u.group_name, sglang_protocol.version_str(u.weight_version), u.flush_cache
+            ),
+        )
 
     async def _success_call(self, what: str, coro) -> web.Response:
         try:
@@ -328,14 +351,16 @@ class SGLangServer:
         return json_response({"success": ok, "message": msg}, 200 if ok else 400)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        u: sglang_protocol.UpdateWeightVersionIn = sglang_protocol.decode_body(await request.read(),
-                                                                               sglang_protocol.UpdateWeightVersionIn)
+        u: sglang_protocol.UpdateWeightVersionIn = sglang_protocol.decode_body(
+            await request.read(), sglang_protocol.UpdateWeightVersionIn
+        )
         version = str(u.new_version)
         if u.abort_all_requests:
             await self.engine.abort(abort_all=True)
         await self.engine.set_weight_version(version)
-        return json_response({"success": True, "message": f"Weight version updated to {version}",
-                              "new_version": version})
+        return json_response(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.status == "ready" else 503)
@@ -347,8 +372,11 @@ class SGLangServer:
             return web.Response(status=503)
         if self.engine.paused or self.engine.num_running() > 0:
             return web.Response(status=200)
-        req = EngineRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
-                            sampling=EngineSampling(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        req = EngineRequest(
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            input_ids=[0],
+            sampling=EngineSampling(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+        )
         run = self.start_run([req])
         try:
             await asyncio.wait_for(self.run_to_end(run), HEALTH_GENERATE_TIMEOUT_S)
@@ -362,44 +390,81 @@ class SGLangServer:
         e = self.engine
         args = e.server_args()
         arch = args.get("architecture")
-        return json_response({"model_path": e.model_path, "tokenizer_path": args.get("tokenizer_path", e.model_path),
-                              "is_generation": True, "weight_version": e.weight_version,
-                              "served_model_name": self.served_model_name, "preferred_sampling_params": None,
-                              "has_image_understanding": False, "has_audio_understanding": False,
-                              "architectures": [arch] if arch else None, "context_len": e.context_len,
-                              "vocab_size": e.vocab_size})
+        return json_response(
+            {
+                "model_path": e.model_path,
+                "tokenizer_path": args.get("tokenizer_path", e.model_path),
+                "is_generation": True,
+                "weight_version": e.weight_version,
+                "served_model_name": self.served_model_name,
+                "preferred_sampling_params": None,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "architectures": [arch] if arch else None,
+                "context_len": e.context_len,
+                "vocab_size": e.vocab_size,
+            }
+        )
 
     async def get_server_info(self, request: web.Request) -> web.Response:
         e = self.engine
         info = {k: v for k, v in e.server_args().items() if k != "api_key"}  # never echo a secret
-        info.update({"served_model_name": self.served_model_name, "url": self.url, "version": __version__,
-                     "weight_version": e.weight_version, "status": self.status, "paused": e.paused,
-                     "num_running_reqs": e.num_running(), "num_waiting_reqs": e.num_waiting(),
-                     "context_length": e.context_len, "api_key_required": self.api_key is not None})
+        info.update(
+            {
+                "served_model_name": self.served_model_name,
+                "url": self.url,
+                "version": __version__,
+                "weight_version": e.weight_version,
+                "status": self.status,
+                "paused": e.paused,
+                "num_running_reqs": e.num_running(),
+                "num_waiting_reqs": e.num_waiting(),
+                "context_length": e.context_len,
+                "api_key_required": self.api_key is not None,
+            }
+        )
         return json_response(info)
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [{
-            "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "areal_async",
-            "root": self.engine.model_path, "max_model_len": self.engine.context_len}]})
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.served_model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "areal_async",
+                        "root": self.engine.model_path,
+                        "max_model_len": self.engine.context_len,
+                    }
+                ],
+            }
+        )
 
     # ---- OpenAI-compatible endpoints ----------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         plan = openai_requests.parse_completion(await request.read(), self.engine, self.limits)
-        return await self._openai(request, plan, "cmpl-", openai_responses.completion_response,
-                                  openai_responses.completion_chunk)
+        return await self._openai(
+            request, plan, "cmpl-", openai_responses.completion_response, openai_responses.completion_chunk
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         engine = self.engine
         plan = openai_requests.parse_chat(
-            await request.read(), engine, self.limits,
-            lambda msgs, tools: engine.apply_chat_template(msgs, tools, add_generation_prompt=True))
-        return await self._openai(request, plan, "chatcmpl-", openai_responses.chat_response,
-                                  openai_responses.chat_chunk)
+            await request.read(),
+            engine,
+            self.limits,
+            lambda msgs, tools: engine.apply_chat_template(msgs, tools, add_generation_prompt=True),
+        )
+        return await self._openai(
+            request, plan, "chatcmpl-", openai_responses.chat_response, openai_responses.chat_chunk
+        )
 
-    async def _openai(self, request: web.Request, plan: openai_requests.OpenAIPlan, id_prefix: str, respond, chunk
-                      ) -> web.StreamResponse:
+    async def _openai(
+        self, request: web.Request, plan: openai_requests.OpenAIPlan, id_prefix: str, respond, chunk
+    ) -> web.StreamResponse:
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         created = int(time.time())
         model = self.served_model_name
@@ -431,8 +496,9 @@ SERVER_KEY = web.AppKey("sglang_server", SGLangServer)
 
 
 # Answer in every state: health reports the state itself, info only reads the engine's settings.
-_ALWAYS_OPEN = frozenset({"/health", "/health_generate", "/model_info", "/get_model_info", "/server_info",
-                          "/get_server_info", "/v1/models"})
+_ALWAYS_OPEN = frozenset(
+    {"/health", "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/models"}
+)
 
 
 def _ready_middleware(srv: SGLangServer):
@@ -456,8 +522,9 @@ def _auth_middleware(api_key: str | None):
             got = request.headers.get("Authorization", "")
             token = got[7:].encode() if got[:7].lower() == "bearer " else b""
             if not hmac.compare_digest(token, expected):
-                return error_response("Unauthorized: missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                      401)
+                return error_response(
+                    "Unauthorized: missing or wrong API key (send 'Authorization: Bearer <key>')", 401
+                )
         return await handler(request)
 
     return auth
@@ -484,13 +551,14 @@ async def _error_middleware(request: web.Request, handler):
         return error_response(f"internal server error: {type(e).__name__}: {e}", 500)
 
 
-def build_app(engine: Engine, *, api_key: str | None = None, served_model_name: str | None = None
-              ) -> web.Application:
+def build_app(engine: Engine, *, api_key: str | None = None, served_model_name: str | None = None) -> web.Application:
     """The aiohttp application for `engine`. The server starts in state "starting" (health 503, generation 503);
     `start_server` marks it ready once the engine has started (`app[SERVER_KEY].status = "ready"`)."""
     srv = SGLangServer(engine, api_key=api_key, served_model_name=served_model_name)
-    app = web.Application(middlewares=[_error_middleware, _auth_middleware(api_key), _ready_middleware(srv)],
-                          client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[_error_middleware, _auth_middleware(api_key), _ready_middleware(srv)],
+        client_max_size=MAX_BODY_BYTES,
+    )
     app[SERVER_KEY] = srv
     r = app.router
     r.add_post("/generate", srv.generate)
@@ -538,16 +606,23 @@ class RunningServer:
         await self.runner.cleanup()
         await self.engine.shutdown()
 
-    async def __aenter__(self) -> "RunningServer":
+    async def __aenter__(self) -> RunningServer:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
 
-async def start_server(model: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None, *,
-                       engine: Engine | None = None, served_model_name: str | None = None,
-                       **engine_kw: Any) -> RunningServer:
+async def start_server(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    api_key: str | None = None,
+    *,
+    engine: Engine | None = None,
+    served_model_name: str | None = None,
+    **engine_kw: Any,
+) -> RunningServer:
     """Bind `host:port` (0 = an ephemeral port), start the engine, and return once the server is ready.
 
     `engine_kw` go to `AsyncEngine(model, ...)` (device, dtype, max_total_tokens, max_running_requests,

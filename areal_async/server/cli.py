@@ -29,8 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="HF checkpoint directory (config.json, safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint except /health*")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint except /health*"
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--max-total-tokens", type=int, default=65536, help="KV-cache budget in tokens")
@@ -38,10 +39,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="0", help="reported as meta_info.weight_version until an update")
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: the model path)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--disable-radix-cache", action="store_true",
-                   help="compute every prompt in full (no sharing of prompt pages between requests), as in SGLang")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads of the engine (default: OMP_NUM_THREADS, else every CPU this process may use)")
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="compute every prompt in full (no sharing of prompt pages between requests), as in SGLang",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine (default: OMP_NUM_THREADS, else every CPU this process may use)",
+    )
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -53,10 +61,20 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = await start_server(
-        args.model, args.host, args.port, args.api_key, served_model_name=args.served_model_name,
-        device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-        max_running_requests=args.max_running_requests, weight_version=str(args.weight_version), seed=args.seed,
-        prefix_cache=not args.disable_radix_cache, threads=args.threads)
+        args.model,
+        args.host,
+        args.port,
+        args.api_key,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        weight_version=str(args.weight_version),
+        seed=args.seed,
+        prefix_cache=not args.disable_radix_cache,
+        threads=args.threads,
+    )
     try:
         print(f"{READY_PREFIX}{server.url}", flush=True)
         await stop.wait()
@@ -77,7 +95,7 @@ def engine_threads(requested: int | None) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def nccl_environment(environ: "os._Environ[str] | dict[str, str]") -> str:
+def nccl_environment(environ: os._Environ[str] | dict[str, str]) -> str:
     """NCCL_CUMEM_ENABLE=0 unless set; returns the value in force. The trainers set the same under broadcast sync
     (train/worker.py) and SGLang sets it for its own processes: the two ends of the weight-update group must agree,
     or NCCL's same-node p2p setup fails ("p2p.cc ... invalid argument"). Set before torch loads, because NCCL
@@ -92,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     cumem = nccl_environment(os.environ)
     # before torch loads: only the engine thread, which sets its own count, will hold OpenMP workers
     one_thread_until_set()
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger(__name__).info("NCCL_CUMEM_ENABLE=%s", cumem)
     try:
         import uvloop

@@ -17,7 +17,7 @@ __all__ = ["resolve_visible_device", "resolve_dtype"]
 
 
 def resolve_visible_device(device: str) -> torch.device:
-    """"auto" is the current CUDA device with its index (a process group and `set_device` need one), else CPU.
+    """ "auto" is the current CUDA device with its index (a process group and `set_device` need one), else CPU.
     A CUDA device that is not there is a ValueError naming it, not a CUDA error at the first allocation."""
     if device == "auto":
         if torch.cuda.is_available():
@@ -31,8 +31,10 @@ def resolve_visible_device(device: str) -> torch.device:
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         elif dev.index >= count:
-            raise ValueError(f"device {device!r}: this process sees {count} CUDA device(s) "
-                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+            raise ValueError(
+                f"device {device!r}: this process sees {count} CUDA device(s) "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+            )
     return dev
 
 

@@ -36,7 +36,7 @@ import atexit
 import logging
 import threading
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
@@ -46,8 +46,16 @@ from areal_async.protocol.engine_api import EngineChunk, EngineRequest, PauseMod
 from areal_async.server.device import resolve_dtype, resolve_visible_device
 from areal_async.server.model import DecoderModel, KVCache, ModelSpec, UnsupportedModelError
 from areal_async.server.scheduler import Request, Scheduler, abort_reason, validate_request
-from areal_async.server.weights import (DTYPES, WeightError, check_tensors, destroy_group, eos_token_ids,
-                                        init_custom_group, load_checkpoint, receive_tensors)
+from areal_async.server.weights import (
+    DTYPES,
+    WeightError,
+    check_tensors,
+    destroy_group,
+    eos_token_ids,
+    init_custom_group,
+    load_checkpoint,
+    receive_tensors,
+)
 from areal_async.torch_threads import single_torch_thread, to_side_thread
 
 log = logging.getLogger(__name__)
@@ -57,7 +65,8 @@ PAGE_SIZE = 16
 IN_PLACE_FLUSH_REFUSED = (
     "flush_cache=true cannot be honoured: generation is paused in place and {n} running request(s) hold KV cache "
     "(SGLang's scheduler fails the same flush). Update with flush_cache=false to continue them under the new "
-    "weights, or pause with mode 'abort' or 'retract' first.")
+    "weights, or pause with mode 'abort' or 'retract' first."
+)
 
 
 class _Stream:
@@ -73,9 +82,19 @@ class _Stream:
 class AsyncEngine:
     """Continuous-batching engine over `DecoderModel`; see the module docstring for the threading model."""
 
-    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_total_tokens: int = 65536,
-                 max_running_requests: int = 256, weight_version: str = "0", seed: int = 0,
-                 chunked_prefill_size: int | None = None, prefix_cache: bool = True, threads: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_total_tokens: int = 65536,
+        max_running_requests: int = 256,
+        weight_version: str = "0",
+        seed: int = 0,
+        chunked_prefill_size: int | None = None,
+        prefix_cache: bool = True,
+        threads: int | None = None,
+    ):
         from transformers import AutoTokenizer
 
         self.device = resolve_visible_device(device)
@@ -114,11 +133,17 @@ class AsyncEngine:
         self.gpu_uuid = device_uuid(self.device)  # "" on CPU; the broadcast compares it with the trainer's
 
         # engine-thread state
-        self._sched = Scheduler(self.model, self.cache, max_running_requests=max_running_requests,
-                                chunked_prefill_size=chunked_prefill_size,
-                                max_pages_per_request=-(-min(self.context_len, max_total_tokens) // PAGE_SIZE),
-                                prefix_cache=prefix_cache, tokenizer=self.tokenizer, generator=generator,
-                                interrupt=lambda: self._urgent)
+        self._sched = Scheduler(
+            self.model,
+            self.cache,
+            max_running_requests=max_running_requests,
+            chunked_prefill_size=chunked_prefill_size,
+            max_pages_per_request=-(-min(self.context_len, max_total_tokens) // PAGE_SIZE),
+            prefix_cache=prefix_cache,
+            tokenizer=self.tokenizer,
+            generator=generator,
+            interrupt=lambda: self._urgent,
+        )
         self._paused = False
         self._pending_swap: Callable[[], None] | None = None  # a weight swap waiting for running requests to end
         self._outbox: list[tuple[_Stream, EngineChunk]] = []  # sealed chunks not yet handed to the loop
@@ -178,8 +203,9 @@ class AsyncEngine:
 
     def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Validate now (ValueError), then queue on first iteration and yield chunks until the request ends."""
-        validate_request(req, vocab_size=self.vocab_size, context_len=self.context_len,
-                         max_total_tokens=self.max_total_tokens)
+        validate_request(
+            req, vocab_size=self.vocab_size, context_len=self.context_len, max_total_tokens=self.max_total_tokens
+        )
         return self._generate(req)
 
     async def _generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -246,6 +272,7 @@ class AsyncEngine:
 
     async def flush_cache(self) -> bool:
         """Forget the shared prompt pages; refused (False) while requests hold KV, as SGLang does."""
+
         def cmd() -> bool:
             if self._sched.running:
                 return False
@@ -263,8 +290,9 @@ class AsyncEngine:
             return IN_PLACE_FLUSH_REFUSED.format(n=n)
         return None
 
-    async def _swap(self, load: Callable[[], None], weight_version: str | None, flush_cache: bool,
-                    abort_all_requests: bool = False) -> int:
+    async def _swap(
+        self, load: Callable[[], None], weight_version: str | None, flush_cache: bool, abort_all_requests: bool = False
+    ) -> int:
         """Swap in new weights (module docstring): at once while paused, else once no request is running; new
         admissions wait meanwhile. Returns how many requests were paused across the swap. Raises WeightError
         (nothing changed) for an in-place pause with flush_cache."""
@@ -292,9 +320,9 @@ class AsyncEngine:
         self._post(cmd, urgent=abort_all_requests or self._paused)
         return await done
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None,
-                                       abort_all_requests: bool = False, flush_cache: bool = True
-                                       ) -> tuple[bool, str, int]:
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None, abort_all_requests: bool = False, flush_cache: bool = True
+    ) -> tuple[bool, str, int]:
         assert self._weights_lock is not None, "engine not started"
         async with self._weights_lock:
             refusal = None if abort_all_requests else self._flush_refusal(flush_cache)
@@ -308,22 +336,31 @@ class AsyncEngine:
             def load() -> None:
                 self.model.load_tensors(tensors)
                 self.model_path = model_path
+
             try:
                 held = await self._swap(load, weight_version, flush_cache, abort_all_requests)
             except WeightError as e:
                 return False, str(e), 0
         return True, f"Succeeded to update model weights from {model_path}.", held
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> tuple[bool, str]:
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> tuple[bool, str]:
         """Join the trainer's broadcast group as rank `rank_offset` (SGLang's receiving side; see weight_sync)."""
         if group_name in self._groups:
             return False, f"weight update group {group_name!r} already exists"
         if backend == "nccl" and self.device.type != "cuda":
             return False, "backend nccl needs a CUDA device; this engine runs on CPU (use gloo)"
         try:
-            group = await asyncio.to_thread(init_custom_group, backend, f"tcp://{master_address}:{master_port}",
-                                            world_size, rank_offset, group_name, self.device)
+            group = await asyncio.to_thread(
+                init_custom_group,
+                backend,
+                f"tcp://{master_address}:{master_port}",
+                world_size,
+                rank_offset,
+                group_name,
+                self.device,
+            )
         except Exception as e:  # rendezvous timeouts and connection errors come as several types
             return False, f"failed to join weight update group {group_name!r}: {type(e).__name__}: {e}"
         self._groups[group_name] = group
@@ -343,9 +380,15 @@ class AsyncEngine:
                 return False, f"Failed to destroy custom process group: {type(e).__name__}: {e}."
         return True, "Succeeded to destroy custom process group."
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: str | None,
-                                              flush_cache: bool = True) -> tuple[bool, str]:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool = True,
+    ) -> tuple[bool, str]:
         """Receive each tensor by broadcast(src=0), in order, then swap them in like a disk update: at once while
         paused, else once the running requests have finished."""
         group = self._groups.get(group_name)
@@ -387,16 +430,29 @@ class AsyncEngine:
     # ---- info and tokenizer ---------------------------------------------------------------------------------
 
     def server_args(self) -> dict:
-        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "device": str(self.device),
-                "dtype": str(self.dtype).removeprefix("torch."), "max_total_tokens": self.max_total_tokens,
-                "max_running_requests": self.max_running_requests, "chunked_prefill_size": self.chunked_prefill_size,
-                "page_size": PAGE_SIZE, "context_length": self.context_len, "random_seed": self.seed,
-                "disable_radix_cache": not self.prefix_cache,
-                "architecture": self.spec.architecture, "weight_version": self.weight_version,
-                "busy_s": self.busy_s, "torch_threads": self.threads,
-                # SGLang's parallelism fields: a broadcast joins each server as tp_size ranks (one process here)
-                "tp_size": 1, "dp_size": 1, "pp_size": 1, "base_gpu_id": self.device.index or 0,
-                "gpu_uuid": self.gpu_uuid}
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "max_total_tokens": self.max_total_tokens,
+            "max_running_requests": self.max_running_requests,
+            "chunked_prefill_size": self.chunked_prefill_size,
+            "page_size": PAGE_SIZE,
+            "context_length": self.context_len,
+            "random_seed": self.seed,
+            "disable_radix_cache": not self.prefix_cache,
+            "architecture": self.spec.architecture,
+            "weight_version": self.weight_version,
+            "busy_s": self.busy_s,
+            "torch_threads": self.threads,
+            # SGLang's parallelism fields: a broadcast joins each server as tp_size ranks (one process here)
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "base_gpu_id": self.device.index or 0,
+            "gpu_uuid": self.gpu_uuid,
+        }
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
@@ -404,12 +460,14 @@ class AsyncEngine:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.model_path} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     @property
@@ -453,10 +511,17 @@ class AsyncEngine:
     def _seal(self) -> None:
         """Turn every request's pending tokens into one chunk each (under the current weight version)."""
         for r in self._sched.dirty:
-            chunk = EngineChunk(rid=r.rid, new_ids=r.pend_ids, new_logprobs=r.pend_lps if r.req.return_logprob else [],
-                                new_top_logprobs=r.pend_top, finish_reason=r.pend_reason, prompt_tokens=r.prompt_len,
-                                completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
-                                weight_version=self.weight_version)
+            chunk = EngineChunk(
+                rid=r.rid,
+                new_ids=r.pend_ids,
+                new_logprobs=r.pend_lps if r.req.return_logprob else [],
+                new_top_logprobs=r.pend_top,
+                finish_reason=r.pend_reason,
+                prompt_tokens=r.prompt_len,
+                completion_tokens=len(r.output_ids),
+                cached_tokens=r.cached_tokens,
+                weight_version=self.weight_version,
+            )
             if not r.sent_first:
                 r.sent_first = True
                 if r.want_input_lp:
@@ -572,5 +637,3 @@ def _destroy_group(group, raise_errors: bool = False) -> None:
         if raise_errors:
             raise
         log.warning("failed to destroy a weight update group", exc_info=True)
-
-

@@ -22,13 +22,15 @@ name as a view into the fused storage, so loading a checkpoint is a `copy_` per 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from areal_async.server.kernels import attention as cpu_attention, elementwise as cpu_elementwise, gemm as cpu_gemm
+from areal_async.server.kernels import attention as cpu_attention
+from areal_async.server.kernels import elementwise as cpu_elementwise
+from areal_async.server.kernels import gemm as cpu_gemm
 
 # Hugging Face `architectures[0]` -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -71,14 +73,15 @@ class ModelSpec:
     rope_params: tuple[tuple[str, float], ...] = ()  # the scaling parameters of rope_type, sorted by key
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
+    def from_hf_config(cls, cfg: dict) -> ModelSpec:
         """Parse a config.json dict; raises `UnsupportedModelError` naming whatever is not supported."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else f"<model_type {cfg.get('model_type')!r}>"
         family = SUPPORTED_ARCHITECTURES.get(arch)
         if family is None:
             raise UnsupportedModelError(
-                f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"{arch}: unsupported hidden_act {act!r} (only silu)")
@@ -121,8 +124,10 @@ class ModelSpec:
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """The Hugging Face tensor names this model is made of, with their shapes (the lm head only when untied)."""
         h, i = self.hidden_size, self.intermediate_size
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h),
-                                              "model.norm.weight": (h,)}
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (self.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         for layer in range(self.num_layers):
@@ -156,11 +161,14 @@ def _parse_rope(cfg: dict, arch: str) -> tuple[float, str, tuple[tuple[str, floa
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"{arch}: unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            f"{arch}: unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(f"{arch}: partial_rotary_factor != 1 is not supported")
-    keys = {"linear": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    keys = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    }
     picked = []
     for key in keys.get(rope_type, ()):
         if key not in params:
@@ -200,8 +208,11 @@ class KVCache:
     def __init__(self, spec: ModelSpec, max_tokens: int, page_size: int, device: torch.device, dtype: torch.dtype):
         self.page_size = page_size
         self.num_pages = -(-max_tokens // page_size) + 1  # + the dummy page 0
-        self.kv = torch.zeros((spec.num_layers, self.num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim),
-                              device=device, dtype=dtype)
+        self.kv = torch.zeros(
+            (spec.num_layers, self.num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim),
+            device=device,
+            dtype=dtype,
+        )
 
 
 @dataclass
@@ -240,9 +251,15 @@ class StepBatch:
 SeqChunk = tuple[list[int], int, list[int], int]
 
 
-def build_step_batch(seqs: list[SeqChunk], page_table: torch.Tensor, page_size: int, device: torch.device,
-                     logits_rows: list[list[int]], dtype: torch.dtype = torch.float32,
-                     paged_decode: bool = False) -> StepBatch:
+def build_step_batch(
+    seqs: list[SeqChunk],
+    page_table: torch.Tensor,
+    page_size: int,
+    device: torch.device,
+    logits_rows: list[list[int]],
+    dtype: torch.dtype = torch.float32,
+    paged_decode: bool = False,
+) -> StepBatch:
     """Build the tensors of one step on the host and move them once.
 
     `page_table` [rows, max_pages] (host, long) holds each request's pages. `logits_rows[b]` lists offsets into
@@ -294,8 +311,9 @@ def build_step_batch(seqs: list[SeqChunk], page_table: torch.Tensor, page_size: 
         n_pages = -(-max(kv_lens) // page_size)
         meta = torch.tensor([[seqs[b][3] for b in members], kv_lens, starts])  # [3, B]: table rows, kv lens, starts
         table = page_table.index_select(0, meta[0])[:, :n_pages]  # [B, P]
-        g = AttnGroup(start=flat_start[members[0]], end=flat_start[members[-1]] + q_lens[-1], q_len=q_len,
-                      batch=len(members))
+        g = AttnGroup(
+            start=flat_start[members[0]], end=flat_start[members[-1]] + q_lens[-1], q_len=q_len, batch=len(members)
+        )
         if paged_decode and gi < len(decode_groups):
             g.table, g.lens = table.to(device), meta[1].to(device)
             groups.append(g)
@@ -317,8 +335,14 @@ def build_step_batch(seqs: list[SeqChunk], page_table: torch.Tensor, page_size: 
             g.q_index = (firsts[:, None] + torch.minimum(offs, q_lens_t[:, None] - 1)).reshape(-1).to(device)
             g.valid = (offs < q_lens_t[:, None]).reshape(-1).to(device)
         groups.append(g)
-    return StepBatch(input_ids=flat[0], positions=flat[1], write_slots=flat[2], groups=groups,
-                     logits_idx=torch.tensor(logits_idx, dtype=torch.long).to(device), num_tokens=len(ids))
+    return StepBatch(
+        input_ids=flat[0],
+        positions=flat[1],
+        write_slots=flat[2],
+        groups=groups,
+        logits_idx=torch.tensor(logits_idx, dtype=torch.long).to(device),
+        num_tokens=len(ids),
+    )
 
 
 # Decode rows are bucketed by length only when there are enough of them for the padding saved to pay for the
@@ -367,22 +391,27 @@ class _Layer:
 
     def named_views(self, spec: ModelSpec, prefix: str) -> dict[str, torch.Tensor]:
         q, kv, i = spec.q_size, spec.kv_size, spec.intermediate_size
-        out = {prefix + "input_layernorm.weight": self.ln1, prefix + "post_attention_layernorm.weight": self.ln2,
-               prefix + "self_attn.q_proj.weight": self.qkv_w[:q],
-               prefix + "self_attn.k_proj.weight": self.qkv_w[q:q + kv],
-               prefix + "self_attn.v_proj.weight": self.qkv_w[q + kv:], prefix + "self_attn.o_proj.weight": self.o_w,
-               prefix + "mlp.gate_proj.weight": self.gate_up_w[:i], prefix + "mlp.up_proj.weight": self.gate_up_w[i:],
-               prefix + "mlp.down_proj.weight": self.down_w}
+        out = {
+            prefix + "input_layernorm.weight": self.ln1,
+            prefix + "post_attention_layernorm.weight": self.ln2,
+            prefix + "self_attn.q_proj.weight": self.qkv_w[:q],
+            prefix + "self_attn.k_proj.weight": self.qkv_w[q : q + kv],
+            prefix + "self_attn.v_proj.weight": self.qkv_w[q + kv :],
+            prefix + "self_attn.o_proj.weight": self.o_w,
+            prefix + "mlp.gate_proj.weight": self.gate_up_w[:i],
+            prefix + "mlp.up_proj.weight": self.gate_up_w[i:],
+            prefix + "mlp.down_proj.weight": self.down_w,
+        }
         if self.qkv_b is not None:
             out[prefix + "self_attn.q_proj.bias"] = self.qkv_b[:q]
-            out[prefix + "self_attn.k_proj.bias"] = self.qkv_b[q:q + kv]
-            out[prefix + "self_attn.v_proj.bias"] = self.qkv_b[q + kv:]
+            out[prefix + "self_attn.k_proj.bias"] = self.qkv_b[q : q + kv]
+            out[prefix + "self_attn.v_proj.bias"] = self.qkv_b[q + kv :]
         if self.o_b is not None:
             out[prefix + "self_attn.o_proj.bias"] = self.o_b
         if self.qk_norm is not None:
             # expanded views: copying a [D] checkpoint tensor into them fills every head's row
-            out[prefix + "self_attn.q_norm.weight"] = self.qk_norm[:spec.num_heads]
-            out[prefix + "self_attn.k_norm.weight"] = self.qk_norm[spec.num_heads:]
+            out[prefix + "self_attn.q_norm.weight"] = self.qk_norm[: spec.num_heads]
+            out[prefix + "self_attn.k_norm.weight"] = self.qk_norm[spec.num_heads :]
         if self.gate_up_b is not None:
             out[prefix + "mlp.gate_proj.bias"] = self.gate_up_b[:i]
             out[prefix + "mlp.up_proj.bias"] = self.gate_up_b[i:]
@@ -428,12 +457,13 @@ class DecoderModel:
         sign = torch.cat((-torch.ones(half), torch.ones(spec.head_dim - half)))
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
         self.sin = (emb.sin() * sign).to(device=self.device, dtype=dtype)
-        self.scale = spec.head_dim ** -0.5
+        self.scale = spec.head_dim**-0.5
         # per-head-row factors for the fused q|k|v rope: q rows carry the softmax scale; v rows get cos = 1 and
         # sin = 0, i.e. pass through unchanged
         h, hkv = spec.num_heads, spec.num_kv_heads
-        self._rope_mul = torch.tensor([self.scale] * h + [1.0] * hkv + [0.0] * hkv, dtype=dtype,
-                                      device=self.device)[:, None]  # [H + 2Hkv, 1]
+        self._rope_mul = torch.tensor([self.scale] * h + [1.0] * hkv + [0.0] * hkv, dtype=dtype, device=self.device)[
+            :, None
+        ]  # [H + 2Hkv, 1]
         self._cos_add = torch.tensor([0.0] * (h + hkv) + [1.0] * hkv, dtype=dtype, device=self.device)[:, None]
         # decode attention straight from the pages on CPU when the kernel builds (else gather + SDPA)
         self._kernel = None
@@ -454,8 +484,7 @@ class DecoderModel:
             self.params[name].copy_(t)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, cache: KVCache, interrupt: Callable[[], bool] | None = None
-                ) -> torch.Tensor:
+    def forward(self, batch: StepBatch, cache: KVCache, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run the new tokens through the model, storing their k/v in `cache`; returns fp32 logits
         `[len(batch.logits_idx), vocab]`.
 
@@ -474,8 +503,8 @@ class DecoderModel:
             hs = self._rms_norm(x, layer.ln1, eps)
             qkv = self._linear(hs, layer.qkv_w, layer.qkv_b).view(n, h + 2 * hkv, d)  # [N, H + 2Hkv, D]
             if layer.qk_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-                qk = F.rms_norm(qkv[:, :h + hkv], (d,), None, eps) * layer.qk_norm
-                qkv = torch.cat((qk, qkv[:, h + hkv:]), dim=1)
+                qk = F.rms_norm(qkv[:, : h + hkv], (d,), None, eps) * layer.qk_norm
+                qkv = torch.cat((qk, qkv[:, h + hkv :]), dim=1)
             qkv = torch.addcmul(qkv * cos, qkv.roll(half, dims=-1), sin)
             kv_pages = cache.kv[li]  # [pages, page_size, 2Hkv, D]
             kv_pages.view(-1, 2 * hkv, d).index_copy_(0, batch.write_slots, qkv[:, h:])
@@ -505,8 +534,7 @@ class DecoderModel:
             return cpu_gemm.linear(self._gemm, x, w, b)
         return F.linear(x, w, b)
 
-    def _linear_add(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
-                    ) -> torch.Tensor:
+    def _linear_add(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """x + inp @ w.T (+ b) for the residual connections; the kernel adds into x in place (x is this pass's own
         residual stream)."""
         if self._gemm is not None and self._gemm.applies(inp, w) and x.is_contiguous():
@@ -522,13 +550,14 @@ class DecoderModel:
         for g in groups:
             b = g.batch
             if g.table is not None:  # one token per request, read straight from the pages (kernels/attention.py)
-                out = cpu_attention.paged_decode_attention(self._kernel, q[g.start:g.end], kv_pages, g.table, g.lens,
-                                                           hkv)  # [B, H, D]
+                out = cpu_attention.paged_decode_attention(
+                    self._kernel, q[g.start : g.end], kv_pages, g.table, g.lens, hkv
+                )  # [B, H, D]
                 outs.append(out.view(b, h * d))
                 continue
             kv = kv_pages.index_select(0, g.page_idx).view(b, -1, 2 * hkv, d).transpose(1, 2)  # [B, 2Hkv, S, D]
             if g.q_index is None:
-                qg = q[g.start:g.end].view(b, 1, h, d)  # [B, 1, H, D]
+                qg = q[g.start : g.end].view(b, 1, h, d)  # [B, 1, H, D]
             else:
                 qg = q.index_select(0, g.q_index).view(b, g.q_len, h, d)  # [B, Q, H, D]
             # Grouped queries: the `rep` query heads that share a kv head ride along the query axis, so SDPA runs
@@ -537,8 +566,9 @@ class DecoderModel:
             mask = g.bias  # [B, 1, Q, S]; with Q == 1 it broadcasts over the grouped rows
             if rep > 1 and g.q_len > 1:
                 mask = mask[:, :, None].expand(b, 1, rep, g.q_len, mask.shape[-1]).reshape(b, 1, rep * g.q_len, -1)
-            out = F.scaled_dot_product_attention(qg, kv[:, :hkv], kv[:, hkv:], attn_mask=mask,
-                                                 scale=1.0)  # [B, Hkv, rep * Q, D]
+            out = F.scaled_dot_product_attention(
+                qg, kv[:, :hkv], kv[:, hkv:], attn_mask=mask, scale=1.0
+            )  # [B, Hkv, rep * Q, D]
             out = out.view(b, hkv, rep, g.q_len, d).permute(0, 3, 1, 2, 4).reshape(b * g.q_len, h * d)
             if g.valid is not None:
                 out = out[g.valid]

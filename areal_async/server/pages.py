@@ -36,8 +36,9 @@ class PagePool:
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2 or page_size < 1:
-            raise ValueError(f"need num_pages >= 2 (page 0 is reserved) and page_size >= 1, got {num_pages}, "
-                             f"{page_size}")
+            raise ValueError(
+                f"need num_pages >= 2 (page 0 is reserved) and page_size >= 1, got {num_pages}, {page_size}"
+            )
         self.num_pages = num_pages
         self.page_size = page_size
         self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
@@ -125,7 +126,7 @@ class PagePool:
         out: list[tuple[int, int]] = []
         parent = ROOT
         for i in range(min(max_pages, len(tokens) // ps)):
-            hit = self._registry.get((parent, tuple(tokens[i * ps:(i + 1) * ps])))
+            hit = self._registry.get((parent, tuple(tokens[i * ps : (i + 1) * ps])))
             if hit is None:
                 break
             out.append(hit)

@@ -65,9 +65,13 @@ def process_logits(logits: torch.Tensor, rows: list[RowParams]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[RowParams], generator: torch.Generator | None,
-           top_logprobs_num: int = 0, kernels: Kernels | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def sample(
+    logits: torch.Tensor,
+    rows: list[RowParams],
+    generator: torch.Generator | None,
+    top_logprobs_num: int = 0,
+    kernels: Kernels | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Sample one token per row of logits [B, V] (fp32, already processed). `kernels`: the model's CPU
     `cpu_elementwise.Kernels`, for greedy rows.
 

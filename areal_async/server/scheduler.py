@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -54,11 +54,14 @@ def validate_request(req: EngineRequest, *, vocab_size: int, context_len: int, m
     if s.max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {s.max_new_tokens}")
     if n + s.max_new_tokens > context_len:
-        raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the context length "
-                         f"{context_len}")
+        raise ValueError(
+            f"prompt ({n} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the context length {context_len}"
+        )
     if n + s.max_new_tokens > max_total_tokens:
-        raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({s.max_new_tokens}) can never fit the KV cache "
-                         f"budget of {max_total_tokens} tokens (max_total_tokens)")
+        raise ValueError(
+            f"prompt ({n} tokens) + max_new_tokens ({s.max_new_tokens}) can never fit the KV cache "
+            f"budget of {max_total_tokens} tokens (max_total_tokens)"
+        )
     if s.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {s.temperature}")
     if not 0 < s.top_p <= 1:
@@ -80,8 +83,7 @@ def validate_request(req: EngineRequest, *, vocab_size: int, context_len: int, m
 class Request:
     """Engine-thread state of one request. `stream` is the loop-side end its chunks go to (opaque here)."""
 
-    def __init__(self, req: EngineRequest, stream: object, eos_ids: list[int], device: torch.device,
-                 page_size: int):
+    def __init__(self, req: EngineRequest, stream: object, eos_ids: list[int], device: torch.device, page_size: int):
         s = req.sampling
         self.rid = req.rid
         self.req = req
@@ -108,9 +110,16 @@ class Request:
         if s.seed is not None:
             gen = torch.Generator(device=device)
             gen.manual_seed(s.seed)
-        self.params = RowParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, generator=gen,
-                                frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                                repetition_penalty=s.repetition_penalty)
+        self.params = RowParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            generator=gen,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            repetition_penalty=s.repetition_penalty,
+        )
         self.want_input_lp = req.logprob_start_len >= 0
         # input logprobs: prompt positions [lp_next, prompt_len) are still to be scored (position 0 has none)
         self.input_logprobs: list[float | None] = [None] if req.logprob_start_len == 0 else []
@@ -128,9 +137,19 @@ class Request:
 class Scheduler:
     """The queues and the step over `DecoderModel`; see the module docstring for the rules."""
 
-    def __init__(self, model: DecoderModel, cache: KVCache, *, max_running_requests: int, chunked_prefill_size: int,
-                 max_pages_per_request: int, prefix_cache: bool, tokenizer, generator: torch.Generator,
-                 interrupt: Callable[[], bool]):
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: KVCache,
+        *,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        max_pages_per_request: int,
+        prefix_cache: bool,
+        tokenizer,
+        generator: torch.Generator,
+        interrupt: Callable[[], bool],
+    ):
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -217,7 +236,7 @@ class Scheduler:
             self.waiting.popleft()
             r.pages = self.pages.allocate(r.pages_needed)
             r.table_row = self._free_rows.pop()
-            self._page_table[r.table_row, :len(r.pages)] = torch.tensor(r.pages)
+            self._page_table[r.table_row, : len(r.pages)] = torch.tensor(r.pages)
             self.running.append(r)
 
     def _release(self, r: Request) -> None:
@@ -236,7 +255,7 @@ class Scheduler:
         r.cached_tokens = 0
         if r.want_input_lp or r.key0 is None or not self.prefix_cache:
             return
-        hits = self.pages.match(r.tokens[:r.prompt_len], (r.prompt_len - 1) // self.page_size)
+        hits = self.pages.match(r.tokens[: r.prompt_len], (r.prompt_len - 1) // self.page_size)
         for i, (page, serial) in enumerate(hits):
             self.pages.release([r.pages[i]])
             self.pages.share(page)
@@ -254,7 +273,7 @@ class Scheduler:
         full = min(r.num_cached, r.prompt_len) // ps if self.prefix_cache else 0
         while r.may_register and r.shared_pages < full:
             i = r.shared_pages
-            serial = self.pages.register(r.serials[i - 1] if i else ROOT, r.tokens[i * ps:(i + 1) * ps], r.pages[i])
+            serial = self.pages.register(r.serials[i - 1] if i else ROOT, r.tokens[i * ps : (i + 1) * ps], r.pages[i])
             if serial is None:  # another request registered the same tokens first: keep theirs
                 r.may_register = False
                 break
@@ -304,7 +323,7 @@ class Scheduler:
         n_rows = 0  # logits rows requested so far
         for r, n in sched:
             start = r.num_cached
-            seqs.append((r.tokens[start:start + n], start, r.pages, r.table_row))
+            seqs.append((r.tokens[start : start + n], start, r.pages, r.table_row))
             rows: list[int] = []
             if r.lp_next < r.prompt_len:
                 # prompt position k is scored by the logits at position k - 1, if that falls in this chunk
@@ -319,8 +338,9 @@ class Scheduler:
             n_rows += len(rows)
             logit_rows.append(rows)
             r.num_cached = start + n
-        batch = build_step_batch(seqs, self._page_table, self.page_size, self.device, logit_rows, self.model.dtype,
-                                 self.model.paged_decode)
+        batch = build_step_batch(
+            seqs, self._page_table, self.page_size, self.device, logit_rows, self.model.dtype, self.model.paged_decode
+        )
         try:
             logits = self.model.forward(batch, self.cache, self._interrupt)  # [n_rows, V]
         except StepInterrupted:  # nothing was sampled: put the requests back as they were; the step is redone
@@ -329,7 +349,7 @@ class Scheduler:
             return
         for r, row0, positions in input_lp:
             temp = 1.0 if r.params.greedy else r.params.temperature
-            lp = torch.log_softmax(logits[row0:row0 + len(positions)] / temp, dim=-1)  # [n, V]
+            lp = torch.log_softmax(logits[row0 : row0 + len(positions)] / temp, dim=-1)  # [n, V]
             ids = torch.tensor([r.tokens[p] for p in positions], device=lp.device)
             r.input_logprobs.extend(lp.gather(1, ids[:, None])[:, 0].tolist())
         for (r, _), (_, start, _, _) in zip(sched, seqs):
@@ -337,7 +357,7 @@ class Scheduler:
                 self._register_prefix(r)
         if sample_reqs:
             self._sample(logits, sample_reqs)
-        for r, n in sched:  # prompts of max_new_tokens == 0 end after their prefill
+        for r, _n in sched:  # prompts of max_new_tokens == 0 end after their prefill
             if not r.done and r.max_new == 0 and r.num_cached == len(r.tokens):
                 self.finish(r, {"type": "length", "length": 0})
 
@@ -391,8 +411,9 @@ class Scheduler:
         if r.stop_strs:
             if self._stop_tokenizer is None:
                 self._stop_tokenizer = copy.deepcopy(self._tokenizer)
-            tail = self._stop_tokenizer.decode(r.output_ids[-r.stop_window:],
-                                               skip_special_tokens=r.req.sampling.skip_special_tokens)
+            tail = self._stop_tokenizer.decode(
+                r.output_ids[-r.stop_window :], skip_special_tokens=r.req.sampling.skip_special_tokens
+            )
             for s in r.stop_strs:
                 if s in tail:
                     return {"type": "stop", "matched": s}

@@ -20,8 +20,14 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tensors some checkpoints carry that hold nothing to load (recomputed buffers).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 class WeightError(ValueError):
@@ -86,8 +92,11 @@ def load_checkpoint(path: str, spec: ModelSpec | None = None) -> tuple[ModelSpec
 
     new_spec = read_spec(path)
     if spec is not None and new_spec != spec:
-        diffs = [f"{k}: {getattr(spec, k)!r} -> {getattr(new_spec, k)!r}" for k in spec.__dataclass_fields__
-                 if getattr(spec, k) != getattr(new_spec, k)]
+        diffs = [
+            f"{k}: {getattr(spec, k)!r} -> {getattr(new_spec, k)!r}"
+            for k in spec.__dataclass_fields__
+            if getattr(spec, k) != getattr(new_spec, k)
+        ]
         raise WeightError(f"{path} has a different architecture than the loaded model ({'; '.join(diffs)})")
     expected = new_spec.param_shapes()
     tensors: dict[str, torch.Tensor] = {}
@@ -110,8 +119,9 @@ def load_checkpoint(path: str, spec: ModelSpec | None = None) -> tuple[ModelSpec
     return new_spec, tensors
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str,
-                  require_all: bool = True) -> None:
+def check_tensors(
+    tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str, require_all: bool = True
+) -> None:
     """Names, shapes, float dtypes and finiteness; raises `WeightError` naming the first few problems."""
     if require_all:
         missing = [n for n in expected if n not in tensors]
@@ -146,8 +156,15 @@ def eos_token_ids(model_path: str, tokenizer) -> list[int]:
 # ---- receiving weights by broadcast (the server side of SGLang's distributed weight update) -------------------
 
 
-def init_custom_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                      device: torch.device | str, timeout_s: float = 600.0):
+def init_custom_group(
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    device: torch.device | str,
+    timeout_s: float = 600.0,
+):
     """Join the trainer's weight-update group as `rank` (> 0), the way SGLang's `init_custom_process_group` does,
     so a trainer written for SGLang talks to us unchanged (areal_async/net/custom_group.py holds the shared c10d setup).
 
@@ -158,12 +175,14 @@ def init_custom_group(backend: str, init_method: str, world_size: int, rank: int
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"unsupported backend {backend!r}; use gloo (CPU) or nccl (CUDA)")
     store = connect_store(init_method, rank, world_size, timeout_s)
-    return new_custom_group(backend, store, world_size=world_size, rank=rank, group_name=group_name, device=device,
-                            timeout_s=timeout_s)
+    return new_custom_group(
+        backend, store, world_size=world_size, rank=rank, group_name=group_name, device=device, timeout_s=timeout_s
+    )
 
 
-def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                    device: torch.device) -> dict[str, torch.Tensor]:
+def receive_tensors(
+    group, names: list[str], dtypes: list[str], shapes: list[list[int]], device: torch.device
+) -> dict[str, torch.Tensor]:
     """Receive each tensor with broadcast(src=0) in the listed order. gloo moves host tensors, nccl device ones."""
     import torch.distributed as dist
 

@@ -141,8 +141,9 @@ def is_eval_problem(prompt: str, spec: ArithSpec = ArithSpec()) -> bool:
     return h % 1000 < spec.eval_permille
 
 
-def generate(num: int, seed: int, split: str = "train", spec: ArithSpec = ArithSpec(), *,
-             unique: bool | None = None) -> list[Sample]:
+def generate(
+    num: int, seed: int, split: str = "train", spec: ArithSpec = ArithSpec(), *, unique: bool | None = None
+) -> list[Sample]:
     """`num` samples of one split, deterministic in (seed, split, spec); ids are 0..num-1.
 
     The evaluation split has no duplicates (each problem counts once); training may repeat easy problems, as a
@@ -165,13 +166,15 @@ def generate(num: int, seed: int, split: str = "train", spec: ArithSpec = ArithS
         if is_eval_problem(prompt, spec) != want_eval or (unique and prompt in seen):
             continue
         seen.add(prompt)
-        out.append(Sample(id=len(out), prompt=prompt, answer=str(p.answer),
-                          meta={"num_steps": p.num_steps, "task": "arith"}))
+        out.append(
+            Sample(id=len(out), prompt=prompt, answer=str(p.answer), meta={"num_steps": p.num_steps, "task": "arith"})
+        )
     return out
 
 
-def load_arith(num_train: int, num_eval: int, seed: int = 0,
-               spec: ArithSpec = ArithSpec()) -> tuple[list[Sample], list[Sample]]:
+def load_arith(
+    num_train: int, num_eval: int, seed: int = 0, spec: ArithSpec = ArithSpec()
+) -> tuple[list[Sample], list[Sample]]:
     """(train, eval) samples. The seed picks which held-out problems are drawn; none is any seed's training one."""
     return generate(num_train, seed, "train", spec), generate(num_eval, seed, "eval", spec)
 

@@ -45,7 +45,8 @@ import random
 import shutil
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from areal_async import cache
 from areal_async.tasks import arith
@@ -116,15 +117,19 @@ def shipped_model() -> str:
         return _shipped_ok
     weights = os.path.join(SHIPPED_DIR, "model.safetensors")
     if not is_built(SHIPPED_DIR) or not os.path.isfile(weights):
-        raise ShippedModelError(f"the shipped base model is incomplete at {SHIPPED_DIR}; reinstall the package, or "
-                                "build one with `python -m areal_async.tasks.base_model --from-recipe`")
+        raise ShippedModelError(
+            f"the shipped base model is incomplete at {SHIPPED_DIR}; reinstall the package, or "
+            "build one with `python -m areal_async.tasks.base_model --from-recipe`"
+        )
     digest = hashlib.sha256()
     with open(weights, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     if digest.hexdigest() != SHIPPED_SHA256:
-        raise ShippedModelError(f"{weights} has sha256 {digest.hexdigest()}, expected {SHIPPED_SHA256} (a damaged or "
-                                "modified install); reinstall the package")
+        raise ShippedModelError(
+            f"{weights} has sha256 {digest.hexdigest()}, expected {SHIPPED_SHA256} (a damaged or "
+            "modified install); reinstall the package"
+        )
     _shipped_ok = SHIPPED_DIR
     return SHIPPED_DIR
 
@@ -139,8 +144,16 @@ def build_code_fingerprint() -> str:
 
 
 def cache_key(spec: BaseModelSpec, seed: int) -> str:
-    blob = json.dumps({"format": FORMAT_VERSION, "seed": seed, "task": dataclasses.asdict(arith.ArithSpec()),
-                       "code": build_code_fingerprint(), **dataclasses.asdict(spec)}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "seed": seed,
+            "task": dataclasses.asdict(arith.ArithSpec()),
+            "code": build_code_fingerprint(),
+            **dataclasses.asdict(spec),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -163,8 +176,7 @@ def is_built(path: str) -> bool:
     return cache.is_complete(path, MARKER)
 
 
-def ensure_base_model(cache_dir: str | None = None, seed: int = 0, from_recipe: bool = False,
-                      **overrides: Any) -> str:
+def ensure_base_model(cache_dir: str | None = None, seed: int = 0, from_recipe: bool = False, **overrides: Any) -> str:
     """The checkpoint directory of the base model for (settings, seed): the shipped build for the defaults (unless
     `from_recipe`), else built on first use by the recipe and cached (in this process: it imports torch; see
     `areal_async.model_store.resolve_model_path` for the torch-free way)."""
@@ -202,8 +214,9 @@ def warmup_text(problem: arith.Problem, rng: random.Random, bare_answer_fraction
     return arith.worked_solution(problem)
 
 
-def _warmup_batches(tokenizer, spec: BaseModelSpec, rng: random.Random, eos_id: int,
-                    bare_fraction: float) -> Iterator[tuple[list, list]]:
+def _warmup_batches(
+    tokenizer, spec: BaseModelSpec, rng: random.Random, eos_id: int, bare_fraction: float
+) -> Iterator[tuple[list, list]]:
     """Endless (token lists, loss masks) batches of training-split problems, bucketed by length."""
     task = arith.ArithSpec()
     while True:
@@ -217,14 +230,15 @@ def _warmup_batches(tokenizer, spec: BaseModelSpec, rng: random.Random, eos_id: 
         answers = tokenizer.encode_batch([t[1] for t in texts], add_special_tokens=False)
         seqs = [(p.ids + a.ids + [eos_id], len(p.ids)) for p, a in zip(prompts, answers)]
         seqs.sort(key=lambda x: len(x[0]))
-        chunks = [seqs[i:i + spec.batch_size] for i in range(0, len(seqs), spec.batch_size)]
+        chunks = [seqs[i : i + spec.batch_size] for i in range(0, len(seqs), spec.batch_size)]
         rng.shuffle(chunks)
         for chunk in chunks:
             yield [s for s, _ in chunk], [n for _, n in chunk]
 
 
-def build_base_model(out_dir: str, spec: BaseModelSpec = BaseModelSpec(), seed: int = 0,
-                     device: str | None = None) -> dict[str, Any]:
+def build_base_model(
+    out_dir: str, spec: BaseModelSpec = BaseModelSpec(), seed: int = 0, device: str | None = None
+) -> dict[str, Any]:
     """Train the base model from scratch and save it (with tokenizer and `MARKER`) into `out_dir`; returns stats.
 
     Runs with `spec.torch_threads` CPU threads (restored afterwards): float sums depend on the thread count, so a
@@ -253,16 +267,31 @@ def _train_and_save(out_dir: str, spec: BaseModelSpec, seed: int, device: str | 
     eos_id, pad_id = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|pad|>")
 
     cfg = transformers.Qwen2Config(
-        vocab_size=vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        intermediate_size=spec.intermediate_size, max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=spec.rope_theta, initializer_range=spec.init_std, tie_word_embeddings=True,
-        use_sliding_window=False, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta,
+        initializer_range=spec.init_std,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(cfg).to(device=dev, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("building the tiny base model (%.2fM params, %d warm-up steps on %s) into %s",
-             n_params / 1e6, spec.sft_steps, dev, out_dir)
+    log.info(
+        "building the tiny base model (%.2fM params, %d warm-up steps on %s) into %s",
+        n_params / 1e6,
+        spec.sft_steps,
+        dev,
+        out_dir,
+    )
 
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=spec.weight_decay)
 
@@ -288,9 +317,9 @@ def _train_and_save(out_dir: str, spec: BaseModelSpec, seed: int, device: str | 
         labels = torch.full((len(seqs), width), -100, dtype=torch.long)  # [B, T], -100 = no loss
         mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [B, T]
         for i, (s, n) in enumerate(zip(seqs, prompt_lens)):
-            ids[i, :len(s)] = torch.tensor(s)
-            labels[i, n:len(s)] = ids[i, n:len(s)]  # learn the answer and its EOS, not the random prompt
-            mask[i, :len(s)] = 1
+            ids[i, : len(s)] = torch.tensor(s)
+            labels[i, n : len(s)] = ids[i, n : len(s)]  # learn the answer and its EOS, not the random prompt
+            mask[i, : len(s)] = 1
         tokens += int(mask.sum())
         out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev))
         opt.zero_grad(set_to_none=True)
@@ -301,18 +330,32 @@ def _train_and_save(out_dir: str, spec: BaseModelSpec, seed: int, device: str | 
         loss = out.loss.item()
         loss_ema = loss if math.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * loss
         if step % log_every == 0 or step == spec.sft_steps:
-            log.info("base model warm-up step %d/%d loss %.3f (%.1f s)", step, spec.sft_steps, loss_ema,
-                     time.perf_counter() - t0)
+            log.info(
+                "base model warm-up step %d/%d loss %.3f (%.1f s)",
+                step,
+                spec.sft_steps,
+                loss_ema,
+                time.perf_counter() - t0,
+            )
     seconds = time.perf_counter() - t0
 
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out_dir, safe_serialization=True)
-    stats = {"format_version": FORMAT_VERSION, "code": build_code_fingerprint(), "seed": seed,
-             "settings": dataclasses.asdict(spec),
-             "task": dataclasses.asdict(arith.ArithSpec()), "num_params": n_params, "sft_seconds": round(seconds, 2),
-             "final_loss": round(loss_ema, 4), "tokens": tokens, "device": str(dev), "torch": torch.__version__,
-             "transformers": transformers.__version__}
+    stats = {
+        "format_version": FORMAT_VERSION,
+        "code": build_code_fingerprint(),
+        "seed": seed,
+        "settings": dataclasses.asdict(spec),
+        "task": dataclasses.asdict(arith.ArithSpec()),
+        "num_params": n_params,
+        "sft_seconds": round(seconds, 2),
+        "final_loss": round(loss_ema, 4),
+        "tokens": tokens,
+        "device": str(dev),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     with open(os.path.join(out_dir, MARKER), "w") as f:
         json.dump(stats, f, indent=2)
     log.info("base model ready in %.1f s (loss %.3f): %s", seconds, loss_ema, out_dir)
@@ -335,13 +378,18 @@ def _parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m areal_async.tasks.base_model",
-                                 description="Build (or find in the cache) the tiny default base model.")
+    ap = argparse.ArgumentParser(
+        prog="python -m areal_async.tasks.base_model",
+        description="Build (or find in the cache) the tiny default base model.",
+    )
     ap.add_argument("--out", help="write the checkpoint here instead of the cache (rebuilt if settings differ)")
     ap.add_argument("--cache-dir", help="cache root (default $AREAL_CACHE or ~/.cache/areal_async)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--from-recipe", action="store_true",
-                    help="build the default model by the recipe (cached) instead of using the shipped build")
+    ap.add_argument(
+        "--from-recipe",
+        action="store_true",
+        help="build the default model by the recipe (cached) instead of using the shipped build",
+    )
     ap.add_argument("overrides", nargs="*", help="BaseModelSpec settings, e.g. sft_steps=300")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -354,9 +402,12 @@ def main(argv: list[str] | None = None) -> int:
             if os.path.isfile(marker):
                 with open(marker) as f:
                     old = json.load(f)
-                same = (old.get("format_version") == FORMAT_VERSION and old.get("seed") == args.seed
-                        and old.get("code") == build_code_fingerprint()
-                        and old.get("settings") == dataclasses.asdict(spec))
+                same = (
+                    old.get("format_version") == FORMAT_VERSION
+                    and old.get("seed") == args.seed
+                    and old.get("code") == build_code_fingerprint()
+                    and old.get("settings") == dataclasses.asdict(spec)
+                )
             if not same:
                 if os.path.exists(args.out) and os.listdir(args.out) and not os.path.isfile(marker):
                     raise SystemExit(f"{args.out} exists and is not a base model directory; refusing to replace it")

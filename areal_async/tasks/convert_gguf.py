@@ -51,8 +51,10 @@ def convert_gguf(gguf_file: str, out_dir: str) -> dict[str, Any]:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or [k for k in missing if not _is_tied(model, k)]:
-        raise RuntimeError(f"{gguf_file}: converted weights do not match the architecture "
-                           f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise RuntimeError(
+            f"{gguf_file}: converted weights do not match the architecture "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     model.tie_weights()
     if any(p.is_meta for p in model.parameters()):
         raise RuntimeError(f"{gguf_file}: some parameters were not loaded from the file")
@@ -73,12 +75,18 @@ def convert_gguf(gguf_file: str, out_dir: str) -> dict[str, Any]:
 
     import gguf
 
-    return {"architecture": (config.architectures or [type(model).__name__])[0],
-            "model_type": config.model_type, "num_params": sum(p.numel() for p in model.parameters()),
-            "vocab_size": int(config.vocab_size), "chat_template": template is not None,
-            "load_seconds": round(t_load, 2), "save_seconds": round(t_save, 2),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf")}
+    return {
+        "architecture": (config.architectures or [type(model).__name__])[0],
+        "model_type": config.model_type,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "vocab_size": int(config.vocab_size),
+        "chat_template": template is not None,
+        "load_seconds": round(t_load, 2),
+        "save_seconds": round(t_save, 2),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf"),
+    }
 
 
 def _is_tied(model, key: str) -> bool:
@@ -109,8 +117,11 @@ def _portable_tokenizer_config(out_dir: str, template: Any, max_length: int | No
         cfg["model_max_length"] = int(max_length)
     if template:
         cfg["chat_template"] = template
-        default = template if isinstance(template, str) else next(
-            (t["template"] for t in template if t.get("name") == "default"), None)
+        default = (
+            template
+            if isinstance(template, str)
+            else next((t["template"] for t in template if t.get("name") == "default"), None)
+        )
         if default is not None:
             with open(os.path.join(out_dir, TEMPLATE_FILE), "w", encoding="utf-8") as f:
                 f.write(default)
@@ -139,8 +150,10 @@ def _dist_version(name: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m areal_async.tasks.convert_gguf",
-                                 description="Convert a GGUF file into an fp32 HF checkpoint directory.")
+    ap = argparse.ArgumentParser(
+        prog="python -m areal_async.tasks.convert_gguf",
+        description="Convert a GGUF file into an fp32 HF checkpoint directory.",
+    )
     ap.add_argument("--gguf", required=True, help="the .gguf file")
     ap.add_argument("--out", required=True, help="output directory (created; files in it are overwritten)")
     args = ap.parse_args(argv)

@@ -32,7 +32,8 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from areal_async.config import DataConfig
 from areal_async.types import Sample
@@ -78,8 +79,11 @@ def _word_problems_loader(eval_split: str) -> Loader:
     return load
 
 
-_REGISTRY: dict[str, Loader] = {"arith": _load_arith, "word_problems": _word_problems_loader("eval"),
-                                "word_problems_other": _word_problems_loader("other")}
+_REGISTRY: dict[str, Loader] = {
+    "arith": _load_arith,
+    "word_problems": _word_problems_loader("eval"),
+    "word_problems_other": _word_problems_loader("other"),
+}
 
 
 def register_dataset(name: str, loader: Loader, *, overwrite: bool = False) -> None:
@@ -98,8 +102,10 @@ def load_samples(cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
     if cfg.name in _REGISTRY:
         return _REGISTRY[cfg.name](cfg)
     if not _is_file_name(cfg.name):
-        raise DatasetError(f"data.name={cfg.name!r}: not a registered dataset ({', '.join(registered_datasets())}) "
-                           "and not a .jsonl or .parquet path")
+        raise DatasetError(
+            f"data.name={cfg.name!r}: not a registered dataset ({', '.join(registered_datasets())}) "
+            "and not a .jsonl or .parquet path"
+        )
     train = read_records(cfg.name, cfg)
     if cfg.eval_path:
         if not _is_file_name(cfg.eval_path):
@@ -115,8 +121,9 @@ def _is_file_name(name: str) -> bool:
 def split_held_out(records: list[Sample], num_eval: int, seed: int) -> tuple[list[Sample], list[Sample]]:
     """A seeded random held-out slice; training drops every record whose prompt is in it."""
     if len(records) < 2:
-        raise DatasetError(f"need at least 2 records to hold some out for evaluation, got {len(records)}; "
-                           "set data.eval_path")
+        raise DatasetError(
+            f"need at least 2 records to hold some out for evaluation, got {len(records)}; set data.eval_path"
+        )
     n_eval = max(1, min(num_eval, len(records) // 10))
     order = list(range(len(records)))
     random.Random(f"areal_async.datasets/{seed}").shuffle(order)
@@ -199,8 +206,10 @@ def _parquet_rows(path: str, cfg: DataConfig):
     try:
         import pyarrow.parquet as pq
     except ImportError:  # an optional dependency: JSONL needs nothing
-        raise DatasetError(f"{path}: reading Parquet files needs pyarrow; pip install 'areal_async[parquet]' "
-                           "(or convert the file to .jsonl)") from None
+        raise DatasetError(
+            f"{path}: reading Parquet files needs pyarrow; pip install 'areal_async[parquet]' "
+            "(or convert the file to .jsonl)"
+        ) from None
 
     try:
         pf = pq.ParquetFile(path)
@@ -209,8 +218,10 @@ def _parquet_rows(path: str, cfg: DataConfig):
     names = pf.schema_arrow.names
     missing = [k for k in (cfg.prompt_key, cfg.answer_key) if k not in names]
     if missing:
-        raise DatasetError(f"{path}: missing column(s) {missing}; columns are {names} "
-                           "(set data.prompt_key / data.answer_key)", _field_key(cfg, missing[0]))
+        raise DatasetError(
+            f"{path}: missing column(s) {missing}; columns are {names} (set data.prompt_key / data.answer_key)",
+            _field_key(cfg, missing[0]),
+        )
     row = 0
     for batch in pf.iter_batches(batch_size=4096):
         for rec in batch.to_pylist():
@@ -223,9 +234,11 @@ def _to_sample(idx: int, rec: Any, cfg: DataConfig) -> Sample:
         raise DatasetError(f"expected an object, got {type(rec).__name__}")
     for key in (cfg.prompt_key, cfg.answer_key):
         if key not in rec:
-            raise DatasetError(f"missing key {key!r} (keys: {sorted(rec)[:10]}; {_field_key(cfg, key)} names the "
-                               f"field that holds the {'prompt' if key == cfg.prompt_key else 'answer'})",
-                               _field_key(cfg, key))
+            raise DatasetError(
+                f"missing key {key!r} (keys: {sorted(rec)[:10]}; {_field_key(cfg, key)} names the "
+                f"field that holds the {'prompt' if key == cfg.prompt_key else 'answer'})",
+                _field_key(cfg, key),
+            )
         if rec[key] is None:
             raise DatasetError(f"{key!r} is null")
     raw_prompt, raw_answer = rec[cfg.prompt_key], rec[cfg.answer_key]
@@ -238,14 +251,18 @@ def _to_sample(idx: int, rec: Any, cfg: DataConfig) -> Sample:
         messages = _check_messages(raw_prompt, cfg.prompt_key)
         prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
     else:
-        raise DatasetError(f"{cfg.prompt_key!r} must be a string or a list of messages, "
-                           f"got {type(raw_prompt).__name__}")
+        raise DatasetError(
+            f"{cfg.prompt_key!r} must be a string or a list of messages, got {type(raw_prompt).__name__}"
+        )
     if not prompt.strip() and messages is None:
         raise DatasetError(f"{cfg.prompt_key!r} is empty")
     if isinstance(raw_answer, bool) or not isinstance(raw_answer, (str, int, float)):
         raise DatasetError(f"{cfg.answer_key!r} must be a string or a number, got {type(raw_answer).__name__}")
-    meta = {k: v for k, v in rec.items()
-            if k not in (cfg.prompt_key, cfg.answer_key) and isinstance(v, (str, int, float, bool))}
+    meta = {
+        k: v
+        for k, v in rec.items()
+        if k not in (cfg.prompt_key, cfg.answer_key) and isinstance(v, (str, int, float, bool))
+    }
     return Sample(id=idx, prompt=prompt, answer=str(raw_answer), messages=messages, meta=meta)
 
 

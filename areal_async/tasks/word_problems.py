@@ -35,61 +35,102 @@ from areal_async.types import Sample
 INSTRUCTION = "Give the final answer as a number after 'The answer is'."
 SPLITS = ("train", "eval", "other")
 
-NAMES = [("Mia", "she"), ("Tom", "he"), ("Anna", "she"), ("Leo", "he"), ("Sara", "she"), ("Ben", "he"),
-         ("Lily", "she"), ("Sam", "he"), ("Emma", "she"), ("Jack", "he"), ("Zoe", "she"), ("Max", "he")]
-OBJECTS = ["apples", "pencils", "marbles", "stickers", "cookies", "books", "cards", "shells", "coins", "flowers",
-           "stamps", "balloons"]
+NAMES = [
+    ("Mia", "she"),
+    ("Tom", "he"),
+    ("Anna", "she"),
+    ("Leo", "he"),
+    ("Sara", "she"),
+    ("Ben", "he"),
+    ("Lily", "she"),
+    ("Sam", "he"),
+    ("Emma", "she"),
+    ("Jack", "he"),
+    ("Zoe", "she"),
+    ("Max", "he"),
+]
+OBJECTS = [
+    "apples",
+    "pencils",
+    "marbles",
+    "stickers",
+    "cookies",
+    "books",
+    "cards",
+    "shells",
+    "coins",
+    "flowers",
+    "stamps",
+    "balloons",
+]
 
 # Phrasings per kind: {name} {he} {He} {his} {obj} and the numbers {a} {b} {c}. "train" phrasings are the only ones
 # training ever sees; "other" phrasings are reserved for the generalisation split.
 PHRASINGS: dict[str, dict[str, list[str]]] = {
     "add": {
-        "train": ["{name} has {a} {obj}. {He} buys {b} more {obj}. How many {obj} does {name} have now?",
-                  "There are {a} {obj} in a box. {name} puts {b} more {obj} in the box. How many {obj} are in the "
-                  "box now?",
-                  "{name} collected {a} {obj} on Monday and {b} {obj} on Tuesday. How many {obj} did {name} "
-                  "collect in all?"],
-        "other": ["After getting {b} more {obj}, how many {obj} does {name} own if {he} started with {a}?",
-                  "A jar holds {a} {obj}. Someone drops in another {b}. What is the new number of {obj} in the "
-                  "jar?"],
+        "train": [
+            "{name} has {a} {obj}. {He} buys {b} more {obj}. How many {obj} does {name} have now?",
+            "There are {a} {obj} in a box. {name} puts {b} more {obj} in the box. How many {obj} are in the box now?",
+            "{name} collected {a} {obj} on Monday and {b} {obj} on Tuesday. How many {obj} did {name} collect in all?",
+        ],
+        "other": [
+            "After getting {b} more {obj}, how many {obj} does {name} own if {he} started with {a}?",
+            "A jar holds {a} {obj}. Someone drops in another {b}. What is the new number of {obj} in the jar?",
+        ],
     },
     "sub": {
-        "train": ["{name} has {a} {obj}. {He} gives {b} {obj} to a friend. How many {obj} does {name} have left?",
-                  "A shop had {a} {obj}. It sold {b} of them. How many {obj} does the shop have left?",
-                  "{name} had {a} {obj} and lost {b} of them. How many {obj} does {name} have now?"],
-        "other": ["Out of {a} {obj}, {b} were taken away. How many {obj} remain?",
-                  "{name}'s collection of {a} {obj} shrank by {b}. What is the size of the collection now?"],
+        "train": [
+            "{name} has {a} {obj}. {He} gives {b} {obj} to a friend. How many {obj} does {name} have left?",
+            "A shop had {a} {obj}. It sold {b} of them. How many {obj} does the shop have left?",
+            "{name} had {a} {obj} and lost {b} of them. How many {obj} does {name} have now?",
+        ],
+        "other": [
+            "Out of {a} {obj}, {b} were taken away. How many {obj} remain?",
+            "{name}'s collection of {a} {obj} shrank by {b}. What is the size of the collection now?",
+        ],
     },
     "mul": {
-        "train": ["{name} buys {a} bags of {obj}. Each bag has {b} {obj}. How many {obj} does {name} buy?",
-                  "There are {a} rows with {b} {obj} in each row. How many {obj} are there?",
-                  "{name} has {a} boxes with {b} {obj} in each box. How many {obj} does {name} have?"],
-        "other": ["How many {obj} are in {a} crates if every crate contains {b}?",
-                  "{b} {obj} fit on one shelf. {name} fills {a} shelves. What is the total number of {obj}?"],
+        "train": [
+            "{name} buys {a} bags of {obj}. Each bag has {b} {obj}. How many {obj} does {name} buy?",
+            "There are {a} rows with {b} {obj} in each row. How many {obj} are there?",
+            "{name} has {a} boxes with {b} {obj} in each box. How many {obj} does {name} have?",
+        ],
+        "other": [
+            "How many {obj} are in {a} crates if every crate contains {b}?",
+            "{b} {obj} fit on one shelf. {name} fills {a} shelves. What is the total number of {obj}?",
+        ],
     },
     "div": {
-        "train": ["{name} shares {a} {obj} equally among {b} friends. How many {obj} does each friend get?",
-                  "{a} {obj} are packed into {b} boxes with the same number in each box. How many {obj} are in "
-                  "each box?"],
-        "other": ["If {b} children split {a} {obj} evenly, what is each child's share?",
-                  "{name} puts {a} {obj} into {b} equal piles. What is the size of one pile?"],
+        "train": [
+            "{name} shares {a} {obj} equally among {b} friends. How many {obj} does each friend get?",
+            "{a} {obj} are packed into {b} boxes with the same number in each box. How many {obj} are in each box?",
+        ],
+        "other": [
+            "If {b} children split {a} {obj} evenly, what is each child's share?",
+            "{name} puts {a} {obj} into {b} equal piles. What is the size of one pile?",
+        ],
     },
     "add_sub": {
-        "train": ["{name} has {a} {obj}. {He} buys {b} more and then gives {c} away. How many {obj} does {name} "
-                  "have now?",
-                  "A basket holds {a} {obj}. {name} adds {b} {obj} and then takes out {c}. How many {obj} are in "
-                  "the basket?"],
-        "other": ["Starting with {a} {obj}, {name} gets {b} more but loses {c}. How many {obj} does {he} end up "
-                  "with?",
-                  "What is left of {a} {obj} once {b} are added and {c} are removed?"],
+        "train": [
+            "{name} has {a} {obj}. {He} buys {b} more and then gives {c} away. How many {obj} does {name} have now?",
+            "A basket holds {a} {obj}. {name} adds {b} {obj} and then takes out {c}. How many {obj} are in the basket?",
+        ],
+        "other": [
+            "Starting with {a} {obj}, {name} gets {b} more but loses {c}. How many {obj} does {he} end up with?",
+            "What is left of {a} {obj} once {b} are added and {c} are removed?",
+        ],
     },
     "mul_add": {
-        "train": ["{name} buys {a} packs of {obj} with {b} {obj} in each pack, and {c} single {obj}. How many "
-                  "{obj} does {name} buy in total?",
-                  "There are {a} boxes with {b} {obj} each and {c} more {obj} on the table. How many {obj} are "
-                  "there altogether?"],
-        "other": ["{c} {obj} lie loose next to {a} bags that hold {b} {obj} each. Count all the {obj}.",
-                  "What is the total if {name} owns {a} sets of {b} {obj} plus {c} extra {obj}?"],
+        "train": [
+            "{name} buys {a} packs of {obj} with {b} {obj} in each pack, and {c} single {obj}. How many "
+            "{obj} does {name} buy in total?",
+            "There are {a} boxes with {b} {obj} each and {c} more {obj} on the table. How many {obj} are "
+            "there altogether?",
+        ],
+        "other": [
+            "{c} {obj} lie loose next to {a} bags that hold {b} {obj} each. Count all the {obj}.",
+            "What is the total if {name} owns {a} sets of {b} {obj} plus {c} extra {obj}?",
+        ],
     },
 }
 
@@ -121,8 +162,9 @@ class WordProblem:
     def answer(self) -> int:
         a, b, *rest = self.numbers
         c = rest[0] if rest else 0
-        return {"add": a + b, "sub": a - b, "mul": a * b, "div": a // b, "add_sub": a + b - c,
-                "mul_add": a * b + c}[self.kind]
+        return {"add": a + b, "sub": a - b, "mul": a * b, "div": a // b, "add_sub": a + b - c, "mul_add": a * b + c}[
+            self.kind
+        ]
 
 
 def random_problem(rng: random.Random, level: int) -> WordProblem:
@@ -177,8 +219,15 @@ def prompt_of(problem: WordProblem, rng: random.Random, phrasings: str) -> str:
     name, he = rng.choice(NAMES)
     a, b, *rest = problem.numbers
     text = rng.choice(PHRASINGS[problem.kind][phrasings]).format(
-        name=name, he=he, He=he.capitalize(), his="her" if he == "she" else "his", obj=rng.choice(OBJECTS),
-        a=a, b=b, c=rest[0] if rest else "")
+        name=name,
+        he=he,
+        He=he.capitalize(),
+        his="her" if he == "she" else "his",
+        obj=rng.choice(OBJECTS),
+        a=a,
+        b=b,
+        c=rest[0] if rest else "",
+    )
     return f"{text} {INSTRUCTION}"
 
 
@@ -218,13 +267,20 @@ def generate(num: int, seed: int, split: str = "train", spec: WordProblemSpec = 
                 break
             prompt = prompt_of(p, story_rng, phrasings)
         stories.add(prompt)
-        out.append(Sample(id=len(out), prompt=prompt, answer=str(p.answer),
-                          meta={"task": "word_problems", "kind": p.kind, "level": p.level, "split": split}))
+        out.append(
+            Sample(
+                id=len(out),
+                prompt=prompt,
+                answer=str(p.answer),
+                meta={"task": "word_problems", "kind": p.kind, "level": p.level, "split": split},
+            )
+        )
     return out
 
 
-def load_word_problems(num_train: int, num_eval: int, seed: int = 0, eval_split: str = "eval",
-                       spec: WordProblemSpec = WordProblemSpec()) -> tuple[list[Sample], list[Sample]]:
+def load_word_problems(
+    num_train: int, num_eval: int, seed: int = 0, eval_split: str = "eval", spec: WordProblemSpec = WordProblemSpec()
+) -> tuple[list[Sample], list[Sample]]:
     """(train, held-out) samples; `eval_split` is "eval" (training phrasings) or "other" (unseen phrasings)."""
     if eval_split not in ("eval", "other"):
         raise ValueError(f"eval_split must be 'eval' or 'other', got {eval_split!r}")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -102,7 +103,7 @@ class FakeSGLang:
             await asyncio.sleep(0.002)
         raise AssertionError("stand-in made no progress")
 
-    async def start(self) -> "FakeSGLang":
+    async def start(self) -> FakeSGLang:
         @web.middleware
         async def hang(request: web.Request, handler):  # a stopped process answers nothing, on any endpoint
             await self._hang_if_hung()
@@ -179,11 +180,18 @@ class FakeSGLang:
 
             def answer(final: bool) -> dict:
                 lo = sent if (stream and self.incremental) else 0
-                meta = {"id": rid, "finish_reason": finish if final else None, "prompt_tokens": len(ids),
-                        "completion_tokens": len(out), "cached_tokens": 0, "weight_version": self.version,
-                        "e2e_latency": 0.0,
-                        "output_token_logprobs": [[tok_logprob(t, v), t, tok_text(t) if with_text else None]
-                                                  for t, v in zip(out[lo:], vers[lo:])]}
+                meta = {
+                    "id": rid,
+                    "finish_reason": finish if final else None,
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": len(out),
+                    "cached_tokens": 0,
+                    "weight_version": self.version,
+                    "e2e_latency": 0.0,
+                    "output_token_logprobs": [
+                        [tok_logprob(t, v), t, tok_text(t) if with_text else None] for t, v in zip(out[lo:], vers[lo:])
+                    ],
+                }
                 if self.spans:
                     vs = vers[lo:]  # offsets into this answer's output_ids
                     meta["weight_version_spans"] = [[k, v] for k, v in enumerate(vs) if k == 0 or v != vs[k - 1]]
@@ -201,8 +209,12 @@ class FakeSGLang:
                 if self.sglang_health and self.paused and not st["aborted"]:
                     await self._resumed.wait()  # in place: the request keeps its state and waits
                 if st["aborted"] or (abort_at is not None and len(out) >= abort_at):
-                    finish = {"type": "abort", "message": "Abort before prefill" if not out else "aborted",
-                              "status_code": None, "err_type": None}
+                    finish = {
+                        "type": "abort",
+                        "message": "Abort before prefill" if not out else "aborted",
+                        "status_code": None,
+                        "err_type": None,
+                    }
                     break
                 if self.version_at and len(out) == self.version_at[0][0]:
                     self.version = self.version_at.pop(0)[1]
@@ -239,15 +251,16 @@ class FakeSGLang:
         if self.sglang_health and self.paused:
             try:
                 await asyncio.wait_for(self._resumed.wait(), self.health_pause_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return web.Response(status=503)
         return web.Response(status=self.health_status)
 
     async def _model_info(self, request: web.Request) -> web.Response:
         if request.path != self.model_info_path:
             return self._json({"detail": "Not Found"}, 404)
-        return self._json({"model_path": "fake", "tokenizer_path": "fake", "is_generation": True,
-                           "weight_version": self.version})
+        return self._json(
+            {"model_path": "fake", "tokenizer_path": "fake", "is_generation": True, "weight_version": self.version}
+        )
 
     async def _server_info(self, request: web.Request) -> web.Response:
         await self._hang_if_hung()
@@ -327,8 +340,7 @@ class FakeSGLang:
             return self._json({"success": True, "message": "ok"})
         init = f"tcp://{body['master_address']}:{body['master_port']}"
         try:
-            pg = await self._in_thread(_join_group, init, body["world_size"], body["rank_offset"],
-                                       body["group_name"])
+            pg = await self._in_thread(_join_group, init, body["world_size"], body["rank_offset"], body["group_name"])
         except Exception as e:
             return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, 400)
         self._groups[body["group_name"]] = [pg, 0]  # the group, and the number of bucket calls it has had
@@ -343,8 +355,9 @@ class FakeSGLang:
         from areal_async.server.weights import destroy_group
 
         # in the background: a receive still blocked on it (the trainer stopped mid-bucket) may hold it
-        threading.Thread(target=_quietly, args=(destroy_group, held[0]), name="fake-sglang-destroy",
-                         daemon=True).start()
+        threading.Thread(
+            target=_quietly, args=(destroy_group, held[0]), name="fake-sglang-destroy", daemon=True
+        ).start()
         return self._json({"success": True, "message": "ok"})
 
     async def _receive(self, body: dict) -> web.Response:
@@ -361,15 +374,17 @@ class FakeSGLang:
         take = self.fail_after_tensors if index == self.fail_bucket else len(names)
         take = min(take, len(names))
         try:
-            got = await self._in_thread(receive_tensors, pg, names[:take], body["dtypes"][:take],
-                                        body["shapes"][:take], torch.device("cpu"))
+            got = await self._in_thread(
+                receive_tensors, pg, names[:take], body["dtypes"][:take], body["shapes"][:take], torch.device("cpu")
+            )
         except Exception as e:
             self.buckets.append((body["group_name"], index, []))
             return self._json({"success": False, "message": f"{type(e).__name__}: {e}"}, 400)
         self.buckets.append((body["group_name"], index, list(got)))
         if take < len(names):  # SGLang's answer when it cannot allocate a tensor of the bucket
-            return self._json({"success": False, "message": f"Failed to update parameter online: out of memory "
-                                                            f"at {names[take]}"}, 400)
+            return self._json(
+                {"success": False, "message": f"Failed to update parameter online: out of memory at {names[take]}"}, 400
+            )
         return self._json({"success": True, "message": "ok"})
 
     async def _distributed(self, request: web.Request) -> web.Response:

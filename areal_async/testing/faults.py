@@ -13,7 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from areal_async.net.registry import rank_file, rank_files_dir
 from areal_async.rollout import ledger
@@ -29,11 +30,15 @@ class RunProcess:
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
 
-    def start(self) -> "RunProcess":
+    def start(self) -> RunProcess:
         out = open(self.out_path, "w")
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "areal_async.run", *self.args], stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "areal_async.run", *self.args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             out.close()
         self.started = time.monotonic()
@@ -80,8 +85,10 @@ class RunProcess:
             if got:
                 return got
             if not self.alive():
-                raise AssertionError(f"the run exited (rc {self.proc.poll() if self.proc else None}) while waiting "
-                                     f"for {what}:\n{self.output()[-4000:]}")
+                raise AssertionError(
+                    f"the run exited (rc {self.proc.poll() if self.proc else None}) while waiting "
+                    f"for {what}:\n{self.output()[-4000:]}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {what} within {timeout:.0f}s:\n{self.output()[-4000:]}")
             time.sleep(poll_s)
@@ -90,8 +97,13 @@ class RunProcess:
         self.wait_for(lambda: self.version() >= version, f"version {version}", timeout)
 
     def wait_recovery(self, event: str, count: int = 1, timeout: float = 180.0) -> list[dict[str, Any]]:
-        return self.wait_for(lambda: (lambda r: r if len(r) >= count else None)(
-            [r for r in self.recoveries() if r.get("event") == event]), f"{count} {event} record(s)", timeout)
+        return self.wait_for(
+            lambda: (lambda r: r if len(r) >= count else None)(
+                [r for r in self.recoveries() if r.get("event") == event]
+            ),
+            f"{count} {event} record(s)",
+            timeout,
+        )
 
     def server_pid(self, name: str) -> int:
         """The newest process started as `name` (servers are restarted under their old name)."""
@@ -190,8 +202,7 @@ def accounting(run_dir: str) -> dict[str, Any]:
     lines = ledger.read(os.path.join(run_dir, ledger.FILE_NAME))
     seen: dict[int, int] = {}
     for rec in lines:
-        for i in (*rec.get("trained", []), *(d["index"] for d in rec.get("dropped", [])),
-                  *rec.get("unfinished", [])):
+        for i in (*rec.get("trained", []), *(d["index"] for d in rec.get("dropped", [])), *rec.get("unfinished", [])):
             seen[i] = seen.get(i, 0) + 1
     top = max(seen, default=-1)
     return {

@@ -13,8 +13,15 @@ import re
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-def shrink_gguf(src: str, dst: str, num_layers: int = 2, num_tokens: int | None = None, *,
-                chat_template: str | None = None, drop_chat_template: bool = False) -> str:
+def shrink_gguf(
+    src: str,
+    dst: str,
+    num_layers: int = 2,
+    num_tokens: int | None = None,
+    *,
+    chat_template: str | None = None,
+    drop_chat_template: bool = False,
+) -> str:
     """Write `dst`: `src` with only its first `num_layers` transformer blocks and (when given) its first
     `num_tokens` vocabulary entries (the BPE merges among them, the matching embedding rows), quantized data
     copied as is, and optionally another chat template (or none). Returns `dst`.

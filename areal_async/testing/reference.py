@@ -23,8 +23,9 @@ def random_sequences(vocab: int, lens: list[int], seed: int = 0) -> list[torch.T
 
 
 @torch.no_grad()
-def reference_logprobs(model: torch.nn.Module, seqs: list[torch.Tensor], temperature: float = 1.0
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logprobs(
+    model: torch.nn.Module, seqs: list[torch.Tensor], temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logp and entropy of each sequence run alone, concatenated: [N], [N] with N = total length.
 
     The alignment of areal_async/types.py: value t is about token t given the tokens before it, 0 at first tokens."""

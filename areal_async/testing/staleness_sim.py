@@ -22,8 +22,8 @@ import itertools
 import random
 import selectors
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from areal_async.rollout.buffer import Group, StalenessBuffer
 from areal_async.types import Trajectory
@@ -40,7 +40,7 @@ class OutOfTime(RuntimeError):
 class _VirtualSelector(selectors.BaseSelector):
     """A real selector that never blocks: a wait of t seconds advances the loop's clock by t instead."""
 
-    def __init__(self, loop: "VirtualClockLoop") -> None:
+    def __init__(self, loop: VirtualClockLoop) -> None:
         self._real = selectors.DefaultSelector()
         self._loop = loop
 
@@ -161,21 +161,31 @@ class SimResult:
 
 
 def _group(start: int, versions: list[int], tag: int) -> Group:
-    t = Trajectory(input_ids=[1] * (len(versions) + 1), loss_mask=[0] + [1] * len(versions),
-                   logprobs=[0.0] * (len(versions) + 1), versions=[-1] + versions, reward=0.0, group_id=tag)
+    t = Trajectory(
+        input_ids=[1] * (len(versions) + 1),
+        loss_mask=[0] + [1] * len(versions),
+        logprobs=[0.0] * (len(versions) + 1),
+        versions=[-1] + versions,
+        reward=0.0,
+        group_id=tag,
+    )
     return Group([t], start_version=start, finish_version=versions[-1])
 
 
-def safe_after_taking(take: dict[int, int], running: dict[int, int], buffered: dict[int, int], v: int, eta: int,
-                      b: int) -> bool:
+def safe_after_taking(
+    take: dict[int, int], running: dict[int, int], buffered: dict[int, int], v: int, eta: int, b: int
+) -> bool:
     """Offline check, independent of the buffer's code: after step v takes `take` (start version -> count), can the
     steps v + 1, v + 2, ... (b groups each, earliest deadline first) train every known group, the running ones
     assumed accepted and available, by its deadline (start + eta)? Groups that start later have deadlines >= v + eta,
-    behind every known group whose deadline is tighter, and admission leaves room for them (docs/design.md, the admission rule)."""
+    behind every known group whose deadline is tighter, and admission leaves room for them (docs/design.md, the
+    admission rule)."""
     if any(s + eta < v for s in take):
         return False
-    deadlines = sorted([s + eta for s, k in running.items() for _ in range(k)]
-                       + [s + eta for s, k in buffered.items() for _ in range(k - take.get(s, 0))])
+    deadlines = sorted(
+        [s + eta for s, k in running.items() for _ in range(k)]
+        + [s + eta for s, k in buffered.items() for _ in range(k - take.get(s, 0))]
+    )
     step = v + 1
     for i in range(0, len(deadlines), b):  # step `step` trains deadlines[i:i + b]
         if deadlines[i] < step:
@@ -244,8 +254,7 @@ def simulate(cfg: SimConfig, buffer_cls: type[StalenessBuffer] = StalenessBuffer
     def audit() -> None:
         buf: StalenessBuffer | None = state["buf"]
         if loop.time() > cfg.budget_s:
-            raise OutOfTime(f"{len(res.batches)} of {cfg.steps - cfg.start_at} steps after {cfg.budget_s}s "
-                            f"(simulated)")
+            raise OutOfTime(f"{len(res.batches)} of {cfg.steps - cfg.start_at} steps after {cfg.budget_s}s (simulated)")
         if buf is None:
             return
         v = buf.version
@@ -256,22 +265,28 @@ def simulate(cfg: SimConfig, buffer_cls: type[StalenessBuffer] = StalenessBuffer
         run_books = {s: k for s, k in running.items() if k}
         buf_books = {s: k for s, k in buffered.items() if k}
         if buf.running_by_version() != run_books or buf.buffered_by_version() != buf_books:
-            violation(f"t={loop.time():.2f}: buffer books {buf.running_by_version()} / {buf.buffered_by_version()} "
-                      f"!= simulation's {run_books} / {buf_books}")
+            violation(
+                f"t={loop.time():.2f}: buffer books {buf.running_by_version()} / {buf.buffered_by_version()} "
+                f"!= simulation's {run_books} / {buf_books}"
+            )
         if not (cfg.audit_starvation and state["trainer_waiting"] and eta is not None):
             return
         if sum(buf_books.values()) < b:
             return
         if strict_order_takes(run_books, buf_books, b):
-            violation(f"t={loop.time():.2f} v={v}: trainer waits though strict start order takes a batch "
-                      f"(running {run_books}, buffered {buf_books})")
+            violation(
+                f"t={loop.time():.2f} v={v}: trainer waits though strict start order takes a batch "
+                f"(running {run_books}, buffered {buf_books})"
+            )
         choices = _choices(buf_books, b)
         if choices is None:  # too many to enumerate: the earliest-deadline candidate dominates every other
             choices = [_edf(buf_books, b)]
         for take in choices:
             if safe_after_taking(take, run_books, buf_books, v, eta, b):
-                violation(f"t={loop.time():.2f} v={v}: trainer waits though taking {take} is safe (running "
-                          f"{run_books}, buffered {buf_books})")
+                violation(
+                    f"t={loop.time():.2f} v={v}: trainer waits though taking {take} is safe (running "
+                    f"{run_books}, buffered {buf_books})"
+                )
                 break
 
     async def worker(buf: StalenessBuffer, start: int) -> None:
@@ -354,8 +369,10 @@ def simulate(cfg: SimConfig, buffer_cls: type[StalenessBuffer] = StalenessBuffer
     if eta is not None:
         for bt in res.batches:
             if bt.staleness > eta:
-                violation(f"step {bt.version}: trained a token {bt.staleness} versions old (eta={eta}); batch "
-                          f"start versions {bt.start_versions}")
+                violation(
+                    f"step {bt.version}: trained a token {bt.staleness} versions old (eta={eta}); batch "
+                    f"start versions {bt.start_versions}"
+                )
                 break
     return res
 

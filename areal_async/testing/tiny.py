@@ -14,10 +14,21 @@ from areal_async.tasks.char_tokenizer import save_char_tokenizer
 Arch = Literal["qwen2", "qwen3", "llama"]
 
 
-def make_tiny_checkpoint(path: str, arch: Arch = "qwen2", *, hidden_size: int = 64, num_layers: int = 2,
-                         num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                         max_position_embeddings: int = 1024, tie_word_embeddings: bool = True, seed: int = 0,
-                         rope_theta: float = 10000.0, init_std: float = 0.02) -> str:
+def make_tiny_checkpoint(
+    path: str,
+    arch: Arch = "qwen2",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+    rope_theta: float = 10000.0,
+    init_std: float = 0.02,
+) -> str:
     """Write a randomly initialised model of `arch` with the char tokenizer into `path` and return `path`.
 
     `init_std` larger than the HF default makes the random model's next-token distribution far from uniform, so
@@ -29,10 +40,19 @@ def make_tiny_checkpoint(path: str, arch: Arch = "qwen2", *, hidden_size: int = 
     os.makedirs(path, exist_ok=True)
     vocab_size = save_char_tokenizer(path)
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-        rope_theta=rope_theta, initializer_range=init_std, eos_token_id=1, pad_token_id=0, bos_token_id=None,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta,
+        initializer_range=init_std,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
     )
     if arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, use_sliding_window=False)

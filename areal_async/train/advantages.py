@@ -26,8 +26,15 @@ from torch import Tensor
 
 from areal_async.config import AdvantageConfig
 
-__all__ = ["shape_rewards", "group_advantages", "batch_normalize", "batch_normalize_with",
-           "normalization_moments", "mean_std_from_moments", "compute_advantages"]
+__all__ = [
+    "shape_rewards",
+    "group_advantages",
+    "batch_normalize",
+    "batch_normalize_with",
+    "normalization_moments",
+    "mean_std_from_moments",
+    "compute_advantages",
+]
 
 Estimator = Literal["grpo", "drgrpo", "rloo"]
 
@@ -79,8 +86,14 @@ def _weights(weights: Tensor | list | None, like: Tensor) -> Tensor:
     return w
 
 
-def group_advantages(rewards: Tensor, group_ids: Tensor, estimator: Estimator = "grpo", eps: float = 1e-6, *,
-                     weights: Tensor | None = None) -> Tensor:
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    estimator: Estimator = "grpo",
+    eps: float = 1e-6,
+    *,
+    weights: Tensor | None = None,
+) -> Tensor:
     """Group-relative advantages. [B] -> [B].
 
     With w_i the baseline weight of sample i (1.0 without `weights`) and W_g the sum of the weights of group g:
@@ -165,9 +178,16 @@ def batch_normalize(adv: Tensor, eps: float = 1e-6, *, weights: Tensor | None = 
     return batch_normalize_with(adv, mean, std, eps)
 
 
-def compute_advantages(rewards: Tensor, group_ids: Tensor, cfg: AdvantageConfig, response_lens: Tensor | None = None,
-                       *, batch_stats: tuple[float, float] | None = None, eps: float = 1e-6,
-                       weights: Tensor | None = None) -> Tensor:
+def compute_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    cfg: AdvantageConfig,
+    response_lens: Tensor | None = None,
+    *,
+    batch_stats: tuple[float, float] | None = None,
+    eps: float = 1e-6,
+    weights: Tensor | None = None,
+) -> Tensor:
     """The whole chain for one rank's sequences: shape, group baseline, then batch-normalise if `cfg.batch_norm`.
 
     `weights` are the baseline weights (module docstring), used by the group baseline and the local batch
@@ -178,6 +198,9 @@ def compute_advantages(rewards: Tensor, group_ids: Tensor, cfg: AdvantageConfig,
     shaped = shape_rewards(rewards, cfg, response_lens)
     adv = group_advantages(shaped, group_ids, cfg.estimator, eps, weights=weights)
     if cfg.batch_norm:
-        adv = (batch_normalize(adv, eps, weights=weights) if batch_stats is None
-               else batch_normalize_with(adv, *batch_stats, eps=eps))
+        adv = (
+            batch_normalize(adv, eps, weights=weights)
+            if batch_stats is None
+            else batch_normalize_with(adv, *batch_stats, eps=eps)
+        )
     return adv

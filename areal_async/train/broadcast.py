@@ -132,8 +132,9 @@ class WeightBroadcaster:
         port and no open store, on a store made now); blocks until the servers join. Other trainer ranks:
         nothing. Re-initialising a name replaces the old group."""
         if req.world_size < 2:
-            raise BroadcastError(f"world_size must be >= 2 (the trainer plus at least one server rank), "
-                                 f"got {req.world_size}")
+            raise BroadcastError(
+                f"world_size must be >= 2 (the trainer plus at least one server rank), got {req.world_size}"
+            )
         if req.backend not in ("gloo", "nccl"):
             raise BroadcastError(f"backend must be 'gloo' or 'nccl', got {req.backend!r}")
         if req.backend == "nccl" and device.type != "cuda":
@@ -152,14 +153,21 @@ class WeightBroadcaster:
         # the watchdog's timeout lies past the per-bucket deadline, so `_complete` raises first; cleanup-only error
         # handling for this group: an aborted weight group must not tear the trainer down (torchrun's default, 1)
         with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
-            pg = new_custom_group(req.backend, store, world_size=req.world_size, rank=0,
-                                  group_name=req.group_name, device=device,
-                                  timeout_s=self.timeout_s + _WATCHDOG_MARGIN_S)
+            pg = new_custom_group(
+                req.backend,
+                store,
+                world_size=req.world_size,
+                rank=0,
+                group_name=req.group_name,
+                device=device,
+                timeout_s=self.timeout_s + _WATCHDOG_MARGIN_S,
+            )
         self.groups[req.group_name] = pg
         self.devices[req.group_name] = device if req.backend == "nccl" else torch.device("cpu")
 
-    def broadcast(self, model: nn.Module, *, group_name: str, skip: set[str], dtype: torch.dtype,
-                  bucket_bytes: int) -> BroadcastResult:
+    def broadcast(
+        self, model: nn.Module, *, group_name: str, skip: set[str], dtype: torch.dtype, bucket_bytes: int
+    ) -> BroadcastResult:
         """Collective among the trainers; rank 0 also broadcasts each full tensor to the group.
 
         Rank 0 waits for each bucket's broadcasts to complete before it gathers the next bucket: the servers take
@@ -179,18 +187,36 @@ class WeightBroadcaster:
         try:
             missing = rank == 0 and pg is None
             why = self.aborted.get(group_name)
-            agree(BroadcastError(f"weight-update group {group_name!r} aborted: {why}" if why is not None else
-                                 f"no weight-update group {group_name!r} on trainer rank 0: call init_broadcast "
-                                 "first") if missing else None, BroadcastError, "the weight broadcast could not start")
-            return self._send(model, pg, group_name=group_name, skip=skip, dtype=dtype, bucket_bytes=bucket_bytes,
-                              t0=t0)
+            agree(
+                BroadcastError(
+                    f"weight-update group {group_name!r} aborted: {why}"
+                    if why is not None
+                    else f"no weight-update group {group_name!r} on trainer rank 0: call init_broadcast first"
+                )
+                if missing
+                else None,
+                BroadcastError,
+                "the weight broadcast could not start",
+            )
+            return self._send(
+                model, pg, group_name=group_name, skip=skip, dtype=dtype, bucket_bytes=bucket_bytes, t0=t0
+            )
         finally:
             with self._lock:
                 if self._running == group_name:
                     self._running = None
 
-    def _send(self, model: nn.Module, pg: dist.ProcessGroup | None, *, group_name: str, skip: set[str],
-              dtype: torch.dtype, bucket_bytes: int, t0: float) -> BroadcastResult:
+    def _send(
+        self,
+        model: nn.Module,
+        pg: dist.ProcessGroup | None,
+        *,
+        group_name: str,
+        skip: set[str],
+        dtype: torch.dtype,
+        bucket_bytes: int,
+        t0: float,
+    ) -> BroadcastResult:
         buckets = plan_buckets(model, skip=skip, dtype=dtype, bucket_bytes=bucket_bytes)
         bucket_of = {name: i for i, spec in enumerate(buckets) for name in spec.names}
         send_device = self.devices.get(group_name, torch.device("cpu"))
@@ -221,8 +247,13 @@ class WeightBroadcaster:
             except Exception as e:
                 error = self._failed(e, pending, group_name, current)
         agree(error, BroadcastError, "the weight broadcast failed")
-        return BroadcastResult(buckets=buckets, seconds=time.perf_counter() - t0, num_bytes=num_bytes,
-                               held_peak_bytes=held_peak, memory_peak_bytes=meter.peak())
+        return BroadcastResult(
+            buckets=buckets,
+            seconds=time.perf_counter() - t0,
+            num_bytes=num_bytes,
+            held_peak_bytes=held_peak,
+            memory_peak_bytes=meter.peak(),
+        )
 
     def _failed(self, e: Exception, pending: list, group_name: str, bucket: int) -> BroadcastError:
         """Rank 0 stops sending on `group_name`: the work in flight is dropped with the group (it will never
@@ -244,8 +275,9 @@ class WeightBroadcaster:
             if pg is not None:
                 self._destroy(pg)
 
-    def _complete(self, pending: list[tuple[dist.Work, torch.Tensor]], device: torch.device, group_name: str,
-                  bucket: int) -> None:
+    def _complete(
+        self, pending: list[tuple[dist.Work, torch.Tensor]], device: torch.device, group_name: str, bucket: int
+    ) -> None:
         """Wait until every broadcast in `pending` has finished, at most `timeout_s`, then drop the tensors.
 
         Polled (`is_completed`, which for NCCL queries the work's CUDA event and does not block), so that a member
@@ -260,8 +292,10 @@ class WeightBroadcaster:
                 while not work.is_completed():
                     self._check_aborted(group_name)
                     if time.monotonic() > deadline:
-                        raise BroadcastError(f"weight-update group {group_name!r}: bucket {bucket} was not received "
-                                             f"within {self.timeout_s:g}s (a member left mid-broadcast?)")
+                        raise BroadcastError(
+                            f"weight-update group {group_name!r}: bucket {bucket} was not received "
+                            f"within {self.timeout_s:g}s (a member left mid-broadcast?)"
+                        )
                     time.sleep(pause)
                     pause = min(pause * 2, 0.05)
                 work.wait()  # raises the work's error, if it failed

@@ -54,8 +54,14 @@ def _write_json(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                    trainer_state: dict[str, Any], rng_state: dict[str, bytes]) -> None:
+def save_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    trainer_state: dict[str, Any],
+    rng_state: dict[str, bytes],
+) -> None:
     """Collective. `trainer_state` must be JSON-serialisable; `rng_state` is this rank's {name: raw bytes}."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -68,8 +74,10 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    _write_json(os.path.join(tmp, f"rng_rank{rank}.json"),
-                {k: base64.b64encode(v).decode("ascii") for k, v in rng_state.items()})
+    _write_json(
+        os.path.join(tmp, f"rng_rank{rank}.json"),
+        {k: base64.b64encode(v).decode("ascii") for k, v in rng_state.items()},
+    )
     if rank == 0:
         _write_json(os.path.join(tmp, _STATE_FILE), {"format": FORMAT_VERSION, **trainer_state})
     _barrier()
@@ -104,8 +112,9 @@ def read_trainer_state(path: str) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer
-                    ) -> tuple[dict[str, Any], dict[str, bytes] | None]:
+def load_checkpoint(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, bytes] | None]:
     """Collective. Restores model and optimizer in place; returns (trainer_state, this rank's RNG state or None
     when the checkpoint was written by a smaller world)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -131,4 +140,3 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         with open(rng_file) as f:
             rng = {k: base64.b64decode(v) for k, v in json.load(f).items()}
     return state, rng
-

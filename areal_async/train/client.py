@@ -21,15 +21,40 @@ from typing import Any, Protocol, TypeVar
 from areal_async.net.registry import rank_file
 from areal_async.net.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.errors import BatchError, PeerFailure, TrainerFailure, kind_of
-from areal_async.train.messages import (AbortBroadcastRequest, AbortBroadcastResult, BroadcastEndpoint,
-                                        OpenBroadcastRequest, WeightPlan, WeightPlanRequest)
+from areal_async.train.messages import (
+    AbortBroadcastRequest,
+    AbortBroadcastResult,
+    BroadcastEndpoint,
+    OpenBroadcastRequest,
+    WeightPlan,
+    WeightPlanRequest,
+)
 from areal_async.train.packing import balance_across_ranks
-from areal_async.types import (EPISODE_WEIGHT_KEY, BroadcastRequest, BroadcastResult, CheckpointRequest,
-                               CheckpointResult, Empty, InitBroadcastRequest, PublishRequest, PublishResult,
-                               TrainerInfo, Trajectory, TrainStepRequest, TrainStepResult, pack_trajectories)
+from areal_async.types import (
+    EPISODE_WEIGHT_KEY,
+    BroadcastRequest,
+    BroadcastResult,
+    CheckpointRequest,
+    CheckpointResult,
+    Empty,
+    InitBroadcastRequest,
+    PublishRequest,
+    PublishResult,
+    TrainerInfo,
+    TrainStepRequest,
+    TrainStepResult,
+    Trajectory,
+    pack_trajectories,
+)
 
-__all__ = ["TrainerGroup", "TrainerError", "BroadcastIncomplete", "WeightReceivers", "split_by_rank",
-           "validate_trajectories"]
+__all__ = [
+    "TrainerGroup",
+    "TrainerError",
+    "BroadcastIncomplete",
+    "WeightReceivers",
+    "split_by_rank",
+    "validate_trajectories",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +62,7 @@ T = TypeVar("T")
 _ERROR_GRACE_S = 10.0  # after one rank fails, how long the others get to report their own error
 _ABORT_TIMEOUT_S = 30.0  # an abort is served on rank 0's event loop, beside any running call: it answers at once
 # the baseline weight travels as float32: outside its normal range it would arrive as 0, a subnormal or inf
-_WEIGHT_MIN, _WEIGHT_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38
+_WEIGHT_MIN, _WEIGHT_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 
 
 class TrainerError(RuntimeError):
@@ -77,13 +102,29 @@ class WeightReceivers(Protocol):
     servers that joined the group (then each member gets a receive loop of its own, see `broadcast_weights`), and
     `weights_update_abandoned(errors)`, told of the members a broadcast left part-way (url -> why)."""
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, *,
-                                        ranks_per_server: int | list[int] = 1, group_name: str = ...,
-                                        backend: str = ...) -> Any: ...
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        ranks_per_server: int | list[int] = 1,
+        group_name: str = ...,
+        backend: str = ...,
+    ) -> Any: ...
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              version: int | None, *, group_name: str = ..., flush_cache: bool = ...,
-                                              abort_all_requests: bool = ..., urls: list[str] | None = ...) -> Any: ...
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: int | None,
+        *,
+        group_name: str = ...,
+        flush_cache: bool = ...,
+        abort_all_requests: bool = ...,
+        urls: list[str] | None = ...,
+    ) -> Any: ...
+
     # version None: the bucket carries no weight_version (the server keeps its label until the last bucket)
 
 
@@ -124,8 +165,9 @@ def _check_weight(i: int, w: object) -> None:
     if not math.isfinite(w) or w <= 0:
         raise ValueError(f"{where} must be finite and > 0, got {w!r}")
     if not _WEIGHT_MIN <= w <= _WEIGHT_MAX:
-        raise ValueError(f"{where}={w!r} is outside the float32 range [{_WEIGHT_MIN:.3g}, {_WEIGHT_MAX:.3g}] "
-                         "it travels in")
+        raise ValueError(
+            f"{where}={w!r} is outside the float32 range [{_WEIGHT_MIN:.3g}, {_WEIGHT_MAX:.3g}] it travels in"
+        )
 
 
 def split_by_rank(trajs: list[Trajectory], world_size: int) -> list[list[Trajectory]]:
@@ -135,8 +177,9 @@ def split_by_rank(trajs: list[Trajectory], world_size: int) -> list[list[Traject
         groups.setdefault(t.group_id, []).append(i)
     members = list(groups.values())
     tokens = [sum(len(trajs[i].input_ids) for i in m) for m in members]
-    return [[trajs[i] for g in rank_groups for i in members[g]]
-            for rank_groups in balance_across_ranks(tokens, world_size)]
+    return [
+        [trajs[i] for g in rank_groups for i in members[g]] for rank_groups in balance_across_ranks(tokens, world_size)
+    ]
 
 
 class TrainerGroup:
@@ -166,7 +209,7 @@ class TrainerGroup:
     # ---- connecting ----
 
     @classmethod
-    async def connect(cls, run_dir: str, world_size: int, secret: bytes, timeout: float = 600.0) -> "TrainerGroup":
+    async def connect(cls, run_dir: str, world_size: int, secret: bytes, timeout: float = 600.0) -> TrainerGroup:
         """Wait for every `{run_dir}/trainer/rank{r}.json`, connect and authenticate, and check each rank's
         identity. `timeout` covers model loading on the ranks. A rank file left by an earlier job is retried
         until the new one replaces it."""
@@ -183,19 +226,30 @@ class TrainerGroup:
         for rank, info in enumerate(infos):
             if info.rank != rank or info.world_size != world_size:
                 await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-                raise ConnectionError(f"{run_dir}: rank file {rank} leads to rank {info.rank} of {info.world_size}"
-                                      f" (expected {rank} of {world_size}); a stale job?")
+                raise ConnectionError(
+                    f"{run_dir}: rank file {rank} leads to rank {info.rank} of {info.world_size}"
+                    f" (expected {rank} of {world_size}); a stale job?"
+                )
         return cls(clients, list(infos))
 
     # ---- fan-out ----
 
-    async def _call(self, method: str, requests: list[Any] | Any, response_type: type[T], *,
-                    ranks: list[int] | None = None, timeout: float | None = None) -> list[T]:
+    async def _call(
+        self,
+        method: str,
+        requests: list[Any] | Any,
+        response_type: type[T],
+        *,
+        ranks: list[int] | None = None,
+        timeout: float | None = None,
+    ) -> list[T]:
         """Call `method` on `ranks` (default all) concurrently; one request per rank or the same for all."""
         ranks = list(range(self.world_size)) if ranks is None else ranks
         reqs = requests if isinstance(requests, list) else [requests] * len(ranks)
-        tasks = [asyncio.ensure_future(self.clients[r].call(method, q, response_type, timeout=timeout))
-                 for r, q in zip(ranks, reqs)]
+        tasks = [
+            asyncio.ensure_future(self.clients[r].call(method, q, response_type, timeout=timeout))
+            for r, q in zip(ranks, reqs)
+        ]
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:
@@ -213,8 +267,11 @@ class TrainerGroup:
             unanswered = [r for r, t in zip(ranks, tasks) if t in pending]
             for t in pending:
                 t.cancel()
-        failures = [(r, t.exception()) for r, t in zip(ranks, tasks) if t.done() and not t.cancelled()
-                    and t.exception() is not None]
+        failures = [
+            (r, t.exception())
+            for r, t in zip(ranks, tasks)
+            if t.done() and not t.cancelled() and t.exception() is not None
+        ]
         if failures:
             # the rank that found the problem rather than one that only heard about it
             primary = [f for f in failures if not _secondhand(f[1])] or failures
@@ -235,12 +292,18 @@ class TrainerGroup:
         validate_trajectories(trajectories)
         shards = split_by_rank(trajectories, self.world_size)
         total_resp = sum(t.response_len for t in trajectories)
-        batches = [TrainStepRequest(batch=pack_trajectories(s, policy_version, total_resp, len(trajectories)))
-                   for s in shards]
+        batches = [
+            TrainStepRequest(batch=pack_trajectories(s, policy_version, total_resp, len(trajectories))) for s in shards
+        ]
         async with self._lock:
             # the line that says a step is under way (what a signal sent "during a step" waits for)
-            log.info("train step %d -> %d: %d trajectories to %d rank(s)", policy_version, policy_version + 1,
-                     len(trajectories), self.world_size)
+            log.info(
+                "train step %d -> %d: %d trajectories to %d rank(s)",
+                policy_version,
+                policy_version + 1,
+                len(trajectories),
+                self.world_size,
+            )
             results = await self._call("train_step", batches, TrainStepResult)
         versions = {r.version for r in results}
         if len(versions) != 1:
@@ -252,8 +315,7 @@ class TrainerGroup:
     async def publish(self, version: int, root: str, keep: int = 2) -> PublishResult:
         """Write `root/v<version>` as an HF checkpoint (atomic; older versions beyond `keep` removed)."""
         async with self._lock:
-            results = await self._call("publish", PublishRequest(version=version, root=root, keep=keep),
-                                       PublishResult)
+            results = await self._call("publish", PublishRequest(version=version, root=root, keep=keep), PublishResult)
         return results[0]
 
     async def save_checkpoint(self, path: str) -> CheckpointResult:
@@ -272,8 +334,9 @@ class TrainerGroup:
     async def weight_plan(self, bucket_bytes: int = 256 << 20) -> WeightPlan:
         """How `broadcast` will bucket the weights (asked of rank 0; no collective)."""
         async with self._lock:
-            return (await self._call("weight_plan", WeightPlanRequest(bucket_bytes=bucket_bytes), WeightPlan,
-                                     ranks=[0]))[0]
+            return (
+                await self._call("weight_plan", WeightPlanRequest(bucket_bytes=bucket_bytes), WeightPlan, ranks=[0])
+            )[0]
 
     async def init_broadcast(self, req: InitBroadcastRequest) -> None:
         """Trainer side of the group (rank 0 joins; blocks until the servers join too)."""
@@ -290,24 +353,40 @@ class TrainerGroup:
         async with self._lock:
             return (await self._call("open_broadcast", req, BroadcastEndpoint, ranks=[0]))[0]
 
-    async def init_broadcast_group(self, servers: WeightReceivers, *, num_server_ranks: int,
-                                   ranks_per_server: int | list[int] = 1, master_address: str | None = None,
-                                   master_port: int | None = None, group_name: str = "weight_update_group",
-                                   backend: str = "nccl") -> BroadcastEndpoint:
+    async def init_broadcast_group(
+        self,
+        servers: WeightReceivers,
+        *,
+        num_server_ranks: int,
+        ranks_per_server: int | list[int] = 1,
+        master_address: str | None = None,
+        master_port: int | None = None,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> BroadcastEndpoint:
         """Trainer rank 0 and every server rank form one group: rank 0 hosts the store first, then both sides'
         rendezvous run concurrently. The address defaults to the one rank 0 reports (TrainerInfo.host: loopback
         for a trainer serving 127.0.0.1, a routable address for one on all interfaces, or AREAL_TRAINER_ADDRESS),
         the port to a free one rank 0 binds; pass either to override (the address must reach rank 0's host from
         every server). Returns where the group met."""
         world_size = 1 + num_server_ranks
-        endpoint = await self.open_broadcast(OpenBroadcastRequest(group_name=group_name, world_size=world_size,
-                                                                  port=master_port or 0))
+        endpoint = await self.open_broadcast(
+            OpenBroadcastRequest(group_name=group_name, world_size=world_size, port=master_port or 0)
+        )
         address = master_address or endpoint.address
-        req = InitBroadcastRequest(master_address=address, master_port=endpoint.port, world_size=world_size,
-                                   group_name=group_name, backend=backend)
-        await _both(self.init_broadcast(req),
-                    servers.init_weights_update_group(address, endpoint.port, ranks_per_server=ranks_per_server,
-                                                      group_name=group_name, backend=backend))
+        req = InitBroadcastRequest(
+            master_address=address,
+            master_port=endpoint.port,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+        await _both(
+            self.init_broadcast(req),
+            servers.init_weights_update_group(
+                address, endpoint.port, ranks_per_server=ranks_per_server, group_name=group_name, backend=backend
+            ),
+        )
         return BroadcastEndpoint(address=address, port=endpoint.port)
 
     async def abort_broadcast(self, group_name: str, reason: str = "") -> bool:
@@ -316,17 +395,26 @@ class TrainerGroup:
         BroadcastError, and the other ranks finish their gathers. Returns whether a broadcast was running; never
         raises for a rank that cannot be reached (the broadcast's own deadline still ends it then)."""
         try:
-            answer = await self.clients[0].call("abort_broadcast", AbortBroadcastRequest(group_name=group_name,
-                                                                                       reason=reason),
-                                                AbortBroadcastResult, timeout=_ABORT_TIMEOUT_S)
-        except (RpcError, ConnectionError, OSError, asyncio.TimeoutError) as e:
+            answer = await self.clients[0].call(
+                "abort_broadcast",
+                AbortBroadcastRequest(group_name=group_name, reason=reason),
+                AbortBroadcastResult,
+                timeout=_ABORT_TIMEOUT_S,
+            )
+        except (TimeoutError, RpcError, ConnectionError, OSError) as e:
             log.warning("could not abort weight-update group %s on trainer rank 0: %s", group_name, e)
             return False
         return answer.running
 
-    async def broadcast_weights(self, servers: WeightReceivers, version: int, *,
-                                group_name: str = "weight_update_group", bucket_bytes: int = 256 << 20,
-                                flush_cache: bool = True) -> BroadcastResult:
+    async def broadcast_weights(
+        self,
+        servers: WeightReceivers,
+        version: int,
+        *,
+        group_name: str = "weight_update_group",
+        bucket_bytes: int = 256 << 20,
+        flush_cache: bool = True,
+    ) -> BroadcastResult:
         """Send the current weights to every server as `version`: one trainer broadcast, and per bucket one
         /update_weights_from_distributed call per member, in the order the trainer sends them. Only the last bucket
         carries `version` and `flush_cache`, so no server labels weights v+1 (or drops its cache) before it has all
@@ -348,8 +436,9 @@ class TrainerGroup:
         members = members_of(group_name) if members_of is not None else None
         self.broadcast_failures = {}
         if members is None:  # receivers that do not say who is in the group: one fan-out per bucket
-            result, _ = await _both(self.broadcast(req), self._receive_all(servers, plan, version, group_name,
-                                                                            flush_cache))
+            result, _ = await _both(
+                self.broadcast(req), self._receive_all(servers, plan, version, group_name, flush_cache)
+            )
         else:
             result = await self._broadcast_to_members(servers, list(members), plan, req, flush_cache)
         if result.buckets != plan.buckets:
@@ -357,16 +446,23 @@ class TrainerGroup:
         return result
 
     @staticmethod
-    async def _receive_all(servers: WeightReceivers, plan: WeightPlan, version: int, group_name: str,
-                           flush_cache: bool) -> None:
+    async def _receive_all(
+        servers: WeightReceivers, plan: WeightPlan, version: int, group_name: str, flush_cache: bool
+    ) -> None:
         last = len(plan.buckets) - 1
         for i, spec in enumerate(plan.buckets):
-            await servers.update_weights_from_distributed(spec.names, spec.dtypes, spec.shapes,
-                                                          version if i == last else None, group_name=group_name,
-                                                          flush_cache=flush_cache and i == last)
+            await servers.update_weights_from_distributed(
+                spec.names,
+                spec.dtypes,
+                spec.shapes,
+                version if i == last else None,
+                group_name=group_name,
+                flush_cache=flush_cache and i == last,
+            )
 
-    async def _broadcast_to_members(self, servers: WeightReceivers, members: list[str], plan: WeightPlan,
-                                    req: BroadcastRequest, flush_cache: bool) -> BroadcastResult:
+    async def _broadcast_to_members(
+        self, servers: WeightReceivers, members: list[str], plan: WeightPlan, req: BroadcastRequest, flush_cache: bool
+    ) -> BroadcastResult:
         """The trainer's broadcast beside one receive loop per member (see `broadcast_weights`)."""
         n = len(plan.buckets)
         received = {u: 0 for u in members}  # buckets each member has taken
@@ -381,16 +477,25 @@ class TrainerGroup:
             if abort is not None and abort.done():
                 # after rank 0 stopped: a consequence of the abort (the group went away under this member's
                 # receive), not a failure of its own; it is left part-way, and may join the next group
-                log.info("weight broadcast of version %d: %s stopped in bucket %d after the abort: %s",
-                         req.version, url, bucket, error)
+                log.info(
+                    "weight broadcast of version %d: %s stopped in bucket %d after the abort: %s",
+                    req.version,
+                    url,
+                    bucket,
+                    error,
+                )
                 return
             failures[url] = error
-            log.warning("weight broadcast of version %d: %s failed bucket %d of %d: %s", req.version, url,
-                        bucket, n, error)
+            log.warning(
+                "weight broadcast of version %d: %s failed bucket %d of %d: %s", req.version, url, bucket, n, error
+            )
             if abort is None and not trainer.done():
                 stopped = True
-                abort = asyncio.ensure_future(self.abort_broadcast(
-                    req.group_name, f"inference server {url} failed bucket {bucket} of {n}: {error}"))
+                abort = asyncio.ensure_future(
+                    self.abort_broadcast(
+                        req.group_name, f"inference server {url} failed bucket {bucket} of {n}: {error}"
+                    )
+                )
 
         async def receive(url: str) -> None:
             for i, spec in enumerate(plan.buckets):
@@ -399,15 +504,22 @@ class TrainerGroup:
                 last = i == n - 1
                 try:
                     answer = await servers.update_weights_from_distributed(
-                        spec.names, spec.dtypes, spec.shapes, req.version if last else None,
-                        group_name=req.group_name, flush_cache=flush_cache and last, urls=[url])
+                        spec.names,
+                        spec.dtypes,
+                        spec.shapes,
+                        req.version if last else None,
+                        group_name=req.group_name,
+                        flush_cache=flush_cache and last,
+                        urls=[url],
+                    )
                     outcome = answer.get(url) if isinstance(answer, dict) else None
                     if not isinstance(answer, dict) or url not in answer:
                         outcome = RuntimeError(f"{url} is no longer one of the inference servers")
                 except Exception as e:  # AdminError ("failed on every server": its only one): that server's error
                     results = getattr(e, "results", None)
-                    outcome = results[url] if isinstance(results, dict) and isinstance(results.get(url),
-                                                                                        BaseException) else e
+                    outcome = (
+                        results[url] if isinstance(results, dict) and isinstance(results.get(url), BaseException) else e
+                    )
                 if isinstance(outcome, BaseException):
                     known = getattr(servers, "urls", None)
                     if isinstance(known, list) and url not in known:
@@ -430,16 +542,22 @@ class TrainerGroup:
             await asyncio.gather(*loops, return_exceptions=True)
             if abort is not None:
                 await asyncio.gather(abort, return_exceptions=True)
-            left = {u: failures.get(u) or RuntimeError(f"the broadcast stopped after {received[u]} of {n} buckets")
-                    for u in members if received[u] < n}
+            left = {
+                u: failures.get(u) or RuntimeError(f"the broadcast stopped after {received[u]} of {n} buckets")
+                for u in members
+                if received[u] < n
+            }
             self.broadcast_failures = {u: str(e) for u, e in failures.items()}
             abandoned = getattr(servers, "weights_update_abandoned", None)
             if left and abandoned is not None:
                 abandoned(left)
         short = {u: str(e) for u, e in left.items() if u not in failures and u not in gone}
         if short:
-            raise BroadcastIncomplete(f"weight broadcast of version {req.version}: {len(failures)} member(s) failed"
-                                      f" and {len(short)} stopped short of the last bucket", short)
+            raise BroadcastIncomplete(
+                f"weight broadcast of version {req.version}: {len(failures)} member(s) failed"
+                f" and {len(short)} stopped short of the last bucket",
+                short,
+            )
         return result
 
     # ---- lifecycle ----
@@ -449,8 +567,11 @@ class TrainerGroup:
         call (see `abandoned`) the ranks are still busy with it and would take the request only once it ends, which
         for a long train step is minutes: then only the connections close, and the launcher stops the processes."""
         if self.abandoned is not None:
-            log.info("not asking the trainer ranks to exit: they are still running the abandoned %s call; the "
-                     "launcher stops them", self.abandoned)
+            log.info(
+                "not asking the trainer ranks to exit: they are still running the abandoned %s call; the "
+                "launcher stops them",
+                self.abandoned,
+            )
             await self.close()
             return
         async with self._lock:
@@ -465,7 +586,7 @@ class TrainerGroup:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
-    async def __aenter__(self) -> "TrainerGroup":
+    async def __aenter__(self) -> TrainerGroup:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -21,13 +21,20 @@ import torch.distributed as dist
 from areal_async.net.address import ADDRESS_ENV, host_address
 from areal_async.train.errors import TrainerFailure, peer_error
 
-__all__ = ["rank_device", "init_distributed", "any_rank", "agree", "all_reduce_floats", "bind_device",
-           "host_address", "ADDRESS_ENV"]
-
+__all__ = [
+    "rank_device",
+    "init_distributed",
+    "any_rank",
+    "agree",
+    "all_reduce_floats",
+    "bind_device",
+    "host_address",
+    "ADDRESS_ENV",
+]
 
 
 def rank_device(device: str = "auto") -> torch.device:
-    """"auto": this rank's CUDA device (LOCAL_RANK) when CUDA is available, else CPU. "cuda" without an index is
+    """ "auto": this rank's CUDA device (LOCAL_RANK) when CUDA is available, else CPU. "cuda" without an index is
     this rank's device too, so a device string never leaves the index to whatever thread runs the code."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "auto":
@@ -50,8 +57,12 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> torch.d
         kwargs: dict = {}
         if "RANK" not in os.environ:  # not under torchrun: a private world of one
             kwargs = dict(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None, **kwargs)
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+            **kwargs,
+        )
     return dev
 
 

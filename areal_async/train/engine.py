@@ -54,8 +54,13 @@ from areal_async.cpu_features import model_hidden_size, resolve_mixed_precision
 from areal_async.host_memory import keep_freed_memory
 from areal_async.net.custom_group import device_uuid
 from areal_async.train import checkpoint
-from areal_async.train.advantages import (batch_normalize_with, group_advantages, mean_std_from_moments,
-                                          normalization_moments, shape_rewards)
+from areal_async.train.advantages import (
+    batch_normalize_with,
+    group_advantages,
+    mean_std_from_moments,
+    normalization_moments,
+    shape_rewards,
+)
 from areal_async.train.broadcast import WeightBroadcaster, plan_buckets
 from areal_async.train.dist import agree, all_reduce_floats, any_rank, bind_device, init_distributed, rank_device
 from areal_async.train.errors import BatchError
@@ -66,8 +71,15 @@ from areal_async.train.packing import split_minibatches
 from areal_async.train.publish import publish_hf
 from areal_async.train.shard import Shard, decode_shard
 from areal_async.train.stats import StatSums, StepResult, summarize_step
-from areal_async.types import (BroadcastRequest, BroadcastResult, InitBroadcastRequest, PublishResult, TrainBatch,
-                               TrainerInfo, WeightSpec)
+from areal_async.types import (
+    BroadcastRequest,
+    BroadcastResult,
+    InitBroadcastRequest,
+    PublishResult,
+    TrainBatch,
+    TrainerInfo,
+    WeightSpec,
+)
 
 log = logging.getLogger(__name__)
 # init_distributed, rank_device, any_rank and BatchError live in train/dist.py and train/errors.py; they are
@@ -111,9 +123,17 @@ class TrainEngine:
     directory and scattered to the shards of every rank (train/fsdp.py).
     """
 
-    def __init__(self, model_path: str, cfg: TrainConfig, *, seed: int = 1, device: torch.device | None = None,
-                 broadcast_timeout_s: float = 600.0, layout: Literal["auto", "packed", "rows", "prefix"] | None = None,
-                 fold_prox: bool = True) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        cfg: TrainConfig,
+        *,
+        seed: int = 1,
+        device: torch.device | None = None,
+        broadcast_timeout_s: float = 600.0,
+        layout: Literal["auto", "packed", "rows", "prefix"] | None = None,
+        fold_prox: bool = True,
+    ) -> None:
         """`layout` (default: `cfg.layout`): see train/layouts.py. `fold_prox=False` keeps the separate prox pass
         even with one minibatch (the reference the folded path is tested against)."""
         if not dist.is_initialized():
@@ -138,8 +158,7 @@ class TrainEngine:
         if self.rank == 0:
             log.info("train.mixed_precision=%s: %s compute (%s)", cfg.mixed_precision, mp, why)
         self.compute_dtype = torch.bfloat16 if mp == "bf16" else torch.float32
-        loaded = load_sharded(model_path, self.device, self.compute_dtype, cfg.activation_checkpointing,
-                              trainable=True)
+        loaded = load_sharded(model_path, self.device, self.compute_dtype, cfg.activation_checkpointing, trainable=True)
         self.model = loaded.model
         self.hf_config = loaded.config
         self.vocab_size = int(loaded.config.get_text_config().vocab_size)
@@ -157,8 +176,14 @@ class TrainEngine:
         if cfg.loss.kl_coef != 0.0:
             self.ref_model = load_sharded(model_path, self.device, self.compute_dtype, False, trainable=False).model
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, fused=True)  # CPU too, torch >= 2.4
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=True,
+        )  # CPU too, torch >= 2.4
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.cfg.optim))
 
     def bind_device(self) -> None:
@@ -222,8 +247,11 @@ class TrainEngine:
         # the frozen reference's logprobs for the KL penalty
         lcfg = self.cfg.loss
         separate_prox = lcfg.prox_logp == "recompute" and not step.fold
-        prox, ent = (self._forward_all(self.model, step, entropy=lcfg.entropy_coef == 0.0) if separate_prox
-                     else (step.shard.behav_logp, None))  # behav, or folded (then never read)
+        prox, ent = (
+            self._forward_all(self.model, step, entropy=lcfg.entropy_coef == 0.0)
+            if separate_prox
+            else (step.shard.behav_logp, None)
+        )  # behav, or folded (then never read)
         ref = self._forward_all(self.ref_model, step, entropy=False)[0] if self.ref_model is not None else None
         prox_s = time.perf_counter() - t0
         if ent is not None:
@@ -238,8 +266,9 @@ class TrainEngine:
         stats.add("step_seconds_max", time.perf_counter() - t_start)
         stats.add("prox_seconds_max", prox_s)
         self.last_timings = {"prox": prox_s, **result.timings}
-        return self.version, summarize_step(stats.reduce(), result, lcfg, num_seqs=step.num_seqs,
-                                            saved_tokens=step.saved)
+        return self.version, summarize_step(
+            stats.reduce(), result, lcfg, num_seqs=step.num_seqs, saved_tokens=step.saved
+        )
 
     def _begin(self, batch: TrainBatch) -> _Step:
         """Decode and check this rank's shard, agree with the other ranks that every shard is good, and settle the
@@ -248,20 +277,22 @@ class TrainEngine:
         try:
             shard = decode_shard(batch, self.vocab_size, self.device)
             if batch.policy_version != self.version:
-                raise BatchError(f"batch.policy_version={batch.policy_version} but the trainer is at version "
-                                 f"{self.version}")
+                raise BatchError(
+                    f"batch.policy_version={batch.policy_version} but the trainer is at version {self.version}"
+                )
         except BatchError as e:
             error = e
         agree(error, BatchError, "its shard of the batch was rejected")
         assert shard is not None
         candidate, costs = self.layouts.plan(shard, self.cfg.micro_batch_tokens)
-        resp_tokens, num_seqs, *costs = all_reduce_floats([float(shard.loss_mask.sum()), float(shard.num_seqs),
-                                                           *costs])
+        resp_tokens, num_seqs, *costs = all_reduce_floats([float(shard.loss_mask.sum()), float(shard.num_seqs), *costs])
         if resp_tokens <= 0:
             raise BatchError("the batch has no trainable tokens (loss_mask is 0 everywhere on every rank)")
         if int(resp_tokens) != batch.global_response_tokens or int(num_seqs) != batch.global_num_seqs:
-            raise BatchError(f"batch.global_response_tokens/global_num_seqs = {batch.global_response_tokens}/"
-                             f"{batch.global_num_seqs}, but the shards hold {int(resp_tokens)}/{int(num_seqs)}")
+            raise BatchError(
+                f"batch.global_response_tokens/global_num_seqs = {batch.global_response_tokens}/"
+                f"{batch.global_num_seqs}, but the shards hold {int(resp_tokens)}/{int(num_seqs)}"
+            )
         layout = self.layouts.for_step(candidate, costs)
         self.last_step_layout = layout.name
         fold = self.cfg.loss.prox_logp == "recompute" and self.cfg.ppo_minibatches == 1 and self.fold_prox
@@ -287,17 +318,21 @@ class TrainEngine:
         lens = torch.tensor(shard.seq_lens, dtype=torch.long, device=self.device)
         return torch.repeat_interleave(adv.float(), lens) * shard.loss_mask  # [N]
 
-    def _optimize(self, step: _Step, prox: Tensor, ref: Tensor | None, adv_tok: Tensor, stats: StatSums, *,
-                  train_entropy: bool) -> StepResult:
+    def _optimize(
+        self, step: _Step, prox: Tensor, ref: Tensor | None, adv_tok: Tensor, stats: StatSums, *, train_entropy: bool
+    ) -> StepResult:
         """The k minibatches: micro-batch forwards and backwards, then clip and step (skipped on a non-finite
         norm, on every rank alike: they all see the same all-reduced norm)."""
         shard, cfg = step.shard, self.cfg
         self.model.train()
         minibatches = split_minibatches(shard.num_seqs, cfg.ppo_minibatches)
         per_seq = loss_normalizer(cfg.loss) == "seqs"
-        normalizers = all_reduce_floats([float(sum(float(shard.response_lens[i] > 0) if per_seq
-                                                   else float(shard.response_lens[i]) for i in mb))
-                                         for mb in minibatches])
+        normalizers = all_reduce_floats(
+            [
+                float(sum(float(shard.response_lens[i] > 0) if per_seq else float(shard.response_lens[i]) for i in mb))
+                for mb in minibatches
+            ]
+        )
         # the optimizer's list, not model.parameters(): after a forward FSDP2 leaves the root's parameters
         # registered as unsharded tensors, which never receive the (sharded) gradients
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -331,18 +366,36 @@ class TrainEngine:
             timings["optimizer"] += time.perf_counter() - t0
         return result
 
-    def _micro_batch_loss(self, step: _Step, seqs: list[int], prox: Tensor, ref: Tensor | None, adv_tok: Tensor,
-                          normalizer: float, stats: StatSums, train_entropy: bool) -> Tensor:
+    def _micro_batch_loss(
+        self,
+        step: _Step,
+        seqs: list[int],
+        prox: Tensor,
+        ref: Tensor | None,
+        adv_tok: Tensor,
+        normalizer: float,
+        stats: StatSums,
+        train_entropy: bool,
+    ) -> Tensor:
         shard = step.shard
         entropy_grad = self.cfg.loss.entropy_coef != 0.0
-        logp, ent, index = step.layout.forward(self.model, shard, seqs, temperature=self.temperature,
-                                               entropy=train_entropy, entropy_grad=entropy_grad)
+        logp, ent, index = step.layout.forward(
+            self.model, shard, seqs, temperature=self.temperature, entropy=train_entropy, entropy_grad=entropy_grad
+        )
         if not seqs:
             return logp.sum() * 0.0  # keeps this rank in the FSDP collectives, contributes nothing
-        loss, lstats = actor_loss(logp, logp.detach() if step.fold else prox[index], shard.behav_logp[index],
-                                  adv_tok[index], shard.loss_mask[index], self.cfg.loss, normalizer=normalizer,
-                                  seq_ids=step.seq_of_tok[index], ref_logp=ref[index] if ref is not None else None,
-                                  entropy=ent)
+        loss, lstats = actor_loss(
+            logp,
+            logp.detach() if step.fold else prox[index],
+            shard.behav_logp[index],
+            adv_tok[index],
+            shard.loss_mask[index],
+            self.cfg.loss,
+            normalizer=normalizer,
+            seq_ids=step.seq_of_tok[index],
+            ref_logp=ref[index] if ref is not None else None,
+            entropy=ent,
+        )
         stats.add_all(lstats)
         return loss
 
@@ -361,8 +414,14 @@ class TrainEngine:
     # ---- weights out, checkpoints, info ----
 
     def info(self) -> TrainerInfo:
-        return TrainerInfo(rank=self.rank, world_size=self.world_size, version=self.version, device=str(self.device),
-                           num_params=self.num_params, gpu_uuid=self._gpu_uuid)
+        return TrainerInfo(
+            rank=self.rank,
+            world_size=self.world_size,
+            version=self.version,
+            device=str(self.device),
+            num_params=self.num_params,
+            gpu_uuid=self._gpu_uuid,
+        )
 
     def weight_plan(self, bucket_bytes: int) -> list[WeightSpec]:
         """How `broadcast` buckets the weights: names, dtypes, shapes in send order (local, no collective)."""
@@ -387,8 +446,13 @@ class TrainEngine:
     def broadcast(self, req: BroadcastRequest) -> BroadcastResult:
         """Send the current weights through the group (collective among trainers; rank 0 sends)."""
         self.bind_device()
-        return self._weight_broadcaster().broadcast(self.model, group_name=req.group_name, skip=self.tied_names,
-                                                    dtype=self.checkpoint_dtype, bucket_bytes=req.bucket_bytes)
+        return self._weight_broadcaster().broadcast(
+            self.model,
+            group_name=req.group_name,
+            skip=self.tied_names,
+            dtype=self.checkpoint_dtype,
+            bucket_bytes=req.bucket_bytes,
+        )
 
     def close_broadcast(self) -> None:
         if self._broadcaster is not None:
@@ -397,14 +461,22 @@ class TrainEngine:
     def publish(self, root: str, version: int, keep: int = 2) -> PublishResult:
         """Write the full model as an HF directory `root/v<version>` (collective; rank 0 writes)."""
         self.bind_device()
-        return publish_hf(self.model, source_dir=self.model_path, root=root, version=version, keep=keep,
-                          dtype=self.checkpoint_dtype, skip=self.tied_names)
+        return publish_hf(
+            self.model,
+            source_dir=self.model_path,
+            root=root,
+            version=version,
+            keep=keep,
+            dtype=self.checkpoint_dtype,
+            skip=self.tied_names,
+        )
 
     def save_checkpoint(self, path: str) -> float:
         self.bind_device()
         t0 = time.perf_counter()
-        checkpoint.save_checkpoint(path, self.model, self.optimizer, trainer_state=self._trainer_state(),
-                                   rng_state=rng_state(self.device))
+        checkpoint.save_checkpoint(
+            path, self.model, self.optimizer, trainer_state=self._trainer_state(), rng_state=rng_state(self.device)
+        )
         return time.perf_counter() - t0
 
     def load_checkpoint(self, path: str) -> float:
@@ -418,5 +490,9 @@ class TrainEngine:
         return time.perf_counter() - t0
 
     def _trainer_state(self) -> dict:
-        return {"version": self.version, "scheduler": self.scheduler.state_dict(), "world_size": self.world_size,
-                "model_path": os.path.abspath(self.model_path)}
+        return {
+            "version": self.version,
+            "scheduler": self.scheduler.state_dict(),
+            "world_size": self.world_size,
+            "model_path": os.path.abspath(self.model_path),
+        }

@@ -12,9 +12,20 @@ kind, so `bad_input` holds on every rank's answer; `PeerFailure` marks the ones 
 
 from __future__ import annotations
 
-__all__ = ["TrainerFailure", "PeerFailure", "BatchError", "PeerBatchError", "CheckpointError",
-           "PeerCheckpointError", "PublishError", "PeerPublishError", "BroadcastError", "PeerBroadcastError",
-           "kind_of", "peer_error"]
+__all__ = [
+    "TrainerFailure",
+    "PeerFailure",
+    "BatchError",
+    "PeerBatchError",
+    "CheckpointError",
+    "PeerCheckpointError",
+    "PublishError",
+    "PeerPublishError",
+    "BroadcastError",
+    "PeerBroadcastError",
+    "kind_of",
+    "peer_error",
+]
 
 
 class TrainerFailure(Exception):
@@ -58,12 +69,13 @@ class PeerBroadcastError(BroadcastError, PeerFailure):
 
 
 _PEERS: dict[type[TrainerFailure], type[TrainerFailure]] = {
-    BatchError: PeerBatchError, CheckpointError: PeerCheckpointError, PublishError: PeerPublishError,
+    BatchError: PeerBatchError,
+    CheckpointError: PeerCheckpointError,
+    PublishError: PeerPublishError,
     BroadcastError: PeerBroadcastError,
 }
 _KINDS: dict[str, type[TrainerFailure]] = {
-    f"{cls.__module__}.{cls.__qualname__}": cls
-    for cls in (TrainerFailure, PeerFailure, *_PEERS, *_PEERS.values())
+    f"{cls.__module__}.{cls.__qualname__}": cls for cls in (TrainerFailure, PeerFailure, *_PEERS, *_PEERS.values())
 }
 
 

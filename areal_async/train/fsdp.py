@@ -3,7 +3,8 @@
 Rank 0 alone reads the HF directory; every rank builds the model on the meta device, shards it (one FSDP unit per
 decoder layer, plus the root), and receives its shards from rank 0 (`set_model_state_dict(broadcast_from_rank0)`),
 so a node never holds one full copy per GPU; rank 0 reads it in the checkpoint's dtype. Master weights are fp32
-whatever the checkpoint stores; the compute dtype is FSDP's `param_dtype`. Dropout is zeroed: RL's prox and theta policies must agree at the same weights.
+whatever the checkpoint stores; the compute dtype is FSDP's `param_dtype`. Dropout is zeroed: RL's prox and theta
+policies must agree at the same weights.
 """
 
 from __future__ import annotations
@@ -28,8 +29,14 @@ class LoadedModel:
     tied_names: set[str]  # state-dict names that alias another parameter (a tied lm_head): never written twice
 
 
-def load_sharded(model_path: str, device: torch.device, compute_dtype: torch.dtype, activation_checkpointing: bool,
-                  *, trainable: bool) -> LoadedModel:
+def load_sharded(
+    model_path: str,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    activation_checkpointing: bool,
+    *,
+    trainable: bool,
+) -> LoadedModel:
     """Build the model on the meta device on every rank, shard it with FSDP2, then fill the shards from the full
     weights that only rank 0 reads from disk (fp32 master weights whatever the checkpoint's dtype)."""
     import transformers
@@ -55,13 +62,12 @@ def load_sharded(model_path: str, device: torch.device, compute_dtype: torch.dty
         # set_model_state_dict casts each tensor as it copies it in; on CUDA with every host core (the trainer
         # runs one torch thread per rank on the host, which leaves a 30B load single-threaded for minutes)
         with _load_threads(device):
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(model_path, config=config,
-                                                                       dtype=checkpoint_dtype,
-                                                                       attn_implementation="sdpa")
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(
+                model_path, config=config, dtype=checkpoint_dtype, attn_implementation="sdpa"
+            )
         full_sd = loaded.state_dict()
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                              attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -74,13 +80,17 @@ def load_sharded(model_path: str, device: torch.device, compute_dtype: torch.dty
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
-        if compute_dtype != torch.float32 else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32
+        else MixedPrecisionPolicy()
+    )
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ValueError(f"{model_path}: cannot find the decoder layers to shard ({type(model).__name__} lists "
-                         f"no _no_split_modules)")
+        raise ValueError(
+            f"{model_path}: cannot find the decoder layers to shard ({type(model).__name__} lists no _no_split_modules)"
+        )
     # A world of one has nothing to free by resharding: keep each layer's parameters gathered between its forward
     # and backward instead of copying them again for the backward.
     reshard = dist.get_world_size() > 1
@@ -91,8 +101,7 @@ def load_sharded(model_path: str, device: torch.device, compute_dtype: torch.dty
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=device)
     with _load_threads(device):
-        set_model_state_dict(model, full_sd,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full_sd
     # Buffers outside the state dict were left uninitialised by to_empty: take rank 0's freshly computed ones.
     real = dict(loaded.named_buffers()) if loaded is not None else {}

@@ -26,11 +26,20 @@ import torch
 from torch import Tensor, nn
 
 from areal_async.train.logprobs import needs_dense_packing_mask, packed_forward_logprobs, rows_forward_logprobs
-from areal_async.train.packing import (family_slots, pack_family_micro_batches, pack_micro_batches,
-                                      pack_sorted_micro_batches, padded_slots)
+from areal_async.train.packing import (
+    family_slots,
+    pack_family_micro_batches,
+    pack_micro_batches,
+    pack_sorted_micro_batches,
+    padded_slots,
+)
 from areal_async.train.shard import Shard
-from areal_async.train.shared_prefix import (plan_families, shared_prefix_forward_logprobs, shared_prefix_savings,
-                                             supports_shared_prefix)
+from areal_async.train.shared_prefix import (
+    plan_families,
+    shared_prefix_forward_logprobs,
+    shared_prefix_savings,
+    supports_shared_prefix,
+)
 
 __all__ = ["Layout", "PackedLayout", "RowsLayout", "PrefixLayout", "LayoutChoice", "select_layout", "LayoutName"]
 
@@ -63,8 +72,16 @@ class Layout:
     def _slots(self, shard: Shard, mb: list[int]) -> int:
         return sum(shard.seq_lens[i] for i in mb)
 
-    def forward(self, model: nn.Module, shard: Shard, seqs: Sequence[int], *, temperature: float,
-                entropy: bool, entropy_grad: bool = True) -> _Result:
+    def forward(
+        self,
+        model: nn.Module,
+        shard: Shard,
+        seqs: Sequence[int],
+        *,
+        temperature: float,
+        entropy: bool,
+        entropy_grad: bool = True,
+    ) -> _Result:
         """logp [n] and entropy [n] | None of the tokens of `seqs`, flat in the order of `seqs`, with their
         positions in the shard [n]. Gradient flows to the model when grad mode is on."""
         kw = dict(temperature=temperature, compute_entropy=entropy, entropy_grad=entropy_grad)
@@ -76,8 +93,9 @@ class Layout:
             logp, ent = self._run(model, shard, list(seqs), shard.input_ids[index], **kw)
         return logp, ent, index
 
-    def _pack(self, shard: Shard, seqs: Sequence[int], lens: list[int], budget: int,
-              min_micro_batches: int) -> list[list[int]]:
+    def _pack(
+        self, shard: Shard, seqs: Sequence[int], lens: list[int], budget: int, min_micro_batches: int
+    ) -> list[list[int]]:
         raise NotImplementedError
 
     def _run(self, model: nn.Module, shard: Shard, seqs: list[int], ids: Tensor, **kw) -> tuple[Tensor, Tensor | None]:
@@ -137,9 +155,14 @@ class PrefixLayout(Layout):
         return pack_family_micro_batches(lens, fam, pre, budget, min_micro_batches)
 
     def _run(self, model, shard, seqs, ids, **kw):
-        return shared_prefix_forward_logprobs(model, ids, [shard.seq_lens[i] for i in seqs],
-                                              [self.family[i] for i in seqs], [self.prefix_lens[i] for i in seqs],
-                                              **kw)
+        return shared_prefix_forward_logprobs(
+            model,
+            ids,
+            [shard.seq_lens[i] for i in seqs],
+            [self.family[i] for i in seqs],
+            [self.prefix_lens[i] for i in seqs],
+            **kw,
+        )
 
     def _dummy(self, model, ids, **kw):
         return shared_prefix_forward_logprobs(model, ids, [2], [0], [1], **kw)
@@ -156,8 +179,10 @@ class LayoutChoice:
         if layout == "auto":
             layout = "prefix" if supports_shared_prefix(model) else plain.name  # type: ignore[assignment]
         elif layout == "prefix" and not supports_shared_prefix(model):
-            raise ValueError("layout='prefix' needs sdpa/eager attention without sliding windows or activation "
-                             "checkpointing (train/shared_prefix.py)")
+            raise ValueError(
+                "layout='prefix' needs sdpa/eager attention without sliding windows or activation "
+                "checkpointing (train/shared_prefix.py)"
+            )
         if layout == "packed":
             plain = PackedLayout()
         elif layout == "rows":
@@ -174,8 +199,11 @@ class LayoutChoice:
         family, prefix_lens = plan_families(shard.host_ids, shard.seq_lens, shard.group_ids.tolist())
         prefix = PrefixLayout(family, prefix_lens)
         seqs = list(range(shard.num_seqs))
-        return prefix, [float(shared_prefix_savings(family, prefix_lens)), float(prefix.slots(shard, seqs, budget)),
-                        float(self.plain.slots(shard, seqs, budget))]
+        return prefix, [
+            float(shared_prefix_savings(family, prefix_lens)),
+            float(prefix.slots(shard, seqs, budget)),
+            float(self.plain.slots(shard, seqs, budget)),
+        ]
 
     def for_step(self, candidate: Layout | None, costs: list[float]) -> Layout:
         """Shared prefixes when some rank saves tokens and (for layout "auto"), over all ranks, their padded slots

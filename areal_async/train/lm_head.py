@@ -37,14 +37,24 @@ from torch import Tensor, nn
 
 from areal_async.train.losses import entropy_from_logits
 
-__all__ = ["LMHead", "forward_features", "token_logprobs", "logprobs_from_hidden", "logprobs_from_logits",
-           "DEFAULT_CHUNK_TOKENS"]
+__all__ = [
+    "LMHead",
+    "forward_features",
+    "token_logprobs",
+    "logprobs_from_hidden",
+    "logprobs_from_logits",
+    "DEFAULT_CHUNK_TOKENS",
+]
 
 DEFAULT_CHUNK_TOKENS = 1024
 DEFAULT_KEEP_BYTES = 1 << 30  # forward keeps the [M, V] fp32 log-probabilities for backward up to this size
 # config attributes that change logits after the head's matmul (a value other than these disables the hidden path)
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": (None,), "logit_scale": (None, 1.0), "logits_scaling": (None, 1.0),
-                     "output_multiplier_scale": (None, 1.0)}
+_LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": (None,),
+    "logit_scale": (None, 1.0),
+    "logits_scaling": (None, 1.0),
+    "output_multiplier_scale": (None, 1.0),
+}
 
 
 @dataclass
@@ -87,21 +97,45 @@ def forward_features(model: nn.Module, **kwargs) -> tuple[object, LMHead | None]
         out = model(**kwargs)
     weight = head.weight  # read now: under FSDP2 the root's gathered (unsharded) parameter
     if type(weight).__name__ == "DTensor":
-        raise RuntimeError("the LM head's weight is still sharded after the forward: the root FSDP module must "
-                           "keep its parameters gathered after forward (fully_shard's default for the root)")
+        raise RuntimeError(
+            "the LM head's weight is still sharded after the forward: the root FSDP module must "
+            "keep its parameters gathered after forward (fully_shard's default for the root)"
+        )
     return out, LMHead(weight, head.bias)
 
 
-def token_logprobs(features: Tensor, targets: Tensor, head: LMHead | None, *, temperature: float = 1.0,
-                   compute_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                   entropy_grad: bool = True, keep_bytes: int = DEFAULT_KEEP_BYTES) -> tuple[Tensor, Tensor | None]:
+def token_logprobs(
+    features: Tensor,
+    targets: Tensor,
+    head: LMHead | None,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    entropy_grad: bool = True,
+    keep_bytes: int = DEFAULT_KEEP_BYTES,
+) -> tuple[Tensor, Tensor | None]:
     """log softmax(logits / T)[targets] and the entropy, from `forward_features`'s output rows. [M, H|V], [M] ->
     [M] fp32, [M] fp32 | None."""
     if head is None:
-        return logprobs_from_logits(features, targets, temperature=temperature, compute_entropy=compute_entropy,
-                                    chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)
-    return logprobs_from_hidden(features, head, targets, temperature=temperature, compute_entropy=compute_entropy,
-                                chunk_tokens=chunk_tokens, entropy_grad=entropy_grad, keep_bytes=keep_bytes)
+        return logprobs_from_logits(
+            features,
+            targets,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            chunk_tokens=chunk_tokens,
+            entropy_grad=entropy_grad,
+        )
+    return logprobs_from_hidden(
+        features,
+        head,
+        targets,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        chunk_tokens=chunk_tokens,
+        entropy_grad=entropy_grad,
+        keep_bytes=keep_bytes,
+    )
 
 
 def _check(temperature: float, chunk_tokens: int) -> None:
@@ -111,10 +145,17 @@ def _check(temperature: float, chunk_tokens: int) -> None:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
 
 
-def logprobs_from_hidden(hidden: Tensor, head: LMHead, targets: Tensor, *, temperature: float = 1.0,
-                         compute_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                         entropy_grad: bool = True, keep_bytes: int = DEFAULT_KEEP_BYTES
-                         ) -> tuple[Tensor, Tensor | None]:
+def logprobs_from_hidden(
+    hidden: Tensor,
+    head: LMHead,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    entropy_grad: bool = True,
+    keep_bytes: int = DEFAULT_KEEP_BYTES,
+) -> tuple[Tensor, Tensor | None]:
     """Chunked LM head + log-softmax (see the module docstring). [M, H], [M] -> [M], [M] | None (fp32).
     `entropy_grad=False`: the entropy is a statistic only (no gradient flows through it). `keep_bytes`: the
     largest [M, V] fp32 forward keeps for backward instead of recomputing it (0: always recompute)."""
@@ -122,10 +163,22 @@ def logprobs_from_hidden(hidden: Tensor, head: LMHead, targets: Tensor, *, tempe
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [M, H] and targets [M], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
     bias = head.bias if head.bias is not None else hidden.new_zeros(0)
-    keep = (torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
-            and hidden.shape[0] * head.weight.shape[0] * 4 <= keep_bytes)
-    lp, ent = _ChunkedHead.apply(hidden, head.weight, bias, targets, float(temperature), int(chunk_tokens),
-                                 bool(compute_entropy), bool(entropy_grad), keep)
+    keep = (
+        torch.is_grad_enabled()
+        and (hidden.requires_grad or head.weight.requires_grad)
+        and hidden.shape[0] * head.weight.shape[0] * 4 <= keep_bytes
+    )
+    lp, ent = _ChunkedHead.apply(
+        hidden,
+        head.weight,
+        bias,
+        targets,
+        float(temperature),
+        int(chunk_tokens),
+        bool(compute_entropy),
+        bool(entropy_grad),
+        keep,
+    )
     return lp, (ent if compute_entropy else None)
 
 
@@ -152,8 +205,18 @@ class _ChunkedHead(torch.autograd.Function):
     entropy needs them): on a CPU these passes over C x V floats cost a sizeable part of the matmuls beside them."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, temperature: float,
-                chunk: int, want_entropy: bool, entropy_grad: bool, keep: bool) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor,
+        targets: Tensor,
+        temperature: float,
+        chunk: int,
+        want_entropy: bool,
+        entropy_grad: bool,
+        keep: bool,
+    ) -> tuple[Tensor, Tensor]:
         m = hidden.shape[0]
         b = bias if bias.numel() else None
         lp = torch.empty(m, dtype=torch.float32, device=hidden.device)  # [M]
@@ -162,14 +225,14 @@ class _ChunkedHead(torch.autograd.Function):
         kept: list[Tensor | None] = []  # [C, V] log-probabilities per chunk, when backward is to reuse them
         w32, b32 = weight.float(), _fp32(b)  # [V, H] fp32, one cast per call (none for fp32 weights)
         for s in range(0, m, chunk):
-            z = _chunk_z(hidden[s:s + chunk], w32, b32, temperature)  # [C, V]
+            z = _chunk_z(hidden[s : s + chunk], w32, b32, temperature)  # [C, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [C]
-            lse[s:s + chunk] = lse_c
-            lp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse_c
+            lse[s : s + chunk] = lse_c
+            lp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse_c
             if want_entropy or keep:
                 logp = z.sub_(lse_c[:, None])
                 if want_entropy:  # H = -sum p log p; logits from a matmul are finite, so p log p is too
-                    ent[s:s + chunk] = -torch.linalg.vecdot(torch.exp(logp), logp)
+                    ent[s : s + chunk] = -torch.linalg.vecdot(torch.exp(logp), logp)
                 if keep:
                     kept.append(logp)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
@@ -191,32 +254,31 @@ class _ChunkedHead(torch.autograd.Function):
         use_ent = ctx.entropy_grad and g_ent is not None
         grad_h = torch.empty_like(hidden) if need_h else None  # [M, H]
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # [V, H]
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and b is not None \
-            else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and b is not None else None
         kept, ctx.kept = ctx.kept, None  # used up in place below: a second backward recomputes
         w32, b32 = (weight.float(), _fp32(b)) if kept is None else (None, None)  # for the recompute, as forward
         for i, s in enumerate(range(0, m, chunk)):
-            h = hidden[s:s + chunk]  # [C, H]
-            g = g_lp[s:s + chunk, None].float()  # [C, 1]
+            h = hidden[s : s + chunk]  # [C, H]
+            g = g_lp[s : s + chunk, None].float()  # [C, 1]
             if kept is not None:
                 logp = kept[i]  # [C, V]
                 kept[i] = None  # freed as soon as its chunk is done
             else:
-                logp = _chunk_z(h, w32, b32, t).sub_(lse[s:s + chunk, None])  # [C, V]
+                logp = _chunk_z(h, w32, b32, t).sub_(lse[s : s + chunk, None])  # [C, V]
             if use_ent:
                 # dlogp/dz = onehot - p; dH/dz = -p (z - E_p[z]) = -p (logp + H). Together:
                 # dz = onehot g - p (g + g_ent (logp + H))
                 p = torch.exp(logp)
-                coef = logp.add_(ent[s:s + chunk, None]).mul_(g_ent[s:s + chunk, None].float()).add_(g)
+                coef = logp.add_(ent[s : s + chunk, None]).mul_(g_ent[s : s + chunk, None].float()).add_(g)
                 dz = p.mul_(coef).neg_()
             else:
                 dz = logp.exp_().mul_(-g)  # -p g
-            dz.scatter_add_(1, targets[s:s + chunk, None], g)
+            dz.scatter_add_(1, targets[s : s + chunk, None], g)
             if t != 1.0:
                 dz.div_(t)  # through z = logits / T
             dz = dz.to(weight.dtype)
             if grad_h is not None:
-                torch.mm(dz, weight, out=grad_h[s:s + chunk])
+                torch.mm(dz, weight, out=grad_h[s : s + chunk])
             if grad_w is not None:
                 if weight.dtype == torch.float32:
                     grad_w.addmm_(dz.t(), h)
@@ -224,13 +286,28 @@ class _ChunkedHead(torch.autograd.Function):
                     grad_w += (dz.t() @ h).float()
             if grad_b is not None:
                 grad_b += dz.float().sum(0)
-        return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
-                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None, None)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def logprobs_from_logits(logits: Tensor, targets: Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,
-                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, entropy_grad: bool = True
-                         ) -> tuple[Tensor, Tensor | None]:
+def logprobs_from_logits(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """log softmax(logits / T)[targets] (and entropy) from full logits, in fp32 chunks. [M, V], [M] -> [M],
     [M] | None. Each chunk is checkpointed under autograd (its fp32 copy is recomputed in backward, not kept).
     `entropy_grad=False`: the entropy is only a statistic; it is computed without autograd."""
@@ -243,12 +320,18 @@ def logprobs_from_logits(logits: Tensor, targets: Tensor, *, temperature: float 
     # split, not slicing: one backward node for all chunks, instead of a full-size zero gradient per chunk
     for lg, tg in zip(logits.split(chunk_tokens), targets.split(chunk_tokens)):
         if compute_entropy and (entropy_grad or not grad):
-            lp, ent = (checkpoint(_chunk_logp_entropy, lg, tg, temperature, use_reentrant=False) if grad
-                       else _chunk_logp_entropy(lg, tg, temperature))
+            lp, ent = (
+                checkpoint(_chunk_logp_entropy, lg, tg, temperature, use_reentrant=False)
+                if grad
+                else _chunk_logp_entropy(lg, tg, temperature)
+            )
             ents.append(ent)
         else:
-            lp = (checkpoint(_chunk_logp, lg, tg, temperature, use_reentrant=False) if grad
-                  else _chunk_logp(lg, tg, temperature))
+            lp = (
+                checkpoint(_chunk_logp, lg, tg, temperature, use_reentrant=False)
+                if grad
+                else _chunk_logp(lg, tg, temperature)
+            )
             if compute_entropy:
                 with torch.no_grad():
                     ents.append(entropy_from_logits(lg.detach().float() / temperature))

@@ -32,11 +32,22 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
 from areal_async.train.lm_head import DEFAULT_CHUNK_TOKENS, forward_features, logprobs_from_logits, token_logprobs
 
-__all__ = ["packed_forward_logprobs", "rows_forward_logprobs", "pad_forward_logprobs", "needs_dense_packing_mask",
-           "seq_ids_from_lens", "position_ids_from_lens", "broadcast_to_tokens", "block_causal_mask",
-           "logprobs_from_logits", "model_device"]
+__all__ = [
+    "packed_forward_logprobs",
+    "rows_forward_logprobs",
+    "pad_forward_logprobs",
+    "needs_dense_packing_mask",
+    "seq_ids_from_lens",
+    "position_ids_from_lens",
+    "broadcast_to_tokens",
+    "block_causal_mask",
+    "logprobs_from_logits",
+    "model_device",
+]
+
 
 def _lens_tensor(seq_lens: Tensor | Sequence[int], device: torch.device | None = None) -> Tensor:
     lens = torch.as_tensor(seq_lens, dtype=torch.long, device=device)
@@ -100,14 +111,23 @@ def _explicit_attention_mask(model: torch.nn.Module, seq_lens: Tensor, device: t
     if impl == "eager":  # eager attention adds the mask to the scores
         dtype = next(model.parameters()).dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    raise ValueError(f"explicit packed masks support attn_implementation 'sdpa' or 'eager', not {impl!r}; "
-                     "flash/flex attention take packing from position_ids (explicit_mask=False)")
+    raise ValueError(
+        f"explicit packed masks support attn_implementation 'sdpa' or 'eager', not {impl!r}; "
+        "flash/flex attention take packing from position_ids (explicit_mask=False)"
+    )
 
 
-def packed_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: Tensor | Sequence[int], *,
-                            temperature: float = 1.0, compute_entropy: bool = False,
-                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, explicit_mask: bool | None = None,
-                            entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+def packed_forward_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    seq_lens: Tensor | Sequence[int],
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    explicit_mask: bool | None = None,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Forward one packed micro-batch and return per-token logp [N] (fp32) and entropy [N] (fp32) or None.
 
     `input_ids` [N] is the concatenation of sequences of lengths `seq_lens` [B] (sum == N), no padding. Gradient
@@ -135,8 +155,15 @@ def packed_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens:
     out, head = forward_features(model, **kwargs)
     feats = out.logits[0]  # [N, H] (hidden states; [N, V] logits for a model without a plain head)
     # Row t predicts token t + 1; rows that would predict the next sequence's first token are zeroed below.
-    lp, ent = token_logprobs(feats[:-1], ids[1:], head, temperature=temperature, compute_entropy=compute_entropy,
-                             chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)  # [N - 1]
+    lp, ent = token_logprobs(
+        feats[:-1],
+        ids[1:],
+        head,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        chunk_tokens=chunk_tokens,
+        entropy_grad=entropy_grad,
+    )  # [N - 1]
     is_first = pos == 0  # [N]
     zero = lp.new_zeros(1)
     logp = torch.where(is_first, 0.0, torch.cat([zero, lp]))
@@ -151,10 +178,17 @@ def needs_dense_packing_mask(model: torch.nn.Module) -> bool:
     return impl in ("sdpa", "eager")
 
 
-def rows_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: Tensor | Sequence[int], *,
-                          temperature: float = 1.0, compute_entropy: bool = False,
-                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, pad_id: int = 0,
-                          entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+def rows_forward_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    seq_lens: Tensor | Sequence[int],
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    pad_id: int = 0,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Same inputs and outputs as `packed_forward_logprobs` (flat [N] in concatenation order), computed as one
     right-padded [B, L] batch with no attention mask: exact, because causal attention never lets a real token see
     the padding after it (see the module docstring). L is the longest of `seq_lens`, so group sequences of similar
@@ -183,9 +217,15 @@ def rows_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: T
     # Every slot predicts the slot after it in its row (the last column predicts padding); the flat view needs no
     # copy, and the few padding rows cost their head and log-softmax only.
     targets = torch.cat([rows[:, 1:], rows.new_full((b, 1), pad_id)], dim=1)  # [B, L]
-    lp, ent = token_logprobs(feats.reshape(b * width, feats.shape[-1]), targets.reshape(-1), head,
-                             temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
-                             entropy_grad=entropy_grad)  # [B * L]
+    lp, ent = token_logprobs(
+        feats.reshape(b * width, feats.shape[-1]),
+        targets.reshape(-1),
+        head,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        chunk_tokens=chunk_tokens,
+        entropy_grad=entropy_grad,
+    )  # [B * L]
 
     def to_flat(x: Tensor) -> Tensor:  # slot t's value belongs to token t + 1; 0 at each first token
         shifted = torch.cat([x.new_zeros(b, 1), x.reshape(b, width)[:, :-1]], dim=1)  # [B, L]
@@ -194,9 +234,15 @@ def rows_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: T
     return to_flat(lp), (to_flat(ent) if ent is not None else None)
 
 
-def pad_forward_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int] | Tensor], *,
-                         temperature: float = 1.0, compute_entropy: bool = False,
-                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, pad_id: int = 0) -> tuple[Tensor, Tensor | None]:
+def pad_forward_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int] | Tensor],
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    pad_id: int = 0,
+) -> tuple[Tensor, Tensor | None]:
     """The padded-batch way, for comparison: right-pad to the longest, one [B, L] forward with an attention mask.
 
     Same outputs as `packed_forward_logprobs` on the concatenation: flat logp [N] and entropy [N] | None. Like a
@@ -211,16 +257,20 @@ def pad_forward_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[in
     b, width = len(rows), int(lens.max())
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, :r.numel()] = r
+        ids[i, : r.numel()] = r
     ids = ids.to(device)  # [B, L]
     valid = torch.arange(width)[None, :] < lens[:, None]  # [B, L]
     valid = valid.to(device)
     pos = torch.arange(width, device=device).expand(b, width)
     logits = model(input_ids=ids, attention_mask=valid.long(), position_ids=pos, use_cache=False).logits  # [B, L, V]
     vocab = logits.shape[-1]
-    lp, ent = logprobs_from_logits(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1),
-                                   temperature=temperature, compute_entropy=compute_entropy,
-                                   chunk_tokens=chunk_tokens)  # [B * (L - 1)]
+    lp, ent = logprobs_from_logits(
+        logits[:, :-1].reshape(-1, vocab),
+        ids[:, 1:].reshape(-1),
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        chunk_tokens=chunk_tokens,
+    )  # [B * (L - 1)]
 
     def unpad(x: Tensor) -> Tensor:
         full = torch.cat([x.new_zeros(b, 1), x.reshape(b, width - 1)], dim=1)  # [B, L], 0 at position 0

@@ -32,8 +32,15 @@ from torch import Tensor
 
 from areal_async.config import LossConfig
 
-__all__ = ["ppo_actor_loss", "actor_loss", "kl_penalty", "entropy_from_logits", "loss_normalizer", "LOSS_STAT_KEYS",
-           "summarize_loss_stats"]
+__all__ = [
+    "ppo_actor_loss",
+    "actor_loss",
+    "kl_penalty",
+    "entropy_from_logits",
+    "loss_normalizer",
+    "LOSS_STAT_KEYS",
+    "summarize_loss_stats",
+]
 
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -41,9 +48,21 @@ KLEstimator = Literal["k1", "k2", "k3"]
 # from turning the whole micro-batch into inf/nan.
 _MAX_LOG_RATIO = 20.0
 
-LOSS_STAT_KEYS = ("token_count", "used_token_count", "seq_count", "clipped_count", "dual_clipped_count",
-                  "capped_count", "imp_weight_sum", "imp_weight_max", "ratio_sum", "approx_kl_sum", "pg_loss_sum",
-                  "kl_ref_sum", "entropy_sum")
+LOSS_STAT_KEYS = (
+    "token_count",
+    "used_token_count",
+    "seq_count",
+    "clipped_count",
+    "dual_clipped_count",
+    "capped_count",
+    "imp_weight_sum",
+    "imp_weight_max",
+    "ratio_sum",
+    "approx_kl_sum",
+    "pg_loss_sum",
+    "kl_ref_sum",
+    "entropy_sum",
+)
 
 
 def loss_normalizer(cfg: LossConfig) -> str:
@@ -65,8 +84,17 @@ def _segment_mean(values: Tensor, weights: Tensor, seq_ids: Tensor) -> Tensor:
     return (total / count.clamp(min=1.0))[seq_ids]  # [N]
 
 
-def ppo_actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
-                   cfg: LossConfig, *, normalizer: float, seq_ids: Tensor | None = None) -> tuple[Tensor, dict]:
+def ppo_actor_loss(
+    logp: Tensor,
+    prox_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    normalizer: float,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict]:
     """Decoupled PPO loss of one micro-batch, already divided by the global `normalizer`.
 
     All tensors are flat [N] over the packed micro-batch: `logp` (pi_theta, carries the gradient), `prox_logp`,
@@ -87,8 +115,17 @@ def ppo_actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantag
     return loss, stats
 
 
-def _ppo(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig,
-         *, normalizer: float, seq_ids: Tensor | None) -> tuple[Tensor, dict, Tensor]:
+def _ppo(
+    logp: Tensor,
+    prox_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    normalizer: float,
+    seq_ids: Tensor | None,
+) -> tuple[Tensor, dict, Tensor]:
     """`ppo_actor_loss`, plus the per-token weight [N] of everything else in the loss: 1 / normalizer on the tokens
     the importance-weight cap kept (divided by the sequence's trained tokens for GSPO), 0 elsewhere."""
     _check_ppo_inputs(logp, prox_logp, behav_logp, advantages, mask, cfg, normalizer=normalizer, seq_ids=seq_ids)
@@ -127,13 +164,27 @@ def _ppo(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor
     return loss, {k: v.detach().float() for k, v in stats.items()}, keepf * per_seq / normalizer
 
 
-def _check_ppo_inputs(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
-                      cfg: LossConfig, *, normalizer: float, seq_ids: Tensor | None) -> None:
+def _check_ppo_inputs(
+    logp: Tensor,
+    prox_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    normalizer: float,
+    seq_ids: Tensor | None,
+) -> None:
     if logp.dim() != 1:
         raise ValueError(f"logp must be a flat [N] tensor, got shape {tuple(logp.shape)}")
     n = logp.shape[0]
-    for name, t in (("logp", logp), ("prox_logp", prox_logp), ("behav_logp", behav_logp),
-                    ("advantages", advantages), ("mask", mask)):
+    for name, t in (
+        ("logp", logp),
+        ("prox_logp", prox_logp),
+        ("behav_logp", behav_logp),
+        ("advantages", advantages),
+        ("mask", mask),
+    ):
         _check_flat(name, t, n)
     if not normalizer > 0:
         raise ValueError(f"normalizer must be > 0 (the global number of response tokens), got {normalizer}")
@@ -143,8 +194,9 @@ def _check_ppo_inputs(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advan
         _check_flat("seq_ids", seq_ids, n)
 
 
-def _behav_weight(m: Tensor, prox: Tensor, behav: Tensor, logp32: Tensor, cfg: LossConfig
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _behav_weight(
+    m: Tensor, prox: Tensor, behav: Tensor, logp32: Tensor, cfg: LossConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The behaviour importance weight pi_prox / pi_behav and its cap. Returns (raw weight [N], the weight the loss
     uses [N], the tokens kept [N] bool, the tokens over the cap [N] bool)."""
     # masked-out positions (prompt tokens, behav=0) must not reach exp()
@@ -164,8 +216,9 @@ def _behav_weight(m: Tensor, prox: Tensor, behav: Tensor, logp32: Tensor, cfg: L
     return raw_w, w, keep, over_cap
 
 
-def _policy_ratio(logp32: Tensor, prox: Tensor, keep: Tensor, mf: Tensor, cfg: LossConfig,
-                  seq_ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def _policy_ratio(
+    logp32: Tensor, prox: Tensor, keep: Tensor, mf: Tensor, cfg: LossConfig, seq_ids: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The ratio pi_theta / pi_prox per token, or per sequence broadcast to its tokens (GSPO). Returns (ratio [N],
     1 / trained tokens of the token's sequence [N] (GSPO, else 1), the number of trained sequences (GSPO, else 0))."""
     keepf = keep.float()
@@ -184,8 +237,9 @@ def _policy_ratio(logp32: Tensor, prox: Tensor, keep: Tensor, mf: Tensor, cfg: L
     return ratio, per_seq, seq_count
 
 
-def _clipped_objective(adv: Tensor, ratio: Tensor, keep: Tensor, m: Tensor, cfg: LossConfig
-                       ) -> tuple[Tensor, Tensor, Tensor]:
+def _clipped_objective(
+    adv: Tensor, ratio: Tensor, keep: Tensor, m: Tensor, cfg: LossConfig
+) -> tuple[Tensor, Tensor, Tensor]:
     """The clipped (and optionally dual-clipped) policy-gradient term per token. Returns (pg [N], clipped [N] bool,
     dual-clipped [N] bool)."""
     eps_low = cfg.eps_clip
@@ -202,9 +256,19 @@ def _clipped_objective(adv: Tensor, ratio: Tensor, keep: Tensor, m: Tensor, cfg:
     return pg, clipped, dual_clipped
 
 
-def actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
-               cfg: LossConfig, *, normalizer: float, seq_ids: Tensor | None = None, ref_logp: Tensor | None = None,
-               entropy: Tensor | None = None) -> tuple[Tensor, dict]:
+def actor_loss(
+    logp: Tensor,
+    prox_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    normalizer: float,
+    seq_ids: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict]:
     """The whole policy objective of one micro-batch: `ppo_actor_loss`, plus `cfg.kl_coef` x the KL to the frozen
     reference (`ref_logp` [N]) and minus `cfg.entropy_coef` x the entropy (`entropy` [N], with gradient when the
     coefficient is not 0; without one it is only measured).
@@ -213,8 +277,9 @@ def actor_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: 
     (their off-policy gap is too large to trust; training them towards the reference would still move the policy
     on exactly the tokens the cap protects), and GSPO's sequence mean applies to it too. The entropy bonus covers
     every trained token. Returns (loss, stats) with every key of `LOSS_STAT_KEYS`."""
-    loss, stats, weight = _ppo(logp, prox_logp, behav_logp, advantages, mask, cfg, normalizer=normalizer,
-                               seq_ids=seq_ids)
+    loss, stats, weight = _ppo(
+        logp, prox_logp, behav_logp, advantages, mask, cfg, normalizer=normalizer, seq_ids=seq_ids
+    )
     zero = torch.zeros((), device=logp.device)
     stats["kl_ref_sum"], stats["entropy_sum"] = zero, zero
     if ref_logp is not None:
@@ -263,8 +328,9 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: KLEstima
     k3 = exp(-log r) - 1 + log r (unbiased, always >= 0; Schulman's estimator). Gradient flows through `logp`.
     """
     if logp.shape != ref_logp.shape or logp.shape != mask.shape:
-        raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, ref_logp {tuple(ref_logp.shape)}, "
-                         f"mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"shape mismatch: logp {tuple(logp.shape)}, ref_logp {tuple(ref_logp.shape)}, mask {tuple(mask.shape)}"
+        )
     m = mask.bool()
     log_r = torch.where(m, logp.float() - ref_logp.detach().float(), 0.0)
     if estimator == "k1":

@@ -10,8 +10,14 @@ import msgspec
 
 from areal_async.types import WeightSpec
 
-__all__ = ["WeightPlanRequest", "WeightPlan", "OpenBroadcastRequest", "BroadcastEndpoint", "AbortBroadcastRequest",
-           "AbortBroadcastResult"]
+__all__ = [
+    "WeightPlanRequest",
+    "WeightPlan",
+    "OpenBroadcastRequest",
+    "BroadcastEndpoint",
+    "AbortBroadcastRequest",
+    "AbortBroadcastResult",
+]
 
 
 class WeightPlanRequest(msgspec.Struct, kw_only=True):

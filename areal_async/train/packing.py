@@ -21,8 +21,15 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-__all__ = ["pack_micro_batches", "pack_sorted_micro_batches", "pack_family_micro_batches", "padded_slots",
-           "family_slots", "balance_across_ranks", "split_minibatches"]
+__all__ = [
+    "pack_micro_batches",
+    "pack_sorted_micro_batches",
+    "pack_family_micro_batches",
+    "padded_slots",
+    "family_slots",
+    "balance_across_ranks",
+    "split_minibatches",
+]
 
 
 def _check_lengths(lengths: Sequence[int], what: str) -> None:
@@ -86,8 +93,7 @@ def padded_slots(seq_lens: Sequence[int], micro_batch: Sequence[int]) -> int:
     return len(micro_batch) * max((int(seq_lens[i]) for i in micro_batch), default=0)
 
 
-def pack_sorted_micro_batches(seq_lens: Sequence[int], max_tokens: int,
-                              min_micro_batches: int = 1) -> list[list[int]]:
+def pack_sorted_micro_batches(seq_lens: Sequence[int], max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
     """Group sequence indices into padded micro-batches of similar lengths, each at most `max_tokens` slots.
 
     Visit sequences longest first (ties: lower index first) and cut the run whenever one more member would take
@@ -112,12 +118,13 @@ def pack_sorted_micro_batches(seq_lens: Sequence[int], max_tokens: int,
             break
         k = max(splittable, key=lambda j: (padded_slots(seq_lens, runs[j]), -j))
         half = (len(runs[k]) + 1) // 2
-        runs[k:k + 1] = [runs[k][:half], runs[k][half:]]
+        runs[k : k + 1] = [runs[k][:half], runs[k][half:]]
     return [sorted(r) for r in runs]
 
 
-def family_slots(seq_lens: Sequence[int], family: Sequence[int], prefix_lens: Sequence[int],
-                 micro_batch: Sequence[int]) -> int:
+def family_slots(
+    seq_lens: Sequence[int], family: Sequence[int], prefix_lens: Sequence[int], micro_batch: Sequence[int]
+) -> int:
     """Token slots of `micro_batch` in the shared-prefix layout: one row per family present, padded to the longest
     prefix, plus one row per member, padded to the longest suffix."""
     if not micro_batch:
@@ -140,13 +147,18 @@ def _split_family(members: list[int], suffix: list[int], prefix: int) -> list[li
     runs: list[list[int]] = []
     j = k
     while j > 0:
-        runs.append(members[cut[j]:j])
+        runs.append(members[cut[j] : j])
         j = cut[j]
     return runs[::-1]
 
 
-def pack_family_micro_batches(seq_lens: Sequence[int], family: Sequence[int], prefix_lens: Sequence[int],
-                              max_tokens: int, min_micro_batches: int = 1) -> list[list[int]]:
+def pack_family_micro_batches(
+    seq_lens: Sequence[int],
+    family: Sequence[int],
+    prefix_lens: Sequence[int],
+    max_tokens: int,
+    min_micro_batches: int = 1,
+) -> list[list[int]]:
     """Group sequence indices into shared-prefix micro-batches of at most `max_tokens` slots (`family_slots`).
 
     Each family (members longest suffix first) is first cut into runs where one more prefix row costs less than
@@ -163,8 +175,9 @@ def pack_family_micro_batches(seq_lens: Sequence[int], family: Sequence[int], pr
     """
     _longest_first(seq_lens, max_tokens, min_micro_batches)  # validation only
     if not len(family) == len(prefix_lens) == len(seq_lens):
-        raise ValueError(f"family ({len(family)}) and prefix_lens ({len(prefix_lens)}) need one entry per sequence "
-                         f"({len(seq_lens)})")
+        raise ValueError(
+            f"family ({len(family)}) and prefix_lens ({len(prefix_lens)}) need one entry per sequence ({len(seq_lens)})"
+        )
     members: dict[int, list[int]] = {}
     for i, f in enumerate(family):
         members.setdefault(int(f), []).append(i)
@@ -199,7 +212,7 @@ def pack_family_micro_batches(seq_lens: Sequence[int], family: Sequence[int], pr
             break
         k = max(splittable, key=lambda j: (family_slots(seq_lens, family, prefix_lens, runs[j]), -j))
         half = (len(runs[k]) + 1) // 2
-        runs[k:k + 1] = [runs[k][:half], runs[k][half:]]
+        runs[k : k + 1] = [runs[k][:half], runs[k][half:]]
     return [sorted(r) for r in runs]
 
 

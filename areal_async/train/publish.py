@@ -49,8 +49,9 @@ def list_versions(root: str) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
 
 
-def iter_full_tensors(model: nn.Module, *, skip: set[str], dtype: torch.dtype, to_cpu: bool
-                      ) -> Iterator[tuple[str, Tensor | None]]:
+def iter_full_tensors(
+    model: nn.Module, *, skip: set[str], dtype: torch.dtype, to_cpu: bool
+) -> Iterator[tuple[str, Tensor | None]]:
     """(name, full tensor) for each state-dict entry of an FSDP2 model, in state-dict order, floating-point ones
     cast to `dtype` (integer buffers keep theirs).
 
@@ -132,8 +133,7 @@ class _ShardWriter:
 
         self.flush()
         if len(self.files) == 1:
-            os.rename(os.path.join(self.directory, self.files[0][0]),
-                      os.path.join(self.directory, "model.safetensors"))
+            os.rename(os.path.join(self.directory, self.files[0][0]), os.path.join(self.directory, "model.safetensors"))
             return
         n = len(self.files)
         weight_map = {}
@@ -162,7 +162,7 @@ def _copy_model_files(source_dir: str, dest: str) -> None:
 
 
 def _prune(root: str, keep: int, newest: int) -> None:
-    for v in list_versions(root)[:-max(keep, 1)]:
+    for v in list_versions(root)[: -max(keep, 1)]:
         if v != newest:
             shutil.rmtree(version_dir(root, v), ignore_errors=True)
     for name in os.listdir(root):  # leftovers of a publish that died half way
@@ -170,9 +170,17 @@ def _prune(root: str, keep: int, newest: int) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def publish_hf(model: nn.Module, *, source_dir: str, root: str, version: int, keep: int = 2,
-               dtype: torch.dtype = torch.float32, skip: set[str] | None = None,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> PublishResult:
+def publish_hf(
+    model: nn.Module,
+    *,
+    source_dir: str,
+    root: str,
+    version: int,
+    keep: int = 2,
+    dtype: torch.dtype = torch.float32,
+    skip: set[str] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> PublishResult:
     """Write `root/v<version>` atomically (collective; rank 0 writes) and keep only the newest `keep` versions.
 
     An error on rank 0 (disk full, permissions) is raised on every rank (`PublishError` there, `PeerPublishError`
@@ -220,9 +228,7 @@ def publish_hf(model: nn.Module, *, source_dir: str, root: str, version: int, ke
     failed = any_rank(error is not None)  # also the barrier after rank 0's rename
     if rank == 0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise PublishError(f"publishing version {version} to {root} failed: {type(error).__name__}: {error}") \
-            from error
+        raise PublishError(f"publishing version {version} to {root} failed: {type(error).__name__}: {error}") from error
     if failed:
         raise PeerPublishError(f"publishing version {version} to {root} failed on trainer rank 0 (see its error)")
     return PublishResult(path=os.path.abspath(final), seconds=time.perf_counter() - t0, num_bytes=num_bytes)
-

@@ -41,8 +41,7 @@ class Shard:
         device = self.input_ids.device
         if not seqs:
             return torch.zeros(0, dtype=torch.long, device=device)
-        return torch.cat([torch.arange(self.starts[i], self.starts[i] + self.seq_lens[i], device=device)
-                          for i in seqs])
+        return torch.cat([torch.arange(self.starts[i], self.starts[i] + self.seq_lens[i], device=device) for i in seqs])
 
     def seq_of_token(self) -> Tensor:
         """Each token's sequence index. [N] int64."""
@@ -51,9 +50,14 @@ class Shard:
 
 
 _FIELDS = {  # name -> (wire dtype, length: "N" tokens or "B" sequences)
-    "input_ids": ("int32", "N"), "loss_mask": ("uint8", "N"), "logprobs": ("float32", "N"),
-    "versions": ("int32", "N"), "seq_lens": ("int32", "B"), "rewards": ("float32", "B"),
-    "group_ids": ("int64", "B"), "prompt_lens": ("int32", "B"),
+    "input_ids": ("int32", "N"),
+    "loss_mask": ("uint8", "N"),
+    "logprobs": ("float32", "N"),
+    "versions": ("int32", "N"),
+    "seq_lens": ("int32", "B"),
+    "rewards": ("float32", "B"),
+    "group_ids": ("int64", "B"),
+    "prompt_lens": ("int32", "B"),
 }
 
 
@@ -75,8 +79,10 @@ def decode_shard(batch: TrainBatch, vocab_size: int, device: torch.device) -> Sh
     for name, (_, kind) in _FIELDS.items():
         want = n_tok if kind == "N" else n_seq
         if arrays[name].shape[0] != want:
-            raise BatchError(f"batch.{name}: length {arrays[name].shape[0]} != {want} "
-                             f"({'sum of seq_lens' if kind == 'N' else 'number of sequences'})")
+            raise BatchError(
+                f"batch.{name}: length {arrays[name].shape[0]} != {want} "
+                f"({'sum of seq_lens' if kind == 'N' else 'number of sequences'})"
+            )
     if n_seq and seq_lens.min() < 2:
         raise BatchError("batch.seq_lens: every sequence needs at least 2 tokens (position 0 is never trained)")
     ids = arrays["input_ids"]

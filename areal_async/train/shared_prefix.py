@@ -40,8 +40,9 @@ from areal_async.train.logprobs import model_device
 __all__ = ["plan_families", "supports_shared_prefix", "shared_prefix_forward_logprobs", "shared_prefix_savings"]
 
 
-def plan_families(input_ids: np.ndarray, seq_lens: Sequence[int], group_ids: Sequence[int]
-                  ) -> tuple[list[int], list[int]]:
+def plan_families(
+    input_ids: np.ndarray, seq_lens: Sequence[int], group_ids: Sequence[int]
+) -> tuple[list[int], list[int]]:
     """Which sequences share a prefix, and how long it is. Returns (family [B], prefix_len [B]).
 
     `input_ids` [N] is the concatenation of the sequences. Sequences of one group form a family when they share at
@@ -66,10 +67,10 @@ def plan_families(input_ids: np.ndarray, seq_lens: Sequence[int], group_ids: Seq
             continue
         group = members[int(group_ids[b])]
         cap = min(lens[m] for m in group) - 1
-        first = input_ids[starts[group[0]]:starts[group[0]] + cap]
+        first = input_ids[starts[group[0]] : starts[group[0]] + cap]
         p = cap
         for m in group[1:]:
-            other = input_ids[starts[m]:starts[m] + p]
+            other = input_ids[starts[m] : starts[m] + p]
             diff = np.flatnonzero(first[:p] != other)
             if diff.size:
                 p = int(diff[0])
@@ -129,10 +130,19 @@ def _output_cache(out: object):
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, seq_lens: Sequence[int],
-                                   family: Sequence[int], prefix_lens: Sequence[int], *, temperature: float = 1.0,
-                                   compute_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                                   pad_id: int = 0, entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+def shared_prefix_forward_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    seq_lens: Sequence[int],
+    family: Sequence[int],
+    prefix_lens: Sequence[int],
+    *,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    pad_id: int = 0,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Per-token logp [N] (fp32) and entropy [N] | None of the S sequences of lengths `seq_lens` laid end to end in
     `input_ids` [N], the same outputs as `train/logprobs.py`'s `packed_forward_logprobs`, computed with each family's
     prefix run once.
@@ -146,8 +156,9 @@ def shared_prefix_forward_logprobs(model: torch.nn.Module, input_ids: Tensor, se
     logits_p, cache = _prefix_pass(model, lay)
     logits_s, head = _suffix_pass(model, lay, cache, logits_p.dtype)
     del cache
-    kw = dict(temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens,
-              entropy_grad=entropy_grad)
+    kw = dict(
+        temperature=temperature, compute_entropy=compute_entropy, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad
+    )
     parts = _next_token_logprobs(lay, logits_p, logits_s, head, pad_id, kw)
     return _gather_tokens(lay, parts, compute_entropy)
 
@@ -169,16 +180,24 @@ class _FamilyLayout:
     r_max: int
 
 
-def _family_layout(input_ids: Tensor, seq_lens: Sequence[int], family: Sequence[int], prefix_lens: Sequence[int],
-                   device: torch.device, pad_id: int) -> _FamilyLayout:
+def _family_layout(
+    input_ids: Tensor,
+    seq_lens: Sequence[int],
+    family: Sequence[int],
+    prefix_lens: Sequence[int],
+    device: torch.device,
+    pad_id: int,
+) -> _FamilyLayout:
     """Check the arguments (ValueError naming what is wrong) and cut the token rows of both passes."""
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be a flat [N] tensor, got shape {tuple(input_ids.shape)}")
     lens = [int(n) for n in seq_lens]
     n_seq = len(lens)
     if not (len(family) == len(prefix_lens) == n_seq) or n_seq == 0:
-        raise ValueError(f"need one family and prefix length per sequence and at least one sequence, got "
-                         f"{n_seq} seq_lens, {len(family)} family ids, {len(prefix_lens)} prefix lengths")
+        raise ValueError(
+            f"need one family and prefix length per sequence and at least one sequence, got "
+            f"{n_seq} seq_lens, {len(family)} family ids, {len(prefix_lens)} prefix lengths"
+        )
     if sum(lens) != input_ids.numel():
         raise ValueError(f"sum(seq_lens)={sum(lens)} != len(input_ids)={input_ids.numel()}")
     pre = [int(p) for p in prefix_lens]
@@ -218,8 +237,19 @@ def _family_layout(input_ids: Tensor, seq_lens: Sequence[int], family: Sequence[
     if not torch.equal(member_prefix.masked_fill(~member_valid, pad_id), prefix_ids[row_t]):
         raise ValueError("the members of a family must share their first prefix_lens tokens")
     suffix_ids, _ = rows(starts + pre_t, lens_t - pre_t, r_max)  # [S, R]
-    return _FamilyLayout(ids=ids, starts=starts, lens=lens_t, pre=pre_t, row=row_t, prefix_ids=prefix_ids,
-                         suffix_ids=suffix_ids, n_fam=len(firsts), n_seq=n_seq, p_max=p_max, r_max=r_max)
+    return _FamilyLayout(
+        ids=ids,
+        starts=starts,
+        lens=lens_t,
+        pre=pre_t,
+        row=row_t,
+        prefix_ids=prefix_ids,
+        suffix_ids=suffix_ids,
+        n_fam=len(firsts),
+        n_seq=n_seq,
+        p_max=p_max,
+        r_max=r_max,
+    )
 
 
 def _prefix_pass(model: torch.nn.Module, lay: _FamilyLayout) -> tuple[Tensor, object]:
@@ -235,8 +265,9 @@ def _prefix_pass(model: torch.nn.Module, lay: _FamilyLayout) -> tuple[Tensor, ob
     return logits_p, cache
 
 
-def _suffix_pass(model: torch.nn.Module, lay: _FamilyLayout, cache: object, dtype: torch.dtype
-                 ) -> tuple[Tensor, object]:
+def _suffix_pass(
+    model: torch.nn.Module, lay: _FamilyLayout, cache: object, dtype: torch.dtype
+) -> tuple[Tensor, object]:
     """Pass 2: the suffixes, seeing their family's real prefix keys and themselves causally. `dtype` is the compute
     dtype (an eager mask is added to the scores in it). Returns the head's inputs [S, R, H] ([S, R, V]) and the
     head."""
@@ -253,13 +284,20 @@ def _suffix_pass(model: torch.nn.Module, lay: _FamilyLayout, cache: object, dtyp
     else:
         mask = allowed
     positions = lay.pre[:, None] + q_pos[None, :]  # [S, R]
-    out, head = forward_features(model, input_ids=lay.suffix_ids, attention_mask=mask, position_ids=positions,
-                                 use_cache=True, **{_cache_kwarg(model): cache})
+    out, head = forward_features(
+        model,
+        input_ids=lay.suffix_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        **{_cache_kwarg(model): cache},
+    )
     return out.logits, head
 
 
-def _next_token_logprobs(lay: _FamilyLayout, logits_p: Tensor, logits_s: Tensor, head, pad_id: int, kw: dict
-                         ) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor | None, Tensor | None, Tensor | None]]:
+def _next_token_logprobs(
+    lay: _FamilyLayout, logits_p: Tensor, logits_s: Tensor, head, pad_id: int, kw: dict
+) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor | None, Tensor | None, Tensor | None]]:
     """Next-token logprobs (and entropies) of three kinds of rows: prefix row t -> prefix token t + 1 [F * P], the
     prefix's last row -> each member's first suffix token [S], suffix row t -> suffix token t + 1 [S * R] (the last
     column of a row predicts padding and is never read)."""
@@ -267,18 +305,21 @@ def _next_token_logprobs(lay: _FamilyLayout, logits_p: Tensor, logits_s: Tensor,
     prefix_ids, suffix_ids = lay.prefix_ids, lay.suffix_ids
     width = logits_s.shape[-1]
     pad_col_p = prefix_ids.new_full((n_fam, 1), pad_id)
-    lp_p, ent_p = token_logprobs(logits_p.reshape(n_fam * p_max, width),
-                                 torch.cat([prefix_ids[:, 1:], pad_col_p], 1).reshape(-1), head, **kw)  # [F * P]
+    lp_p, ent_p = token_logprobs(
+        logits_p.reshape(n_fam * p_max, width), torch.cat([prefix_ids[:, 1:], pad_col_p], 1).reshape(-1), head, **kw
+    )  # [F * P]
     boundary = logits_p[lay.row, lay.pre - 1]  # [S, H]
     lp_b, ent_b = token_logprobs(boundary, suffix_ids[:, 0], head, **kw)  # [S]
     pad_col_s = suffix_ids.new_full((n_seq, 1), pad_id)
-    lp_s, ent_s = token_logprobs(logits_s.reshape(n_seq * r_max, width),
-                                 torch.cat([suffix_ids[:, 1:], pad_col_s], 1).reshape(-1), head, **kw)  # [S * R]
+    lp_s, ent_s = token_logprobs(
+        logits_s.reshape(n_seq * r_max, width), torch.cat([suffix_ids[:, 1:], pad_col_s], 1).reshape(-1), head, **kw
+    )  # [S * R]
     return (lp_p, lp_b, lp_s), (ent_p, ent_b, ent_s)
 
 
-def _gather_tokens(lay: _FamilyLayout, parts: tuple[tuple[Tensor, Tensor, Tensor], tuple],
-                   compute_entropy: bool) -> tuple[Tensor, Tensor | None]:
+def _gather_tokens(
+    lay: _FamilyLayout, parts: tuple[tuple[Tensor, Tensor, Tensor], tuple], compute_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """Each output token's value from where it lives in cat([0, lp_p, lp_b, lp_s]); prefix slots repeat across
     members, so their gradients add up in the shared rows. Returns logp [N] and entropy [N] | None."""
     (lp_p, lp_b, lp_s), (ent_p, ent_b, ent_s) = parts
@@ -288,8 +329,11 @@ def _gather_tokens(lay: _FamilyLayout, parts: tuple[tuple[Tensor, Tensor, Tensor
     t = torch.arange(lay.ids.numel(), device=device) - lay.starts[seq_of_tok]  # [N] position in its sequence
     p_tok = lay.pre[seq_of_tok]  # [N]
     base_b, base_s = 1 + n_fam * p_max, 1 + n_fam * p_max + n_seq
-    where = torch.where(t < p_tok, 1 + lay.row[seq_of_tok] * p_max + (t - 1),
-                        torch.where(t == p_tok, base_b + seq_of_tok, base_s + seq_of_tok * r_max + (t - p_tok - 1)))
+    where = torch.where(
+        t < p_tok,
+        1 + lay.row[seq_of_tok] * p_max + (t - 1),
+        torch.where(t == p_tok, base_b + seq_of_tok, base_s + seq_of_tok * r_max + (t - p_tok - 1)),
+    )
     where = torch.where(t == 0, 0, where)  # [N]
     zero = lp_p.new_zeros(1)
     logp = torch.cat([zero, lp_p, lp_b, lp_s])[where]

@@ -21,8 +21,19 @@ from areal_async.train.losses import LOSS_STAT_KEYS, summarize_loss_stats
 
 __all__ = ["StatSums", "StepResult", "STEP_STAT_KEYS", "summarize_step"]
 
-STEP_STAT_KEYS = ("loss_sum", "response_tokens", "tokens", "reward_sum", "shaped_reward_sum", "adv_abs_sum",
-                  "staleness_sum", "staleness_max", "nonfinite_inputs", "step_seconds_max", "prox_seconds_max")
+STEP_STAT_KEYS = (
+    "loss_sum",
+    "response_tokens",
+    "tokens",
+    "reward_sum",
+    "shaped_reward_sum",
+    "adv_abs_sum",
+    "staleness_sum",
+    "staleness_max",
+    "nonfinite_inputs",
+    "step_seconds_max",
+    "prox_seconds_max",
+)
 
 
 class StatSums:
@@ -32,7 +43,8 @@ class StatSums:
         self.device = device
         self.values: dict[str, Tensor] = {
             k: torch.tensor(float("-inf") if k.endswith("_max") else 0.0, dtype=torch.float64, device=device)
-            for k in keys}
+            for k in keys
+        }
 
     def add(self, key: str, value: Tensor | float) -> None:
         if key not in self.values:
@@ -75,8 +87,9 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
 
-def summarize_step(r: dict[str, float], result: StepResult, loss_cfg: LossConfig, *, num_seqs: float,
-                   saved_tokens: float) -> dict[str, float]:
+def summarize_step(
+    r: dict[str, float], result: StepResult, loss_cfg: LossConfig, *, num_seqs: float, saved_tokens: float
+) -> dict[str, float]:
     """The step's reported figures from the reduced sums `r` (see the module docstring)."""
     resp = r["response_tokens"]
     finite = [g for g in result.grad_norms if math.isfinite(g)]

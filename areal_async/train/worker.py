@@ -41,15 +41,32 @@ import msgspec
 
 from areal_async.config import ConfigError, TrainConfig, from_dict
 from areal_async.net.address import ADDRESS_ENV, host_address
+
 # rank_file is not used here: re-exported because tests/test_clean_runs.py reads worker.rank_file
 from areal_async.net.registry import announce_rank, rank_file, read_secret  # noqa: F401
 from areal_async.net.rpc import RpcServer
 from areal_async.torch_threads import one_thread_until_set
-from areal_async.train.messages import (AbortBroadcastRequest, AbortBroadcastResult, BroadcastEndpoint,
-                                        OpenBroadcastRequest, WeightPlan, WeightPlanRequest)
-from areal_async.types import (BroadcastRequest, BroadcastResult, CheckpointRequest, CheckpointResult, Empty,
-                               InitBroadcastRequest, PublishRequest, PublishResult, TrainerInfo, TrainStepRequest,
-                               TrainStepResult)
+from areal_async.train.messages import (
+    AbortBroadcastRequest,
+    AbortBroadcastResult,
+    BroadcastEndpoint,
+    OpenBroadcastRequest,
+    WeightPlan,
+    WeightPlanRequest,
+)
+from areal_async.types import (
+    BroadcastRequest,
+    BroadcastResult,
+    CheckpointRequest,
+    CheckpointResult,
+    Empty,
+    InitBroadcastRequest,
+    PublishRequest,
+    PublishResult,
+    TrainerInfo,
+    TrainStepRequest,
+    TrainStepResult,
+)
 
 log = logging.getLogger("areal_async.train.worker")
 
@@ -63,7 +80,6 @@ _STOP_GRACE_S = 3.0
 _STOP_TEARDOWN_S = 10.0  # the teardown barrier after such a stop: every rank was signalled, or its peers are gone
 
 
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m areal_async.train.worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF checkpoint directory of the initial policy")
@@ -72,12 +88,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--resume", default=None, help="a checkpoint directory written by save_checkpoint")
     p.add_argument("--rpc-host", default="127.0.0.1", help="interface the RPC server listens on")
-    p.add_argument("--orphan-timeout", type=float, default=120.0,
-                   help="exit when the controller has been disconnected this many seconds")
-    p.add_argument("--connect-timeout", type=float, default=3600.0,
-                   help="exit when no controller has connected this many seconds after start")
-    p.add_argument("--broadcast-timeout", type=float, default=600.0,
-                   help="timeout of collectives in the weight-broadcast group")
+    p.add_argument(
+        "--orphan-timeout",
+        type=float,
+        default=120.0,
+        help="exit when the controller has been disconnected this many seconds",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=3600.0,
+        help="exit when no controller has connected this many seconds after start",
+    )
+    p.add_argument(
+        "--broadcast-timeout", type=float, default=600.0, help="timeout of collectives in the weight-broadcast group"
+    )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -215,8 +240,9 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
         log.warning("stopping: %s", reason)
         server.request_stop()
         # a call stuck in a collective (another rank died) would keep serve_forever waiting forever
-        timer = threading.Timer(_STOP_GRACE_S, lambda: (log.error("still busy %.0fs after the stop; exiting",
-                                                                  _STOP_GRACE_S), os._exit(1)))
+        timer = threading.Timer(
+            _STOP_GRACE_S, lambda: (log.error("still busy %.0fs after the stop; exiting", _STOP_GRACE_S), os._exit(1))
+        )
         timer.daemon = True
         timer.start()
         deadlines.append(timer)
@@ -226,8 +252,14 @@ async def _serve(engine, args: argparse.Namespace, secret: bytes, parent: int) -
     address = await server.start_tcp(args.rpc_host, 0)
     # a rank file in run_dir, or a report to the controller's registry when AREAL_REGISTRY is set (multi-node)
     path = await announce_rank(args.run_dir, engine.rank, engine.world_size, address, secret)
-    log.info("rank %d/%d serving on %s (model %s, device %s)", engine.rank, engine.world_size, address,
-             args.model, engine.device)
+    log.info(
+        "rank %d/%d serving on %s (model %s, device %s)",
+        engine.rank,
+        engine.world_size,
+        address,
+        args.model,
+        engine.device,
+    )
     watchdog = loop.create_task(_watchdog(server, args, parent, stop))
     try:
         await server.serve_forever()
@@ -269,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     parent = os.getppid()
     args = _parse_args(argv)
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s trainer[{rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s trainer[{rank}] %(levelname)s %(name)s: %(message)s",
+    )
     try:
         try:
             secret = read_secret()
@@ -288,8 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     from areal_async.train.engine import TrainEngine, init_distributed  # lazy: torch loads here, after the line above
 
     nccl_environment(cfg, os.environ)  # before the first communicator: NCCL reads it then
-    log.info("NCCL_CUMEM_ENABLE=%s TORCH_NCCL_ASYNC_ERROR_HANDLING=%s", os.environ.get("NCCL_CUMEM_ENABLE", "<unset>"),
-             os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "<unset>"))
+    log.info(
+        "NCCL_CUMEM_ENABLE=%s TORCH_NCCL_ASYNC_ERROR_HANDLING=%s",
+        os.environ.get("NCCL_CUMEM_ENABLE", "<unset>"),
+        os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "<unset>"),
+    )
     device = init_distributed(cfg.device)
     engine = TrainEngine(args.model, cfg, seed=args.seed, device=device, broadcast_timeout_s=args.broadcast_timeout)
     if args.resume:

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from areal_async.tokenizer import Tokenizer
 
 
-def build_workflow(cfg: "RunConfig", tokenizer: "Tokenizer", score: "ScoreFn") -> "Workflow":
+def build_workflow(cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn) -> Workflow:
     """rollout.workflow: "rlvr", "multi_turn", or "module:callable" called as callable(cfg, tokenizer, score).
     Raises ConfigError naming rollout.workflow when the name does not resolve or the factory fails."""
     from areal_async.config import ConfigError
@@ -22,8 +22,9 @@ def build_workflow(cfg: "RunConfig", tokenizer: "Tokenizer", score: "ScoreFn") -
     if name == "rlvr":
         from areal_async.rollout.workflows.rlvr import RLVRWorkflow
 
-        sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                  top_k=r.top_k)
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+        )
         return RLVRWorkflow(tokenizer, score, sampling, r.group_size, use_chat_template=cfg.data.apply_chat_template)
     if name == "multi_turn":
         name = "areal_async.rollout.workflows.multi_turn:make_workflow"
@@ -41,6 +42,8 @@ def build_workflow(cfg: "RunConfig", tokenizer: "Tokenizer", score: "ScoreFn") -
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"rollout.workflow: {name} refused the config: {type(e).__name__}: {e}") from e
     if not hasattr(workflow, "run"):
-        raise ConfigError(f"rollout.workflow: {name} returned {type(workflow).__name__}, not a workflow "
-                          "(an object with async run(client, sample))")
+        raise ConfigError(
+            f"rollout.workflow: {name} returned {type(workflow).__name__}, not a workflow "
+            "(an object with async run(client, sample))"
+        )
     return workflow

@@ -24,7 +24,8 @@ a reward function and answers "wrong, try again" until the attempts run out. `ma
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Protocol, Union, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -32,12 +33,21 @@ from areal_async.config import MultiTurnConfig
 from areal_async.rollout.chat import ChatTokens
 from areal_async.rollout.workflow_api import Generator, ScoreFn, score_sample
 from areal_async.tokenizer import Tokenizer
-from areal_async.types import SamplingParams, Sample, Trajectory
+from areal_async.types import Sample, SamplingParams, Trajectory
 
-__all__ = ["ChatTokens", "CheckerEnv", "Env", "EnvFactory", "EpisodeResult", "MultiTurnConfig", "MultiTurnWorkflow",
-           "Observation", "make_workflow"]
+__all__ = [
+    "ChatTokens",
+    "CheckerEnv",
+    "Env",
+    "EnvFactory",
+    "EpisodeResult",
+    "MultiTurnConfig",
+    "MultiTurnWorkflow",
+    "Observation",
+    "make_workflow",
+]
 
-Observation = Union[str, list[dict]]  # plain text, or chat messages ({"role", "content", ...})
+Observation = str | list[dict]  # plain text, or chat messages ({"role", "content", ...})
 
 
 @runtime_checkable
@@ -90,9 +100,18 @@ class MultiTurnWorkflow:
     group-relative gradient pushes the end-of-sequence token down until the policy never stops.
     """
 
-    def __init__(self, tokenizer: Tokenizer, env_factory: EnvFactory, sampling: SamplingParams, group_size: int, *,
-                 max_turns: int = 2, max_total_tokens: int = 1024, chat: bool = False,
-                 truncated_reward: float | None = 0.0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        env_factory: EnvFactory,
+        sampling: SamplingParams,
+        group_size: int,
+        *,
+        max_turns: int = 2,
+        max_total_tokens: int = 1024,
+        chat: bool = False,
+        truncated_reward: float | None = 0.0,
+    ) -> None:
         if max_turns < 1 or group_size < 1:
             raise ValueError("max_turns and group_size must be >= 1")
         self.tok = tokenizer
@@ -133,8 +152,9 @@ class MultiTurnWorkflow:
         obs = await env.reset(sample)
         ids, chat = self._first_ids(obs)
         if len(ids) >= self.max_total_tokens:
-            raise ValueError(f"sample {sample.id}: the prompt has {len(ids)} tokens, max_total_tokens is "
-                             f"{self.max_total_tokens}")
+            raise ValueError(
+                f"sample {sample.id}: the prompt has {len(ids)} tokens, max_total_tokens is {self.max_total_tokens}"
+            )
         n0 = len(ids)
         mask, lps, vers = [0] * n0, [0.0] * n0, [-1] * n0
         step_rewards: list[float] = []
@@ -178,18 +198,36 @@ class MultiTurnWorkflow:
             mask += [0] * len(fb)
             lps += [0.0] * len(fb)
             vers += [-1] * len(fb)
-        return EpisodeResult(input_ids=ids, loss_mask=mask, logprobs=lps, versions=vers, prompt_len=n0,
-                       reward=sum(step_rewards), turns=len(outs), step_rewards=step_rewards, turn_outputs=outs,
-                       turn_inputs=ins, finish=finish, interruptions=interruptions)
+        return EpisodeResult(
+            input_ids=ids,
+            loss_mask=mask,
+            logprobs=lps,
+            versions=vers,
+            prompt_len=n0,
+            reward=sum(step_rewards),
+            turns=len(outs),
+            step_rewards=step_rewards,
+            turn_outputs=outs,
+            turn_inputs=ins,
+            finish=finish,
+            interruptions=interruptions,
+        )
 
     @staticmethod
     def to_trajectory(ep: EpisodeResult, group_id: int = -1) -> Trajectory:
         info: dict[str, Any] = {"turns": ep.turns, "finish": ep.finish, "interruptions": ep.interruptions}
         if ep.step_rewards:
             info["first_reward"] = ep.step_rewards[0]
-        return Trajectory(input_ids=ep.input_ids, loss_mask=ep.loss_mask, logprobs=ep.logprobs,
-                          versions=ep.versions, reward=ep.reward, group_id=group_id, prompt_len=ep.prompt_len,
-                          info=info)
+        return Trajectory(
+            input_ids=ep.input_ids,
+            loss_mask=ep.loss_mask,
+            logprobs=ep.logprobs,
+            versions=ep.versions,
+            reward=ep.reward,
+            group_id=group_id,
+            prompt_len=ep.prompt_len,
+            info=info,
+        )
 
     async def run(self, client: Generator, sample: Sample) -> list[Trajectory] | None:
         eps = await asyncio.gather(*(self.episode(client, sample, i) for i in range(self.group_size)))
@@ -207,8 +245,15 @@ class CheckerEnv:
     0 and, while attempts remain, gets `feedback` back (formatted with the sample's prompt).
     """
 
-    def __init__(self, score: ScoreFn, *, max_attempts: int = 2, feedback: str = "Wrong, try again.\n{prompt}",
-                 retry_discount: float = 0.5, threshold: float = 0.5) -> None:
+    def __init__(
+        self,
+        score: ScoreFn,
+        *,
+        max_attempts: int = 2,
+        feedback: str = "Wrong, try again.\n{prompt}",
+        retry_discount: float = 0.5,
+        threshold: float = 0.5,
+    ) -> None:
         self.score = score
         self.max_attempts = max_attempts
         self.feedback = feedback
@@ -228,7 +273,7 @@ class CheckerEnv:
         k = self.attempt
         self.attempt += 1
         if reward >= self.threshold:
-            return "", float(reward) * self.retry_discount ** k, True
+            return "", float(reward) * self.retry_discount**k, True
         done = self.attempt >= self.max_attempts
         return self.feedback.format(prompt=self.sample.prompt, answer_text=action), 0.0, done
 
@@ -237,15 +282,27 @@ def make_workflow(cfg: Any, tokenizer: Tokenizer, score: ScoreFn) -> MultiTurnWo
     """`rollout.workflow: multi_turn`: CheckerEnv over the run's reward, options from `rollout.multi_turn`."""
     r = cfg.rollout
     raw = getattr(r, "multi_turn", None) or {}
-    mt = raw if isinstance(raw, MultiTurnConfig) else msgspec.convert(  # a mapping, from a hand-made cfg
-        msgspec.to_builtins(raw), MultiTurnConfig, strict=False)
+    mt = (
+        raw
+        if isinstance(raw, MultiTurnConfig)
+        else msgspec.convert(  # a mapping, from a hand-made cfg
+            msgspec.to_builtins(raw), MultiTurnConfig, strict=False
+        )
+    )
     mt.validate("rollout.multi_turn")
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k)
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     chat = mt.chat or bool(getattr(getattr(cfg, "data", None), "apply_chat_template", False))
 
     def env_factory(_sample: Sample) -> Env:
         return CheckerEnv(score, max_attempts=mt.max_turns, feedback=mt.feedback, retry_discount=mt.retry_discount)
 
-    return MultiTurnWorkflow(tokenizer, env_factory, sampling, r.group_size, max_turns=mt.max_turns,
-                             max_total_tokens=mt.max_total_tokens, chat=chat, truncated_reward=mt.truncated_reward)
+    return MultiTurnWorkflow(
+        tokenizer,
+        env_factory,
+        sampling,
+        r.group_size,
+        max_turns=mt.max_turns,
+        max_total_tokens=mt.max_total_tokens,
+        chat=chat,
+        truncated_reward=mt.truncated_reward,
+    )

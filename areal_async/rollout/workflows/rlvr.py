@@ -14,8 +14,14 @@ class RLVRWorkflow:
     """One prompt group: `group_size` independent samples. Samples of one group share a session key so that a
     router keeps them on one server, where the prompt's KV prefix can be reused."""
 
-    def __init__(self, tokenizer: Tokenizer, score: ScoreFn, sampling: SamplingParams, group_size: int,
-                 use_chat_template: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        score: ScoreFn,
+        sampling: SamplingParams,
+        group_size: int,
+        use_chat_template: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.score = score
         self.sampling = sampling
@@ -31,8 +37,9 @@ class RLVRWorkflow:
         if self.group_size == 1:  # no gather: it would wrap the one call in a task of its own
             gens = [await client.agenerate(ids, self.sampling, session_key=key)]
         else:
-            gens = await asyncio.gather(*(client.agenerate(ids, self.sampling, session_key=key)
-                                          for _ in range(self.group_size)))
+            gens = await asyncio.gather(
+                *(client.agenerate(ids, self.sampling, session_key=key) for _ in range(self.group_size))
+            )
         if any(g.finish_reason == "abort" for g in gens):  # the group is dropped (manager.py): score nothing
             return [trajectory_from_generation(ids, g, 0.0, interruptions=g.num_interruptions) for g in gens]
         texts = [self.tokenizer.decode(g.output_ids) for g in gens]
@@ -41,7 +48,8 @@ class RLVRWorkflow:
         else:
             scores = await asyncio.gather(*(score_sample(self.score, t, sample) for t in texts))
         return [
-            trajectory_from_generation(ids, g, reward, interruptions=g.num_interruptions,
-                                       **({"reward_error": why} if why else {}))
+            trajectory_from_generation(
+                ids, g, reward, interruptions=g.num_interruptions, **({"reward_error": why} if why else {})
+            )
             for g, (reward, why) in zip(gens, scores)
         ]

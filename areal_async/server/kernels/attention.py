@@ -25,7 +25,9 @@ import torch
 
 from areal_async.server.kernels.build import EXP_POLY_C, bind, load_library
 
-_SOURCE = EXP_POLY_C + r"""
+_SOURCE = (
+    EXP_POLY_C
+    + r"""
 #include <float.h>
 
 #define MAX_HEADS 128
@@ -109,6 +111,7 @@ void paged_decode_attention(const float* q, const float* kv, const int64_t* tabl
     }
 }
 """
+)
 MAX_HEADS, MAX_HEAD_DIM, MAX_PAGE = 128, 256, 64
 
 
@@ -122,12 +125,14 @@ def load(march: str | None = None):
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    return (dtype == torch.float32 and num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
-            and num_heads % num_kv_heads == 0)
+    return (
+        dtype == torch.float32 and num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+    )
 
 
-def paged_decode_attention(fn, q: torch.Tensor, kv_pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
-                           num_kv_heads: int) -> torch.Tensor:
+def paged_decode_attention(
+    fn, q: torch.Tensor, kv_pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, num_kv_heads: int
+) -> torch.Tensor:
     """q [B, H, D] fp32 (scaled), kv_pages [num_pages, page_size, 2 * Hkv, D], table [B, P] long, lens [B] long
     (all on CPU) -> [B, H, D]. Row b attends to its first lens[b] keys, read through its pages."""
     b, h, d = q.shape
@@ -137,6 +142,18 @@ def paged_decode_attention(fn, q: torch.Tensor, kv_pages: torch.Tensor, table: t
     table = table.contiguous()
     lens = lens.contiguous()
     out = torch.empty_like(q)
-    fn(q.data_ptr(), kv_pages.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(), b, h, num_kv_heads, d,
-       table.shape[1], kv_pages.shape[1], min(torch.get_num_threads(), b))  # one task per row: no idle team
+    fn(
+        q.data_ptr(),
+        kv_pages.data_ptr(),
+        table.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        b,
+        h,
+        num_kv_heads,
+        d,
+        table.shape[1],
+        kv_pages.shape[1],
+        min(torch.get_num_threads(), b),
+    )  # one task per row: no idle team
     return out

@@ -7,8 +7,8 @@ the flags, the compiler and (for -march=native) the CPU's feature flags: a clust
 directory. The target is `AREAL_KERNEL_MARCH` (default `native`); `x86-64-v3` (AVX2 + FMA) is the portable
 baseline, and since it runs on every AVX-512 machine too, the tests build and check both targets in one process
 (`load_library(..., march=...)` loads each target's library separately). OpenMP resolves to the runtime torch has
-already loaded (the same libgomp soname), so a kernel shares torch's threads instead of starting a second pool. Callers treat None (no compiler, a failed build) as
-"use the portable path"; the reason is logged once per kernel.
+already loaded (the same libgomp soname), so a kernel shares torch's threads instead of starting a second pool.
+Callers treat None (no compiler, a failed build) as "use the portable path"; the reason is logged once per kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -87,8 +87,9 @@ def runnable_marches() -> list[str]:
 
 
 def _cache_dir() -> str:
-    return os.environ.get("AREAL_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "areal_async",
-                                                                "kernels")
+    return os.environ.get("AREAL_KERNEL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "areal_async", "kernels"
+    )
 
 
 def _cpu_signature() -> str:
@@ -117,8 +118,9 @@ def _build(name: str, source: str, compiler: str, march: str) -> str:
         with open(src, "w") as f:
             f.write(source)
         tmp_lib = os.path.join(tmp, f"{name}.so")
-        proc = subprocess.run([compiler, *flags, src, "-o", tmp_lib, "-lm"], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [compiler, *flags, src, "-o", tmp_lib, "-lm"], capture_output=True, text=True, timeout=120
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp_lib, lib)
@@ -133,8 +135,7 @@ def bind(lib: ctypes.CDLL, symbol: str, argtypes: list) -> Callable[..., None]:
     return fn
 
 
-def load_library(name: str, source: str, disable_env: str, what: str,
-                 march: str | None = None) -> ctypes.CDLL | None:
+def load_library(name: str, source: str, disable_env: str, what: str, march: str | None = None) -> ctypes.CDLL | None:
     """The built library for `source` and target `march` (default: `default_march()`; built once per process and
     target, cached on disk), or None where it cannot be built or `disable_env`=0 turns it off. `what` names the
     fallback in the log line. Two targets of one kernel are two separate libraries, both loadable at once."""

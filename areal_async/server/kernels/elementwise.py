@@ -21,7 +21,9 @@ import torch
 
 from areal_async.server.kernels.build import EXP_POLY_C, bind, load_library
 
-_SOURCE = EXP_POLY_C + r"""
+_SOURCE = (
+    EXP_POLY_C
+    + r"""
 #include <math.h>
 
 /* y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w, rows of n contiguous floats (x row stride ldx). */
@@ -70,6 +72,7 @@ void silu_mul(const float* gu, float* y, int64_t rows, int64_t n, int64_t thread
     }
 }
 """
+)
 
 
 class Kernels:
@@ -87,8 +90,7 @@ class Kernels:
         if x.stride(1) != 1:
             x = x.contiguous()
         out = torch.empty(rows, n, dtype=x.dtype)
-        self._norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n, x.stride(0), eps,
-                   torch.get_num_threads())
+        self._norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n, x.stride(0), eps, torch.get_num_threads())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -97,7 +99,6 @@ class Kernels:
         out = torch.empty(rows, n2 // 2, dtype=gate_up.dtype)
         self._silu(gate_up.data_ptr(), out.data_ptr(), rows, n2 // 2, torch.get_num_threads())
         return out
-
 
     def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] contiguous fp32 -> (argmax [B] long, logsumexp [B] fp32)."""

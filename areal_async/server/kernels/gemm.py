@@ -17,8 +17,8 @@ uses torch's matmul.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -50,6 +50,7 @@ def row_range(vector_width: int) -> tuple[int, int]:
     if vector_width == 16 and not _has_amx():
         return ROWS_AVX512_NO_AMX
     return ROWS.get(vector_width, (MIN_ROWS, MAX_ROWS))
+
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -131,8 +132,13 @@ class Kernel:
 
     def applies(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether `linear` should take this product: fp32 on CPU, contiguous, min_rows..max_rows rows."""
-        return (self.min_rows <= x.shape[0] <= self.max_rows and x.dtype == w.dtype == torch.float32
-                and x.device.type == "cpu" and x.is_contiguous() and w.is_contiguous())
+        return (
+            self.min_rows <= x.shape[0] <= self.max_rows
+            and x.dtype == w.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.is_contiguous()
+            and w.is_contiguous()
+        )
 
 
 def load(march: str | None = None) -> Kernel | None:
@@ -152,12 +158,22 @@ def load(march: str | None = None) -> Kernel | None:
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a product fits the AVX-512 build's row range (MIN_ROWS..MAX_ROWS), fp32, CPU and contiguous; the
     engine asks its loaded Kernel instead, whose range follows its target."""
-    return (MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
-            and x.is_contiguous() and w.is_contiguous())
+    return (
+        MIN_ROWS <= x.shape[0] <= MAX_ROWS
+        and x.dtype == w.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and w.is_contiguous()
+    )
 
 
-def linear(kernel: Kernel, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           add_to: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    kernel: Kernel,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    add_to: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N]; with `add_to` [M, N] (contiguous) the product is added into
     it in place and it is returned. The caller checks `kernel.applies` first."""
     m, k = x.shape
@@ -165,6 +181,16 @@ def linear(kernel: Kernel, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor 
     if bias is not None:
         bias = bias.contiguous()
     out = add_to if add_to is not None else torch.empty(m, n, dtype=x.dtype)
-    kernel.fn(x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None,
-              out.data_ptr() if add_to is not None else None, out.data_ptr(), m, n, k, n, torch.get_num_threads())
+    kernel.fn(
+        x.data_ptr(),
+        w.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr() if add_to is not None else None,
+        out.data_ptr(),
+        m,
+        n,
+        k,
+        n,
+        torch.get_num_threads(),
+    )
     return out

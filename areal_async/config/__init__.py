@@ -1,28 +1,26 @@
 """Typed run configuration. `from areal_async.config import RunConfig, load_config, ConfigError` is the public
-surface; the sections of where processes live are in `cluster`, the generic pieces in `base`, `files`, `types`."""
+surface; the trainer's sections are in `trainer`, the sections of where processes live in `cluster`, the generic
+pieces in `base`, `files`, `types`."""
 
 from areal_async.config.base import ConfigError
 from areal_async.config.cluster import RecoveryConfig, RendezvousConfig, SlurmConfig
 from areal_async.config.run_config import (
     GREEDY_TEMPERATURE,
     RESERVED_REWARD_ARGS,
-    AdvantageConfig,
     DataConfig,
     EvalConfig,
-    LossConfig,
     ModelConfig,
     MultiTurnConfig,
-    OptimConfig,
     RolloutConfig,
     RunConfig,
     ScheduleConfig,
     ServerConfig,
-    TrainConfig,
     from_dict,
     load_config,
     logprob_temperature,
     to_dict,
 )
+from areal_async.config.trainer import AdvantageConfig, LossConfig, OptimConfig, TrainConfig
 
 __all__ = [
     "GREEDY_TEMPERATURE",

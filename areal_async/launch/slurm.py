@@ -6,12 +6,12 @@
 Outside an allocation, `python -m areal_async.run launcher=slurm` submits a batch job that runs this same command
 (launch/sbatch.py says why a batch job rather than an allocation held from the login node).
 
-What runs where (`place`): the trainer step takes the first `train.nnodes` nodes, one torchrun agent per node
-(c10d rendezvous on the first of them; `train.nproc` ranks each); server i runs on node i // servers_per_node as its
-own one-task step. Every step asks for exactly its CPUs (`--exact`, `slurm.cpus_per_*`) and GPUs (`--gres`), and
-shares the job's memory (`--mem=0`), so steps on one node run side by side and Slurm gives each its own GPUs
-(CUDA_VISIBLE_DEVICES per step: an SGLang step always starts at GPU 0 of what it was given). All of it is checked
-against the allocation before the first srun, with errors naming the key to change.
+What runs where (`place`, launch/node_assignment.py): the trainer step takes the first `train.nnodes` nodes, one
+torchrun agent per node (c10d rendezvous on the first of them; `train.nproc` ranks each); server i runs on node
+i // servers_per_node as its own one-task step. Every step asks for exactly its CPUs (`--exact`, `slurm.cpus_per_*`)
+and GPUs (`--gres`), and shares the job's memory (`--mem=0`), so steps on one node run side by side and Slurm gives
+each its own GPUs (CUDA_VISIBLE_DEVICES per step: an SGLang step always starts at GPU 0 of what it was given). All of
+it is checked against the allocation before the first srun, with errors naming the key to change.
 
 Finding the processes: no filesystem is assumed to be shared. Server steps start through launch/step.py, which
 reports its node's address and port to the controller's registry (net/registry.py) and then becomes the server;
@@ -24,31 +24,30 @@ answer /health; torchrun's rendezvous gives up after `train.rdzv.timeout_s`. Eve
 tail. Teardown (normal exit, error, Ctrl-C, SIGTERM) scancels every step this controller created, waits for Slurm
 to report them gone, and kills what is left of the srun processes; the allocation itself belongs to whoever made it
 (the batch job ends when the controller does). No torch here.
+
+The allocation itself and the Slurm client commands are in launch/slurm_allocation.py; their names, and those of
+launch/node_assignment.py, are re-exported here (`__all__`), where launch/sbatch.py and the tests import them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
-import math
 import os
 import re
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from areal_async.config import ConfigError
 from areal_async.launch.api import EventHandler, ProcessExited, ServerHandle, TrainerHandle
 from areal_async.launch.membership import JoinFile, join_file
+from areal_async.launch.node_assignment import NodeAssignment, check_allocation, job_nodes, place
 from areal_async.launch.processes import (
     Child,
     ChildFailed,
@@ -61,234 +60,40 @@ from areal_async.launch.processes import (
     thread_env,
     trainer_cmd,
 )
+from areal_async.launch.slurm_allocation import (
+    Allocation,
+    SlurmError,
+    expand_counts,
+    in_allocation,
+    slurm_cmd,
+)
 from areal_async.net.registry import Registry, route_address
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
 
+# re-exported from launch/slurm_allocation.py and launch/node_assignment.py: launch/sbatch.py and the tests import them
+# from here
+__all__ = [
+    "Allocation",
+    "NodeAssignment",
+    "SlurmCluster",
+    "SlurmError",
+    "SlurmLauncher",
+    "check_allocation",
+    "describe_steps",
+    "expand_counts",
+    "in_allocation",
+    "job_nodes",
+    "list_steps",
+    "place",
+    "rdzv_port",
+    "slurm_cmd",
+    "srun_cmd",
+    "SRUN_UNSET",
+]
+
 log = logging.getLogger(__name__)
-
-_SLURM_TIMEOUT_S = 30.0  # one squeue/scontrol/scancel call
-
-
-class SlurmError(RuntimeError):
-    """A Slurm command failed or Slurm refused a request; the message carries Slurm's words."""
-
-
-def slurm_cmd(args: list[str], timeout_s: float = _SLURM_TIMEOUT_S) -> str:
-    """Run a Slurm client command; its stdout, or SlurmError with its stderr."""
-    try:
-        p = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise SlurmError(f"{args[0]} not found: launcher=slurm needs the Slurm client commands on PATH") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"{' '.join(args[:2])} did not answer within {timeout_s:.0f}s (is slurmctld up?)") from None
-    if p.returncode != 0:
-        raise SlurmError(f"{' '.join(args)}: {(p.stderr or p.stdout).strip()}")
-    return p.stdout
-
-
-def in_allocation(env: dict[str, str] | os._Environ = os.environ) -> bool:
-    return bool(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"))
-
-
-# ---- the allocation -----------------------------------------------------------------------------------------------
-
-
-def expand_counts(spec: str) -> list[int]:
-    """SLURM_JOB_CPUS_PER_NODE's compressed form: '16' -> [16]; '8(x2),4' -> [8, 8, 4]."""
-    out: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if not m:
-            raise ValueError(f"cannot read the CPU counts {spec!r}")
-        out += [int(m.group(1))] * int(m.group(2) or 1)
-    return out
-
-
-def _count_ids(ids: str) -> int:
-    """'0-2,5' -> 4"""
-    n = 0
-    for part in ids.split(","):
-        lo, _, hi = part.partition("-")
-        n += int(hi or lo) - int(lo) + 1
-    return n
-
-
-def hostnames(nodelist: str) -> list[str]:
-    """A Slurm host list expression ('gpu[01-03],cpu7') as names, the way Slurm expands it."""
-    return slurm_cmd(["scontrol", "show", "hostnames", nodelist]).split()
-
-
-@dataclass(frozen=True)
-class Allocation:
-    job_id: str
-    nodes: list[str]
-    cpus: dict[str, int]  # CPUs the job holds on each node
-    controller_node: str | None  # the node this controller runs on, when it is one of the job's
-
-    @classmethod
-    def current(cls, env: dict[str, str] | os._Environ = os.environ) -> Allocation:
-        """The allocation this process runs in (sbatch, salloc, or SLURM_JOB_ID naming a running job)."""
-        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-        if not job:
-            raise ConfigError(
-                "launcher: slurm runs inside an allocation (SLURM_JOB_ID is not set); start it with "
-                "`python -m areal_async.run launcher=slurm ...`, which submits a batch job, or under "
-                "salloc/sbatch"
-            )
-        nodelist, cpus_spec = env.get("SLURM_JOB_NODELIST"), env.get("SLURM_JOB_CPUS_PER_NODE")
-        if nodelist and cpus_spec:
-            nodes = hostnames(nodelist)
-            counts = expand_counts(cpus_spec)
-            if len(counts) != len(nodes):
-                raise SlurmError(f"SLURM_JOB_CPUS_PER_NODE={cpus_spec} does not match {len(nodes)} nodes")
-            cpus = dict(zip(nodes, counts))
-        else:  # attached by job id only: ask slurmctld
-            nodes, cpus = _job_resources(job)
-        me = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-        return cls(job, nodes, cpus, me if me in nodes else None)
-
-
-def _job_resources(job: str) -> tuple[list[str], dict[str, int]]:
-    text = slurm_cmd(["scontrol", "show", "job", "-d", job])
-    state = re.search(r"JobState=(\S+)", text)
-    if not state or state.group(1) != "RUNNING":
-        raise ConfigError(f"launcher: SLURM_JOB_ID={job} is {state.group(1) if state else 'unknown'}, not RUNNING")
-    nodes: list[str] = []
-    cpus: dict[str, int] = {}
-    for expr, ids in re.findall(r"\bNodes=(\S+) CPU_IDs=(\S+)", text):
-        for node in hostnames(expr):
-            nodes.append(node)
-            cpus[node] = _count_ids(ids)
-    if not nodes:
-        raise SlurmError(f"scontrol show job -d {job}: no node list")
-    return nodes, cpus
-
-
-# ---- node assignment ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NodeAssignment:
-    """Which node of the allocation runs which server and trainer step, and what each step asks Slurm for (the
-    local launcher's GPU-level plan is launch/placement.py's `Placement`)."""
-
-    nodes: list[str]
-    server_nodes: list[str]  # node of server i (empty for server.backend=external)
-    trainer_nodes: list[str]
-    cpus_per_server: int
-    gpus_per_server: int
-    cpus_per_trainer_node: int  # train.nproc ranks on each trainer node
-    gpus_per_trainer_node: int
-
-    def needs(self, node: str) -> tuple[int, int]:
-        """(CPUs, GPUs) the steps on `node` ask for together."""
-        n = self.server_nodes.count(node)
-        t = int(node in self.trainer_nodes)
-        return (
-            n * self.cpus_per_server + t * self.cpus_per_trainer_node,
-            n * self.gpus_per_server + t * self.gpus_per_trainer_node,
-        )
-
-
-def job_nodes(cfg: RunConfig) -> int:
-    """Nodes a submitted job asks for: slurm.nodes, or enough for the trainers and slurm.servers_per_node."""
-    if cfg.slurm.nodes:
-        return cfg.slurm.nodes
-    n = cfg.train.nnodes
-    if cfg.server.backend != "external" and cfg.slurm.servers_per_node:
-        n = max(n, math.ceil(cfg.server.num_servers / cfg.slurm.servers_per_node))
-    return n
-
-
-def _loopback(host: str) -> bool:
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(host).is_loopback
-    return host == "localhost"
-
-
-def place(cfg: RunConfig, nodes: list[str], controller_node: str | None) -> NodeAssignment:
-    """Lay the run out on `nodes`; every impossibility is a ConfigError naming the key to change."""
-    s, srv, t = cfg.slurm, cfg.server, cfg.train
-    if s.nodes is not None:
-        if s.nodes > len(nodes):
-            raise ConfigError(f"slurm.nodes: {s.nodes} nodes asked for, the job has {len(nodes)} ({','.join(nodes)})")
-        nodes = nodes[: s.nodes]
-    if t.nnodes > len(nodes):
-        raise ConfigError(f"train.nnodes: {t.nnodes} trainer nodes, the job has {len(nodes)} ({','.join(nodes)})")
-    for key, bad, why in (
-        ("train.torchrun_args", bool(t.torchrun_args), "under Slurm the rendezvous comes from train.nnodes"),
-        (
-            "train.cuda_visible_devices",
-            t.cuda_visible_devices is not None,
-            "under Slurm each step gets its GPUs from Slurm (slurm.gpus_per_node)",
-        ),
-        ("server.base_gpu_id", srv.base_gpu_id != 0, "under Slurm each server step gets its GPUs from Slurm"),
-        ("train.rdzv.local_agents", t.rdzv.local_agents is not None, "is for launcher=local"),
-        (
-            "slurm.gpus_per_node",
-            srv.backend == "sglang" and s.gpus_per_node == 0,
-            "sglang servers need GPUs: set the GPUs each node has",
-        ),
-    ):
-        if bad:
-            raise ConfigError(f"{key}: {why}")
-    server_nodes: list[str] = []
-    if srv.backend != "external":
-        per = s.servers_per_node or math.ceil(srv.num_servers / len(nodes))
-        if math.ceil(srv.num_servers / per) > len(nodes):
-            raise ConfigError(
-                f"slurm.servers_per_node: {srv.num_servers} servers at {per} per node need "
-                f"{math.ceil(srv.num_servers / per)} nodes, the job has {len(nodes)}"
-            )
-        server_nodes = [nodes[i // per] for i in range(srv.num_servers)]
-        remote = [n for n in server_nodes if n != controller_node]
-        if remote and _loopback(srv.host):
-            raise ConfigError(
-                f"server.host: {srv.host} cannot be reached from the controller "
-                f"({controller_node or socket.gethostname()}) on {remote[0]}; bind 0.0.0.0 and set "
-                f"server.api_key"
-            )
-        if not _loopback(srv.host) and not srv.api_key:
-            raise ConfigError(
-                f"server.api_key: servers bound to {srv.host} take weight updates from anyone who "
-                f"reaches them; set a key (the controller sends it)"
-            )
-    gpus = s.gpus_per_node > 0
-    server_gpus = 0 if not gpus else (srv.gpus_per_server if srv.backend == "sglang" else int(srv.device != "cpu"))
-    p = NodeAssignment(
-        nodes=nodes,
-        server_nodes=server_nodes,
-        trainer_nodes=nodes[: t.nnodes],
-        cpus_per_server=s.cpus_per_server or srv.torch_threads + 1,
-        gpus_per_server=server_gpus,
-        cpus_per_trainer_node=t.nproc * (s.cpus_per_trainer or t.torch_threads + 1),
-        gpus_per_trainer_node=t.nproc if gpus and t.device != "cpu" else 0,
-    )
-    for node in nodes:
-        _, g = p.needs(node)
-        if g > s.gpus_per_node:
-            raise ConfigError(
-                f"slurm.gpus_per_node: the steps on {node} need {g} GPUs "
-                f"({p.server_nodes.count(node)} servers x {p.gpus_per_server}"
-                f"{f' + {p.gpus_per_trainer_node} trainer ranks' if node in p.trainer_nodes else ''})"
-                f", a node has {s.gpus_per_node}"
-            )
-    return p
-
-
-def check_allocation(p: NodeAssignment, alloc: Allocation) -> None:
-    for node in p.nodes:
-        c, _ = p.needs(node)
-        if c > alloc.cpus.get(node, 0):
-            raise ConfigError(
-                f"slurm.cpus_per_server: the steps on {node} need {c} CPUs "
-                f"({p.server_nodes.count(node)} servers x {p.cpus_per_server}"
-                f"{f' + trainers {p.cpus_per_trainer_node}' if node in p.trainer_nodes else ''}), "
-                f"job {alloc.job_id} holds {alloc.cpus.get(node, 0)} there "
-                f"(or lower slurm.cpus_per_trainer)"
-            )
 
 
 # ---- steps --------------------------------------------------------------------------------------------------------

@@ -1,0 +1,144 @@
+"""Which node of a Slurm allocation runs which server and trainer step, and what each step asks Slurm for
+(`place`, `check_allocation`; the local launcher's GPU-level plan is launch/placement.py).
+
+Apart from launch/slurm.py because it is a pure function of the config and the job's node list: launch/sbatch.py
+lays a run out with it before submitting the job (so a run that cannot fit fails at once), and every impossibility
+is a ConfigError naming the key to change, checked before the first srun. No torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import math
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from areal_async.config import ConfigError
+from areal_async.launch.slurm_allocation import Allocation
+
+if TYPE_CHECKING:
+    from areal_async.config import RunConfig
+
+
+@dataclass(frozen=True)
+class NodeAssignment:
+    """Which node of the allocation runs which server and trainer step, and what each step asks Slurm for (the
+    local launcher's GPU-level plan is launch/placement.py's `Placement`)."""
+
+    nodes: list[str]
+    server_nodes: list[str]  # node of server i (empty for server.backend=external)
+    trainer_nodes: list[str]
+    cpus_per_server: int
+    gpus_per_server: int
+    cpus_per_trainer_node: int  # train.nproc ranks on each trainer node
+    gpus_per_trainer_node: int
+
+    def needs(self, node: str) -> tuple[int, int]:
+        """(CPUs, GPUs) the steps on `node` ask for together."""
+        n = self.server_nodes.count(node)
+        t = int(node in self.trainer_nodes)
+        return (
+            n * self.cpus_per_server + t * self.cpus_per_trainer_node,
+            n * self.gpus_per_server + t * self.gpus_per_trainer_node,
+        )
+
+
+def job_nodes(cfg: RunConfig) -> int:
+    """Nodes a submitted job asks for: slurm.nodes, or enough for the trainers and slurm.servers_per_node."""
+    if cfg.slurm.nodes:
+        return cfg.slurm.nodes
+    n = cfg.train.nnodes
+    if cfg.server.backend != "external" and cfg.slurm.servers_per_node:
+        n = max(n, math.ceil(cfg.server.num_servers / cfg.slurm.servers_per_node))
+    return n
+
+
+def _loopback(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return host == "localhost"
+
+
+def place(cfg: RunConfig, nodes: list[str], controller_node: str | None) -> NodeAssignment:
+    """Lay the run out on `nodes`; every impossibility is a ConfigError naming the key to change."""
+    s, srv, t = cfg.slurm, cfg.server, cfg.train
+    if s.nodes is not None:
+        if s.nodes > len(nodes):
+            raise ConfigError(f"slurm.nodes: {s.nodes} nodes asked for, the job has {len(nodes)} ({','.join(nodes)})")
+        nodes = nodes[: s.nodes]
+    if t.nnodes > len(nodes):
+        raise ConfigError(f"train.nnodes: {t.nnodes} trainer nodes, the job has {len(nodes)} ({','.join(nodes)})")
+    for key, bad, why in (
+        ("train.torchrun_args", bool(t.torchrun_args), "under Slurm the rendezvous comes from train.nnodes"),
+        (
+            "train.cuda_visible_devices",
+            t.cuda_visible_devices is not None,
+            "under Slurm each step gets its GPUs from Slurm (slurm.gpus_per_node)",
+        ),
+        ("server.base_gpu_id", srv.base_gpu_id != 0, "under Slurm each server step gets its GPUs from Slurm"),
+        ("train.rdzv.local_agents", t.rdzv.local_agents is not None, "is for launcher=local"),
+        (
+            "slurm.gpus_per_node",
+            srv.backend == "sglang" and s.gpus_per_node == 0,
+            "sglang servers need GPUs: set the GPUs each node has",
+        ),
+    ):
+        if bad:
+            raise ConfigError(f"{key}: {why}")
+    server_nodes: list[str] = []
+    if srv.backend != "external":
+        per = s.servers_per_node or math.ceil(srv.num_servers / len(nodes))
+        if math.ceil(srv.num_servers / per) > len(nodes):
+            raise ConfigError(
+                f"slurm.servers_per_node: {srv.num_servers} servers at {per} per node need "
+                f"{math.ceil(srv.num_servers / per)} nodes, the job has {len(nodes)}"
+            )
+        server_nodes = [nodes[i // per] for i in range(srv.num_servers)]
+        remote = [n for n in server_nodes if n != controller_node]
+        if remote and _loopback(srv.host):
+            raise ConfigError(
+                f"server.host: {srv.host} cannot be reached from the controller "
+                f"({controller_node or socket.gethostname()}) on {remote[0]}; bind 0.0.0.0 and set "
+                f"server.api_key"
+            )
+        if not _loopback(srv.host) and not srv.api_key:
+            raise ConfigError(
+                f"server.api_key: servers bound to {srv.host} take weight updates from anyone who "
+                f"reaches them; set a key (the controller sends it)"
+            )
+    gpus = s.gpus_per_node > 0
+    server_gpus = 0 if not gpus else (srv.gpus_per_server if srv.backend == "sglang" else int(srv.device != "cpu"))
+    p = NodeAssignment(
+        nodes=nodes,
+        server_nodes=server_nodes,
+        trainer_nodes=nodes[: t.nnodes],
+        cpus_per_server=s.cpus_per_server or srv.torch_threads + 1,
+        gpus_per_server=server_gpus,
+        cpus_per_trainer_node=t.nproc * (s.cpus_per_trainer or t.torch_threads + 1),
+        gpus_per_trainer_node=t.nproc if gpus and t.device != "cpu" else 0,
+    )
+    for node in nodes:
+        _, g = p.needs(node)
+        if g > s.gpus_per_node:
+            raise ConfigError(
+                f"slurm.gpus_per_node: the steps on {node} need {g} GPUs "
+                f"({p.server_nodes.count(node)} servers x {p.gpus_per_server}"
+                f"{f' + {p.gpus_per_trainer_node} trainer ranks' if node in p.trainer_nodes else ''})"
+                f", a node has {s.gpus_per_node}"
+            )
+    return p
+
+
+def check_allocation(p: NodeAssignment, alloc: Allocation) -> None:
+    for node in p.nodes:
+        c, _ = p.needs(node)
+        if c > alloc.cpus.get(node, 0):
+            raise ConfigError(
+                f"slurm.cpus_per_server: the steps on {node} need {c} CPUs "
+                f"({p.server_nodes.count(node)} servers x {p.cpus_per_server}"
+                f"{f' + trainers {p.cpus_per_trainer_node}' if node in p.trainer_nodes else ''}), "
+                f"job {alloc.job_id} holds {alloc.cpus.get(node, 0)} there "
+                f"(or lower slurm.cpus_per_trainer)"
+            )

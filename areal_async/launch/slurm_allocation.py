@@ -1,0 +1,111 @@
+"""The Slurm job this controller runs in (`Allocation`: its nodes and the CPUs it holds on each), and the one way
+this package calls Slurm's client commands (`slurm_cmd`, failing with `SlurmError` in Slurm's own words).
+
+Apart from launch/slurm.py, which starts steps in the allocation, because reading an allocation does not depend on
+what runs in it, and launch/sbatch.py uses the same client commands to submit and follow a job from outside any
+allocation. No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+
+from areal_async.config import ConfigError
+
+_SLURM_TIMEOUT_S = 30.0  # one squeue/scontrol/scancel call
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed or Slurm refused a request; the message carries Slurm's words."""
+
+
+def slurm_cmd(args: list[str], timeout_s: float = _SLURM_TIMEOUT_S) -> str:
+    """Run a Slurm client command; its stdout, or SlurmError with its stderr."""
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise SlurmError(f"{args[0]} not found: launcher=slurm needs the Slurm client commands on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{' '.join(args[:2])} did not answer within {timeout_s:.0f}s (is slurmctld up?)") from None
+    if p.returncode != 0:
+        raise SlurmError(f"{' '.join(args)}: {(p.stderr or p.stdout).strip()}")
+    return p.stdout
+
+
+def in_allocation(env: dict[str, str] | os._Environ = os.environ) -> bool:
+    return bool(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"))
+
+
+def expand_counts(spec: str) -> list[int]:
+    """SLURM_JOB_CPUS_PER_NODE's compressed form: '16' -> [16]; '8(x2),4' -> [8, 8, 4]."""
+    out: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ValueError(f"cannot read the CPU counts {spec!r}")
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def _count_ids(ids: str) -> int:
+    """'0-2,5' -> 4"""
+    n = 0
+    for part in ids.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """A Slurm host list expression ('gpu[01-03],cpu7') as names, the way Slurm expands it."""
+    return slurm_cmd(["scontrol", "show", "hostnames", nodelist]).split()
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: str
+    nodes: list[str]
+    cpus: dict[str, int]  # CPUs the job holds on each node
+    controller_node: str | None  # the node this controller runs on, when it is one of the job's
+
+    @classmethod
+    def current(cls, env: dict[str, str] | os._Environ = os.environ) -> Allocation:
+        """The allocation this process runs in (sbatch, salloc, or SLURM_JOB_ID naming a running job)."""
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if not job:
+            raise ConfigError(
+                "launcher: slurm runs inside an allocation (SLURM_JOB_ID is not set); start it with "
+                "`python -m areal_async.run launcher=slurm ...`, which submits a batch job, or under "
+                "salloc/sbatch"
+            )
+        nodelist, cpus_spec = env.get("SLURM_JOB_NODELIST"), env.get("SLURM_JOB_CPUS_PER_NODE")
+        if nodelist and cpus_spec:
+            nodes = hostnames(nodelist)
+            counts = expand_counts(cpus_spec)
+            if len(counts) != len(nodes):
+                raise SlurmError(f"SLURM_JOB_CPUS_PER_NODE={cpus_spec} does not match {len(nodes)} nodes")
+            cpus = dict(zip(nodes, counts))
+        else:  # attached by job id only: ask slurmctld
+            nodes, cpus = _job_resources(job)
+        me = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+        return cls(job, nodes, cpus, me if me in nodes else None)
+
+
+def _job_resources(job: str) -> tuple[list[str], dict[str, int]]:
+    text = slurm_cmd(["scontrol", "show", "job", "-d", job])
+    state = re.search(r"JobState=(\S+)", text)
+    if not state or state.group(1) != "RUNNING":
+        raise ConfigError(f"launcher: SLURM_JOB_ID={job} is {state.group(1) if state else 'unknown'}, not RUNNING")
+    nodes: list[str] = []
+    cpus: dict[str, int] = {}
+    for expr, ids in re.findall(r"\bNodes=(\S+) CPU_IDs=(\S+)", text):
+        for node in hostnames(expr):
+            nodes.append(node)
+            cpus[node] = _count_ids(ids)
+    if not nodes:
+        raise SlurmError(f"scontrol show job -d {job}: no node list")
+    return nodes, cpus

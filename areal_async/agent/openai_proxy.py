@@ -34,6 +34,8 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST
 (`{"reward": float, "call_id": optional}`, episode from the key), GET /v1/episode (what was recorded).
 Streaming is answered in OpenAI's SSE format, as one chunk per choice after generation finishes. Not supported
 (400): `echo`, `suffix`, `best_of`, n above 16; `top_logprobs` is answered with empty lists.
+
+Messages are compared and rendered by chat_messages.py; answers, errors and streams go out through proxy_http.py.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
+from areal_async.agent.chat_messages import same_message, template_messages
 from areal_async.agent.episode import CallRecord, Episode, ExportMode
+from areal_async.agent.proxy_http import ProxyError, answer, error_response, json_response
 from areal_async.inference.transport import InferenceError
 from areal_async.protocol import openai_requests, openai_responses
 from areal_async.protocol.engine_api import EngineSampling
@@ -65,13 +69,6 @@ log = logging.getLogger(__name__)
 MAX_N = 16
 _NO_CONTEXT_LIMIT = 1 << 31  # without max_context_tokens the servers enforce the model's context length
 SamplingMode = Literal["enforce", "reject"]
-
-
-class ProxyError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
 
 
 class PolicySampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,56 +103,6 @@ class RewardRequest(msgspec.Struct, kw_only=True):
 
 # re-exported: the one tool-call parser (see protocol/openai_responses.py)
 parse_tool_calls = openai_responses.parse_tool_calls
-
-
-# ---- messages as chat templates expect them ---------------------------------------------------------------------
-
-
-def _args_obj(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates expect them: no null fields, tool-call arguments as objects (Qwen's template
-    applies `tojson` to them, so a JSON string would be encoded twice). Content is already flat text."""
-    out = []
-    for m in messages:
-        msg = {k: v for k, v in m.items() if v is not None}
-        msg.setdefault("content", "")
-        if m.get("tool_calls"):
-            calls = []
-            for tc in m["tool_calls"]:
-                fn = dict(tc.get("function") or {})
-                fn["arguments"] = _args_obj(fn.get("arguments", {}))
-                calls.append({**tc, "function": fn})
-            msg["tool_calls"] = calls
-        out.append(msg)
-    return out
-
-
-def _same_message(a: dict, b: dict) -> bool:
-    """Equal as far as the model is concerned: role, text, tool call names and arguments, tool_call_id."""
-
-    def key(m: dict) -> tuple:
-        calls = tuple(
-            (
-                tc.get("function", {}).get("name"),
-                json.dumps(_args_obj(tc.get("function", {}).get("arguments")), sort_keys=True),
-            )
-            for tc in (m.get("tool_calls") or [])
-        )
-        content = m.get("content")
-        return (m.get("role"), (content if isinstance(content, str) else "").strip(), calls, m.get("tool_call_id"))
-
-    try:
-        return key(a) == key(b)
-    except (AttributeError, TypeError):
-        return False
 
 
 # ---- the proxy -------------------------------------------------------------------------------------------------
@@ -298,21 +245,21 @@ class OpenAIProxy:
         try:
             return await handler(request)
         except ProxyError as e:
-            return _error(str(e), e.status, e.param)
+            return error_response(str(e), e.status, e.param)
         except web.HTTPException:
             raise
         except asyncio.CancelledError:
             raise
         except InferenceError as e:  # the servers refused (4xx: the request's fault) or could not serve
             if isinstance(e.status, int) and 400 <= e.status < 500:
-                return _error(str(e), 400)
+                return error_response(str(e), 400)
             log.warning("proxy: %s %s: inference failed: %s", request.method, request.path, e)
-            return _error(f"inference failed: {e}", 502)
+            return error_response(f"inference failed: {e}", 502)
         except ValueError as e:  # bad input: the shared parser's ProtocolError, the client's own checks
-            return _error(str(e), 400)
+            return error_response(str(e), 400)
         except Exception as e:  # never a traceback to the agent; keep serving
             log.exception("proxy: %s %s failed", request.method, request.path)
-            return _error(f"{type(e).__name__}: {e}", 500)
+            return error_response(f"{type(e).__name__}: {e}", 500)
 
     def _state(self, request: web.Request) -> _EpisodeState:
         eid = request.headers.get("X-Episode-Id")
@@ -432,28 +379,6 @@ class OpenAIProxy:
             areal["continued_call"] = continued
         body["areal"] = areal
 
-    async def _answer(
-        self,
-        request: web.Request,
-        plan: openai_requests.OpenAIPlan,
-        body: dict,
-        views: list[openai_responses.GenerationChoice],
-    ) -> web.StreamResponse:
-        if not plan.stream:
-            return _json(body)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        chunk = openai_responses.chat_chunk if plan.kind == "chat" else openai_responses.completion_chunk
-        for idx, view in enumerate(views):  # generation is over: one chunk per choice carries all of it
-            ev = chunk(plan, idx, view, openai_responses.StreamDelta(), body["model"], body["id"], body["created"])
-            if ev is not None:
-                await _sse(resp, ev)
-        if plan.include_usage:
-            await _sse(resp, openai_responses.usage_chunk(plan, views, body["model"], body["id"], body["created"]))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
     # ---- /v1/chat/completions -----------------------------------------------------------------------------------
 
     @property
@@ -476,7 +401,7 @@ class OpenAIProxy:
                 ):
                     continue
                 prefix = call.messages + [call.response_message]
-                if len(messages) > len(prefix) and all(_same_message(a, b) for a, b in zip(messages, prefix)):
+                if len(messages) > len(prefix) and all(same_message(a, b) for a, b in zip(messages, prefix)):
                     try:
                         tail = self.chat_tokens.delta_ids(template_messages(messages[len(prefix) :]))
                     except ValueError:
@@ -529,7 +454,7 @@ class OpenAIProxy:
                 )
             )
         self._extras(body, gens, sp, overridden, st.trainable, seen["continued"])
-        return await self._answer(request, plan, body, views)
+        return await answer(request, plan, body, views)
 
     # ---- /v1/completions --------------------------------------------------------------------------------------
 
@@ -586,12 +511,12 @@ class OpenAIProxy:
                 )
             )
         self._extras(body, gens, sp, overridden, st.trainable)
-        return await self._answer(request, plan, body, views)
+        return await answer(request, plan, body, views)
 
     # ---- models, rewards, episode --------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json(
+        return json_response(
             {
                 "object": "list",
                 "data": [
@@ -609,25 +534,7 @@ class OpenAIProxy:
             raise ProxyError(str(e.args[0]), 404, "call_id") from None
         except ValueError as e:
             raise ProxyError(str(e), param="reward") from None
-        return _json({"ok": True, "episode": st.episode.id, "call_id": req.call_id})
+        return json_response({"ok": True, "episode": st.episode.id, "call_id": req.call_id})
 
     async def episode_summary(self, request: web.Request) -> web.Response:
-        return _json(self._state(request).episode.summary())
-
-
-_enc = msgspec.json.Encoder()
-
-
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_enc.encode(obj), status=status, content_type="application/json")
-
-
-def _error(message: str, status: int, param: str | None = None) -> web.Response:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
-        status, "server_error"
-    )
-    return _json({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
-
-
-async def _sse(resp: web.StreamResponse, obj: Any) -> None:
-    await resp.write(b"data: " + _enc.encode(obj) + b"\n\n")
+        return json_response(self._state(request).episode.summary())

@@ -1,7 +1,8 @@
 """The controller's client for SGLang-protocol inference servers (real SGLang 0.5.x or the embedded server).
 
 No torch here. `InferenceClient` is the facade over transport.py (the server pool), routing.py, resume.py
-(interruptible generation), sglang_wire.py (the /generate wire) and fleet.py (which weights each server holds).
+(interruptible generation), sglang_wire.py (the /generate wire), fleet.py (which weights each server holds) and
+weight_groups.py (the trainer's broadcast groups); the errors are in errors.py.
 How generations survive pauses and lost servers, and why `stream="auto"` streams only to servers with incremental
 events, is in docs/inference.md; the measurements behind that choice are in benchmarks/README.md.
 """
@@ -17,6 +18,7 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
+from areal_async.inference.errors import AdminError, ConnectionFailed, InferenceError, raise_if_failed
 from areal_async.inference.fleet import (
     IN_PLACE_MIN_SGLANG,
     Fleet,
@@ -28,7 +30,8 @@ from areal_async.inference.fleet import (
 from areal_async.inference.resume import ResumeState, SegmentEnd, SegmentRejected, find_stop, generate_resumable
 from areal_async.inference.routing import ServerState
 from areal_async.inference.sglang_wire import SegmentReader, segment_payload
-from areal_async.inference.transport import AdminError, ConnectionFailed, InferenceError, ServerPool
+from areal_async.inference.transport import ServerPool
+from areal_async.inference.weight_groups import WeightGroups
 from areal_async.types import GenerationResult, SamplingParams
 
 __all__ = [
@@ -44,7 +47,7 @@ __all__ = [
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
-class InferenceClient:
+class InferenceClient(WeightGroups):
     """Drives one or more SGLang-protocol servers. Use `async with InferenceClient(urls) as c:` or `await close()`.
 
     Bound to the event loop that first uses it (aiohttp sessions are). Safe for thousands of concurrent
@@ -282,14 +285,6 @@ class InferenceClient:
     def _reachable(self) -> list[ServerState]:
         return self._fleet.reachable()
 
-    @staticmethod
-    def _raise_if_failed(what: str, results: dict[str, Any]) -> dict[str, Any]:
-        bad = {u: r for u, r in results.items() if isinstance(r, BaseException)}
-        if bad:
-            detail = "; ".join(f"{u}: {r}" for u, r in bad.items())
-            raise AdminError(f"{what} failed on {len(bad)} of {len(results)} servers: {detail}", results)
-        return results
-
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
         """Abort `rid` or everything, on every reachable server. The matching `agenerate` calls return
         finish_reason "abort" with their tokens so far instead of resuming. For a request of this client the
@@ -391,68 +386,9 @@ class InferenceClient:
     async def update_weight_version(self, version: int, *, abort_all_requests: bool = False) -> dict[str, Any]:
         """Relabel the current weights (after an update made by other means). Servers that do not hold them are
         not relabelled: they catch up first, under the new label."""
-        return self._raise_if_failed(
+        return raise_if_failed(
             "update_weight_version", await self._fleet.relabel(version, abort_all_requests=abort_all_requests)
         )
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        *,
-        ranks_per_server: int | list[int] = 1,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-        urls: list[str] | None = None,
-    ) -> dict[str, Any]:
-        """Every server (or those in `urls`: a group re-formed after a server was lost) joins the trainer's
-        broadcast group. The trainer is rank 0; server i's ranks start after the ranks of servers 0..i-1
-        (`ranks_per_server` = each server's tensor-parallel size). The calls block until the trainer joins too, so
-        they run concurrently; the trainer must join while this is pending."""
-        urls = self.urls if urls is None else [u.rstrip("/") for u in urls]
-        per = [ranks_per_server] * len(urls) if isinstance(ranks_per_server, int) else list(ranks_per_server)
-        if len(per) != len(urls) or min(per) < 1:
-            raise ValueError("ranks_per_server must be >= 1 for each server")
-        offsets = [1 + sum(per[:i]) for i in range(len(per))]
-        world_size = 1 + sum(per)
-
-        def payload(i: int, _url: str) -> dict:
-            return {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": offsets[i],
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            }
-
-        servers = [self._pool.router.servers[u] for u in urls]
-        results = await self._pool.fanout(
-            "POST", "/init_weights_update_group", payload, servers=servers, check_success=True, admin=True
-        )
-        self._groups[group_name] = [u for u, r in results.items() if not isinstance(r, BaseException)]
-        return self._raise_if_failed("init_weights_update_group", results)
-
-    async def destroy_weights_update_group(self, group_name: str, urls: list[str] | None = None) -> dict[str, Any]:
-        """The servers leave weight-update group `group_name` (default: those that joined it through this
-        client). A server that no longer has it answers 400 "does not exist" (SGLang's answer): that counts as
-        done. Returns url -> answer or exception; never raises for one server."""
-        targets = self._groups.pop(group_name, None) if urls is None else list(urls)
-        servers = [self._pool.router.servers[u] for u in targets or [] if u in self._pool.router.servers]
-        if not servers:
-            return {}
-        results = await self._pool.fanout(
-            "POST",
-            "/destroy_weights_update_group",
-            {"group_name": group_name},
-            servers=servers,
-            timeout=self._pool.probe_timeout(),
-            admin=True,
-        )
-        return {
-            u: (None if isinstance(r, InferenceError) and r.status == 400 and "not exist" in str(r) else r)
-            for u, r in results.items()
-        }
 
     async def server_info(self, urls: list[str] | None = None) -> dict[str, Any]:
         """GET /get_server_info (SGLang: its ServerArgs, e.g. tp_size, dp_size, plus scheduler state) from
@@ -502,12 +438,6 @@ class InferenceClient:
             payload["weight_version"] = str(version)
         members = urls if urls is not None else self._groups.get(group_name)
         return await self._fleet.distributed(payload, version, members)
-
-    def weight_group_members(self, group_name: str) -> list[str] | None:
-        """The servers that joined weight-update group `group_name` through this client (None: none did here).
-        The trainer's broadcast_weights gives each a receive loop of its own."""
-        members = self._groups.get(group_name)
-        return list(members) if members is not None else None
 
     def weights_update_abandoned(self, errors: dict[str, BaseException]) -> None:
         """A broadcast left these servers part-way (url -> why): they hold a mix of versions, so they leave

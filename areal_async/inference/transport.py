@@ -1,7 +1,8 @@
 """A pool of SGLang-protocol servers over HTTP: one exchange, routing with retries and failover, health, membership.
 
 No torch here, and nothing about generation: the pool moves bytes and keeps each server's state (routing.py). One
-aiohttp session (made lazily inside the running loop) carries every request.
+aiohttp session (made lazily inside the running loop) carries every request. The heartbeat and the recovery of lost
+servers are in health.py (a mixin of the pool), the errors and the status classification in errors.py.
 
 Failure handling, as the rest of the client relies on it:
 - retries with exponential backoff on connection errors, 429 and 5xx; never on other 4xx (those raise
@@ -31,69 +32,43 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from areal_async.inference.errors import (
+    DOWN_STATUS,
+    RETRY_STATUS,
+    AdminError,
+    ConnectionFailed,
+    InferenceError,
+    StreamError,
+    error_message,
+)
+from areal_async.inference.health import HealthWatch
 from areal_async.inference.routing import Router, ServerState
+
+# the errors live in errors.py; re-exported here, where the client's modules and tests import them from
+__all__ = [
+    "DOWN_STATUS",
+    "RETRY_STATUS",
+    "AdminError",
+    "ConnectionFailed",
+    "EventSink",
+    "InferenceError",
+    "ServerPool",
+    "StreamError",
+    "error_message",
+]
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-DOWN_STATUS = frozenset({502, 503, 504})  # the server (or its proxy) says it cannot serve at all: leave rotation
 _JSON = {"Content-Type": "application/json"}
 # Python 3.11+: a cancellation we caused can be told from the owner's (Task.uncancel); 3.10 has no counter, and a
 # swallowed cancellation there is the owner's only when it cancels in the same instant
 _UNCANCEL = hasattr(asyncio.Task, "uncancel")
 
-
-class InferenceError(RuntimeError):
-    """A request the servers could not or would not serve. `status` is the HTTP status when there was one."""
-
-    def __init__(self, message: str, *, status: int | None = None, url: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.url = url
-
-
-class AdminError(InferenceError):
-    """An admin call (weight update, ...) failed; `results` maps every URL to its result or its exception, so the
-    caller can decide whether to retry, drop the server or stop."""
-
-    def __init__(self, message: str, results: dict[str, Any]):
-        super().__init__(message)
-        self.results = results
-
-
-class ConnectionFailed(Exception):
-    """The server could not be reached, dropped the connection, or was taken out of rotation mid-exchange."""
-
-
-class StreamError(Exception):
-    """An error event inside a 200 event stream; `status` is the code it carries (500 when none)."""
-
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status
-
-
-def error_message(body: bytes) -> str:
-    """The human part of an error body: SGLang's {"error": {"message"}}, FastAPI's {"detail"}, or the raw text."""
-    try:
-        data = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return body[:500].decode("utf-8", "replace").strip()
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        for key in ("error", "message", "detail"):
-            if data.get(key):
-                return str(data[key])
-    return str(data)[:500]
-
-
 EventSink = Callable[[bytes], None]  # one SSE `data:` payload (JSON bytes)
 BodyFn = Callable[[int, str], "bytes | None"]  # (attempt, server url) -> body; None: nothing left to ask
 
 
-class ServerPool:
+class ServerPool(HealthWatch):
     """The servers, their states, and the HTTP machinery. Bound to the event loop that first uses it.
 
     At most `max_connections` routed requests are on the wire at once; the rest wait in the pool, uncounted by the
@@ -328,106 +303,6 @@ class ServerPool:
         if not self.router.healthy():
             self._any_healthy.clear()
         self._start_recovery(server)
-
-    def _start_recovery(self, server: ServerState) -> None:
-        if self.closed or self._loop is None:
-            return  # started with the session
-        t = self._recovery.get(server.url)
-        if t is None or t.done():
-            self._recovery[server.url] = self._loop.create_task(self._recover(server))
-
-    def probe_timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.health_timeout_s)
-
-    async def _recover(self, server: ServerState) -> None:
-        """Probe GET /health until it answers 200, then `ready_check` until it passes; then back in rotation."""
-        delay = self.probe_interval_s
-        first = server.state == "syncing"  # a reachable server is checked at once; a dead one after a pause
-        while not self.closed and server.url in self.router.servers and server.state in ("down", "syncing"):
-            if not first:
-                await asyncio.sleep(delay)
-            first = False
-            try:
-                status, _ = await self.send(server, "GET", "/health", None, timeout=self.probe_timeout(), probe=True)
-            except (ConnectionFailed, InferenceError):
-                continue
-            if status != 200:
-                continue
-            if server.state == "down":
-                self.router.set_state(server.url, "syncing")
-            try:
-                ready = self.ready_check is None or await self.ready_check(server)
-            except (ConnectionFailed, InferenceError) as e:
-                log.warning("inference server %s: weight check failed: %s", server.url, e)
-                ready = False
-            if not ready:  # e.g. its weight load failed: back off up to 30 s between tries
-                delay = min(30.0, max(delay * 2, self.probe_interval_s))
-                continue
-            if server.url in self.router.servers and server.state == "syncing":
-                self.router.set_state(server.url, "serving")
-                self._any_healthy.set()
-                self.counts["servers_recovered"] += 1
-                log.warning("inference server %s is back in rotation", server.url)
-                return
-            # it failed again meanwhile (state "down"): keep probing
-
-    async def try_admit(self, server: ServerState) -> bool:
-        """Put an out-of-rotation server back now if /health answers and `ready_check` passes."""
-        if server.url not in self.router.servers or server.state not in ("down", "syncing"):
-            return server.state == "serving"
-        try:
-            status, _ = await self.send(server, "GET", "/health", None, timeout=self.probe_timeout(), probe=True)
-            if status != 200:
-                return False
-            if server.state == "down":
-                self.router.set_state(server.url, "syncing")
-            if self.ready_check is not None and not await self.ready_check(server):
-                return False
-        except (ConnectionFailed, InferenceError):
-            return False
-        if server.url in self.router.servers and server.state == "syncing":
-            self.router.set_state(server.url, "serving")
-            self._any_healthy.set()
-            self.counts["servers_recovered"] += 1
-            log.warning("inference server %s is in rotation", server.url)
-        return server.state == "serving"
-
-    async def _heartbeat_loop(self) -> None:
-        while not self.closed:
-            await asyncio.sleep(self.probe_interval_s)
-            if self.probes_paused:
-                continue
-            for s in list(self.router.servers.values()):
-                if (
-                    s.state in ("serving", "draining")
-                    and s.exchanges > 0
-                    and s.admin_ops == 0
-                    and s.url not in self._probing
-                ):
-                    self._probing.add(s.url)
-                    self.spawn(self._heartbeat_probe(s))
-
-    async def _heartbeat_probe(self, server: ServerState) -> None:
-        """One /health probe of a busy server; enough unanswered ones in a row mean it hangs."""
-        try:
-            status, _ = await self.send(server, "GET", "/health", None, timeout=self.probe_timeout(), probe=True)
-        except ConnectionFailed as e:
-            if server.state in ("serving", "draining"):
-                self.server_failed(server, f"health probe: {e}")
-            return
-        except InferenceError:  # no answer within health_timeout_s
-            server.health_failures += 1
-            if server.health_failures >= self.max_health_failures and server.state in ("serving", "draining"):
-                self.server_failed(
-                    server, f"hung: {server.health_failures} health probes unanswered within {self.health_timeout_s:g}s"
-                )
-            return
-        finally:
-            self._probing.discard(server.url)
-        if status == 200:
-            server.health_failures = 0
-        elif status in DOWN_STATUS and server.state in ("serving", "draining"):
-            self.server_failed(server, f"health probe: HTTP {status}")
 
     # ---- membership ---------------------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ would be slow). The host (sandbox.py) writes a JSON config into a memfd and pass
     4. writes the program's files into the working directory (O_NOFOLLOW, O_EXCL, fchown on the fd);
     5. forks the program, which joins the run's cgroups, sets rlimits, drops to the sandbox uid, sets no_new_privs,
        installs a seccomp filter (memfd_create, namespaces, mount, ptrace, bpf, io_uring, keyrings, ... and sockets
-       when the network is off), closes every other fd and execs.
+       when the network is off; the filter and its syscall tables are in sandbox_seccomp.py, which this script
+       loads from next to itself), closes every other fd and execs.
 
 Every step that fails is reported through the info fd ("iso" lists what was achieved, "notes" why something was
 not), never silently skipped; the host decides whether the result is strong enough. When this script is imported
@@ -26,25 +27,36 @@ from __future__ import annotations
 
 import base64
 import ctypes
-import errno
 import fcntl
 import json
 import os
 import resource
 import signal
-import struct
 import sys
+import types
+
+
+def _load_sibling(name: str) -> types.ModuleType:
+    """The stdlib-only module `name`.py that lies next to this script, run as the bootstrap.
+
+    Run with `python -I -S`, this script's directory is not on sys.path and the project must not be imported, so the
+    file is compiled and run directly: no import machinery to load, nothing written next to it (no bytecode cache).
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    module = types.ModuleType(name)
+    module.__file__ = path
+    exec(code, module.__dict__)
+    return module
+
+
+if __package__:  # imported (tests, linters): a module of the package like any other
+    import areal_async.rewards.sandbox_seccomp as seccomp
+else:  # the bootstrap: loaded before anything else happens, while the host's filesystem is still in view
+    seccomp = _load_sibling("sandbox_seccomp")
 
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
-NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWCGROUP = (
-    0x20000,
-    0x4000000,
-    0x8000000,
-    0x10000000,
-    0x20000000,
-    0x40000000,
-    0x02000000,
-)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
@@ -58,187 +70,6 @@ _ST_TO_MS = (
     (2048, MS_NODIRATIME),
     (4096, MS_RELATIME),
 )
-
-# syscall numbers: x86_64 and the generic table (aarch64)
-_ARCH = {
-    "x86_64": dict(
-        audit=0xC000003E,
-        pivot_root=155,
-        nr={
-            "memfd_create": 319,
-            "memfd_secret": 447,
-            "userfaultfd": 323,
-            "bpf": 321,
-            "perf_event_open": 298,
-            "keyctl": 250,
-            "add_key": 248,
-            "request_key": 249,
-            "ptrace": 101,
-            "process_vm_readv": 310,
-            "process_vm_writev": 311,
-            "io_uring_setup": 425,
-            "io_uring_enter": 426,
-            "io_uring_register": 427,
-            "mount": 165,
-            "umount2": 166,
-            "pivot_root": 155,
-            "chroot": 161,
-            "unshare": 272,
-            "setns": 308,
-            "init_module": 175,
-            "finit_module": 313,
-            "delete_module": 176,
-            "kexec_load": 246,
-            "kexec_file_load": 320,
-            "reboot": 169,
-            "swapon": 167,
-            "swapoff": 168,
-            "acct": 163,
-            "open_by_handle_at": 304,
-            "name_to_handle_at": 303,
-            "fanotify_init": 300,
-            "fsopen": 430,
-            "fsconfig": 431,
-            "fsmount": 432,
-            "fspick": 433,
-            "move_mount": 429,
-            "open_tree": 428,
-            "mount_setattr": 442,
-            "syslog": 103,
-            "quotactl": 179,
-            "lookup_dcookie": 212,
-            "vhangup": 153,
-            "kcmp": 312,
-            "pidfd_getfd": 438,
-            "process_madvise": 440,
-            "settimeofday": 164,
-            "clock_settime": 227,
-            "clock_adjtime": 305,
-            "adjtimex": 159,
-            "clone": 56,
-            "clone3": 435,
-            "socket": 41,
-            "setsid": 112,
-            "setpgid": 109,
-        },
-    ),
-    "aarch64": dict(
-        audit=0xC00000B7,
-        pivot_root=41,
-        nr={
-            "memfd_create": 279,
-            "memfd_secret": 447,
-            "userfaultfd": 282,
-            "bpf": 280,
-            "perf_event_open": 241,
-            "keyctl": 219,
-            "add_key": 217,
-            "request_key": 218,
-            "ptrace": 117,
-            "process_vm_readv": 270,
-            "process_vm_writev": 271,
-            "io_uring_setup": 425,
-            "io_uring_enter": 426,
-            "io_uring_register": 427,
-            "mount": 40,
-            "umount2": 39,
-            "pivot_root": 41,
-            "chroot": 51,
-            "unshare": 97,
-            "setns": 268,
-            "init_module": 105,
-            "finit_module": 273,
-            "delete_module": 106,
-            "kexec_load": 104,
-            "kexec_file_load": 294,
-            "reboot": 142,
-            "swapon": 224,
-            "swapoff": 225,
-            "acct": 89,
-            "open_by_handle_at": 265,
-            "name_to_handle_at": 264,
-            "fanotify_init": 262,
-            "fsopen": 430,
-            "fsconfig": 431,
-            "fsmount": 432,
-            "fspick": 433,
-            "move_mount": 429,
-            "open_tree": 428,
-            "mount_setattr": 442,
-            "syslog": 116,
-            "quotactl": 60,
-            "lookup_dcookie": 18,
-            "vhangup": 58,
-            "kcmp": 272,
-            "pidfd_getfd": 438,
-            "process_madvise": 440,
-            "settimeofday": 170,
-            "clock_settime": 112,
-            "clock_adjtime": 266,
-            "adjtimex": 171,
-            "clone": 220,
-            "clone3": 435,
-            "socket": 198,
-            "setsid": 157,
-            "setpgid": 154,
-        },
-    ),
-}
-# always refused with EPERM: memory outside the rlimits (memfd, userfaultfd), other namespaces and mounts,
-# inspecting other processes, kernel attack surface nobody's solution needs
-_DENY = (
-    "memfd_create",
-    "memfd_secret",
-    "userfaultfd",
-    "bpf",
-    "perf_event_open",
-    "keyctl",
-    "add_key",
-    "request_key",
-    "ptrace",
-    "process_vm_readv",
-    "process_vm_writev",
-    "io_uring_setup",
-    "io_uring_enter",
-    "io_uring_register",
-    "mount",
-    "umount2",
-    "pivot_root",
-    "chroot",
-    "unshare",
-    "setns",
-    "init_module",
-    "finit_module",
-    "delete_module",
-    "kexec_load",
-    "kexec_file_load",
-    "reboot",
-    "swapon",
-    "swapoff",
-    "acct",
-    "open_by_handle_at",
-    "name_to_handle_at",
-    "fanotify_init",
-    "fsopen",
-    "fsconfig",
-    "fsmount",
-    "fspick",
-    "move_mount",
-    "open_tree",
-    "mount_setattr",
-    "syslog",
-    "quotactl",
-    "lookup_dcookie",
-    "vhangup",
-    "kcmp",
-    "pidfd_getfd",
-    "process_madvise",
-    "settimeofday",
-    "clock_settime",
-    "clock_adjtime",
-    "adjtimex",
-)
-_CLONE_NS_FLAGS = NEWNS | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET | NEWCGROUP
 
 
 class _Boot:
@@ -285,11 +116,11 @@ class _Boot:
         cfg, net = self.cfg, self.cfg["allow_network"]
         if cfg["mode"] == "root":
             for name, flag in (
-                ("pidns", NEWPID),
-                ("netns", 0 if net else NEWNET),
-                ("mountns", NEWNS),
-                ("ipcns", NEWIPC),
-                ("utsns", NEWUTS),
+                ("pidns", seccomp.NEWPID),
+                ("netns", 0 if net else seccomp.NEWNET),
+                ("mountns", seccomp.NEWNS),
+                ("ipcns", seccomp.NEWIPC),
+                ("utsns", seccomp.NEWUTS),
             ):
                 if not flag:
                     continue
@@ -299,7 +130,14 @@ class _Boot:
                     self.fail(name)
         elif cfg["mode"] == "userns":
             real_uid, real_gid = os.getuid(), os.getgid()
-            flags = NEWUSER | NEWNS | NEWPID | NEWIPC | NEWUTS | (0 if net else NEWNET)
+            flags = (
+                seccomp.NEWUSER
+                | seccomp.NEWNS
+                | seccomp.NEWPID
+                | seccomp.NEWIPC
+                | seccomp.NEWUTS
+                | (0 if net else seccomp.NEWNET)
+            )
             if not self.unshare(flags):
                 self.fail("userns")
                 return
@@ -394,7 +232,7 @@ class _Boot:
             os.symlink("/tmp", new + "/var/tmp")
         old = new + "/.oldroot"
         os.mkdir(old, 0o700)
-        nr = _ARCH.get(os.uname().machine, {}).get("pivot_root")
+        nr = seccomp.SYSCALLS.get(os.uname().machine, {}).get("pivot_root")
         os.chdir(new)
         if nr is not None and self.libc.syscall(ctypes.c_long(nr), b".", b".oldroot") == 0:
             self.pivoted = True
@@ -456,38 +294,11 @@ class _Boot:
     # ---- seccomp -----------------------------------------------------------------------------------------------
 
     def seccomp_program(self) -> bytes | None:
-        arch = _ARCH.get(os.uname().machine)
-        if arch is None:
-            self.notes.append(f"seccomp: no syscall table for {os.uname().machine}")
-            return None
-        nr = arch["nr"]
-        ld_w, jeq, jset, jge, ret = 0x20, 0x15, 0x45, 0x35, 0x06
-        allow, kill = 0x7FFF0000, 0x80000000
-        errno_ret = lambda e: 0x00050000 | e
-        ins: list[tuple[int, int, int, int]] = [
-            (ld_w, 0, 0, 4),
-            (jeq, 1, 0, arch["audit"]),
-            (ret, 0, 0, kill),
-            (ld_w, 0, 0, 0),
-        ]
-        if os.uname().machine == "x86_64":
-            ins += [(jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # x32 ABI syscalls
-        deny = [(n, errno.EPERM) for n in _DENY] + [("clone3", errno.ENOSYS)]  # libc falls back to clone
-        if not self.cfg["allow_network"]:
-            deny.append(("socket", errno.EACCES))
-        if "pidns" not in self.iso:  # without a pid namespace the process group is the only handle on its children
-            deny += [("setsid", errno.EPERM), ("setpgid", errno.EPERM)]
-        for name, e in deny:
-            ins += [(jeq, 0, 1, nr[name]), (ret, 0, 0, errno_ret(e))]
-        # clone with a namespace flag; the flags are the first argument (low 32 bits at offset 16)
-        ins += [
-            (jeq, 0, 3, nr["clone"]),
-            (ld_w, 0, 0, 16),
-            (jset, 0, 1, _CLONE_NS_FLAGS),
-            (ret, 0, 0, errno_ret(errno.EPERM)),
-            (ret, 0, 0, allow),
-        ]
-        return b"".join(struct.pack("HBBI", *i) for i in ins)
+        machine = os.uname().machine
+        prog = seccomp.filter_program(machine, allow_network=self.cfg["allow_network"], pidns="pidns" in self.iso)
+        if prog is None:
+            self.notes.append(f"seccomp: no syscall table for {machine}")
+        return prog
 
     def install_seccomp(self, prog: bytes) -> bool:
         class _Fprog(ctypes.Structure):

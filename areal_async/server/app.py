@@ -8,7 +8,8 @@ the client noticing.
 Parsing, validation and response shapes are in protocol/sglang.py and protocol/openai_requests.py (pure
 functions); this module only moves bytes between HTTP and the engine, and owns three pieces of server state:
 readiness (503 while starting or stopping), the set of request ids in flight (a duplicate rid is a 400), and the API
-key.
+key. The middlewares that enforce readiness, the key and the error shape are in server/middleware.py; the driving of
+one call's engine requests is in server/engine_calls.py.
 
 In-process use (tests, launchers, notebooks):
 
@@ -28,11 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,89 +43,24 @@ from areal_async import __version__
 from areal_async.protocol import openai_requests, openai_responses
 from areal_async.protocol import sglang as sglang_protocol
 from areal_async.protocol.engine_api import Engine, EngineRequest, EngineSampling
+from areal_async.server.engine_calls import EngineCall
+from areal_async.server.middleware import (
+    auth_middleware,
+    error_middleware,
+    json_response,
+    ready_middleware,
+)
 
 log = logging.getLogger(__name__)
 
 _json_enc = msgspec.json.Encoder()
-_END = object()  # a driver task finished (queue sentinel)
 SSE_DONE = b"data: [DONE]\n\n"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 MAX_BODY_BYTES = 256 << 20  # a batch of long token-id prompts is large; aiohttp's default is 1 MiB
 
 
-def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_json_enc.encode(obj), status=status, content_type="application/json")
-
-
-def error_response(message: str, status: int) -> web.Response:
-    return json_response(sglang_protocol.error_body(message, status), status)
-
-
 def sse_event(obj: Any) -> bytes:
     return b"data: " + _json_enc.encode(obj) + b"\n\n"
-
-
-class _Run:
-    """Drives the engine requests of one HTTP call concurrently and reports their progress through one queue.
-
-    `progress()` yields the index of a request each time it has new tokens (or finished) and raises the first
-    failure. `close()` cancels what is still running and aborts it in the engine: it is shielded, so it completes
-    even when the handler itself is being cancelled by a client disconnect.
-    """
-
-    def __init__(self, server: SGLangServer, accs: list[sglang_protocol.Accumulator]):
-        self.server = server
-        self.engine = server.engine
-        self.accs = accs
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.tasks = [asyncio.create_task(self._drive(i)) for i in range(len(accs))]
-
-    async def _drive(self, i: int) -> None:
-        acc = self.accs[i]
-        try:
-            gen = self.engine.generate(acc.req)
-            try:
-                async for chunk in gen:
-                    acc.add(chunk)
-                    self.queue.put_nowait((i, None))
-                    if acc.finished:
-                        break
-            finally:
-                aclose = getattr(gen, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-            if not acc.finished:
-                acc.abort_reason("the engine ended the request without a finish reason")
-                self.queue.put_nowait((i, None))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # reported to the handler, which decides between 400, 500 and a stream error
-            self.queue.put_nowait((i, e))
-        finally:
-            self.queue.put_nowait((i, _END))
-
-    async def progress(self) -> AsyncIterator[int]:
-        ended = 0
-        while ended < len(self.tasks):
-            i, ev = await self.queue.get()
-            if ev is _END:
-                ended += 1
-            elif ev is not None:
-                raise ev
-            else:
-                yield i
-
-    async def close(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        await self.server.shielded(self._cleanup())
-
-    async def _cleanup(self) -> None:
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for acc in self.accs:
-            if not acc.finished:
-                await self.server.abort_exact(acc.rid)
-        self.server.release([a.rid for a in self.accs])
 
 
 class SGLangServer:
@@ -174,16 +109,16 @@ class SGLangServer:
         task.add_done_callback(self._background.discard)
         return await asyncio.shield(task)
 
-    def start_run(self, reqs: list[EngineRequest], *, text_in_logprobs: bool = False) -> _Run:
+    def start_run(self, reqs: list[EngineRequest], *, text_in_logprobs: bool = False) -> EngineCall:
         started = time.perf_counter()
         self.claim([r.rid for r in reqs])
         accs = [
             sglang_protocol.Accumulator(r, self.engine, text_in_logprobs=text_in_logprobs, started=started)
             for r in reqs
         ]
-        return _Run(self, accs)
+        return EngineCall(self, accs)
 
-    async def run_to_end(self, run: _Run) -> None:
+    async def run_to_end(self, run: EngineCall) -> None:
         try:
             async for _ in run.progress():
                 pass
@@ -197,7 +132,7 @@ class SGLangServer:
     async def stream(
         self,
         request: web.Request,
-        run: _Run,
+        run: EngineCall,
         render: Callable[[int], list[dict]],
         tail: Callable[[], list[dict]] = lambda: [],
     ) -> web.StreamResponse:
@@ -495,68 +430,12 @@ class SGLangServer:
 SERVER_KEY = web.AppKey("sglang_server", SGLangServer)
 
 
-# Answer in every state: health reports the state itself, info only reads the engine's settings.
-_ALWAYS_OPEN = frozenset(
-    {"/health", "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/models"}
-)
-
-
-def _ready_middleware(srv: SGLangServer):
-    """503 for generation and control while the engine is starting or stopping (it cannot act on them)."""
-
-    @web.middleware
-    async def ready(request: web.Request, handler):
-        if srv.status != "ready" and request.path not in _ALWAYS_OPEN:
-            return error_response(f"server is {srv.status}", 503)
-        return await handler(request)
-
-    return ready
-
-
-def _auth_middleware(api_key: str | None):
-    expected = api_key.encode() if api_key is not None else None
-
-    @web.middleware
-    async def auth(request: web.Request, handler):
-        if expected is not None and not request.path.startswith("/health"):
-            got = request.headers.get("Authorization", "")
-            token = got[7:].encode() if got[:7].lower() == "bearer " else b""
-            if not hmac.compare_digest(token, expected):
-                return error_response(
-                    "Unauthorized: missing or wrong API key (send 'Authorization: Bearer <key>')", 401
-                )
-        return await handler(request)
-
-    return auth
-
-
-@web.middleware
-async def _error_middleware(request: web.Request, handler):
-    """Every failure becomes a JSON error; a bug in a handler is a logged 500, never a dead server."""
-    try:
-        return await handler(request)
-    except sglang_protocol.ProtocolError as e:
-        return error_response(str(e), e.status)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        resp = error_response(e.reason or "error", e.status)
-        if "Allow" in e.headers:
-            resp.headers["Allow"] = e.headers["Allow"]
-        return resp
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(f"internal server error: {type(e).__name__}: {e}", 500)
-
-
 def build_app(engine: Engine, *, api_key: str | None = None, served_model_name: str | None = None) -> web.Application:
     """The aiohttp application for `engine`. The server starts in state "starting" (health 503, generation 503);
     `start_server` marks it ready once the engine has started (`app[SERVER_KEY].status = "ready"`)."""
     srv = SGLangServer(engine, api_key=api_key, served_model_name=served_model_name)
     app = web.Application(
-        middlewares=[_error_middleware, _auth_middleware(api_key), _ready_middleware(srv)],
+        middlewares=[error_middleware, auth_middleware(api_key), ready_middleware(srv)],
         client_max_size=MAX_BODY_BYTES,
     )
     app[SERVER_KEY] = srv

@@ -1,0 +1,201 @@
+"""How a running engine takes new weights: the swap protocol, disk and broadcast updates, weight-update groups.
+
+Apart from engine.py because it is one protocol of its own (SGLang 0.5's, described in engine.py's docstring):
+tensors are loaded and validated first, the swap then waits at a step boundary until no request is running unless
+generation is paused, admissions are held meanwhile, and an in-place pause with `flush_cache` is refused before
+anything changes. `AsyncEngine` inherits these methods; they use its scheduler, its loop <-> thread plumbing
+(`_post`, `_call`, `_resolve`, `_seal`) and its weight state (`model`, `spec`, `weight_version`, `_groups`,
+`_weights_lock`, `_pending_swap`), and run on the threads the engine's docstring assigns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+
+from areal_async.server.model import UnsupportedModelError
+from areal_async.server.scheduler import abort_reason
+from areal_async.server.weights import (
+    DTYPES,
+    WeightError,
+    check_tensors,
+    destroy_group,
+    init_custom_group,
+    load_checkpoint,
+    receive_tensors,
+)
+from areal_async.torch_threads import single_torch_thread, to_side_thread
+
+log = logging.getLogger("areal_async.server.engine")  # the engine's log, as before this part had a module
+
+IN_PLACE_FLUSH_REFUSED = (
+    "flush_cache=true cannot be honoured: generation is paused in place and {n} running request(s) hold KV cache "
+    "(SGLang's scheduler fails the same flush). Update with flush_cache=false to continue them under the new "
+    "weights, or pause with mode 'abort' or 'retract' first."
+)
+
+
+class WeightUpdates:
+    """The weight-update half of `AsyncEngine` (a mixin: all state lives on the engine)."""
+
+    def _flush_refusal(self, flush_cache: bool) -> str | None:
+        """Why a swap with `flush_cache` cannot happen now (engine thread, or a loop-side early check)."""
+        n = len(self._sched.running) if threading.current_thread() is self._thread else self._n_running
+        if flush_cache and self._paused and n:
+            return IN_PLACE_FLUSH_REFUSED.format(n=n)
+        return None
+
+    async def _swap(
+        self, load: Callable[[], None], weight_version: str | None, flush_cache: bool, abort_all_requests: bool = False
+    ) -> int:
+        """Swap in new weights (module docstring): at once while paused, else once no request is running; new
+        admissions wait meanwhile. Returns how many requests were paused across the swap. Raises WeightError
+        (nothing changed) for an in-place pause with flush_cache."""
+        done: asyncio.Future = self._loop.create_future()
+
+        def swap() -> int:
+            self._sched.admit_blocked = False
+            refusal = self._flush_refusal(flush_cache)
+            if refusal is not None:
+                raise WeightError(refusal)
+            held = len(self._sched.running) + len(self._sched.waiting) if self._paused else 0
+            self._seal()  # chunks made by the old weights keep the old version
+            load()
+            self._sched.forget_prefixes()
+            self.weight_version = next_version(self.weight_version, weight_version)
+            return held
+
+        def cmd() -> None:
+            if abort_all_requests:
+                for r in self._sched.all_requests():
+                    self._sched.finish(r, abort_reason("aborted for a weight update"))
+            self._sched.admit_blocked = True
+            self._pending_swap = lambda: self._resolve(done, swap)
+
+        self._post(cmd, urgent=abort_all_requests or self._paused)
+        return await done
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None, abort_all_requests: bool = False, flush_cache: bool = True
+    ) -> tuple[bool, str, int]:
+        assert self._weights_lock is not None, "engine not started"
+        async with self._weights_lock:
+            refusal = None if abort_all_requests else self._flush_refusal(flush_cache)
+            if refusal is not None:
+                return False, refusal, 0
+            try:
+                _, tensors = await to_side_thread(load_checkpoint, model_path, self.spec)
+            except (WeightError, UnsupportedModelError, OSError) as e:
+                return False, f"failed to load weights from {model_path}: {e}", 0
+
+            def load() -> None:
+                self.model.load_tensors(tensors)
+                self.model_path = model_path
+
+            try:
+                held = await self._swap(load, weight_version, flush_cache, abort_all_requests)
+            except WeightError as e:
+                return False, str(e), 0
+        return True, f"Succeeded to update model weights from {model_path}.", held
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> tuple[bool, str]:
+        """Join the trainer's broadcast group as rank `rank_offset` (SGLang's receiving side; see weight_sync)."""
+        if group_name in self._groups:
+            return False, f"weight update group {group_name!r} already exists"
+        if backend == "nccl" and self.device.type != "cuda":
+            return False, "backend nccl needs a CUDA device; this engine runs on CPU (use gloo)"
+        try:
+            group = await asyncio.to_thread(
+                init_custom_group,
+                backend,
+                f"tcp://{master_address}:{master_port}",
+                world_size,
+                rank_offset,
+                group_name,
+                self.device,
+            )
+        except Exception as e:  # rendezvous timeouts and connection errors come as several types
+            return False, f"failed to join weight update group {group_name!r}: {type(e).__name__}: {e}"
+        self._groups[group_name] = group
+        return True, f"Succeeded to initialize weight update group {group_name!r}."
+
+    async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        """Leave weight-update group `group_name` (SGLang's /destroy_weights_update_group, same answers): a run
+        that ends, or re-forms its group, frees the communicator here and may reuse the name."""
+        assert self._weights_lock is not None, "engine not started"
+        async with self._weights_lock:  # never in the middle of a bucket's receive
+            group = self._groups.pop(group_name, None)
+            if group is None:
+                return False, "The group to be destroyed does not exist."
+            try:
+                await asyncio.to_thread(destroy_update_group, group, True)
+            except Exception as e:
+                return False, f"Failed to destroy custom process group: {type(e).__name__}: {e}."
+        return True, "Succeeded to destroy custom process group."
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        flush_cache: bool = True,
+    ) -> tuple[bool, str]:
+        """Receive each tensor by broadcast(src=0), in order, then swap them in like a disk update: at once while
+        paused, else once the running requests have finished."""
+        group = self._groups.get(group_name)
+        if group is None:
+            return False, f"no weight update group {group_name!r}; call init_weights_update_group first"
+        if not len(names) == len(dtypes) == len(shapes):
+            return False, "names, dtypes and shapes must have the same length"
+        bad = [d for d in dtypes if d not in DTYPES]
+        if bad:
+            return False, f"unsupported dtypes {bad[:3]}"
+        assert self._weights_lock is not None, "engine not started"
+        async with self._weights_lock:
+            try:
+                # Receive everything first, even names we will reject or a swap we will refuse: the trainer's
+                # broadcasts must all be matched.
+                tensors = await to_side_thread(receive_tensors, group, names, dtypes, shapes, self.device)
+                expected = self.spec.param_shapes()
+                if self.spec.tie_word_embeddings and "lm_head.weight" in tensors:
+                    expected = {**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}
+                with single_torch_thread():  # on the event loop's thread
+                    check_tensors(tensors, expected, where="update_weights_from_distributed", require_all=False)
+            except Exception as e:
+                return False, f"failed to update weights from distributed: {type(e).__name__}: {e}"
+            try:
+                # as SGLang: a bucket without a version (every bucket of a broadcast but the last) keeps the label
+                label = weight_version if weight_version is not None else self.weight_version
+                await self._swap(lambda: self.model.load_tensors(tensors), label, flush_cache)
+            except WeightError as e:
+                return False, str(e)
+        return True, "Succeeded to update parameter online from distributed."
+
+    async def set_weight_version(self, version: str) -> None:
+        def cmd() -> None:
+            self._seal()
+            self.weight_version = version
+
+        await self._call(cmd)
+
+
+def next_version(current: str, given: str | None) -> str:
+    """The version after an update: the given one, else the current one plus one when it is a number."""
+    if given is not None:
+        return given
+    return str(int(current) + 1) if current.isdigit() else current
+
+
+def destroy_update_group(group, raise_errors: bool = False) -> None:
+    try:
+        destroy_group(group)
+    except Exception:  # best effort at shutdown
+        if raise_errors:
+            raise
+        log.warning("failed to destroy a weight update group", exc_info=True)

@@ -9,8 +9,8 @@ directory with a checkpoint is resumed (resume=false starts over).
 The shape of a run: `prepare` checks everything that can be checked (config, model, tokenizer and chat template,
 dataset, reward, workflow) before anything starts (run_plan.py); a `Launcher` starts the servers and trainers
 (launch/); the training runs under `supervise`, which hands every process event to the failure policy; teardown
-always runs; run_report.py writes the summary. When a part dies (`roll_back` below): docs/recovery.md; how the
-weights reach the servers (`connect_weights`): docs/weights.md.
+always runs; run_report.py writes the summary. When a part dies (`roll_back`, run_rollback.py): docs/recovery.md;
+how the weights reach the servers (`connect_weights`, run_connect.py): docs/weights.md.
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config.help import describe
 from areal_async.inference.client import InferenceClient
 from areal_async.launch import (
-    ChildFailed,
     Cluster,
-    ElasticBroadcastSync,
     Launcher,
     RecoveryLog,
     RunRecovery,
@@ -52,16 +50,18 @@ from areal_async.launch.recovery import LOG_FILE as RECOVERY_LOG_FILE
 from areal_async.launch.recovery import RunLock
 from areal_async.launch.sbatch import cli as slurm_submission
 from areal_async.metrics import MetricsLogger, keep_aside
-from areal_async.rollout.checkpoints import RunState, load_state, rewind_records, rollback_target
+from areal_async.rollout.checkpoints import RunState, load_state, rewind_records
 from areal_async.rollout.controller import AsyncRLController
 from areal_async.rollout.evaluate import evaluate
 from areal_async.rollout.ledger import FILE_NAME as LEDGER_FILE
 from areal_async.rollout.ledger import SampleLedger
 from areal_async.rollout.samples import SampleStream
-from areal_async.rollout.weight_sync import DiskSync, WeightSync
+from areal_async.rollout.weight_sync import WeightSync
+from areal_async.run_connect import bring_servers_to, connect_trainers, connect_weights
 from areal_async.run_plan import RunPlan, make_score, prepare, resolve_model  # noqa: F401 (public here too)
 from areal_async.run_report import print_summary, server_busy_s, summarize, write_outputs  # noqa: F401
-from areal_async.train.client import TrainerError, TrainerGroup
+from areal_async.run_rollback import restart_trainers, retire_controller, rewind, roll_back  # noqa: F401
+from areal_async.train.client import TrainerGroup
 
 try:
     import uvloop  # optional: a faster event loop where it is installed
@@ -297,11 +297,6 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
     return summary
 
 
-async def connect_trainers(cluster: Cluster, cfg: RunConfig) -> TrainerGroup:
-    tr = cluster.trainers
-    return await TrainerGroup.connect(tr.rendezvous_dir, tr.world_size, tr.secret, timeout=cfg.train.connect_timeout_s)
-
-
 def make_controller(
     plan: RunPlan, state: RunState, session: Session, weights: WeightSync, checkpointed: bool
 ) -> AsyncRLController:
@@ -332,145 +327,6 @@ async def run_and_save(ctrl: AsyncRLController) -> RunState:
     return state
 
 
-# ---- when the trainer job fails (docs/recovery.md) --------------------------------------------------------------
-
-
-async def roll_back(
-    plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException, launch_state: RunState, weights: WeightSync
-) -> tuple[RunState, WeightSync, bool]:
-    """The trainer job failed: restart it from the last checkpoint (or the base model when there is none yet),
-    bring the controller state, the sample ledger, metrics.jsonl and the servers' weights back to that version,
-    and return (state, weight sync, whether the state is a checkpoint's). Raises `RunStopped` once
-    `recovery.max_trainer_restarts` are spent: the last checkpoint then resumes the run."""
-    t_lost = time.monotonic()
-    failed_at, base_accuracy = retire_controller(session, launch_state)
-    target, ckpt = await restart_trainers(plan, cluster, session, lost, launch_state, failed_at)
-    if target.version == 0 and target.base_accuracy is None:
-        target.base_accuracy = base_accuracy  # the base model's eval is not run twice
-    rewind(session, plan.cfg.run_dir, target.version)
-    weights = await connect_weights(plan, session.trainers, session.client, cluster, previous=weights)
-    await bring_servers_to(weights, target.version)
-    _record_rolled_back(session, failed_at, target, ckpt, time.monotonic() - t_lost)
-    return target, weights, ckpt is not None
-
-
-def retire_controller(session: Session, launch_state: RunState) -> tuple[int, float | None]:
-    """Close the failed segment's controller (its ledger file, before the file is cut back); returns the version
-    it failed at and the base model's accuracy it measured."""
-    ctrl, session.controller = session.controller, None
-    if ctrl is None:
-        return launch_state.version, None
-    ctrl.finish(completed=False)
-    return ctrl.state.version, ctrl.state.base_accuracy
-
-
-async def restart_trainers(
-    plan: RunPlan, cluster: Cluster, session: Session, lost: BaseException, launch_state: RunState, failed_at: int
-) -> tuple[RunState, str | None]:
-    """Restart the trainer job from the rollback target (with backoff; a new job that fails too counts as another
-    restart) and connect to it; returns the target and its checkpoint directory (None: the base model)."""
-    cfg, rec, rlog = plan.cfg, session.recovery, session.recovery_log
-    assert rec is not None and rlog is not None
-    while True:
-        target, ckpt = rollback_target(cfg.run_dir, launch_state)
-        delay = rec.trainer_restart_delay()
-        if delay is None:
-            raise _restarts_spent(plan, rec, rlog, lost, target, ckpt, failed_at)
-        rlog.record(
-            "fault",
-            "trainer_failed",
-            "trainer",
-            str(lost),
-            f"restart {rec.trainer_restarts} of {cfg.recovery.max_trainer_restarts} in {delay:.1f}s from "
-            f"{_where(target, ckpt)}",
-            version=failed_at,
-        )
-        if session.trainers is not None:
-            with contextlib.suppress(Exception):
-                await session.trainers.close()
-            session.trainers = None
-        await asyncio.sleep(delay)
-        try:
-            await rec.guard(cluster.restart_trainers(os.path.join(ckpt, "trainer") if ckpt else None))
-            session.trainers = await rec.guard(connect_trainers(cluster, cfg))
-            return target, ckpt
-        except NotImplementedError as e:  # e.g. agents started by hand on other nodes
-            rlog.record("gave_up", "trainer_not_restartable", "trainer", str(e), "the run stops", version=failed_at)
-            raise RunStopped(
-                f"the trainer job failed ({str(lost).splitlines()[0]}) and cannot be restarted by "
-                f"this run ({e}); the last checkpoint resumes it"
-            ) from e
-        except (TrainerLost, TrainerError, ConnectionError, TimeoutError, ChildFailed) as e:
-            lost = e  # the new job failed too: counts as another restart
-
-
-def _where(target: RunState, ckpt: str | None) -> str:
-    return f"checkpoint v{target.version} ({ckpt})" if ckpt else "the base model (no checkpoint yet)"
-
-
-def _restarts_spent(
-    plan: RunPlan,
-    rec: RunRecovery,
-    rlog: RecoveryLog,
-    lost: BaseException,
-    target: RunState,
-    ckpt: str | None,
-    failed_at: int,
-) -> RunStopped:
-    """Record that the trainer restarts are spent; the error that stops the run, saying what resumes it."""
-    resume = (
-        f"its last checkpoint (v{target.version}, {ckpt}) resumes it: run the same command again"
-        if ckpt
-        else "no checkpoint was saved, so a rerun starts over"
-    )
-    rlog.record("fault", "trainer_failed", "trainer", str(lost), "no restart left", version=failed_at)
-    rlog.record(
-        "gave_up",
-        "trainer_restarts_spent",
-        "trainer",
-        f"{rec.trainer_restarts} restart(s) spent (recovery.max_trainer_restarts)",
-        "the run stops; " + resume,
-        version=failed_at,
-    )
-    return RunStopped(
-        f"the trainer job failed ({str(lost).splitlines()[0]}) and its restarts are spent "
-        f"(recovery.max_trainer_restarts={plan.cfg.recovery.max_trainer_restarts}); {resume}"
-    )
-
-
-def rewind(session: Session, run_dir: str, version: int) -> None:
-    """Cut metrics.jsonl, trained_index.jsonl, later checkpoints and published weights back to `version`, with
-    the metrics writer closed meanwhile."""
-    if session.logger is not None:
-        session.logger.close()
-    rewind_records(run_dir, version)
-    session.logger = MetricsLogger(run_dir)
-
-
-async def bring_servers_to(weights: WeightSync, version: int) -> None:
-    """Make every server hold the trainers' weights as `version` (after a resume or a rollback: nothing is in
-    flight that could keep its KV cache)."""
-    await weights.prepare(version)
-    await weights.apply(version, flush_cache=True)
-
-
-def _record_rolled_back(session: Session, failed_at: int, target: RunState, ckpt: str | None, recover_s: float) -> None:
-    assert session.client is not None and session.recovery_log is not None
-    held = {u: st["version"] for u, st in session.client.stats()["servers"].items() if st["state"] == "serving"}
-    session.recovery_log.record(
-        "recovered",
-        "trainer_recovered",
-        "trainer",
-        f"the trainer job failed at version {failed_at}",
-        f"trainers restarted from {_where(target, ckpt)}; controller state, sample ledger, metrics and the servers' "
-        f"weights rolled back to version {target.version}",
-        recover_s=recover_s,
-        steps_redone=failed_at - target.version,
-        version=target.version,
-        server_versions=held,
-    )
-
-
 async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: NoServerServing) -> str:
     """No server is left: save a checkpoint when the step in progress finished (a training loop that had to be
     cancelled may have left the trainer a step ahead), and say how to resume."""
@@ -492,44 +348,7 @@ async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: 
     return f"{why}; the run stops: {where}"
 
 
-# ---- weights and evals ------------------------------------------------------------------------------------------
-
-
-async def connect_weights(
-    plan: RunPlan,
-    trainers: TrainerGroup | None,
-    client: InferenceClient | None,
-    cluster: Cluster,
-    previous: WeightSync | None = None,
-) -> WeightSync:
-    """The weight transport `train.weight_sync` names (docs/weights.md). Broadcast first joins trainer rank 0 and
-    every server rank into one torch.distributed group; the group follows the fleet (rollout/broadcast_sync.py),
-    and a server that comes back catches up from a checkpoint the trainers publish on demand. `previous`: the
-    transport of a trainer job that was replaced (broadcast keeps counting its groups, whose names the servers will
-    not reuse)."""
-    cfg = plan.cfg
-    assert trainers is not None and client is not None
-    if cfg.train.weight_sync == "disk":
-        return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
-    if isinstance(previous, ElasticBroadcastSync):
-        sync = previous
-        sync.set_trainers(trainers)
-        sync.master_address = cluster.trainers.master_address
-    else:
-        device = (await trainers.info())[0].device
-        per_server = 1 if cfg.server.backend == "embedded" else cfg.server.gpus_per_server  # each TP rank receives
-        sync = ElasticBroadcastSync(
-            trainers,
-            client,
-            cluster.trainers.master_address,
-            ranks_per_server=per_server,
-            backend="nccl" if device.startswith("cuda") else "gloo",
-            api_key=cfg.server.api_key,
-            catch_up_root=os.path.join(cfg.run_dir, "weights"),
-        )
-    await sync.form_group()
-    client.weight_source = sync.publish_current
-    return sync
+# ---- evals and the final checkpoint -----------------------------------------------------------------------------
 
 
 def make_evaluator(plan: RunPlan, client: InferenceClient) -> Any:

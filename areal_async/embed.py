@@ -33,10 +33,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Union
 
+from areal_async.agent import AgentWorkflow, OpenAIProxy, PolicySampling
 from areal_async.agent.episode import ExportMode
 from areal_async.agent.workflow import AgentContext, AgentFn
+from areal_async.config import load_config
+from areal_async.rollout import ledger
 from areal_async.rollout.workflow_api import Generator, ScoreFn, Workflow, trajectory_from_generation
+from areal_async.rollout.workflows import build_workflow
 from areal_async.rollout.workflows.multi_turn import CheckerEnv, Env, EnvFactory, MultiTurnWorkflow, Observation
+from areal_async.run import run, setup_logging
 from areal_async.types import GenerationResult, Sample, SamplingParams, Trajectory
 
 if TYPE_CHECKING:
@@ -190,7 +195,6 @@ class AgentWorkflowFactory:
         self.workflows: list[Any] = []
 
     def __call__(self, cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn) -> Workflow:
-        from areal_async.agent import AgentWorkflow, OpenAIProxy, PolicySampling
 
         r = cfg.rollout
         # trainable calls are sampled at the run's settings whatever the agent asks (see agent/openai_proxy.py)
@@ -260,8 +264,6 @@ def _tap(workflow: Any, on_group: GroupCallback | None) -> Any:
     if on_group is None:
         return workflow
     if workflow is None:
-        from areal_async.rollout.workflows import build_workflow
-
         return lambda cfg, tok, score: _Tapped(build_workflow(cfg, tok, score), on_group)
     if hasattr(workflow, "run"):
         return _Tapped(workflow, on_group)
@@ -301,7 +303,6 @@ class RunResult:
 
     def trained_index(self) -> list[dict[str, Any]]:
         """trained_index.jsonl: which sample draws each step trained or dropped (and why)."""
-        from areal_async.rollout import ledger
 
         return ledger.read(os.path.join(self.run_dir, ledger.FILE_NAME))
 
@@ -315,8 +316,6 @@ async def atrain(
     launcher: Launcher | None = None,
 ) -> RunResult:
     """`train` on a running event loop (for a program that is already async)."""
-    from areal_async.config import load_config
-    from areal_async.run import run
 
     cfg = load_config(config, list(overrides))
     try:
@@ -347,10 +346,7 @@ def train(
     tears everything down (also on an error, which is re-raised). `on_group(sample, trajectories)` sees every group
     a workflow finishes. `log_to_console`: the CLI's logging (console and run_dir/run.log; replaces the root
     logger's handlers), otherwise logging is left as your program set it. Blocks; call `atrain` from async code."""
-    from areal_async.config import load_config
 
     if log_to_console:
-        from areal_async.run import setup_logging
-
         setup_logging(load_config(config, list(overrides)).run_dir)
     return asyncio.run(atrain(overrides, config=config, workflow=workflow, on_group=on_group, launcher=launcher))

@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 from areal_async import cache
+from areal_async.tasks import base_model
 
 MARKER = "areal_model.json"
 FORMAT_VERSION = 1  # bump when the conversion changes in a way the code fingerprint does not capture
@@ -255,7 +256,6 @@ def _slug(name: str) -> str:
 def ensure_base_model_subprocess(cache_dir: str | None = None, seed: int = 0, **overrides: Any) -> str:
     """The base model for (settings, seed) (see areal_async.tasks.base_model): found in the cache without torch,
     built by the base_model CLI in a subprocess on first use (minutes; its log goes to this process's stderr)."""
-    from areal_async.tasks import base_model
 
     root = cache_dir or cache.default_cache_dir()
     try:

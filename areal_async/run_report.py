@@ -6,6 +6,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from areal_async.metrics import plot_run
 from areal_async.rollout.controller import AsyncRLController, RunState
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ def summarize(
 
 
 def write_outputs(run_dir: str, summary: dict[str, Any], logger: Any) -> None:
-    from areal_async.metrics import plot_run
 
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -27,6 +27,7 @@ from areal_async.launch.api import ClusterEvent, EventHandler, ProcessExited, Se
 from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
+from areal_async.launch.slurm import SlurmLauncher
 from areal_async.net.address import host_address, rendezvous_host
 from areal_async.net.registry import Registry, rank_files_dir, read_secret
 
@@ -368,7 +369,5 @@ async def _start_trainers(
 def launcher_for(cfg: RunConfig) -> Launcher:
     """The launcher `launcher` and `server.backend` ask for."""
     if cfg.launcher == "slurm":
-        from areal_async.launch.slurm import SlurmLauncher
-
         return SlurmLauncher()
     return ExternalLauncher() if cfg.server.backend == "external" else LocalLauncher()

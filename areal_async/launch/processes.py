@@ -25,6 +25,8 @@ from typing import Literal
 
 import aiohttp
 
+from areal_async.launch.placement import sglang_flag
+
 log = logging.getLogger(__name__)
 
 Role = Literal["server", "trainer", "other"]
@@ -68,7 +70,7 @@ def tail(path: str, lines: int = 40) -> str:
 def _url_from_log(procs: Processes, name: str) -> str:
     """The URL a child started on port 0 printed in its ready line (server/cli.py's READY_PREFIX); "" until then.
     Found, it becomes the child's `url`."""
-    from areal_async.server.cli import READY_PREFIX
+    from areal_async.server.cli import READY_PREFIX  # lazy: the embedded server's package, only for its children
 
     child = next((c for c in procs.children if c.name == name), None)
     if child is None:
@@ -223,7 +225,6 @@ def sglang_server_cmd(
     """`tp_size` (server.gpus_per_server) becomes --tp-size: without it SGLang runs tp 1 on the first of the
     server's GPUs, and the weight broadcast would count ranks the server does not have. `dtype` (model.dtype)
     becomes --dtype unless `extra_args` has one (SGLang's own default is auto, so auto adds nothing)."""
-    from areal_async.launch.placement import sglang_flag
 
     cmd = [
         sys.executable,

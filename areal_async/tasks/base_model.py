@@ -50,6 +50,7 @@ from typing import Any
 
 from areal_async import cache
 from areal_async.tasks import arith
+from areal_async.tasks.char_tokenizer import save_char_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +258,6 @@ def _train_and_save(out_dir: str, spec: BaseModelSpec, seed: int, device: str | 
     import torch
     import transformers
     from tokenizers import Tokenizer
-
-    from areal_async.tasks.char_tokenizer import save_char_tokenizer
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     os.makedirs(out_dir, exist_ok=True)

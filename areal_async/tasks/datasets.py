@@ -36,6 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 from areal_async.config import DataConfig
+from areal_async.tasks.arith import load_arith
+from areal_async.tasks.word_problems import load_word_problems
 from areal_async.types import Sample
 
 Loader = Callable[[DataConfig], "tuple[list[Sample], list[Sample]]"]
@@ -57,7 +59,6 @@ def _field_key(cfg: DataConfig, field: str) -> str:
 
 
 def _load_arith(cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
-    from areal_async.tasks.arith import load_arith
 
     train, evals = load_arith(cfg.num_train, cfg.num_eval, cfg.seed)
     if cfg.apply_chat_template:
@@ -68,7 +69,6 @@ def _load_arith(cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
 
 def _word_problems_loader(eval_split: str) -> Loader:
     def load(cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
-        from areal_async.tasks.word_problems import load_word_problems
 
         train, evals = load_word_problems(cfg.num_train, cfg.num_eval, cfg.seed, eval_split)
         if cfg.apply_chat_template:

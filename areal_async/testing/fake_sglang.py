@@ -352,7 +352,7 @@ class FakeSGLang:
         held = self._groups.pop(body.get("group_name", ""), None)
         if held is None:
             return self._json({"success": False, "message": "group does not exist"}, 400)
-        from areal_async.server.weights import destroy_group
+        from areal_async.server.weights import destroy_group  # lazy: torch
 
         # in the background: a receive still blocked on it (the trainer stopped mid-bucket) may hold it
         threading.Thread(
@@ -363,7 +363,7 @@ class FakeSGLang:
     async def _receive(self, body: dict) -> web.Response:
         import torch
 
-        from areal_async.server.weights import receive_tensors
+        from areal_async.server.weights import receive_tensors  # lazy: torch
 
         held = self._groups.get(body["group_name"])
         if held is None:
@@ -425,7 +425,7 @@ def _join_group(init_method: str, world_size: int, rank: int, group_name: str) -
     name once per process."""
     from torch.distributed import distributed_c10d as c10d
 
-    from areal_async.server.weights import init_custom_group
+    from areal_async.server.weights import init_custom_group  # lazy: torch
 
     with _registry_lock:
         _joining.append(_joining[0] if _joining else c10d._register_process_group)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from areal_async.config import ConfigError
+from areal_async.rollout.workflows.rlvr import RLVRWorkflow
+from areal_async.types import SamplingParams
+
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
     from areal_async.rollout.workflow_api import ScoreFn, Workflow
@@ -14,14 +18,10 @@ if TYPE_CHECKING:
 def build_workflow(cfg: RunConfig, tokenizer: Tokenizer, score: ScoreFn) -> Workflow:
     """rollout.workflow: "rlvr", "multi_turn", or "module:callable" called as callable(cfg, tokenizer, score).
     Raises ConfigError naming rollout.workflow when the name does not resolve or the factory fails."""
-    from areal_async.config import ConfigError
-    from areal_async.types import SamplingParams
 
     r = cfg.rollout
     name = r.workflow
     if name == "rlvr":
-        from areal_async.rollout.workflows.rlvr import RLVRWorkflow
-
         sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
         )

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from areal_async.net.registry import rank_file
+from areal_async.net.rank_registry import rank_file
 from areal_async.testing.faults import RunProcess, accounting, run_children, summary, wait_gone
 
 B, N = 8, 4

@@ -17,7 +17,7 @@ import pytest
 
 from areal_async import run as run_module
 from areal_async.launch.recovery import LOCK_FILE, RunLock
-from areal_async.net.registry import rank_file
+from areal_async.net.rank_registry import rank_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [

@@ -49,7 +49,7 @@ CONTROLLER_SIDE = [
     "areal_async.protocol.openai_requests",
     "areal_async.protocol.openai_responses",
     "areal_async.protocol.engine_api",
-    "areal_async.net.registry",
+    "areal_async.net.rank_registry",
     "areal_async.net.address",
     "areal_async.train.client",
     "areal_async.agent",

@@ -33,7 +33,7 @@ import pytest
 from areal_async.config import ConfigError, load_config
 from areal_async.launch.sbatch import classify_reason, render_sbatch
 from areal_async.launch.slurm import Allocation, check_allocation, expand_counts, place
-from areal_async.net.registry import route_address
+from areal_async.net.rank_registry import route_address
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the job-name token of this pytest session (conftest.py exports it before any test runs)
@@ -683,7 +683,7 @@ def test_launch_modules_import_no_torch():
     mods = [
         "areal_async.launch.slurm",
         "areal_async.launch.sbatch",
-        "areal_async.net.registry",
+        "areal_async.net.rank_registry",
         "areal_async.launch.step",
     ]
     code = (

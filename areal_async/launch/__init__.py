@@ -1,6 +1,6 @@
 """Starting what a run needs and watching it: the `Launcher`/`Cluster` protocol (api.py), launchers for this host
 (local.py) and for Slurm (slurm.py inside an allocation, sbatch.py to submit one), the registration endpoint that
-finds processes on other nodes (net/registry.py, step.py), servers joining and leaving (membership.py), fault
+finds processes on other nodes (net/rank_registry.py, step.py), servers joining and leaving (membership.py), fault
 recovery (recovery.py; docs/recovery.md), how a run's segment can end (outcomes.py) and child-process management
 (processes.py). No torch here."""
 

@@ -18,7 +18,7 @@ that error). A run's handler is launch/membership.py's `failure_policy`: servers
 run with its log tail (`end_run_on_failure`). What the protocol is shaped for, without run() changing:
 - a Slurm launcher (launch/slurm.py): servers as `srun` job steps, the trainers as one `srun` step running torchrun
   across its nodes, the controller on the batch host; the ranks report to the controller's registry
-  (net/registry.py), which writes the rank files `TrainerGroup.connect` reads, and its watch reports a failed
+  (net/rank_registry.py), which writes the rank files `TrainerGroup.connect` reads, and its watch reports a failed
   step as `ProcessExited`.
 - fault recovery (launch/recovery.py, `recovery.enabled`; docs/recovery.md): `failure_policy` puts `RunRecovery`
   in front of the fleet handler. A dead or hung server is restarted by the cluster (`restart_server`; announced as

@@ -5,7 +5,7 @@ launch/api.py for the protocol; `launcher_for` picks one (or the Slurm launcher,
 A trainer job of `train.nnodes` > 1 is that many torchrun agents joined by c10d rendezvous; here they all run on
 this host (a real multi-node job, on one machine), or only the first `train.rdzv.local_agents` of them, the others
 started by hand elsewhere with the command the launcher logs. Ranks report their addresses to the run's registry
-(net/registry.py) unless `train.rdzv.discovery=files`."""
+(net/rank_registry.py) unless `train.rdzv.discovery=files`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
 from areal_async.launch.slurm import SlurmLauncher
 from areal_async.net.address import host_address, rendezvous_host
-from areal_async.net.registry import Registry, rank_files_dir, read_secret
+from areal_async.net.rank_registry import Registry, rank_files_dir, read_secret
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig

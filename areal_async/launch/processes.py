@@ -468,7 +468,7 @@ class Processes:
         """One torchrun agent of `nproc` ranks (standalone, or one node of a job `torchrun_args` describes); each
         rank reads its TrainConfig (temperature included) from `config_json` and announces itself: a rank file
         `<run_dir>/trainer/rank<r>.json`, or a report to the controller's registry when `env` names one
-        (net/registry.py)."""
+        (net/rank_registry.py)."""
         cmd = trainer_cmd(
             model=model,
             nproc=nproc,

@@ -14,7 +14,7 @@ each its own GPUs (CUDA_VISIBLE_DEVICES per step: an SGLang step always starts a
 it is checked against the allocation before the first srun, with errors naming the key to change.
 
 Finding the processes: no filesystem is assumed to be shared. Server steps start through launch/step.py, which
-reports its node's address and port to the controller's registry (net/registry.py) and then becomes the server;
+reports its node's address and port to the controller's registry (net/rank_registry.py) and then becomes the server;
 trainer ranks report there too (train.rdzv.discovery=registry). One log per step, `run_dir/logs/<name>.log`: srun
 writes its tasks' output (and its own errors) to the controller's side, so logs need no shared filesystem either.
 
@@ -67,7 +67,7 @@ from areal_async.launch.slurm_allocation import (
     in_allocation,
     slurm_cmd,
 )
-from areal_async.net.registry import Registry, route_address
+from areal_async.net.rank_registry import Registry, route_address
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig

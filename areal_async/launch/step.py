@@ -2,7 +2,7 @@
 starts on a node the controller cannot look into.
 
 It picks the port (P, or a free one on this node), reports `tcp://<address>:<port>` to the controller's registry
-(net/registry.py; AREAL_REGISTRY and AREAL_RPC_SECRET come from the environment), removes both variables from
+(net/rank_registry.py; AREAL_REGISTRY and AREAL_RPC_SECRET come from the environment), removes both variables from
 the environment and then becomes CMD (exec, same pid: the step's task is the server itself, so Slurm's signals
 reach it), with `{port}` replaced. The controller learns the URL before the server has bound the port and polls
 /health until it answers. Torch-free, and quick to start: it runs on every server node.
@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 
-from areal_async.net.registry import (
+from areal_async.net.rank_registry import (
     REGISTRY_ENV,
     SECRET_ENV,
     Registration,

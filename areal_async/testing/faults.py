@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from areal_async.net.registry import rank_file, rank_files_dir
+from areal_async.net.rank_registry import rank_file, rank_files_dir
 from areal_async.rollout import ledger
 
 

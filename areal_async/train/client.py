@@ -19,7 +19,7 @@ import logging
 import math
 from typing import Any, TypeVar
 
-from areal_async.net.registry import rank_file
+from areal_async.net.rank_registry import rank_file
 from areal_async.net.rpc import RpcAuthError, RpcClient, RpcError
 from areal_async.train.broadcast_driver import (
     BroadcastIncomplete,

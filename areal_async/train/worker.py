@@ -1,7 +1,7 @@
 """One trainer rank: `torchrun --nproc_per_node N -m areal_async.train.worker --model DIR --run-dir DIR ...`.
 
 Each rank loads its FSDP2 shard of the model (train/engine.py), then serves the controller over our RPC channel
-(areal_async/net/rpc.py) and says where it listens (net/registry.py's `announce_rank`: the rank file
+(areal_async/net/rpc.py) and says where it listens (net/rank_registry.py's `announce_rank`: the rank file
 `{run_dir}/trainer/rank{r}.json`, or a report to the controller's registry). The controller (`TrainerGroup` in
 train/client.py) connects to every rank and sends each call to all of them.
 """
@@ -43,7 +43,7 @@ from areal_async.config import ConfigError, TrainConfig, from_dict
 from areal_async.net.address import ADDRESS_ENV, host_address
 
 # rank_file is not used here: re-exported because tests/test_clean_runs.py reads worker.rank_file
-from areal_async.net.registry import announce_rank, rank_file, read_secret  # noqa: F401
+from areal_async.net.rank_registry import announce_rank, rank_file, read_secret  # noqa: F401
 from areal_async.net.rpc import RpcServer
 from areal_async.torch_threads import one_thread_until_set
 from areal_async.train.messages import (

@@ -90,7 +90,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
 
 class OldStragglerRule(StalenessBuffer):
-    """The batch rule before issue 10, kept to show the tests catch it: wait only for running groups started under
+    """A simpler batch rule, kept to show the tests catch it: wait only for running groups started under
     <= v - eta. Unsafe for eta >= 2 (docs/design.md says why)."""
 
     def _ready(self, n: int) -> bool:

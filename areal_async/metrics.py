@@ -1,48 +1,58 @@
-"""Run metrics: one JSON line per event in metrics.jsonl, TensorBoard scalars, and a PNG of reward and held-out
-accuracy against wall time. No torch: TensorBoard events are written with the tensorboard package's own writer."""
+"""Run metrics: one JSON line per event in metrics.jsonl (the source of truth), the same records to TensorBoard and
+to the run's other sinks (metrics_sinks.py: wandb, or sinks of your own named by `metrics.loggers`), and a PNG of
+reward and held-out accuracy against wall time at the end. No torch: TensorBoard events are written with the
+tensorboard package's own writer."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Any
 
 from areal_async.atomic_write import write_lines_atomic
+from areal_async.metrics_sinks import SinkSet, TensorBoardSink, attached
+
+log = logging.getLogger("areal_async.metrics")
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, tensorboard: bool = True) -> None:
+    """The writer of `run_dir/metrics.jsonl`. Every record also goes to TensorBoard (when `tensorboard` and the
+    extra is installed) and to `sinks`: by default the sinks the run in `run_dir` has open (metrics_sinks.attached),
+    so a writer reopened after a rollback feeds the same ones. A sink that fails never fails `log`; closing the
+    writer leaves the run's sinks open (the run closes them)."""
+
+    def __init__(self, run_dir: str, tensorboard: bool = True, sinks: SinkSet | None = None) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
-        self._tb = None
+        self._tb: TensorBoardSink | None = None
         if tensorboard:
-            try:
-                from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-                self._tb = EventFileWriter(os.path.join(run_dir, "tensorboard"))
-            except ImportError:  # the [tensorboard] extra; a run never dies for want of it
-                self._tb = None
+            tb = TensorBoardSink(run_dir)
+            self._tb = tb if tb.available() else None
+        self._tb_failed = False
+        self.sinks = sinks if sinks is not None else attached(run_dir)
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
-        """Append one record; numeric values also go to TensorBoard as `<kind>/<key>`."""
+        """Append one record; numeric values also go to TensorBoard as `<kind>/<key>`, and the record to the sinks."""
         record = {"kind": kind, "step": step, "time": time.time(), **values}
-        self._jsonl.write(json.dumps(record) + "\n")
+        line = json.dumps(record)
+        self._jsonl.write(line + "\n")
         if self._tb is not None:
-            from tensorboard.compat.proto.event_pb2 import Event
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            vals = [
-                Summary.Value(tag=f"{kind}/{k}", simple_value=float(v))
-                for k, v in values.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)
-            ]
-            if vals:
-                self._tb.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=vals)))
+            try:
+                self._tb.log(record)
+            except Exception as e:
+                if not self._tb_failed:
+                    self._tb_failed = True
+                    log.warning("TensorBoard events: %s: %s (metrics.jsonl has every record)", type(e).__name__, e)
+        if self.sinks is not None:
+            self.sinks.log(json.loads(line))  # each sink gets what the file holds, in a copy of its own
 
     def close(self) -> None:
-        self._jsonl.close()
+        """Close metrics.jsonl and the TensorBoard writer; again is a no-op."""
+        if not self._jsonl.closed:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -27,6 +27,7 @@ final name.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -37,10 +38,11 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
-from areal_async import cache
+from areal_async import cache, progress
 from areal_async.tasks import base_model
 
 MARKER = "areal_model.json"
@@ -230,18 +232,64 @@ def _check_converter_packages(gguf_file: str) -> None:
 
 
 def _run_converter(gguf_file: str, out_dir: str) -> dict:
-    """Run `python -m areal_async.tasks.convert_gguf` into `out_dir`; its last stdout line is a JSON summary."""
+    """Run `python -m areal_async.tasks.convert_gguf` into `out_dir`; its last stdout line is a JSON summary.
+
+    On a terminal (areal_async/progress.py) the converter's stderr is shown as it comes, with transformers' bar
+    over the de-quantized tensors; otherwise it is kept quiet (TQDM_DISABLE=1). Either way its tail goes into the
+    error of a failed conversion."""
     cmd = [sys.executable, "-m", "areal_async.tasks.convert_gguf", "--gguf", gguf_file, "--out", out_dir]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise ModelPathError(f"converting {gguf_file} failed (exit status {proc.returncode}):\n{tail}")
-    lines = proc.stdout.strip().splitlines()
+    if progress.enabled():
+        del env["TQDM_DISABLE"]  # transformers' bar goes to a pipe this process relays to its terminal
+        print(f"converting {os.path.basename(gguf_file)} (once; cached after)", file=sys.stderr, flush=True)
+        returncode, stdout, stderr = _run_relaying_stderr(cmd, env)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    if returncode != 0:
+        tail = "\n".join(_last_lines(stderr or stdout, 15))
+        raise ModelPathError(f"converting {gguf_file} failed (exit status {returncode}):\n{tail}")
+    lines = stdout.strip().splitlines()
     try:
         return json.loads(lines[-1])
     except (IndexError, ValueError):
         raise ModelPathError(f"converting {gguf_file}: the converter printed no summary") from None
+
+
+def _run_relaying_stderr(cmd: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    """Run `cmd`, copying its stderr to ours as it comes (progress bars included) and keeping the last 64 KiB of
+    it; stdout is collected. Returns (exit status, stdout, the kept stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    kept = bytearray()
+    ours = getattr(sys.stderr, "buffer", None)
+
+    def relay() -> None:
+        assert proc.stderr is not None
+        while chunk := proc.stderr.read1(4096):
+            with contextlib.suppress(OSError, ValueError):  # our stderr closed: keep collecting
+                if ours is not None:
+                    sys.stderr.flush()
+                    ours.write(chunk)
+                    ours.flush()
+                else:
+                    sys.stderr.write(chunk.decode(errors="replace"))
+                    sys.stderr.flush()
+            kept.extend(chunk)
+            del kept[: max(0, len(kept) - 65536)]
+
+    relayer = threading.Thread(target=relay, daemon=True)
+    relayer.start()
+    assert proc.stdout is not None
+    stdout = proc.stdout.read()
+    returncode = proc.wait()
+    relayer.join()
+    return returncode, stdout.decode(errors="replace"), kept.decode(errors="replace")
+
+
+def _last_lines(text: str, n: int) -> list[str]:
+    """The last `n` lines of a process's output, a progress bar's redraws (carriage returns) reduced to the last."""
+    lines = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.strip().split("\n")]
+    return [line for line in lines if line.strip()][-n:]
 
 
 def _slug(name: str) -> str:

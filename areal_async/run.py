@@ -50,6 +50,7 @@ from areal_async.launch.recovery import LOG_FILE as RECOVERY_LOG_FILE
 from areal_async.launch.recovery import RunLock
 from areal_async.launch.sbatch import cli as slurm_submission
 from areal_async.metrics import MetricsLogger, keep_aside
+from areal_async.metrics_sinks import RunInfo, SinkSet
 from areal_async.rollout.checkpoints import RunState, load_state, rewind_records
 from areal_async.rollout.controller import AsyncRLController
 from areal_async.rollout.evaluate import evaluate
@@ -169,6 +170,7 @@ async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = 
     plan = prepare(cfg, workflow)
     open_run_log(plan.cfg.run_dir)  # the checks passed: from here on the run has a directory
     session = Session(rewards=plan.rewards)
+    sinks = SinkSet(plan.sinks)  # metrics.loggers: open for the whole run, across rollbacks (metrics_sinks.py)
     cluster: Cluster | None = None
     lock = RunLock(plan.cfg.run_dir)
     ended = "failed"
@@ -178,7 +180,9 @@ async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = 
         except RuntimeError as e:
             raise ConfigError(f"run_dir: {e}") from None
         state = open_run_dir(plan)
-        session.logger = MetricsLogger(plan.cfg.run_dir)
+        resumed_at = plan.resumed[0].version if plan.resumed else None
+        sinks.open(RunInfo.of(plan.cfg.run_dir, to_dict(plan.cfg), resumed_at))
+        session.logger = MetricsLogger(plan.cfg.run_dir, sinks=sinks)
         session.recovery_log = rlog = RecoveryLog(plan.cfg.run_dir)
         rlog.metrics = session.log_metrics
         rlog.version = lambda: session.controller.state.version if session.controller else state.version
@@ -198,6 +202,7 @@ async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = 
         return out
     finally:
         await session.close()
+        await asyncio.to_thread(sinks.close)  # the records still queued reach the loggers, which then close
         if cluster is not None:
             if session.trainers_stopped:
                 await trainers_exit_on_their_own(cluster)

@@ -1,5 +1,6 @@
 """Before launch: everything about a run that can be checked is checked, and built, here (`prepare`): the config,
-the GPU layout, the model directory, the tokenizer and its chat template, the dataset, the reward and the workflow.
+the GPU layout, the model directory, the tokenizer and its chat template, the dataset, the reward, the workflow and
+the extra metrics loggers (`metrics.loggers`, made here, opened once the run has its directory).
 A problem is a ConfigError naming its key, so nothing is started for a run that cannot work. No torch here (the
 model is built or converted in a subprocess, areal_async.model_store).
 """
@@ -13,7 +14,7 @@ import os
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -21,6 +22,7 @@ import msgspec
 from areal_async.config import RESERVED_REWARD_ARGS, ConfigError, RunConfig
 from areal_async.cpu_features import describe, model_hidden_size, resolve_mixed_precision
 from areal_async.launch.placement import plan_placement
+from areal_async.metrics_sinks import build_sinks
 from areal_async.model_store import ModelPathError, resolve_model_path
 from areal_async.rewards.registry import resolve as resolve_reward
 from areal_async.rewards.runner import RewardRunner
@@ -61,6 +63,7 @@ class RunPlan:
     score: ScoreFn
     workflow: Workflow
     resumed: tuple[RunState, str] | None  # (state, checkpoint directory)
+    sinks: list[tuple[str, Any]] = field(default_factory=list)  # metrics.loggers' sinks, made, not opened
 
     @property
     def trainer_resume(self) -> str | None:
@@ -89,6 +92,7 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     check_devices(cfg, placement.gpus)
     check_backend_installed(cfg)
     check_ports(cfg)
+    sinks = build_sinks(cfg.metrics.loggers, cfg.metrics.wandb)  # imports and makes them: a bad one fails here
     model_path = resolve_model(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
@@ -118,7 +122,16 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
         )
     resumed = load_state(cfg.run_dir) if cfg.resume else None
     return RunPlan(
-        cfg, model_path, tokenizer, train_samples, eval_samples[: cfg.eval.num_prompts], rewards, score, wf, resumed
+        cfg,
+        model_path,
+        tokenizer,
+        train_samples,
+        eval_samples[: cfg.eval.num_prompts],
+        rewards,
+        score,
+        wf,
+        resumed,
+        sinks,
     )
 
 

@@ -55,6 +55,8 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "EvalConfig",
+    "MetricsConfig",
+    "WandbConfig",
     "RendezvousConfig",
     "SlurmConfig",
     "RecoveryConfig",
@@ -311,6 +313,52 @@ class EvalConfig(Section):
         check(self.max_new_tokens >= 1, key_of(prefix, "max_new_tokens"), "must be >= 1")
 
 
+class WandbConfig(Section):
+    """Options of the wandb logger (metrics.loggers=[wandb]; the [wandb] extra)."""
+
+    project: str = "areal_async"
+    """The wandb project the run is logged to."""
+    entity: str | None = None
+    """The wandb team or user; null: wandb's default (WANDB_ENTITY, else your own)."""
+    name: str | None = None
+    """The wandb run's name; null: the run directory's name."""
+    group: str | None = None
+    """A wandb group to put the run in; null: none."""
+    tags: list[str] = []
+    """Tags of the wandb run."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """online: synced as the run goes; offline: written locally (`wandb sync` uploads it later); disabled: nothing;
+    null: wandb's own choice (WANDB_MODE, else online)."""
+    dir: str | None = None
+    """Where wandb writes its files; null: WANDB_DIR, else the run directory."""
+
+    def validate(self, prefix: str = "") -> None:
+        check(bool(self.project), key_of(prefix, "project"), "must not be empty")
+
+
+class MetricsConfig(Section):
+    """Where the run's records go besides metrics.jsonl, TensorBoard and progress.png (always written)."""
+
+    loggers: list[str] = []
+    """Extra metrics loggers, each handed every record of metrics.jsonl: "wandb" (the [wandb] extra) and/or
+    "module:factory", the import path of a callable of no arguments returning an object with log(record) (and,
+    optionally, open(run) and close()); docs/logging.md. Imported and made before launch."""
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    """Options of the wandb logger."""
+
+    def validate(self, prefix: str = "") -> None:
+        key = key_of(prefix, "loggers")
+        for i, entry in enumerate(self.loggers):
+            module, sep, attr = entry.partition(":")
+            check(
+                entry == "wandb" or bool(sep and module and attr),
+                f"{key}[{i}]",
+                f"{entry!r} is neither wandb nor an import path module:factory",
+            )
+        check(len(set(self.loggers)) == len(self.loggers), key, "a logger is named twice")
+        self.wandb.validate(key_of(prefix, "wandb"))
+
+
 class RunConfig(Section):
     """Top level of `python -m areal_async.run`."""
 
@@ -334,6 +382,8 @@ class RunConfig(Section):
     """The trainers."""
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     """Held-out evaluation."""
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    """Extra metrics loggers (wandb, your own)."""
     launcher: Literal["local", "slurm"] = "local"
     """local: servers and trainers start on this host (server.backend=external: servers at server.urls);
     slurm: as srun steps of a Slurm job (the slurm section)."""
@@ -351,7 +401,7 @@ class RunConfig(Section):
 
     def validate(self, prefix: str = "") -> None:
         check(bool(self.run_dir), key_of(prefix, "run_dir"), "must not be empty")
-        for name in ("data", "server", "schedule", "rollout", "train", "eval", "slurm", "recovery"):
+        for name in ("data", "server", "schedule", "rollout", "train", "eval", "metrics", "slurm", "recovery"):
             getattr(self, name).validate(key_of(prefix, name))
         # SGLang takes its writer lock per /update_weights_from_distributed call: unpaused, requests queued behind
         # one bucket run between buckets on a mix of old and new weights labelled old, and the first bucket waits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from areal_async import progress
 from areal_async.rollout.prompts import prompt_ids
 from areal_async.rollout.workflow_api import Generator, ScoreFn, score_sample
 from areal_async.tokenizer import Tokenizer
@@ -25,7 +26,8 @@ async def evaluate(
     """Greedy accuracy on `samples` (a reward >= 0.5 counts as correct), mean completion length, seconds, and the
     lowest and highest weight version among the generated tokens (equal when the weights held still throughout;
     -1 when nothing was generated). `priority` is passed to every request: an eval beside running rollouts (the
-    train step's weight sync waits for it) should not queue behind them."""
+    train step's weight sync waits for it) should not queue behind them. A progress bar counts the scored prompts
+    when stderr is a terminal (areal_async/progress.py)."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     sem = asyncio.Semaphore(concurrency)
     extra = {} if priority is None else {"priority": priority}  # a Generator without priority support still works
@@ -37,9 +39,11 @@ async def evaluate(
             g = await client.agenerate(ids, sampling, rid=None, **extra)
         reward, _ = await score_sample(score, tokenizer.decode(g.output_ids), s)
         vers = g.output_versions
+        shown.update(1)
         return reward, len(g.output_ids), min(vers, default=-1), max(vers, default=-1)
 
-    results = await asyncio.gather(*(one(s) for s in samples))
+    with progress.shown(len(samples), "eval", unit="prompt", leave=False) as shown:
+        results = await asyncio.gather(*(one(s) for s in samples))
     n = max(len(results), 1)
     generated = [r for r in results if r[1]]
     return {

@@ -48,7 +48,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from areal_async import cache
+from areal_async import cache, progress
 from areal_async.tasks import arith
 from areal_async.tasks.char_tokenizer import save_char_tokenizer
 
@@ -307,6 +307,7 @@ def _train_and_save(out_dir: str, spec: BaseModelSpec, seed: int, device: str | 
     t0 = time.perf_counter()
     loss_ema, tokens = float("nan"), 0
     log_every = max(1, spec.sft_steps // 10)
+    shown = progress.bar(spec.sft_steps, "base model warm-up", unit="step")  # on a terminal only; then no log lines
     for step in range(1, spec.sft_steps + 1):
         if step == bare_from:  # second phase: worked solutions mixed with bare answers
             batches = _warmup_batches(tokenizer, spec, rng, eos_id, spec.bare_answer_fraction)
@@ -328,7 +329,10 @@ def _train_and_save(out_dir: str, spec: BaseModelSpec, seed: int, device: str | 
         sched.step()
         loss = out.loss.item()
         loss_ema = loss if math.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * loss
-        if step % log_every == 0 or step == spec.sft_steps:
+        shown.update(1)
+        if step % 10 == 0:
+            shown.set_postfix_str(f"loss {loss_ema:.3f}", refresh=False)
+        if isinstance(shown, progress.NoBar) and (step % log_every == 0 or step == spec.sft_steps):
             log.info(
                 "base model warm-up step %d/%d loss %.3f (%.1f s)",
                 step,
@@ -336,6 +340,7 @@ def _train_and_save(out_dir: str, spec: BaseModelSpec, seed: int, device: str | 
                 loss_ema,
                 time.perf_counter() - t0,
             )
+    shown.close()
     seconds = time.perf_counter() - t0
 
     model.generation_config.eos_token_id = eos_id

@@ -344,7 +344,7 @@ def read_wandb_offline(wandb_dir: str) -> tuple[list[dict], dict]:
 
 
 def test_wandb_sink_offline_writes_what_it_is_given(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_files"))
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -360,6 +360,7 @@ def test_wandb_sink_offline_writes_what_it_is_given(tmp_path, monkeypatch):
     logger.log("train", 1, {"reward_mean": 0.6})  # a rollback redid version 1: logged all the same
     logger.close()
     sinks.close()
+    wandb.teardown()  # its service process (wandb-core) lives as long as the process that used it: this one
     assert not sinks.failures
     assert os.path.isfile(run_dir / metrics_sinks.WANDB_ID_FILE)
     rows, config = read_wandb_offline(str(tmp_path / "wandb_files"))

@@ -291,7 +291,9 @@ def in_place_run(request, tiny_ckpt, tmp_path_factory) -> str:
             f"run_dir={run_dir}",
             "mode=async",
             "eta=2",
-            "total_steps=4",
+            # steps 1 and 2 train tokens made before any update; a span needs a request in flight at an update, so
+            # six steps give four updates a chance at one (four steps, two chances, found none once under load)
+            "total_steps=6",
             "schedule.interrupt_mode=in_place",
             f"train.weight_sync={request.param}",
             "schedule.eval_every=0",
@@ -308,9 +310,9 @@ def test_in_place_weight_updates_never_abort(in_place_run):
     server and continue (no abort, no resubmission), and the staleness bound holds."""
     with open(os.path.join(in_place_run, "summary.json")) as f:
         s = json.load(f)
-    assert s["interrupt_mode"] == "in_place" and s["trained_samples"] == 4 * 4 * 4
+    assert s["interrupt_mode"] == "in_place" and s["trained_samples"] == 6 * 4 * 4
     train = records(in_place_run, "train")
-    assert [r["version"] for r in train] == [1, 2, 3, 4]
+    assert [r["version"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert all(r["interrupted_frac"] == 0 for r in train), train
     assert all(r["staleness_max"] <= 2 for r in train)
     ledger.check_invariant(index_lines(in_place_run))

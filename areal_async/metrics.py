@@ -12,16 +12,15 @@ import time
 from typing import Any
 
 from areal_async.atomic_write import write_lines_atomic
-from areal_async.metrics_sinks import SinkSet, TensorBoardSink, attached
+from areal_async.metrics_sinks import SinkSet, TensorBoardSink
 
 log = logging.getLogger("areal_async.metrics")
 
 
 class MetricsLogger:
     """The writer of `run_dir/metrics.jsonl`. Every record also goes to TensorBoard (when `tensorboard` and the
-    extra is installed) and to `sinks`: by default the sinks the run in `run_dir` has open (metrics_sinks.attached),
-    so a writer reopened after a rollback feeds the same ones. A sink that fails never fails `log`; closing the
-    writer leaves the run's sinks open (the run closes them)."""
+    extra is installed) and to `sinks` (a writer reopened after a rollback is handed the same ones). A sink that
+    fails never fails `log`; closing the writer leaves the run's sinks open (the run closes them)."""
 
     def __init__(self, run_dir: str, tensorboard: bool = True, sinks: SinkSet | None = None) -> None:
         os.makedirs(run_dir, exist_ok=True)
@@ -32,7 +31,7 @@ class MetricsLogger:
             tb = TensorBoardSink(run_dir)
             self._tb = tb if tb.available() else None
         self._tb_failed = False
-        self.sinks = sinks if sinks is not None else attached(run_dir)
+        self.sinks = sinks
 
     def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
         """Append one record; numeric values also go to TensorBoard as `<kind>/<key>`, and the record to the sinks."""

@@ -17,7 +17,7 @@ so a slow sink never holds up the controller's event loop, and a sink that raise
 it) and handed the next records all the same; one whose open() fails is dropped with a warning. At the end of the
 run the thread gets `close_timeout_s` to finish the queue and close the sinks. The sinks of a run outlive one
 metrics writer: a trainer rollback (run_rollback.py) closes metrics.jsonl, cuts it back and opens a new writer, which
-finds the run's open sinks by its directory (`attached`); records of the steps a rollback redoes reach the sinks a
+is handed the same sinks; records of the steps a rollback redoes reach the sinks a
 second time (metrics.jsonl keeps only the new ones).
 
 Never torch, and nothing imported that a run does not use: wandb is imported when its sink opens.
@@ -47,7 +47,6 @@ __all__ = [
     "SinkSet",
     "TensorBoardSink",
     "WandbSink",
-    "attached",
     "build_sinks",
     "scalars",
 ]
@@ -240,15 +239,6 @@ def build_sinks(entries: list[str], wandb_options: Any = None, key: str = "metri
 
 # ---- the run's sinks ---------------------------------------------------------------------------------------------
 
-_ATTACHED: dict[str, SinkSet] = {}
-_ATTACHED_LOCK = threading.Lock()
-
-
-def attached(run_dir: str) -> SinkSet | None:
-    """The open sinks of the run in `run_dir`, if one is open in this process."""
-    with _ATTACHED_LOCK:
-        return _ATTACHED.get(os.path.realpath(run_dir))
-
 
 class SinkSet:
     """A run's extra sinks behind one queue and one thread (see the module docstring). `log` never raises and
@@ -260,7 +250,6 @@ class SinkSet:
         self.failures: collections.Counter[str] = collections.Counter()  # records each sink raised on
         self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._run_dir: str | None = None
 
     def open(self, run: RunInfo) -> SinkSet:
         """Open every sink (one that raises is dropped, with a warning), start the thread, and attach the set to
@@ -280,9 +269,6 @@ class SinkSet:
                 continue
             kept.append((name, sink))
         self.sinks = kept
-        self._run_dir = os.path.realpath(run.run_dir)
-        with _ATTACHED_LOCK:
-            _ATTACHED[self._run_dir] = self
         self._thread = threading.Thread(target=self._work, name="metrics-sinks", daemon=True)
         self._thread.start()
         return self
@@ -323,9 +309,6 @@ class SinkSet:
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        with _ATTACHED_LOCK:
-            if _ATTACHED.get(self._run_dir or "") is self:
-                del _ATTACHED[self._run_dir or ""]
         self._queue.put(None)
         thread.join(self.close_timeout_s)
         if thread.is_alive():

@@ -136,10 +136,12 @@ def _restarts_spent(
 def rewind(session: Session, run_dir: str, version: int) -> None:
     """Cut metrics.jsonl, trained_index.jsonl, later checkpoints and published weights back to `version`, with
     the metrics writer closed meanwhile."""
+    sinks = None
     if session.logger is not None:
         session.logger.close()
+        sinks = session.logger.sinks  # the run's wandb or own sinks go on across the rollback
     rewind_records(run_dir, version)
-    session.logger = MetricsLogger(run_dir)
+    session.logger = MetricsLogger(run_dir, sinks=sinks)
 
 
 def _record_rolled_back(session: Session, failed_at: int, target: RunState, ckpt: str | None, recover_s: float) -> None:

@@ -107,13 +107,31 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
     return full
 
 
+def _hub_hint(shown: str) -> str:
+    """How to get a model that `shown` names by its Hugging Face hub id ("org/name"), or "" when it is not one.
+
+    Models are never downloaded by a run: a run's servers and trainers on several hosts must read the same files,
+    and a download in the middle of a launch fails late and on one host only. So the message says how to fetch it
+    once, before the run."""
+    parts = shown.split("/")
+    if len(parts) != 2 or not all(parts) or shown.startswith((".", "~")):
+        return ""
+    local = f"/models/{parts[1]}"
+    return (
+        f". {shown!r} looks like a Hugging Face hub id; runs read models from disk and never download them. "
+        f"Fetch it once (where every node can read it): `hf download {shown} --local-dir {local}` "
+        f"(older huggingface_hub: `huggingface-cli download {shown} --local-dir {local}`), then set "
+        f"model.path={local}"
+    )
+
+
 def check_model_dir(path: str, shown: str | None = None) -> None:
     """Raise ModelPathError unless `path` looks like an HF checkpoint: config.json with a model type, and weights."""
     shown = shown or path
     if not os.path.exists(path):
         raise ModelPathError(
             f"model.path={shown!r}: no such directory, and not a built-in model "
-            f"({', '.join(builtin_models())}) or a .gguf file"
+            f"({', '.join(builtin_models())}) or a .gguf file{_hub_hint(shown)}"
         )
     if not os.path.isdir(path):
         raise ModelPathError(

@@ -119,6 +119,13 @@ class DataConfig(Section):
     """Seed of the synthetic task and of the held-out slice."""
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (needs one; checked before launch)."""
+    prompt_template: str | None = None
+    """Text wrapped around every prompt, with `{prompt}` where the record's prompt goes (other braces are kept as
+    they are, so `\\boxed{}` needs no escaping), e.g. "{prompt}\\nPut your final answer within \\boxed{}.". For
+    chat records it wraps the last user message. null: the prompt as the record has it."""
+    system_prompt: str | None = None
+    """A system message put first in every chat that has none of its own (needs apply_chat_template or chat
+    records). null: none."""
     reward: str = "arith"
     """Reward registry name ("arith", "math", "gsm8k", "code") or an import path "module:function"."""
     reward_options: dict[str, str | int | float | bool] = {}
@@ -130,6 +137,14 @@ class DataConfig(Section):
         check(self.num_train >= 1, key_of(prefix, "num_train"), "must be >= 1")
         check(self.num_eval >= 0, key_of(prefix, "num_eval"), "must be >= 0")
         check(bool(self.reward), key_of(prefix, "reward"), "must not be empty")
+        if self.prompt_template is not None:
+            check(
+                "{prompt}" in self.prompt_template,
+                key_of(prefix, "prompt_template"),
+                "must contain {prompt}, where the record's prompt goes",
+            )
+        if self.system_prompt is not None:
+            check(bool(self.system_prompt.strip()), key_of(prefix, "system_prompt"), "must not be empty (or null)")
         clash = sorted(set(self.reward_options) & RESERVED_REWARD_ARGS)
         check(not clash, key_of(prefix, "reward_options"), f"{clash} are the reward call's own arguments")
 

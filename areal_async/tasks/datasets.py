@@ -24,6 +24,9 @@ records whose prompt also appears in that slice are dropped so the split is disj
 prompt. `num_train` applies to the synthetic task only; a file is used whole.
 
 Sample ids are the record's position in its file (0-based, blank lines not counted), unique within a split.
+
+Wording, for every source alike (`shape_prompts`): `data.prompt_template` wraps each prompt (the last user message
+of a chat) and `data.system_prompt` puts a system message first in each chat that has none.
 No torch here: the controller imports this module.
 """
 
@@ -99,6 +102,40 @@ def registered_datasets() -> list[str]:
 
 def load_samples(cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
     """(train, eval) samples for `cfg`; see the module docstring for the rules."""
+    train, evals = _load_unshaped(cfg)
+    return shape_prompts(train, cfg), shape_prompts(evals, cfg)
+
+
+def shape_prompts(samples: list[Sample], cfg: DataConfig) -> list[Sample]:
+    """`samples` with `data.prompt_template` and `data.system_prompt` applied, in place (and returned).
+
+    Shaped after loading, the same way for every source, so a registered task and a file get the same wording, and
+    the train and held-out prompts never differ in it. The template is filled by plain replacement of `{prompt}`,
+    not `str.format`: math prompts carry braces (`\\boxed{}`) that format would take for fields."""
+    template, system = cfg.prompt_template, cfg.system_prompt
+    if template is None and system is None:
+        return samples
+    for s in samples:
+        if template is not None:
+            if s.messages is None:
+                s.prompt = template.replace("{prompt}", s.prompt)
+            else:
+                last_user = next((m for m in reversed(s.messages) if m["role"] == "user"), None)
+                if last_user is not None:
+                    last_user["content"] = template.replace("{prompt}", last_user["content"])
+                    s.prompt = last_user["content"]
+        if system is not None:
+            if s.messages is None:
+                raise DatasetError(
+                    "a system prompt is a chat message: set data.apply_chat_template=true (or give chat records)",
+                    "data.system_prompt",
+                )
+            if s.messages[0]["role"] != "system":
+                s.messages.insert(0, {"role": "system", "content": system})
+    return samples
+
+
+def _load_unshaped(cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
     if cfg.name in _REGISTRY:
         return _REGISTRY[cfg.name](cfg)
     if not _is_file_name(cfg.name):

@@ -16,7 +16,13 @@ rules exactly:
   (`reasoning_content`, `thinking`, `reasoning`: templates read different names for the same text);
 - `continue_final_message`: the last message left open for the model to continue.
 
-Why not import transformers' own renderer: it pulls in torch, and the controller never imports torch.
+Why not transformers' own renderer (`transformers.utils.chat_template_utils.render_jinja_template`): the
+controller never imports torch, and in the transformers versions SGLang pins (4.57.1 for SGLang 0.5.6-0.5.9, 5.3.0
+for 0.5.10) `import transformers.utils` imports torch whenever torch is installed, which it always is here
+(checked in those versions' environments: `'torch' in sys.modules` after the import). transformers 5.24 no longer
+does; once the floor passes the version that stopped, this module can hand rendering to the library and keep only
+`render`'s signature. Until then tests/test_tokenizer.py holds the two to the same output, template by template,
+against the installed transformers.
 Templates are compiled once per source text (cached).
 """
 

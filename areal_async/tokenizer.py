@@ -7,9 +7,12 @@
     special_tokens_map.json                legacy special tokens (read when the config lists no added tokens)
     generation_config.json, config.json    end-of-sequence ids (a model may have several)
 
-Why not transformers.AutoTokenizer: the controller must not import torch, and workflows need token-in/token-out
-exactness (the ids trained are the ids generated), which only needs the fast tokenizer itself. Chat templates are
-rendered by `areal_async.chat_template`, which follows transformers' rendering rules exactly.
+Why not transformers' `PreTrainedTokenizerFast`: the controller must not import torch, and in the transformers
+versions SGLang pins (4.57.1, 5.3.0) importing it imports torch (areal_async.chat_template says how that was
+checked). The library part that does the work, the `tokenizers` fast tokenizer, is used as it is; this module adds
+only what transformers layers on top (the config files above, special and added tokens, template choice), and
+tests/test_tokenizer.py holds the ids and texts equal to transformers'. Chat templates are rendered by
+`areal_async.chat_template`, which follows transformers' rendering rules exactly.
 
 `check_tokenizer(path, need_chat_template)` is the check the controller runs before launching anything: every
 problem is a TokenizerError naming the path and what is missing.

@@ -1,7 +1,8 @@
 """Shared fixtures: tiny checkpoints made once per session (no downloads). And the suite's leak check: every
 process a test starts inherits AREAL_TEST_SESSION (set here, before any test runs), and every Slurm job a test
 submits carries the same token in its name (`session_job_name`); when the session ends, any such process or job still
-alive is killed or cancelled and the suite fails, naming each one and the test after which it was first seen.
+alive is killed or cancelled and the suite fails, naming each one and the test after which it was first seen. The
+same goes for network-namespace hosts (areal_async/testing/hosts.py) a test did not remove.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def pytest_sessionstart(session):
     now, in the background, on the core the first tests leave idle: the test that checks the recipe against the
     shipped model waits on the cache's lock instead of building it from scratch. Only for a whole-suite run; a run
     that selects tests (files, -k, -m, node ids) builds it when, and if, a test needs it."""
-    global _prebuild
+    global _prebuild, _netns_at_start
+    _netns_at_start = _netns_now()
     if _WORKER:  # the controlling process of a parallel run builds it, once
         return
     root = str(session.config.rootpath)
@@ -290,10 +292,35 @@ def _session_jobs() -> list[tuple[str, str]]:
     return [(r[0], r[1]) for r in rows if len(r) == 2 and f"t{SESSION}-" in r[1]]
 
 
+def _netns_leftovers() -> list[str]:
+    """Remove, and name, the network-namespace hosts (areal_async/testing/hosts.py) this session's tests left: those
+    this process made, and those of creators that have died since the session began (a test's helper process).
+    Hosts of other live processes belong to another session on this machine and are left alone."""
+    if _netns_at_start is None:
+        return []
+    from areal_async.testing import hosts
+
+    mine = hosts.remove_of(os.getpid())
+    gone = [n for n in hosts.remove_leftovers() if n not in _netns_at_start]
+    return [f"network-namespace host or link {n}, removed" for n in mine + gone]
+
+
+def _netns_now() -> set[str] | None:
+    """The network-namespace hosts and links that exist now (None where this process cannot see them: not root)."""
+    if os.geteuid() != 0:
+        return None
+    from areal_async.testing import hosts
+
+    return set(hosts.namespaces_of()) | set(hosts.links_of())
+
+
+_netns_at_start: set[str] | None = None  # hosts of earlier or concurrent sessions: not this session's leftovers
+
+
 def _fail_on_leftovers(session: pytest.Session) -> None:
     """Cancel the session's Slurm jobs and kill its processes that outlived the tests, and fail the suite loudly,
     naming them: a test that leaves something running is a bug even when it passes."""
-    lines = []
+    lines = _netns_leftovers()
     jobs = _session_jobs()
     for job, name in jobs:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)

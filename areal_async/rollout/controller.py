@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -113,11 +112,14 @@ class AsyncRLController:
         busy_probe: Callable[[], Awaitable[float | None]] | None = None,
         keep_checkpoints: int = 0,
         checkpointed: bool = False,
+        pace_gc: bool = True,
     ) -> None:
         """`weights` defaults to disk sync under `run_dir/weights`; `ledger` to one without a file (the run passes
         one that writes trained_index.jsonl); `busy_probe` reads the servers' cumulative compute seconds.
         `keep_checkpoints`: complete checkpoints kept (0: all); `checkpointed`: `state` is what the checkpoint at
-        its version holds (a resume or a rollback), so saving again at that version rewrites only our state."""
+        its version holds (a resume or a rollback), so saving again at that version rewrites only our state.
+        `pace_gc`: the rollout manager paces the garbage collector (off for a process that manages its own, such
+        as the planner's virtual-time runs, where a pacer waking every 50 ms of virtual time would dominate)."""
         schedule.validate("schedule")
         self.cfg = schedule
         self.client = client
@@ -142,6 +144,7 @@ class AsyncRLController:
             self.buffer,
             filter_uniform_reward=schedule.filter_uniform_reward,
             max_consecutive_failures=schedule.max_consecutive_failures,
+            pace_gc=pace_gc,
             ledger=self.ledger,
         )
         self.interrupt = interrupt_mode(schedule.interruptible, schedule.interrupt_mode)
@@ -168,15 +171,15 @@ class AsyncRLController:
             ev = await self._evaluate()
             st.base_accuracy = ev["accuracy"]
         busy0 = await self.busy_probe() if self.busy_probe else None
-        t_start = time.monotonic() - st.wall_s
+        t_start = _now() - st.wall_s
         self.rollout.start()
         try:
             while st.version < self.cfg.total_steps:
-                if self.cfg.max_wall_s is not None and time.monotonic() - t_start >= self.cfg.max_wall_s:
+                if self.cfg.max_wall_s is not None and _now() - t_start >= self.cfg.max_wall_s:
                     log.info("max_wall_s reached at version %d", st.version)
                     break
                 await self._train_one_step(t_start)
-                st.wall_s = time.monotonic() - t_start
+                st.wall_s = _now() - t_start
                 if (
                     self.evaluator is not None
                     and self.cfg.eval_every
@@ -195,7 +198,7 @@ class AsyncRLController:
             self._eval_task = None
             await self.rollout.stop()
             await self.buffer.close()
-        st.wall_s = time.monotonic() - t_start
+        st.wall_s = _now() - t_start
         busy1 = await self.busy_probe() if self.busy_probe else None
         if busy0 is not None and busy1 is not None:
             self.timings["server_busy_s"] = busy1 - busy0
@@ -206,9 +209,9 @@ class AsyncRLController:
     async def _train_one_step(self, t_start: float) -> None:
         st = self.state
         v = st.version
-        t0 = time.monotonic()
+        t0 = _now()
         groups = await self.buffer.get_batch()
-        t1 = time.monotonic()
+        t1 = _now()
         if self._eval_due:
             # now, not right after the last step: in sync mode the servers are idle from here until the weight sync,
             # so the eval costs no time; started earlier it would compete with the rollouts the trainer waits for
@@ -217,10 +220,10 @@ class AsyncRLController:
         trajs = [t for g in groups for t in g.trajectories]
         staleness = self._record_staleness(trajs, v)
         result = await self.trainer.train_step(trajs, v)
-        t2 = time.monotonic()
+        t2 = _now()
         eval_wait = await self._join_eval()
         await self._sync_weights(v + 1)
-        t3 = time.monotonic()
+        t3 = _now()
         st.version = v + 1
         st.trained_samples += len(trajs)
         st.trained_groups += len(groups)
@@ -233,7 +236,7 @@ class AsyncRLController:
         stats = self.rollout.stats
         record = {
             "version": st.version,
-            "wall_s": time.monotonic() - t_start,
+            "wall_s": _now() - t_start,
             "reward_mean": sum(rewards) / len(rewards),
             "response_len_mean": sum(t.response_len for t in trajs) / len(trajs),
             "staleness_mean": staleness[0],
@@ -245,7 +248,7 @@ class AsyncRLController:
             "weight_sync_s": t3 - t2 - eval_wait,
             "eval_wait_s": eval_wait,
             "trained_samples": st.trained_samples,
-            "samples_per_s": st.trained_samples / max(time.monotonic() - t_start, 1e-9),
+            "samples_per_s": st.trained_samples / max(_now() - t_start, 1e-9),
             "buffer_groups": len(self.buffer),
             "running_groups": self.buffer.running,
             # how long, in total, B groups were ready but the staleness rule held the batch for an older one
@@ -262,12 +265,12 @@ class AsyncRLController:
     async def _sync_weights(self, version: int) -> None:
         """Make every server serve the trainer's weights as `version` (transport and in-flight treatment: see
         weight_sync.py). The prepare step (disk: publishing the checkpoint) overlaps generation."""
-        t0 = time.monotonic()
+        t0 = _now()
         await self.weights.prepare(version)
-        t1 = time.monotonic()
+        t1 = _now()
         await update_weights(self.weights, self.client, version, self.interrupt)
         self.timings["publish_s"] += t1 - t0
-        self.timings["weight_load_s"] += time.monotonic() - t1
+        self.timings["weight_load_s"] += _now() - t1
 
     async def publish_final(self) -> str | None:
         """An HF checkpoint of the current weights (already there with disk sync; written now with broadcast)."""
@@ -282,9 +285,9 @@ class AsyncRLController:
         task, self._eval_task = self._eval_task, None
         if task is None:
             return 0.0
-        t0 = time.monotonic()
+        t0 = _now()
         await task
-        waited = time.monotonic() - t0
+        waited = _now() - t0
         self.timings["eval_wait_s"] += waited
         return waited
 
@@ -294,9 +297,9 @@ class AsyncRLController:
         rollouts; either way the trainer no longer stops for it."""
         assert self.evaluator is not None
         version, wall_s = self.state.version, self.state.wall_s
-        t0 = time.monotonic()
+        t0 = _now()
         ev = await self.evaluator()
-        self.timings["eval_s"] += time.monotonic() - t0
+        self.timings["eval_s"] += _now() - t0
         ev = {**ev, "version": version, "wall_s": wall_s}
         self.evals.append(ev)
         self._log("eval", version, ev)
@@ -370,6 +373,11 @@ class AsyncRLController:
         """Close the ledger; after a normal stop (`completed`) its end line names what was left unfinished (redraws
         of a resume that were never handed out again included)."""
         self.ledger.close(finished=completed, undrawn=self.stream.pending_redraws)
+
+
+def _now() -> float:
+    """The event loop's clock (the buffer's too): time.monotonic() in a live run, virtual time in the planner's."""
+    return asyncio.get_running_loop().time()
 
 
 def _spans_versions(t: Trajectory) -> bool:

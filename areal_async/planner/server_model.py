@@ -1,0 +1,330 @@
+"""One simulated inference server: continuous batching in virtual time.
+
+The model (docs/planner.md, "The server"): a server (one tensor-parallel group) holds a set of running sequences
+that advance one token per decode step, in lockstep. A decode step over n sequences holding K tokens of KV costs
+
+    overhead + max(memory, compute)         (roofline; `additive` adds the two instead, as a CPU does)
+    memory  = weights_s + kv_s * K          the weights and every running sequence's KV read once per step
+    compute = seq_s * n + attn_s * K        2 x params FLOPs per sequence, plus the attention over its context
+
+so a step gets slower as the batch grows and as contexts lengthen, and throughput rises with the batch until KV
+capacity stops admission. Prompt groups queue until their KV reservation (the prompt once, shared by the group's
+samples, plus each sample's whole answer: no retraction) fits and the running-sequence cap allows them; admitted
+groups are prefilled first (compute-bound: per-token cost plus attention over the prompt), which stalls decoding
+as SGLang's prefill-first scheduler does. Pauses stop the clock of the batch; an abort pause makes the server
+recompute every running sequence's KV at resume; weight loads take `load_s`; an update without a pause waits for
+the running sequences to finish first (and admits nothing meanwhile).
+
+Why events and not steps: between two events (a sequence finishing, a group arriving, a pause) the batch does not
+change, so the time for any number of steps has a closed form (K grows by n per step: a quadratic). The server
+keeps one timer, at its next sequence completion, on the virtual clock (clock.py); a 32k-token answer costs a few
+events, not 32,000.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerCosts:
+    """Every cost term of one server, in seconds, tokens and sequences (presets: costs.py; a profile: calibrate.py)."""
+
+    step_overhead_s: float = 0.004  # scheduling, sampling, kernel launches per decode step
+    weights_s: float = 0.001  # reading the weights once (weight bytes / effective HBM bandwidth)
+    kv_s: float = 1e-8  # reading one token's KV (KV bytes per token / effective bandwidth)
+    seq_s: float = 0.0  # compute per running sequence per step
+    attn_s: float = 0.0  # attention compute per context token per step
+    additive: bool = False  # memory + compute (CPU) instead of max(memory, compute) (GPU roofline)
+    prefill_token_s: float = 1e-5  # prefill compute per prompt token
+    prefill_attn_s: float = 0.0  # prefill attention per token per context token before it
+    prefill_overhead_s: float = 0.0  # per prefill batch
+    kv_capacity_tokens: int = 1_000_000  # KV the server can hold
+    max_running: int = 256  # SGLang's max_running_requests
+    prefix_sharing: bool = True  # a group's samples share the prompt's KV (radix cache)
+    pause_s: float = 0.0  # one pause or continue call
+    load_s: float = 1.0  # loading a new set of weights (disk read or broadcast receive)
+
+    def step_time(self, n: int, k: float) -> float:
+        """One decode step over `n` sequences holding `k` KV tokens."""
+        mem = self.weights_s + self.kv_s * k
+        comp = self.seq_s * n + self.attn_s * k
+        return self.step_overhead_s + (mem + comp if self.additive else max(mem, comp))
+
+    def time_for_steps(self, n: int, k: float, steps: float) -> float:
+        """`steps` decode steps from (n, k), KV growing by n per step."""
+        mem = (self.weights_s + self.kv_s * k) * steps + self.kv_s * n * steps * steps / 2
+        comp = (self.seq_s * n + self.attn_s * k) * steps + self.attn_s * n * steps * steps / 2
+        return self.step_overhead_s * steps + (mem + comp if self.additive else max(mem, comp))
+
+    def steps_in(self, n: int, k: float, seconds: float) -> float:
+        """How many decode steps fit in `seconds` from (n, k) (the inverse of `time_for_steps`)."""
+        a_mem, b_mem = self.weights_s + self.kv_s * k, self.kv_s * n / 2
+        a_cmp, b_cmp = self.seq_s * n + self.attn_s * k, self.attn_s * n / 2
+        o = self.step_overhead_s
+        if self.additive:
+            return _solve(b_mem + b_cmp, o + a_mem + a_cmp, seconds)
+        return min(_solve(b_mem, o + a_mem, seconds), _solve(b_cmp, o + a_cmp, seconds))
+
+    def prefill_time(self, tokens: float, context: float = 0.0) -> float:
+        """Prefill of `tokens` new tokens whose average earlier context is `context` tokens."""
+        return tokens * (self.prefill_token_s + self.prefill_attn_s * context)
+
+
+def _solve(b: float, a: float, t: float) -> float:
+    """The x >= 0 with b x^2 + a x = t (a stable root); inf when nothing costs time."""
+    if t <= 0:
+        return 0.0
+    if b <= 0:
+        return t / a if a > 0 else math.inf
+    return 2 * t / (a + math.sqrt(a * a + 4 * b * t))
+
+
+class SimGroup:
+    """One prompt group on a server: its samples' lengths, and where it stands."""
+
+    __slots__ = ("lengths", "prompt", "future", "start_step", "version", "need", "finish_step", "done_members")
+
+    def __init__(self, lengths: list[int], prompt: int, future: asyncio.Future) -> None:
+        self.lengths = lengths
+        self.prompt = prompt
+        self.future = future
+        self.start_step = 0.0
+        self.version = 0
+        self.need = 0
+        self.finish_step = 0.0
+        self.done_members = 0
+
+
+class SimServer:
+    """One server on the virtual clock. `submit` a group; its future resolves to {version: tokens} once every
+    sample finished. Counters: `busy_s` (prefilling or decoding), `load_busy_s` (loading weights),
+    `generated_tokens`, `recomputed_tokens` (KV recomputed after abort pauses)."""
+
+    def __init__(self, costs: ServerCosts, loop: asyncio.AbstractEventLoop, index: int = 0) -> None:
+        self.c = costs
+        self.loop = loop
+        self.index = index
+        self.version = 0
+        self.t = loop.time()  # the time the state below describes
+        self.step = 0.0  # decode steps done so far (every running sequence advanced by this many tokens)
+        self.n = 0  # running sequences
+        self.kv_base = 0.0  # K = kv_base + n * step
+        self.reserved = 0  # KV tokens reserved by admitted groups
+        self.members: list[tuple[float, int, float, SimGroup]] = []  # (finish step, tiebreak, kv term, group)
+        self.waiting: deque[SimGroup] = deque()
+        self.boundaries: list[tuple[float, int]] = [(-math.inf, 0)]  # (step, version from that step on)
+        self.prefill_end: float | None = None  # set while a prefill runs
+        self.prefilling: list[SimGroup] = []
+        self.paused = False
+        self.draining = False  # an update without a pause waits for the running sequences
+        self._drained: asyncio.Future | None = None
+        self._pending_prefill_s = 0.0  # a prefill cut by a pause, resumed after it
+        self._timer: asyncio.TimerHandle | None = None
+        self._seq = 0
+        self.busy_s = 0.0
+        self.load_busy_s = 0.0
+        self.generated_tokens = 0
+        self.recomputed_tokens = 0.0
+        self.queued = 0  # sequences waiting or running (the router's load figure)
+
+    # ---- the outside ------------------------------------------------------------------------------------------
+
+    def submit(self, lengths: list[int], prompt: int) -> asyncio.Future:
+        fut = self.loop.create_future()
+        self._advance()
+        self.waiting.append(SimGroup(lengths, prompt, fut))
+        self.queued += len(lengths)
+        self._admit()
+        self._schedule()
+        return fut
+
+    def pause(self, abort: bool) -> None:
+        """Stop decoding; with `abort`, every running sequence's KV is recomputed when generation continues."""
+        self._advance()
+        if self.prefill_end is not None:
+            self._pending_prefill_s += max(self.prefill_end - self.t, 0.0)
+            self.prefill_end = None
+        if abort and self.n:
+            k = self.kv_base + self.n * self.step
+            self.recomputed_tokens += k
+            # sum of c^2 over running contexts approximated by K^2 / n (equal contexts)
+            self._pending_prefill_s += self.c.prefill_time(k, k / self.n / 2)
+        self.paused = True
+        self._schedule()
+
+    def resume(self) -> None:
+        self._advance()
+        self.paused = False
+        if self._pending_prefill_s > 0 and self.prefill_end is None:
+            self.prefill_end = self.t + self._pending_prefill_s
+            self._pending_prefill_s = 0.0
+        self._admit()
+        self._schedule()
+
+    async def load(self, version: int) -> None:
+        """New weights as `version`. Unpaused: wait for the running sequences first, admitting nothing."""
+        self._advance()
+        if not self.paused and (self.n or self.prefill_end is not None):
+            self.draining = True
+            self._drained = self.loop.create_future()
+            self._schedule()
+            await self._drained
+        await asyncio.sleep(self.c.load_s)
+        self.load_busy_s += self.c.load_s
+        self._advance()
+        self.version = version
+        self.boundaries.append((self.step, version))
+        self.draining = False
+        self._admit()
+        self._schedule()
+
+    # ---- the model --------------------------------------------------------------------------------------------
+
+    @property
+    def kv_tokens(self) -> float:
+        return self.kv_base + self.n * self.step
+
+    def _decoding(self) -> bool:
+        return self.n > 0 and self.prefill_end is None and not self.paused
+
+    def _advance(self) -> None:
+        """Bring the state up to the loop's now, finishing whatever finished on the way."""
+        now = self.loop.time()
+        while True:
+            if self.paused:
+                break
+            if self.prefill_end is not None:
+                if self.prefill_end > now:
+                    self.busy_s += now - self.t
+                    self.t = now
+                    return
+                self.busy_s += self.prefill_end - self.t
+                self.t = self.prefill_end
+                self._finish_prefill()
+                continue
+            if self.n == 0:
+                break
+            k = self.kv_base + self.n * self.step
+            nxt = self.members[0][0]
+            dt = self.c.time_for_steps(self.n, k, max(nxt - self.step, 0.0))
+            if self.t + dt <= now + 1e-9 * (1.0 + abs(now)):
+                self.busy_s += dt
+                self.t += dt
+                self.step = max(nxt, self.step)
+                self._finish_members()
+                continue
+            steps = self.c.steps_in(self.n, k, now - self.t)
+            self.step = min(self.step + steps, nxt)
+            self.busy_s += now - self.t
+            break
+        self.t = now
+
+    def _finish_members(self) -> None:
+        while self.members and self.members[0][0] <= self.step + 1e-9:
+            _, _, kv_term, g = heapq.heappop(self.members)
+            self.n -= 1
+            self.queued -= 1
+            self.kv_base -= kv_term
+            g.done_members += 1
+            if g.done_members == len(g.lengths):
+                self.reserved -= g.need
+                self.generated_tokens += sum(g.lengths)
+                if not g.future.done():
+                    g.future.set_result(self._versions_of(g))
+        self._check_drained()
+        self._admit()
+
+    def _check_drained(self) -> None:
+        if self.draining and self.n == 0 and self.prefill_end is None and self._drained is not None:
+            if not self._drained.done():
+                self._drained.set_result(None)
+
+    def _versions_of(self, g: SimGroup) -> dict[int, int]:
+        """Tokens of the group by the version that sampled them (the server's version changes at step bounds)."""
+        out: dict[int, int] = {}
+        bounds = self.boundaries
+        i = len(bounds) - 1
+        while i > 0 and bounds[i][0] > g.start_step:
+            i -= 1
+        for j in range(i, len(bounds)):
+            lo = max(bounds[j][0], g.start_step) - g.start_step
+            hi = (bounds[j + 1][0] if j + 1 < len(bounds) else math.inf) - g.start_step
+            if hi <= 0:
+                continue
+            tokens = sum(max(0.0, min(length, hi) - lo) for length in g.lengths if length > lo)
+            if tokens > 0:
+                v = bounds[j][1]
+                out[v] = out.get(v, 0) + int(round(tokens))
+        return out
+
+    def _admit(self) -> None:
+        """Start a prefill of the waiting groups that fit, unless one runs, the server is paused or draining."""
+        if self.paused or self.draining or self.prefill_end is not None or not self.waiting:
+            return
+        c = self.c
+        batch: list[SimGroup] = []
+        tokens = 0.0
+        running = self.n
+        reserved = self.reserved
+        while self.waiting:
+            g = self.waiting[0]
+            m = len(g.lengths)
+            prompt_kv = g.prompt if c.prefix_sharing else g.prompt * m
+            need = prompt_kv + sum(g.lengths)
+            empty = running == 0 and not batch
+            if not empty and (running + m > c.max_running or reserved + need > c.kv_capacity_tokens):
+                break
+            self.waiting.popleft()
+            g.need = need
+            reserved += need
+            running += m
+            tokens += prompt_kv
+            batch.append(g)
+        if not batch:
+            return
+        self.reserved = reserved
+        self.prefilling = batch
+        prompt = batch[0].prompt
+        self.prefill_end = self.t + c.prefill_overhead_s + c.prefill_time(tokens, prompt / 2)
+
+    def _finish_prefill(self) -> None:
+        self.prefill_end = None
+        for g in self.prefilling:
+            g.start_step = self.step
+            g.version = self.version
+            g.finish_step = self.step + max(g.lengths)
+            for length in g.lengths:
+                self._seq += 1
+                kv_term = g.prompt - self.step  # its KV: prompt + (step - start_step)
+                heapq.heappush(self.members, (self.step + length, self._seq, kv_term, g))
+                self.n += 1
+                self.kv_base += kv_term
+        self.prefilling = []
+        self._check_drained()
+        self._admit()
+
+    def _schedule(self) -> None:
+        """One timer: at the end of the running prefill, or at the next sequence completion."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.paused:
+            return
+        if self.prefill_end is not None:
+            when = self.prefill_end
+        elif self.n > 0:
+            steps = max(self.members[0][0] - self.step, 0.0)
+            when = self.t + self.c.time_for_steps(self.n, self.kv_tokens, steps)
+        else:
+            return
+        self._timer = self.loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._advance()
+        self._schedule()

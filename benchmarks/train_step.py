@@ -271,6 +271,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (inductor, dynamic)")
     ap.add_argument("--gemm-rows", type=int, default=2048, help="rows of the roofline GEMMs")
     ap.add_argument("--profile", default=None, help="write a cProfile of the timed steps to this file")
+    ap.add_argument(
+        "--op-profile",
+        default=None,
+        help="write torch.profiler's per-op table (self CPU time, first timed step) to this text file",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("overrides", nargs="*", help="TrainConfig key=value overrides, e.g. train.ppo_minibatches=2")
     args = ap.parse_args(argv)
@@ -356,9 +361,18 @@ def main(argv: list[str] | None = None) -> dict:
                 profiler.enable()
             rss_before = _rss_kib("VmRSS")
             peak_ok = _reset_peak_rss()
+            op_prof = None
+            if timed and args.op_profile and not os.path.exists(args.op_profile):
+                op_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                op_prof.__enter__()
             t0, c0 = time.perf_counter(), time.process_time()
             _, stats = engine.train_step(batch)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if op_prof is not None:  # profiled steps run slower: their time still counts as measured
+                op_prof.__exit__(None, None, None)
+                table = op_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                with open(args.op_profile, "w") as f:
+                    f.write(f"{args.model}, {nthreads} thread(s), {engine.compute_dtype}, {wall:.2f} s step\n{table}")
             peak = _rss_kib("VmHWM") if peak_ok else 0
             if not timed:
                 continue

@@ -28,7 +28,7 @@ from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
 from areal_async.launch.slurm import SlurmLauncher
-from areal_async.net.address import host_address, rendezvous_host
+from areal_async.net.address import advertised, host_address, rendezvous_host
 from areal_async.net.rank_registry import Registry, rank_files_dir, read_secret
 
 if TYPE_CHECKING:
@@ -186,7 +186,10 @@ class LocalLauncher:
         procs = Processes(cfg.run_dir)
         registry = None
         try:
-            trainers, registry = await _start_trainers(procs, cfg, model_path, trainer_resume, cfg.server.host)
+            # servers reach trainer rank 0 (the broadcast store) where they could reach each other: loopback for
+            # servers on loopback, else this host's routable address (never "0.0.0.0", which each host dials itself)
+            master = advertised(cfg.server.host)
+            trainers, registry = await _start_trainers(procs, cfg, model_path, trainer_resume, master)
             servers = self._start_servers(procs, cfg, model_path)
             # the trainers load while the servers do; wait_healthy fails fast if any child dies meanwhile
             await procs.wait_healthy(servers, cfg.server.startup_timeout_s, cfg.server.api_key)

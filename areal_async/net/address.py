@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["ADDRESS_ENV", "host_address"]
+__all__ = ["ADDRESS_ENV", "WILDCARDS", "advertised", "host_address", "rendezvous_host"]
 
 ADDRESS_ENV = "AREAL_TRAINER_ADDRESS"  # override of the address this host advertises (e.g. TrainerInfo.host)
+WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})  # bind hosts that mean "every interface"
 
 
 def host_address() -> str:
@@ -36,6 +37,13 @@ def host_address() -> str:
         if not ip.startswith("127."):
             return ip
     return "127.0.0.1"
+
+
+def advertised(bind_host: str) -> str:
+    """What to tell other processes to dial for something listening on `bind_host`: the host itself when it is a
+    specific address (127.0.0.1 stays loopback: a single-host run), `host_address()` for a wildcard. A wildcard
+    handed out as it is ("0.0.0.0") makes every other host dial itself."""
+    return host_address() if bind_host.strip() in WILDCARDS else bind_host
 
 
 def _default_route_address() -> str | None:

@@ -27,6 +27,7 @@ from typing import Literal
 import msgspec
 
 from areal_async.atomic_write import write_json_atomic
+from areal_async.net.address import host_address
 from areal_async.net.rpc import RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,8 @@ def route_address(target_host: str) -> str:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((target_host.strip("[]"), 9))
             return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
+    except OSError:  # no route: an address other hosts can reach, never gethostbyname(gethostname()) (127.0.1.1)
+        return host_address()
 
 
 def _split(address: str) -> tuple[str, int]:

@@ -154,6 +154,12 @@ class TrainConfig(Section):
     """disk: publish an HF checkpoint that the servers load; broadcast: torch.distributed from trainer rank 0."""
     keep_versions: int = 2
     """Published HF checkpoints kept on disk (older ones are removed)."""
+    delta_sync: bool = False
+    """weight_sync=disk: publish each version as a delta of the servers' served-dtype bits against the version
+    before (only the changed elements, bit-exact), with a full snapshot every delta_full_every versions; embedded
+    servers only (real SGLang always gets full checkpoints). docs/weights.md, "Delta sync"."""
+    delta_full_every: int = 8
+    """With delta_sync: a full snapshot at least every this many versions (the longest chain a server replays)."""
     nnodes: int = 1
     """Nodes the trainer job spans: one torchrun agent per node with nproc ranks each, joined by c10d rendezvous
     (launcher=local runs every agent on this host; launcher=slurm one per node of the trainer step)."""
@@ -194,6 +200,12 @@ class TrainConfig(Section):
         check(self.ppo_minibatches >= 1, key_of(prefix, "ppo_minibatches"), "must be >= 1")
         check(self.micro_batch_tokens >= 16, key_of(prefix, "micro_batch_tokens"), "must be >= 16")
         check(self.keep_versions >= 1, key_of(prefix, "keep_versions"), "must be >= 1")
+        check(self.delta_full_every >= 1, key_of(prefix, "delta_full_every"), "must be >= 1")
+        check(
+            not self.delta_sync or self.weight_sync == "disk",
+            key_of(prefix, "delta_sync"),
+            "is for weight_sync=disk (a broadcast sends full tensors; docs/weights.md)",
+        )
         check(self.torch_threads >= 1, key_of(prefix, "torch_threads"), "must be >= 1")
         check(self.temperature > 0, key_of(prefix, "temperature"), "must be > 0")
         check(self.connect_timeout_s > 0, key_of(prefix, "connect_timeout_s"), "must be > 0")

@@ -27,11 +27,13 @@ from areal_async.inference.fleet import (
     in_place_supported,
     parse_weight_version,
 )
+from areal_async.inference.identity import IdentityGate, Verdict
 from areal_async.inference.resume import ResumeState, SegmentEnd, SegmentRejected, find_stop, generate_resumable
 from areal_async.inference.routing import ServerState
 from areal_async.inference.sglang_wire import SegmentReader, segment_payload
 from areal_async.inference.transport import ServerPool
 from areal_async.inference.weight_groups import WeightGroups
+from areal_async.protocol.weight_identity import Identity
 from areal_async.types import GenerationResult, SamplingParams
 
 __all__ = [
@@ -98,6 +100,8 @@ class InferenceClient(WeightGroups):
             weight_load_timeout_s=weight_load_timeout_s,
         )
         self._fleet = Fleet(self._pool, on_ready=self._align_pause)
+        self._identity = IdentityGate(self._pool, self._taint)
+        self._pool.ready_check = self._identity.wrap(self._fleet.ready)  # a server that comes back is checked too
         self.api_key = api_key
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -444,6 +448,21 @@ class InferenceClient(WeightGroups):
         rotation until they hold the current weights (see Fleet.abandon_distributed)."""
         self._fleet.abandon_distributed(errors)
 
+    async def verify_weights(self, expected: Identity) -> dict[str, Verdict]:
+        """Policy identity (inference/identity.py): every serving server on `expected.version` proves it serves
+        the weights `expected` describes. A server that does not leaves rotation, logged with the parameters that
+        differ, and reloads the current weights; servers that come back later are checked before they serve.
+        Returns url -> verdict."""
+        servers = [s for s in self._reachable() if s.state == "serving" and s.version == expected.version]
+        return await self._identity.check(expected, servers)
+
+    def _taint(self, server: ServerState, version: int, why: str) -> None:
+        """Its label says `version` but its weights are not that version's: out of rotation, and its label is not
+        trusted when it catches up (it reloads, as after a failed bucket of a broadcast)."""
+        self._fleet._tainted[server.url] = version
+        self._fleet.counts["weight_load_failures"] += 1
+        self._pool.needs_sync(server, why)
+
     async def flush_cache(self) -> dict[str, Any]:
         return await self._pool.fanout("POST", "/flush_cache", None, servers=self._reachable())
 
@@ -532,6 +551,7 @@ class InferenceClient(WeightGroups):
         return {
             **self._pool.counts,
             **self._fleet.counts,
+            **self._identity.stats(),
             **self._counts,
             "servers": {
                 s.url: {

@@ -536,6 +536,13 @@ class UpdateWeightVersionIn(msgspec.Struct, kw_only=True):
     abort_all_requests: bool = True
 
 
+class GetWeightsByNameIn(msgspec.Struct, kw_only=True):
+    """SGLang's /get_weights_by_name body: the answer is `param[:truncate_size]` as nested lists of floats."""
+
+    name: str
+    truncate_size: int = 100
+
+
 def version_str(v: str | int | None) -> str | None:
     return None if v is None else str(v)
 

@@ -10,9 +10,15 @@ does, SGLang's behaviour included: docs/weights.md.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Literal, Protocol
 
+from areal_async.inference.errors import AdminError
+from areal_async.inference.fleet import sglang_version
 from areal_async.types import PublishResult
+
+log = logging.getLogger(__name__)
 
 InterruptMode = Literal["abort", "in_place", "wait"]
 
@@ -44,23 +50,111 @@ class WeightSync(Protocol):
 
 
 class DiskSync:
-    def __init__(self, trainer: Publisher, servers: DiskServers, root: str, keep_versions: int = 2) -> None:
+    """Disk sync: the trainers publish `root/v<k>`, every server loads it, and every server then proves it holds
+    the published weights (policy identity, inference/identity.py).
+
+    With a trainer that has `publish_delta` (TrainerGroup), `v<k>` is a full HF checkpoint or, with
+    `train.delta_sync`, a delta of the served-dtype bits (train/delta_publish.py decides; docs/weights.md). A delta
+    that a server refuses (wrong base, truncated or corrupt file, checksum mismatch: the server names the cause and
+    keeps its weights) makes the version be published again in full and loaded: the run falls back to a full load.
+    Real SGLang cannot load a delta, so a fleet with an SGLang server always gets full checkpoints."""
+
+    def __init__(
+        self, trainer: Publisher, servers: DiskServers, root: str, keep_versions: int = 2, *, verify: bool = True
+    ) -> None:
         self.trainer = trainer
         self.servers = servers
         self.root = root
         self.keep_versions = keep_versions
+        self.verify = verify
         self.latest_checkpoint: str | None = None
-        self._published: dict[int, str] = {}
+        self._published: dict[int, Any] = {}
+        self._served_dtype: str | None = None
+        self._full_only = False  # an SGLang server in the fleet: deltas are never sent
+        self._force_full = False
+        self.stats: dict[str, float] = {
+            "full_updates": 0,
+            "delta_updates": 0,
+            "delta_fallbacks": 0,
+            "published_bytes": 0,
+            "full_bytes": 0,
+            "changed_elements": 0,
+            "total_elements": 0,
+            "identity_check_s": 0.0,
+            "identity_mismatches": 0,
+        }
+
+    async def _served(self) -> str:
+        """The dtype the servers serve (asked once): an embedded server says it (/get_server_info `dtype`); an
+        SGLang server says "auto" unless launched with --dtype, and auto is bf16 for the models it serves here."""
+        if self._served_dtype is not None:
+            return self._served_dtype
+        infos = await self.servers.server_info() if hasattr(self.servers, "server_info") else {}
+        dtypes = set()
+        for url, info in infos.items():
+            if not isinstance(info, dict):
+                continue
+            if sglang_version(info) is not None:
+                if not self._full_only:
+                    log.warning("%s is SGLang, which cannot load a delta: every version goes as a full checkpoint", url)
+                self._full_only = True
+            d = info.get("dtype")
+            dtypes.add("bfloat16" if d in (None, "auto") else str(d))
+        if len(dtypes) > 1:
+            log.warning("the servers serve different dtypes %s: full checkpoints only", sorted(dtypes))
+            self._full_only = True
+        self._served_dtype = sorted(dtypes)[0] if dtypes else "float32"
+        return self._served_dtype
+
+    async def _publish(self, version: int, *, force_full: bool) -> Any:
+        if not hasattr(self.trainer, "publish_delta"):
+            return await self.trainer.publish(version, self.root, self.keep_versions)
+        dtype = await self._served()
+        pub = await self.trainer.publish_delta(
+            version, self.root, self.keep_versions, served_dtype=dtype, force_full=force_full or self._full_only
+        )
+        self.stats["delta_updates" if pub.kind == "delta" else "full_updates"] += 1
+        self.stats["published_bytes"] += pub.num_bytes
+        self.stats["full_bytes"] += pub.full_bytes
+        self.stats["changed_elements"] += pub.changed if pub.kind == "delta" else pub.total
+        self.stats["total_elements"] += pub.total
+        return pub
 
     async def prepare(self, version: int) -> None:
-        pub = await self.trainer.publish(version, self.root, self.keep_versions)
-        self._published = {version: pub.path}
-        self.latest_checkpoint = pub.path
+        pub = await self._publish(version, force_full=self._force_full)
+        self._force_full = False
+        self._published = {version: pub}
+        # a delta directory is not an HF checkpoint: publish_final writes a full one at the end
+        self.latest_checkpoint = pub.path if getattr(pub, "kind", "full") == "full" else None
 
     async def apply(self, version: int, *, flush_cache: bool) -> None:
-        if version not in self._published:
+        pub = self._published.get(version)
+        if pub is None:
             raise RuntimeError(f"version {version} was not prepared (published) before it was applied")
-        await self.servers.update_weights_from_disk(self._published[version], version, flush_cache=flush_cache)
+        try:
+            results = await self.servers.update_weights_from_disk(pub.path, version, flush_cache=flush_cache)
+        except AdminError as e:
+            if getattr(pub, "kind", "full") != "delta":
+                raise
+            results = {"*": e}
+        refused = {u: r for u, r in (results or {}).items() if isinstance(r, BaseException)}
+        if refused and getattr(pub, "kind", "full") == "delta":
+            self.stats["delta_fallbacks"] += 1
+            log.warning(
+                "the delta of version %d was refused (%s): publishing it in full and loading that",
+                version,
+                "; ".join(f"{u}: {str(r).splitlines()[0]}" for u, r in refused.items()),
+            )
+            pub = await self._publish(version, force_full=True)
+            self._published = {version: pub}
+            self.latest_checkpoint = pub.path
+            await self.servers.update_weights_from_disk(pub.path, version, flush_cache=flush_cache)
+        identity = getattr(pub, "identity", None)
+        if self.verify and identity is not None and hasattr(self.servers, "verify_weights"):
+            t0 = time.perf_counter()
+            verdicts = await self.servers.verify_weights(identity)
+            self.stats["identity_check_s"] += time.perf_counter() - t0
+            self.stats["identity_mismatches"] += sum(1 for v in verdicts.values() if not v.ok and not v.unknown)
 
 
 def interrupt_mode(interruptible: bool, mode: str) -> InterruptMode:

@@ -297,6 +297,26 @@ class SGLangServer:
             {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
         )
 
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's /get_weights_by_name (GET or POST, JSON body): a slice of one named parameter, the probe that
+        policy identity reads from a server without digests (protocol/weight_identity.py)."""
+        g: sglang_protocol.GetWeightsByNameIn = sglang_protocol.decode_body(
+            await request.read(), sglang_protocol.GetWeightsByNameIn
+        )
+        if g.truncate_size < 1:
+            return json_response(sglang_protocol.error_body("truncate_size must be >= 1"), 400)
+        value = await self.engine.weights_by_name(g.name, g.truncate_size)
+        if value is None:
+            return json_response(
+                sglang_protocol.error_body(f"Get parameter by name failed: no parameter {g.name!r}"), 400
+            )
+        return json_response(value)
+
+    async def weights_fingerprint(self, request: web.Request) -> web.Response:
+        """Our own: the digest of every parameter as served (protocol/weight_identity.py's Identity)."""
+        identity = await self.engine.weights_identity()
+        return web.Response(body=msgspec.json.encode(identity), content_type="application/json")
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.status == "ready" else 503)
 
@@ -452,6 +472,9 @@ def build_app(engine: Engine, *, api_key: str | None = None, served_model_name: 
     r.add_post("/update_weights_from_distributed", srv.update_weights_from_distributed)
     r.add_post("/destroy_weights_update_group", srv.destroy_weights_update_group)
     r.add_post("/update_weight_version", srv.update_weight_version)
+    r.add_route("GET", "/get_weights_by_name", srv.get_weights_by_name)
+    r.add_post("/get_weights_by_name", srv.get_weights_by_name)
+    r.add_get("/weights_fingerprint", srv.weights_fingerprint)
     r.add_get("/health", srv.health)
     r.add_get("/health_generate", srv.health_generate)
     for path in ("/get_model_info", "/model_info"):

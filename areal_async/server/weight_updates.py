@@ -15,6 +15,10 @@ import logging
 import threading
 from collections.abc import Callable
 
+import torch
+
+from areal_async.protocol.weight_identity import Identity
+from areal_async.server.delta_load import DeltaError, is_delta_dir, load_delta, served_identity
 from areal_async.server.model import UnsupportedModelError
 from areal_async.server.scheduler import abort_reason
 from areal_async.server.weights import (
@@ -48,7 +52,12 @@ class WeightUpdates:
         return None
 
     async def _swap(
-        self, load: Callable[[], None], weight_version: str | None, flush_cache: bool, abort_all_requests: bool = False
+        self,
+        load: Callable[[], None],
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool = False,
+        identity: Identity | None = None,
     ) -> int:
         """Swap in new weights (module docstring): at once while paused, else once no request is running; new
         admissions wait meanwhile. Returns how many requests were paused across the swap. Raises WeightError
@@ -63,8 +72,11 @@ class WeightUpdates:
             held = len(self._sched.running) + len(self._sched.waiting) if self._paused else 0
             self._seal()  # chunks made by the old weights keep the old version
             load()
+            # every weight change forgets the prefix cache, flush_cache or not: KV of cached prefixes was made by
+            # the old weights (the running requests of an in-place pause keep theirs, by design)
             self._sched.forget_prefixes()
             self.weight_version = next_version(self.weight_version, weight_version)
+            self._identity = identity  # None: computed on the next ask
             return held
 
         def cmd() -> None:
@@ -85,20 +97,62 @@ class WeightUpdates:
             refusal = None if abort_all_requests else self._flush_refusal(flush_cache)
             if refusal is not None:
                 return False, refusal, 0
+            identity: Identity | None = None
+            how = ""
             try:
-                _, tensors = await to_side_thread(load_checkpoint, model_path, self.spec)
-            except (WeightError, UnsupportedModelError, OSError) as e:
+                if is_delta_dir(model_path):
+                    held_identity = await self._held_identity()
+                    tensors, identity, how = await to_side_thread(
+                        load_delta, model_path, self.spec, self.model, held_identity
+                    )
+                else:
+                    _, tensors = await to_side_thread(load_checkpoint, model_path, self.spec)
+            except (WeightError, DeltaError, UnsupportedModelError, OSError) as e:
                 return False, f"failed to load weights from {model_path}: {e}", 0
+            if identity is not None:
+                identity.version = _label_number(next_version(self.weight_version, weight_version))
 
             def load() -> None:
                 self.model.load_tensors(tensors)
-                self.model_path = model_path
+                if not how:  # a delta changes the weights, not the model directory they came from
+                    self.model_path = model_path
 
             try:
-                held = await self._swap(load, weight_version, flush_cache, abort_all_requests)
+                held = await self._swap(load, weight_version, flush_cache, abort_all_requests, identity)
             except WeightError as e:
                 return False, str(e), 0
-        return True, f"Succeeded to update model weights from {model_path}.", held
+        how = f" ({how})" if how else ""
+        return True, f"Succeeded to update model weights from {model_path}{how}.", held
+
+    async def _held_identity(self) -> Identity:
+        """The identity of the served weights (cached until the next swap). Callers hold `_weights_lock`, so no
+        swap interleaves with the digests."""
+        cached = getattr(self, "_identity", None)
+        if cached is None:
+            cached = await to_side_thread(served_identity, self.model, _label_number(self.weight_version))
+            self._identity = cached
+        return cached
+
+    async def weights_identity(self) -> Identity:
+        """What `GET /weights_fingerprint` answers: the digests of the weights served now, under their label."""
+        assert self._weights_lock is not None, "engine not started"
+        async with self._weights_lock:
+            identity = await self._held_identity()
+            identity.version = _label_number(self.weight_version)  # a relabel changes the label, not the bits
+            return identity
+
+    async def weights_by_name(self, name: str, truncate_size: int) -> list | None:
+        """SGLang's /get_weights_by_name: `param[:truncate_size]` as nested lists of fp32 values; None for a name
+        the model does not have (a tied head is the embedding, as SGLang answers it)."""
+        assert self._weights_lock is not None, "engine not started"
+        params = self.model.params
+        if name == "lm_head.weight" and name not in params and self.spec.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        t = params.get(name)
+        if t is None:
+            return None
+        async with self._weights_lock:
+            return await to_side_thread(lambda: t[:truncate_size].detach().to("cpu", torch.float32).tolist())
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
@@ -183,6 +237,11 @@ class WeightUpdates:
             self.weight_version = version
 
         await self._call(cmd)
+
+
+def _label_number(label: str) -> int:
+    """An identity's version: the label as a number (-1 for a label that is not one, such as SGLang's "default")."""
+    return int(label) if label.isdigit() else -1
 
 
 def next_version(current: str, given: str | None) -> str:

@@ -80,6 +80,12 @@ class FakeSGLang:
         self.fail_bucket: int | None = None
         self.fail_after_tensors = 0
         self.buckets: list[tuple[str, int, list[str]]] = []
+        # /get_weights_by_name, as SGLang serves it: `weights` is name -> the parameter as nested lists of floats
+        # (rows first), answered as `weights[name][:truncate_size]`; an unknown name is SGLang's 400. A load of a
+        # path in `weights_by_path` makes that path's weights the served ones (a load of any other path keeps
+        # them, like a server whose load silently did nothing)
+        self.weights: dict[str, list] = {}
+        self.weights_by_path: dict[str, dict[str, list]] = {}
         self._groups: dict[str, Any] = {}
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -124,6 +130,8 @@ class FakeSGLang:
         app.router.add_post("/destroy_weights_update_group", self._destroy_group)
         app.router.add_post("/flush_cache", self._record_ok)
         app.router.add_post("/update_weights_from_distributed", self._distributed)
+        app.router.add_route("GET", "/get_weights_by_name", self._weights_by_name)
+        app.router.add_post("/get_weights_by_name", self._weights_by_name)
         self._runner = web.AppRunner(app, shutdown_timeout=0.05, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
@@ -303,7 +311,20 @@ class FakeSGLang:
         if not self.update_ok:
             return self._json({"success": False, "message": "cannot load", "num_paused_requests": 0}, 400)
         self.version = body["weight_version"]
+        if body.get("model_path") in self.weights_by_path:
+            self.weights = self.weights_by_path[body["model_path"]]
         return self._json({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def _weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang 0.5's GetWeightsByNameReqInput {"name", "truncate_size": 100}; the answer is the parameter's
+        first `truncate_size` rows as a JSON nested list (float values), or a 400 error object."""
+        raw = await request.read()
+        body = msgspec.json.decode(raw) if raw.strip() else {}
+        self.admin.append(("get_weights_by_name", body))
+        name, size = body.get("name"), int(body.get("truncate_size", 100))
+        if name not in self.weights:
+            return self._json({"error": {"message": "Get parameter by name failed"}}, 400)
+        return self._json(self.weights[name][:size])
 
     async def _record_ok(self, request: web.Request) -> web.Response:
         raw = await request.read()

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from areal_async.net.rank_registry import rank_file
 from areal_async.net.rpc import RpcAuthError, RpcClient, RpcError
+from areal_async.protocol.weight_identity import Identity
 from areal_async.train.broadcast_driver import (
     BroadcastIncomplete,
     WeightReceivers,
@@ -33,6 +34,9 @@ from areal_async.train.messages import (
     AbortBroadcastRequest,
     AbortBroadcastResult,
     BroadcastEndpoint,
+    DeltaPublishRequest,
+    DeltaPublishResult,
+    IdentityRequest,
     OpenBroadcastRequest,
     WeightPlan,
     WeightPlanRequest,
@@ -282,6 +286,24 @@ class TrainerGroup:
         """Write `root/v<version>` as an HF checkpoint (atomic; older versions beyond `keep` removed)."""
         async with self._lock:
             results = await self._call("publish", PublishRequest(version=version, root=root, keep=keep), PublishResult)
+        return results[0]
+
+    async def publish_delta(
+        self, version: int, root: str, keep: int = 2, *, served_dtype: str = "float32", force_full: bool = False
+    ) -> DeltaPublishResult:
+        """Write `root/v<version>` as a full snapshot or a delta (train.delta_sync; train/delta_publish.py) and
+        return the identity of what it holds as served in `served_dtype`."""
+        req = DeltaPublishRequest(
+            version=version, root=root, keep=keep, served_dtype=served_dtype, force_full=force_full
+        )
+        async with self._lock:
+            results = await self._call("publish_delta", req, DeltaPublishResult)
+        return results[0]
+
+    async def identity(self, served_dtype: str = "float32") -> Identity:
+        """The identity of the weights the trainers hold now, as served in `served_dtype` (a gather)."""
+        async with self._lock:
+            results = await self._call("identity", IdentityRequest(served_dtype=served_dtype), Identity)
         return results[0]
 
     async def save_checkpoint(self, path: str) -> CheckpointResult:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from areal_async.protocol.weight_identity import Identity
 from areal_async.types import WeightSpec
 
 __all__ = [
@@ -17,6 +18,9 @@ __all__ = [
     "BroadcastEndpoint",
     "AbortBroadcastRequest",
     "AbortBroadcastResult",
+    "DeltaPublishRequest",
+    "DeltaPublishResult",
+    "IdentityRequest",
 ]
 
 
@@ -57,3 +61,35 @@ class AbortBroadcastRequest(msgspec.Struct, kw_only=True):
 
 class AbortBroadcastResult(msgspec.Struct, kw_only=True):
     running: bool  # a broadcast on the group was running and stops; False: none was (the group, if any, is gone)
+
+
+class DeltaPublishRequest(msgspec.Struct, kw_only=True):
+    """Publish version `version` under `root` as a full HF checkpoint or, with `train.delta_sync`, as a delta of the
+    served-dtype bits against the version published before (train/delta_publish.py decides which), and say what
+    the servers must then hold (`DeltaPublishResult.identity`)."""
+
+    version: int
+    root: str
+    keep: int = 2
+    served_dtype: str = "float32"  # the dtype the servers hold the weights in: deltas and identities are of its bits
+    force_full: bool = False  # a full snapshot whatever the schedule (a delta was refused somewhere)
+
+
+class DeltaPublishResult(msgspec.Struct, kw_only=True):
+    path: str
+    seconds: float
+    num_bytes: int  # bytes written: the checkpoint's, or the delta file's
+    kind: str  # "full" or "delta"
+    identity: Identity  # of the weights as served in `served_dtype`
+    changed: int = 0  # elements whose served bits changed since the base (a delta only)
+    total: int = 0  # elements of the model
+    full_bytes: int = 0  # bytes of the whole model in the served dtype (what a full sync of its bits ships)
+    base_version: int = -1  # the version a delta applies to (-1: full)
+    identity_s: float = 0.0  # seconds spent on digests (part of `seconds`)
+
+
+class IdentityRequest(msgspec.Struct, kw_only=True):
+    """Ask the trainers for the identity of the weights they hold now, as served in `served_dtype` (collective:
+    a gather of every parameter, for a transport that publishes nothing, such as broadcast)."""
+
+    served_dtype: str = "float32"

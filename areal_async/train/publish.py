@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -180,12 +180,16 @@ def publish_hf(
     dtype: torch.dtype = torch.float32,
     skip: set[str] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    observe: Callable[[str, Tensor], None] | None = None,
 ) -> PublishResult:
     """Write `root/v<version>` atomically (collective; rank 0 writes) and keep only the newest `keep` versions.
 
     An error on rank 0 (disk full, permissions) is raised on every rank (`PublishError` there, `PeerPublishError`
     on the others), after every rank has finished its part of the gathers, so no rank is left waiting in a
-    collective."""
+    collective.
+
+    `observe(name, tensor)` sees every tensor rank 0 writes, as it is written (the delta publisher keeps the served
+    bits of a full snapshot this way, without a second gather); an error it raises fails the publish."""
     if version < 0:
         raise ValueError(f"version must be >= 0, got {version}")
     if keep < 1:
@@ -208,6 +212,8 @@ def publish_hf(
         if writer is not None and error is None and tensor is not None:
             try:
                 writer.add(name, tensor)
+                if observe is not None:
+                    observe(name, tensor)
             except Exception as e:  # keep gathering with the others; report at the end
                 error = e
     if rank == 0 and error is None:

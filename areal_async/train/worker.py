@@ -50,6 +50,9 @@ from areal_async.train.messages import (
     AbortBroadcastRequest,
     AbortBroadcastResult,
     BroadcastEndpoint,
+    DeltaPublishRequest,
+    DeltaPublishResult,
+    IdentityRequest,
     OpenBroadcastRequest,
     WeightPlan,
     WeightPlanRequest,
@@ -115,12 +118,22 @@ class TrainerService:
         self.engine = engine
         self.server = server
         self.host = host
+        self._deltas = None  # train/delta_publish.py's DeltaPublisher, made on first use (it imports torch)
+
+    def _delta_publisher(self):
+        if self._deltas is None:
+            from areal_async.train.delta_publish import DeltaPublisher  # lazy: torch loads only in main()
+
+            self._deltas = DeltaPublisher()
+        return self._deltas
 
     def register(self) -> None:
         s = self.server
         s.register("info", self.info, Empty)  # on the loop: answers even while a step runs
         s.register("train_step", self.train_step, TrainStepRequest, blocking=True)
         s.register("publish", self.publish, PublishRequest, blocking=True)
+        s.register("publish_delta", self.publish_delta, DeltaPublishRequest, blocking=True)
+        s.register("identity", self.identity, IdentityRequest, blocking=True)
         s.register("save_checkpoint", self.save_checkpoint, CheckpointRequest, blocking=True)
         s.register("load_checkpoint", self.load_checkpoint, CheckpointRequest, blocking=True)
         s.register("weight_plan", self.weight_plan, WeightPlanRequest, blocking=True)
@@ -138,13 +151,47 @@ class TrainerService:
         return TrainStepResult(version=version, stats=stats)
 
     def publish(self, req: PublishRequest) -> PublishResult:
+        self._delta_publisher().reset()  # its pruning may remove the delta chain's snapshot
         return self.engine.publish(req.root, req.version, req.keep)
+
+    def publish_delta(self, req: DeltaPublishRequest) -> DeltaPublishResult:
+        """A full snapshot or a delta (train.delta_sync, train.delta_full_every), with the identity of what it
+        holds as served in `req.served_dtype` (train/delta_publish.py)."""
+        e = self.engine
+        e.bind_device()
+        return self._delta_publisher().publish(
+            e.model,
+            source_dir=e.model_path,
+            root=req.root,
+            version=req.version,
+            keep=req.keep,
+            checkpoint_dtype=e.checkpoint_dtype,
+            served=req.served_dtype,
+            skip=e.tied_names,
+            delta=e.cfg.delta_sync,
+            full_every=e.cfg.delta_full_every,
+            force_full=req.force_full,
+        )
+
+    def identity(self, req: IdentityRequest):
+        """The identity of the weights held now, as served in `req.served_dtype` (collective: one gather)."""
+        from areal_async.train.publish import iter_full_tensors  # lazy: torch
+        from areal_async.weight_digest import IdentityBuilder, served_dtype
+
+        e = self.engine
+        e.bind_device()
+        builder = IdentityBuilder(served_dtype(req.served_dtype), e.version)
+        for name, tensor in iter_full_tensors(e.model, skip=e.tied_names, dtype=e.checkpoint_dtype, to_cpu=True):
+            if tensor is not None:
+                builder.add(name, tensor)
+        return builder.finish()
 
     def save_checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
         seconds = self.engine.save_checkpoint(req.path)
         return CheckpointResult(path=os.path.abspath(req.path), version=self.engine.version, seconds=seconds)
 
     def load_checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
+        self._delta_publisher().reset()  # a resume or a rollback: the held bits are of another lineage
         seconds = self.engine.load_checkpoint(req.path)
         return CheckpointResult(path=os.path.abspath(req.path), version=self.engine.version, seconds=seconds)
 

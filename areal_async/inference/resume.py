@@ -186,12 +186,15 @@ async def generate_resumable(
     return_text: bool,
     max_idle_aborts: int = 3,
     backoff_s: float = 0.2,
+    on_segment: Callable[[ResumeState], None] | None = None,
 ) -> GenerationResult:
     """Drive `submit` until the generation ends (docs/inference.md has the transitions); one seamless result.
 
     `submit(state)` sends one segment (prompt + `state.out_ids`, `state.remaining` new tokens at most, at least
     `state.min_remaining`), feeds what arrives into `state.add_tokens` / `set_segment_text`, and returns how it
     ended, or None when there was nothing left to ask (budget spent, or cancelled before sending).
+    `on_segment(state)` is called after every segment that brought tokens, before any wait for a resume: the
+    rollout's journal keeps the tokens of an interrupted request from there (rollout/journal.py).
     """
     idle_aborts = 0  # consecutive aborts from elsewhere that produced nothing
     while True:
@@ -199,6 +202,8 @@ async def generate_resumable(
             return state.result("length", None, return_text=return_text)
         before = len(state.out_ids)
         end = await submit(state)
+        if on_segment is not None and len(state.out_ids) > before:
+            on_segment(state)
         if end is None:
             finish = "abort" if control.cancelled(state.rid) else "length"
             return state.result(finish, None, return_text=return_text)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
@@ -170,6 +171,7 @@ class InferenceClient(WeightGroups):
         session_key: str | None = None,
         return_text: bool = False,
         priority: int | None = None,
+        on_segment: Callable[[ResumeState], None] | None = None,
     ) -> GenerationResult:
         """Generate one completion of `input_ids`, resuming across interruptions and lost servers until stop or
         length.
@@ -180,6 +182,7 @@ class InferenceClient(WeightGroups):
         The result concatenates every segment; `output_versions[i]` is the weight version that produced token i.
         A client `abort(rid)` ends it early with finish_reason "abort" and the tokens so far. `text` (with
         `return_text`) joins the segments' texts; decode `output_ids` where exact text across boundaries matters.
+        `on_segment(state)`: called with the tokens so far after each segment that brought some (resume.py).
         """
         if sampling.n != 1:
             raise ValueError("agenerate makes one completion; call it n times for n samples (each resumes alone)")
@@ -233,7 +236,13 @@ class InferenceClient(WeightGroups):
 
         try:
             result = await generate_resumable(
-                state, submit, self, return_text=return_text, max_idle_aborts=self.max_retries, backoff_s=self.backoff_s
+                state,
+                submit,
+                self,
+                return_text=return_text,
+                max_idle_aborts=self.max_retries,
+                backoff_s=self.backoff_s,
+                on_segment=on_segment,
             )
         except SegmentRejected as e:
             raise InferenceError(f"{e.server}/generate aborted: {e}", status=e.status, url=e.server) from None

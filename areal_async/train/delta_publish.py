@@ -108,7 +108,7 @@ class DeltaPublisher:
 
         def observe(name: str, tensor: torch.Tensor) -> None:
             t1 = time.perf_counter()
-            bits = tensor.to(dtype)
+            bits = tensor.to(dtype, copy=True)  # a copy: the gathered tensor may be the parameter itself
             builder.add(name, bits)
             held[name] = bits
             spent[0] += time.perf_counter() - t1
@@ -162,7 +162,9 @@ class DeltaPublisher:
             if rank != 0 or tensor is None or error is not None:
                 continue  # still in every gather after a failure
             try:
-                bits = tensor.to(dtype)  # [same shape] the served values
+                # [same shape] the served values; a copy, since with one rank (or fp32 serving) the gathered tensor
+                # may share the parameter's memory, which the next train step changes in place
+                bits = tensor.to(dtype, copy=True)
                 t1 = time.perf_counter()
                 builder.add(name, bits)
                 spent += time.perf_counter() - t1

@@ -106,7 +106,12 @@ class SimFleet:
         """Every server loads `version` (in parallel; unpaused servers first let their running sequences end)."""
         t0 = self.loop.time()
         self.loads += 1
-        await asyncio.gather(*(s.load(version) for s in self.servers))
+        if self.paused:  # every server loads at once, in the same time: one timer for the fleet
+            await asyncio.sleep(self.costs.load_s)
+            for s in self.servers:
+                s.set_version(version, self.costs.load_s)
+        else:
+            await asyncio.gather(*(s.load(version) for s in self.servers))
         self.pause_wait_s += self.loop.time() - t0
 
     async def _admin_call(self, seconds: float) -> None:

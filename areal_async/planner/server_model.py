@@ -24,7 +24,7 @@ events, not 32,000.
 from __future__ import annotations
 
 import asyncio
-import heapq
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -87,10 +87,11 @@ def _solve(b: float, a: float, t: float) -> float:
 class SimGroup:
     """One prompt group on a server: its samples' lengths, and where it stands."""
 
-    __slots__ = ("lengths", "prompt", "future", "start_step", "version", "need", "finish_step", "done_members")
+    __slots__ = ("lengths", "total", "prompt", "future", "start_step", "version", "need", "finish_step", "done_members")
 
     def __init__(self, lengths: list[int], prompt: int, future: asyncio.Future) -> None:
         self.lengths = lengths
+        self.total = sum(lengths)
         self.prompt = prompt
         self.future = future
         self.start_step = 0.0
@@ -115,7 +116,9 @@ class SimServer:
         self.n = 0  # running sequences
         self.kv_base = 0.0  # K = kv_base + n * step
         self.reserved = 0  # KV tokens reserved by admitted groups
-        self.members: list[tuple[float, int, float, SimGroup]] = []  # (finish step, tiebreak, kv term, group)
+        # running sequences sorted by finish step from index `_head` on: (finish step, tiebreak, kv term, group)
+        self.members: list[tuple[float, int, float, SimGroup]] = []
+        self._head = 0
         self.waiting: deque[SimGroup] = deque()
         self.boundaries: list[tuple[float, int]] = [(-math.inf, 0)]  # (step, version from that step on)
         self.prefill_end: float | None = None  # set while a prefill runs
@@ -125,12 +128,15 @@ class SimServer:
         self._drained: asyncio.Future | None = None
         self._pending_prefill_s = 0.0  # a prefill cut by a pause, resumed after it
         self._timer: asyncio.TimerHandle | None = None
+        # the last walk: (state it started from, seconds to its event, event index, n, kv_base, step after it)
+        self._walk: tuple | None = None
+        self._walk_end: tuple | None = None
         self._seq = 0
         self.busy_s = 0.0
         self.load_busy_s = 0.0
         self.generated_tokens = 0
         self.recomputed_tokens = 0.0
-        self.queued = 0  # sequences waiting or running (the router's load figure)
+        self._unstarted = 0  # sequences of groups waiting or in prefill
 
     # ---- the outside ------------------------------------------------------------------------------------------
 
@@ -138,7 +144,7 @@ class SimServer:
         fut = self.loop.create_future()
         self._advance()
         self.waiting.append(SimGroup(lengths, prompt, fut))
-        self.queued += len(lengths)
+        self._unstarted += len(lengths)
         self._admit()
         self._schedule()
         return fut
@@ -175,7 +181,11 @@ class SimServer:
             self._schedule()
             await self._drained
         await asyncio.sleep(self.c.load_s)
-        self.load_busy_s += self.c.load_s
+        self.set_version(version, self.c.load_s)
+
+    def set_version(self, version: int, load_s: float) -> None:
+        """The load of `version` (which took `load_s`) is done: tokens from here on are sampled by it."""
+        self.load_busy_s += load_s
         self._advance()
         self.version = version
         self.boundaries.append((self.step, version))
@@ -186,58 +196,100 @@ class SimServer:
     # ---- the model --------------------------------------------------------------------------------------------
 
     @property
+    def queued(self) -> int:
+        """Sequences waiting, in prefill or running: the router's load figure."""
+        return self.n + self._unstarted
+
+    @property
     def kv_tokens(self) -> float:
         return self.kv_base + self.n * self.step
-
-    def _decoding(self) -> bool:
-        return self.n > 0 and self.prefill_end is None and not self.paused
 
     def _advance(self) -> None:
         """Bring the state up to the loop's now, finishing whatever finished on the way."""
         now = self.loop.time()
-        while True:
-            if self.paused:
-                break
+        tol = 1e-9 * (1.0 + abs(now))
+        while not self.paused:
             if self.prefill_end is not None:
                 if self.prefill_end > now:
-                    self.busy_s += now - self.t
-                    self.t = now
-                    return
+                    break
                 self.busy_s += self.prefill_end - self.t
                 self.t = self.prefill_end
                 self._finish_prefill()
                 continue
-            if self.n == 0:
+            if self.n == 0 or not self._decode_until(now, tol):
                 break
-            k = self.kv_base + self.n * self.step
-            nxt = self.members[0][0]
-            dt = self.c.time_for_steps(self.n, k, max(nxt - self.step, 0.0))
-            if self.t + dt <= now + 1e-9 * (1.0 + abs(now)):
-                self.busy_s += dt
-                self.t += dt
-                self.step = max(nxt, self.step)
-                self._finish_members()
-                continue
-            steps = self.c.steps_in(self.n, k, now - self.t)
-            self.step = min(self.step + steps, nxt)
+        if not self.paused and (self.n > 0 or self.prefill_end is not None):
             self.busy_s += now - self.t
-            break
         self.t = now
 
-    def _finish_members(self) -> None:
-        while self.members and self.members[0][0] <= self.step + 1e-9:
-            _, _, kv_term, g = heapq.heappop(self.members)
-            self.n -= 1
-            self.queued -= 1
-            self.kv_base -= kv_term
-            g.done_members += 1
-            if g.done_members == len(g.lengths):
-                self.reserved -= g.need
-                self.generated_tokens += sum(g.lengths)
-                if not g.future.done():
-                    g.future.set_result(self._versions_of(g))
-        self._check_drained()
-        self._admit()
+    def _decode_until(self, now: float, tol: float) -> bool:
+        """Decode towards `now`, finishing sequences on the way (locals for speed: this is the planner's inner
+        loop). Returns True when it stopped early because a prefill started (the caller goes on from there)."""
+        c = self.c
+        members = self.members
+        head, n, base, step, t = self._head, self.n, self.kv_base, self.step, self.t
+        busy = 0.0
+        waiting, draining = len(self.waiting), self.draining
+        try:
+            while n > 0:
+                w = self._walk
+                if w is not None and w[0] == (head, len(members), n, step, waiting, draining):
+                    self._walk = None
+                    if t + w[1] > now + tol:
+                        # the walk knows the state after each sequence that finishes before its event
+                        m = bisect.bisect_right(w[6], now - t + tol)
+                        if m:
+                            dt, n, base, step = w[7][m - 1]
+                            t += dt
+                            busy += dt
+                            head += m
+                        k = base + n * step
+                        step = min(step + c.steps_in(n, k, now - t), members[head][0])
+                        busy += now - t
+                        t = now
+                        return False
+                    # the walk that set the timer already knows the state at its event: take it whole
+                    _, dt, j, n, base, step = w[:6]
+                    t += dt
+                    busy += dt
+                    f, _, kv_term, g = members[j]
+                    head = j + 1
+                else:
+                    f, _, kv_term, g = members[head]
+                    if f > step:
+                        dt = c.time_for_steps(n, base + n * step, f - step)
+                        if t + dt > now + tol:
+                            step = min(step + c.steps_in(n, base + n * step, now - t), f)
+                            busy += now - t
+                            t = now
+                            return False
+                        t += dt
+                        busy += dt
+                        step = f
+                    head += 1
+                    n -= 1
+                    base -= kv_term
+                done = f >= g.finish_step - 1e-9 and not g.done_members
+                if done:
+                    g.done_members = 1
+                    self.reserved -= g.need
+                    self.generated_tokens += g.total
+                    if not g.future.done():
+                        g.future.set_result(self._versions_of(g))
+                if self.waiting and (done or n + len(self.waiting[0].lengths) <= c.max_running):
+                    self._head, self.n, self.kv_base, self.step, self.t = head, n, base, step, t
+                    self._admit()
+                    if self.prefill_end is not None:
+                        return True
+                    waiting = len(self.waiting)
+            return False
+        finally:
+            self._head, self.n, self.kv_base, self.step, self.t = head, n, base, step, t
+            self.busy_s += busy
+            if self._head > 256 and self._head * 2 > len(members):
+                del members[: self._head]
+                self._head = 0
+            self._check_drained()
 
     def _check_drained(self) -> None:
         if self.draining and self.n == 0 and self.prefill_end is None and self._drained is not None:
@@ -275,7 +327,7 @@ class SimServer:
             g = self.waiting[0]
             m = len(g.lengths)
             prompt_kv = g.prompt if c.prefix_sharing else g.prompt * m
-            need = prompt_kv + sum(g.lengths)
+            need = prompt_kv + g.total
             empty = running == 0 and not batch
             if not empty and (running + m > c.max_running or reserved + need > c.kv_capacity_tokens):
                 break
@@ -301,9 +353,10 @@ class SimServer:
             for length in g.lengths:
                 self._seq += 1
                 kv_term = g.prompt - self.step  # its KV: prompt + (step - start_step)
-                heapq.heappush(self.members, (self.step + length, self._seq, kv_term, g))
+                bisect.insort(self.members, (self.step + length, self._seq, kv_term, g), lo=self._head)
                 self.n += 1
                 self.kv_base += kv_term
+            self._unstarted -= len(g.lengths)
         self.prefilling = []
         self._check_drained()
         self._admit()
@@ -318,11 +371,52 @@ class SimServer:
         if self.prefill_end is not None:
             when = self.prefill_end
         elif self.n > 0:
-            steps = max(self.members[0][0] - self.step, 0.0)
-            when = self.t + self.c.time_for_steps(self.n, self.kv_tokens, steps)
+            when = self._next_event_time()
         else:
             return
         self._timer = self.loop.call_at(when, self._on_timer)
+
+    def _next_event_time(self) -> float:
+        """When the next thing the outside can see happens while decoding: a group's last sample finishing, or a
+        sequence finishing that lets a waiting group in under the running cap (KV reservations are freed only with
+        whole groups). Walks the sorted running sequences without changing anything: the sequences finishing
+        before then change only the batch, which `_advance` replays when the timer fires."""
+        key = (self._head, len(self.members), self.n, self.step, len(self.waiting), self.draining)
+        if self._walk is not None and self._walk[0] == key:
+            return self.t + self._walk[1]  # nothing changed but the clock (a pause, say): the same wait from now
+        when = self._walk_to_event()
+        end = self._walk_end
+        self._walk = (key, when - self.t, *end) if end is not None else None
+        return when
+
+    def _walk_to_event(self) -> float:
+        c = self.c
+        t, step, n, base = self.t, self.step, self.n, self.kv_base
+        members = self.members
+        want = 0  # the running count under which the first waiting group may start (0: the cap is not what binds)
+        if self.waiting and not self.draining:
+            g = self.waiting[0]
+            m = len(g.lengths)
+            need = (g.prompt if c.prefix_sharing else g.prompt * m) + g.total
+            if self.reserved + need <= c.kv_capacity_tokens and n + m > c.max_running:
+                want = c.max_running - m
+        t0 = t
+        times: list[float] = []  # seconds from now to each earlier sequence's finish, and the state after it
+        states: list[tuple[float, int, float, float]] = []
+        for i in range(self._head, len(members)):
+            f, _, kv_term, g = members[i]
+            if f > step:
+                t += c.time_for_steps(n, base + n * step, f - step)
+                step = f
+            n -= 1
+            base -= kv_term
+            if (f >= g.finish_step - 1e-9 and not g.done_members) or n <= want:
+                self._walk_end = (i, n, base, step, times, states)
+                return t
+            times.append(t - t0)
+            states.append((t - t0, n, base, step))
+        self._walk_end = None
+        return t
 
     def _on_timer(self) -> None:
         self._timer = None

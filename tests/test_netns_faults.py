@@ -103,6 +103,7 @@ def test_a_host_cut_off_and_a_host_lost_mid_run(tiny_ckpt, tmp_path):
             f"server.api_key={key}",
             "train.nnodes=2",
             "train.rdzv.local_agents=1",
+            "train.weight_sync=disk",  # the hosts share the filesystem: run_dir/weights is seen by both servers
             *COMMON,
         ]
         run = HostRun(h0, args, run_dir, {"AREAL_RPC_SECRET": secret}).start()

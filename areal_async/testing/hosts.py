@@ -43,7 +43,7 @@ REQUIRE_ENV = "AREAL_REQUIRE_NETNS"  # "1" (CI, as root): hosts that cannot be b
 NETNS_PREFIX = "areal-"  # namespaces areal-<pid>-<k>-h<i>; links ar<pid>k<k>b (bridge), ar<pid>k<k>v<i> (veths)
 _NETNS_RE = re.compile(r"^areal-(\d+)-(\d)-h(\d+)$")
 _LINK_RE = re.compile(r"^ar(\d+)k(\d)(b|[vp]\d+)$")
-_ETC_NETNS = "/etc/netns"  # `ip netns exec` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts
+_ETC_NETNS = "/etc/netns"  # /etc/netns/<ns>/hosts: a host's /etc/hosts (where `ip netns exec` also looks)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -58,7 +58,7 @@ def unavailable() -> str | None:
     to find out: a kernel or sandbox may refuse it even to root)."""
     if os.geteuid() != 0:
         return "needs root (ip netns add)"
-    for tool in ("ip", "unshare"):
+    for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"needs {tool!r} (iproute2, util-linux)"
     probe = f"{NETNS_PREFIX}{os.getpid()}-probe"
@@ -179,9 +179,13 @@ class Host:
     peers: Mapping[str, str] = field(default_factory=dict, compare=False)  # every host's name -> address
 
     def argv(self, cmd: Sequence[str]) -> list[str]:
-        """`cmd` as run on this host: in its network namespace, with its own host name (a UTS namespace)."""
-        shell = 'hostname "$0" && exec "$@"'
-        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c", shell, self.name, *cmd]
+        """`cmd` as run on this host: in its network namespace, with its own host name (a UTS namespace) and
+        /etc/hosts (bind-mounted in a mount namespace of its own). Not `ip netns exec`: that also mounts a fresh
+        /sys, which hides /sys/fs/cgroup, and slurmd needs it."""
+        shell = 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"'
+        hosts_file = os.path.join(_ETC_NETNS, self.netns, "hosts")
+        enter = ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--mount", "--uts", "--"]
+        return [*enter, "sh", "-c", shell, self.name, hosts_file, *cmd]
 
     def popen(self, cmd: Sequence[str], **kw) -> subprocess.Popen:
         """Start `cmd` on this host (keywords as for subprocess.Popen)."""

@@ -323,6 +323,7 @@ def make_controller(
         busy_probe=lambda: server_busy_s(urls, api_key),
         keep_checkpoints=cfg.recovery.keep_checkpoints,
         checkpointed=checkpointed,
+        journal=cfg.recovery.journal,
     )
 
 

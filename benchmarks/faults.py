@@ -18,7 +18,9 @@ Reported per scenario: whether the run survived (finished every step; for all_se
 checkpoint and finished on the rerun), the time to recover (from the injection to the recovery record, or for a
 controller kill to the first step of the rerun, which starts at once), the steps trained twice (a rollback), and
 the samples lost: draws that trained_index.jsonl does not account for exactly once, plus trained samples missing
-from steps x batch x group (must be 0). The limit each recovery time is shown against is measured in the same
+from steps x batch x group (must be 0); and what the resumes kept of the work in flight (the generation journal):
+tokens continued from, tokens generated again with the reason for each, and calls whose last segment was still on
+a server at the kill. The limit each recovery time is shown against is measured in the same
 session: the cold start of a server (process start to /health) and of a trainer job (torchrun to its rank file).
 Writes JSON to --out and a markdown table next to it (.md).
 """
@@ -26,6 +28,7 @@ Writes JSON to --out and a markdown table next to it (.md).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -71,7 +74,30 @@ def result(name: str, run_dir: str, steps: int, **extra: Any) -> dict[str, Any]:
         "trained_samples": s.get("trained_samples"),
         "steps": steps,
         "recovery": {k: s["recovery"][k] for k in ("faults", "recovered", "gave_up", "by_event")},
+        **journal_kept(run_dir),
         **extra,
+    }
+
+
+def journal_kept(run_dir: str) -> dict[str, Any]:
+    """What the resumes of this run kept of the work in flight (rollout/journal.py's reports): tokens continued
+    from, tokens generated again (each with its reason), and calls whose last segment was on a server at the kill.
+    A fault with no resume (a server fault) has no report: nothing was rolled back."""
+    kept = recomputed = in_flight = 0
+    reasons: dict[str, int] = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "journal", "resumed-v*.json"))):
+        with open(path) as f:
+            rep = json.load(f)
+        kept += rep["tokens_kept"]
+        in_flight += rep["calls_in_flight"]
+        for why, n in rep["tokens_dropped"].items():
+            reasons[why] = reasons.get(why, 0) + n
+            recomputed += n
+    return {
+        "tokens_kept": kept,
+        "tokens_recomputed": recomputed,
+        "tokens_recomputed_by_reason": reasons,
+        "calls_in_flight_at_kill": in_flight,
     }
 
 
@@ -273,15 +299,16 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
 def markdown(rows: list[dict[str, Any]], cold: dict[str, float]) -> str:
     lines = [
         "| scenario | faults injected | survived | time to recover s | cold start s (limit) | steps redone | "
-        "samples lost | what happened |",
-        "|---|---|---|---|---|---|---|---|",
+        "samples lost | tokens kept / recomputed (calls in flight) | what happened |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         limit = cold.get("trainer_s") if r["scenario"].startswith(("trainer", "controller")) else cold.get("server_s")
         rec = "n/a" if r["recover_s"] is None else f"{r['recover_s']:.1f}"
         lines.append(
             f"| {r['scenario']} | 1 | {'yes' if r['survived'] else 'NO'} | {rec} | {limit:.1f} | "
-            f"{r['steps_redone']} | {r['samples_lost']} | {r['detail']} |"
+            f"{r['steps_redone']} | {r['samples_lost']} | {r['tokens_kept']} / {r['tokens_recomputed']} "
+            f"({r['calls_in_flight_at_kill']}) | {r['detail']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -126,6 +126,22 @@ def test_resume_keeps_the_bound_and_the_admission_count():
         check(cfg, durations, res)
 
 
+def test_resumed_groups_keep_the_bound_liveness_and_the_books():
+    """As above, but the groups in flight at the crash continue after it under their old start versions (a
+    journaled resume: StalenessBuffer.rebook), finished-but-untrained ones included: the bound, the admission rule,
+    the buffer's books and liveness hold, and with the same eta on both sides no rebook is ever refused."""
+    resumed = 0
+    for k in range(100):
+        cfg, durations = random_schedule(77_000 + k, [1, 2, 3, 4, 8][k % 5])
+        cfg.crash_at = cfg.start_at + 1 + k % max(1, cfg.steps - cfg.start_at - 1)
+        cfg.resume_in_flight = True
+        res = simulate(cfg)
+        check(cfg, durations, res)
+        assert res.groups_refused_on_resume == 0, (k, res.groups_refused_on_resume)
+        resumed += res.groups_resumed
+    assert resumed > 100, resumed  # the schedules do carry groups across the crash
+
+
 def test_strict_start_order_is_safe_but_waits_more():
     """The baseline the rule is compared with: also within the bound, and (summed over the schedules) the trainer
     waits at least as long under it (the state-by-state comparison is in the audits above)."""

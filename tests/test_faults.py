@@ -241,9 +241,62 @@ def test_controller_killed_mid_step_and_during_a_checkpoint_save_resumes_exactly
     assert f"resuming from {latest['checkpoint']} at version {latest['version']}" in final.output()
     s = assert_nothing_lost(run_dir, steps)
     assert s["recovery"]["by_event"].get("controller_exited", 0) >= 2, s["recovery"]
+    # the groups in flight were continued from their journaled tokens, not generated again (rollout/journal.py)
+    reports = resume_reports(run_dir)
+    assert len(reports) >= 2 and sum(r["tokens_kept"] for r in reports) > 0, reports
+    assert all(set(r["tokens_dropped"]) <= JOURNAL_DROP_REASONS for r in reports), reports
+    assert "groups in flight continue from the journal" in final.output()
     # pruned: the newest complete checkpoints only, and no half-written one from the killed save
     kept = {d for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.startswith("v")}
     assert kept == {f"v{steps - 1}", f"v{steps}"}, kept
+
+
+def test_controller_killed_with_multi_turn_episodes_in_flight_continues_them(tiny_ckpt, run_dir):
+    """Multi-turn episodes (two turns each) in flight when the controller is SIGKILLed right after a checkpoint:
+    the rerun continues them from the journal. Every turn the episodes had made is asked for again by the
+    restarted workflow (its environment is deterministic), so no journaled token goes unused, and the accounting
+    loses nothing."""
+    steps = 4
+    args = args_for(
+        tiny_ckpt,
+        run_dir,
+        f"total_steps={steps}",
+        "schedule.checkpoint_every=1",
+        "rollout.workflow=multi_turn",
+        "rollout.multi_turn.max_turns=2",
+        "rollout.max_new_tokens=96",
+    )
+    run = RunProcess(args, run_dir).start()
+    try:
+        ckpt = os.path.join(run_dir, "checkpoints", "v2", "controller.json")
+        run.wait_for(lambda: os.path.exists(ckpt), "checkpoint v2")
+        run.kill()
+    finally:
+        run.kill()
+    assert not wait_gone(run_children(run_dir), 60)
+    final = RunProcess(args, run_dir).start()
+    assert final.wait(240) == 0, final.output()[-3000:]
+    assert_nothing_lost(run_dir, steps)
+    (rep,) = resume_reports(run_dir)
+    assert rep["version"] >= 2 and rep["calls_kept"] > 0 and rep["tokens_kept"] > 0, rep
+    assert "asked for no more by the restarted workflow" not in rep["tokens_dropped"], rep
+
+
+JOURNAL_DROP_REASONS = {
+    "made after the checkpoint by a version the resume discards",
+    "asked for no more by the restarted workflow",
+}
+
+
+def resume_reports(run_dir: str) -> list[dict]:
+    import glob
+    import json
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "journal", "resumed-v*.json"))):
+        with open(path) as f:
+            out.append(json.load(f))
+    return out
 
 
 def summary_of_latest(run_dir: str) -> dict:

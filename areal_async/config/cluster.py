@@ -118,6 +118,10 @@ class RecoveryConfig(Section):
     the run stops and its last checkpoint resumes it."""
     keep_checkpoints: int = 2
     """Resumable checkpoints kept in run_dir/checkpoints (older ones go once a newer one is complete); 0: all."""
+    journal: bool = True
+    """Record every token the running groups bring back (run_dir/journal) and keep it in each checkpoint, so a
+    resume continues the groups in flight from their tokens instead of generating them again (docs/recovery.md).
+    Needs schedule.checkpoint_every > 0 to matter."""
 
     def validate(self, prefix: str = "") -> None:
         for name in ("max_server_restarts", "max_trainer_restarts", "keep_checkpoints"):

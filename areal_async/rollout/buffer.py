@@ -79,6 +79,33 @@ class StalenessBuffer:
             self._running_at[self.version] += 1
             return self.version
 
+    def rebook(self, started: int, earlier: int) -> None:
+        """A group that `acquire_slot` booked under `started` resumes with tokens made under version `earlier`
+        (a resume continuing the group from its journal): count it as started then, so that the batch rule trains
+        it by `earlier + eta` like any group started under `earlier` (docs/design.md, "Resumed groups").
+
+        Synchronous (no wait in between, so the admission totals never see the group twice). Raises ValueError
+        when `earlier` is outside the staleness window: such a group must be dropped, not trained."""
+        if earlier > started or self._running_at[started] <= 0:
+            raise ValueError(f"rebook: no group started under version {started} to move to {earlier}")
+        if self.eta is not None:
+            if earlier < self.version - self.eta:
+                raise ValueError(
+                    f"rebook: version {earlier} is more than eta={self.eta} versions behind version {self.version}"
+                )
+            for u in range(earlier, self.version):  # I(v) part 2 must still hold with this group counted under u
+                untrained = sum(n for w, n in self._running_at.items() if w <= u)
+                untrained += sum(len(q) for w, q in self._buffered.items() if w <= u)
+                if untrained + 1 > (u + self.eta - self.version + 1) * self.batch_size:
+                    raise ValueError(
+                        f"rebook: no room under version {u}: {untrained} untrained groups started by then already "
+                        f"fill what steps {self.version}..{u + self.eta} can train"
+                    )
+        self._running_at[started] -= 1
+        if self._running_at[started] == 0:
+            del self._running_at[started]
+        self._running_at[earlier] += 1
+
     async def finish(self, group: Group | None, start_version: int | None = None) -> None:
         """A started group is done: accept it into the buffer, or (None) reject it, freeing its slot.
 

@@ -52,6 +52,7 @@ from areal_async.rollout.checkpoints import (
     rollback_target,
     save_state,
 )
+from areal_async.rollout.journal import GenerationJournal
 from areal_async.rollout.ledger import SampleLedger
 from areal_async.rollout.manager import RolloutManager
 from areal_async.rollout.samples import SampleStream
@@ -113,13 +114,16 @@ class AsyncRLController:
         keep_checkpoints: int = 0,
         checkpointed: bool = False,
         pace_gc: bool = True,
+        journal: bool = False,
     ) -> None:
         """`weights` defaults to disk sync under `run_dir/weights`; `ledger` to one without a file (the run passes
         one that writes trained_index.jsonl); `busy_probe` reads the servers' cumulative compute seconds.
         `keep_checkpoints`: complete checkpoints kept (0: all); `checkpointed`: `state` is what the checkpoint at
         its version holds (a resume or a rollback), so saving again at that version rewrites only our state.
         `pace_gc`: the rollout manager paces the garbage collector (off for a process that manages its own, such
-        as the planner's virtual-time runs, where a pacer waking every 50 ms of virtual time would dominate)."""
+        as the planner's virtual-time runs, where a pacer waking every 50 ms of virtual time would dominate).
+        `journal`: keep a generation journal in `run_dir/journal` (rollout/journal.py) and the groups in flight in
+        every checkpoint; with `checkpointed`, the groups the checkpoint left in flight continue from their tokens."""
         schedule.validate("schedule")
         self.cfg = schedule
         self.client = client
@@ -137,6 +141,11 @@ class AsyncRLController:
         self.buffer.restore(self.state.version)
         self.stream.seek(self.state.data_position)
         self.stream.redraw(self.state.pending)
+        self.journal: GenerationJournal | None = None
+        if journal and schedule.checkpoint_every:
+            self.journal = GenerationJournal(run_dir, self.state.version, resume=checkpointed)
+            if checkpointed:
+                _log_resume(self.journal)
         self.rollout = RolloutManager(
             client,
             workflow,
@@ -146,6 +155,7 @@ class AsyncRLController:
             max_consecutive_failures=schedule.max_consecutive_failures,
             pace_gc=pace_gc,
             ledger=self.ledger,
+            journal=self.journal,
         )
         self.interrupt = interrupt_mode(schedule.interruptible, schedule.interrupt_mode)
         # eval_s: every eval's own duration; eval_wait_s: how long the train loop waited for a periodic eval
@@ -229,6 +239,8 @@ class AsyncRLController:
         st.trained_groups += len(groups)
         # the draw index of each group (manager.py numbers every group's trajectories with it)
         self.ledger.trained(st.version, [g.trajectories[0].group_id for g in groups])
+        if self.journal is not None:
+            self.journal.forget([g.trajectories[0].group_id for g in groups])
         await self.buffer.set_version(st.version)
         self.timings["wait_batch_s"] += t1 - t0
         self.timings["train_s"] += t2 - t1
@@ -359,7 +371,11 @@ class AsyncRLController:
         st.data_position = self.stream.position
         # redraws queued by a resume and not handed out yet are unresolved too
         st.pending = sorted(set(self.ledger.pending()) | set(self.stream.pending_redraws))
+        if self.journal is not None:  # the groups in flight, written before latest.json moves to this checkpoint
+            self.journal.checkpoint(path, st.version, st.pending)
         save_state(self.run_dir, st, path)
+        if self.journal is not None:  # no await since the snapshot: the new journal file starts where it ends
+            self.journal.rotate(st.version)
         self._saved_version = st.version
         prune_checkpoints(self.run_dir, self.keep_checkpoints)
         return path
@@ -373,6 +389,23 @@ class AsyncRLController:
         """Close the ledger; after a normal stop (`completed`) its end line names what was left unfinished (redraws
         of a resume that were never handed out again included)."""
         self.ledger.close(finished=completed, undrawn=self.stream.pending_redraws)
+        if self.journal is not None:
+            self.journal.close()
+
+
+def _log_resume(journal: GenerationJournal) -> None:
+    rep = journal.report
+    log.info(
+        "resume at version %d: %d groups in flight continue from the journal (%d calls, %d tokens kept); "
+        "tokens not kept: %s; calls in flight at the stop: %d (their last segment's tokens never came back)",
+        rep.version,
+        rep.groups,
+        rep.calls_kept,
+        rep.tokens_kept,
+        rep.tokens_dropped or "none",
+        rep.calls_in_flight,
+    )
+    journal.write_report()
 
 
 def _now() -> float:

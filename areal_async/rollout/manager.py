@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from areal_async.rollout.buffer import BufferClosed, Group, StalenessBuffer
 from areal_async.rollout.gc_pacer import GCPacer
+from areal_async.rollout.journal import GenerationJournal
+from areal_async.rollout.journal_client import JournaledGenerator
 from areal_async.rollout.ledger import SampleLedger
 from areal_async.rollout.samples import Draw, SampleStream
 from areal_async.rollout.workflow_api import Generator, Workflow
@@ -51,7 +53,8 @@ def invalid_reason(trajs: list[Trajectory]) -> str | None:
 class RolloutManager:
     """Keeps prompt groups running within the buffer's admission rule. `pace_gc` (default on) runs the garbage
     collector from the loop while started (see `GCPacer`); turn it off if the process manages its own collector.
-    `ledger` records every draw and drop (an in-memory one by default)."""
+    `ledger` records every draw and drop (an in-memory one by default). `journal`: every group's generations are
+    recorded in it, and a group a resume kept continues from its record (journal.py)."""
 
     def __init__(
         self,
@@ -64,6 +67,7 @@ class RolloutManager:
         max_consecutive_failures: int = 50,
         pace_gc: bool = True,
         ledger: SampleLedger | None = None,
+        journal: GenerationJournal | None = None,
     ) -> None:
         self.client = client
         self.workflow = workflow
@@ -72,6 +76,7 @@ class RolloutManager:
         self.filter_uniform_reward = filter_uniform_reward
         self.max_consecutive_failures = max_consecutive_failures
         self.ledger = ledger if ledger is not None else SampleLedger()
+        self.journal = journal
         self.stats = RolloutStats()
         self._consecutive_failures = 0
         self._gave_up = False
@@ -115,21 +120,49 @@ class RolloutManager:
             return "filtered: every reward equal"
         return None
 
+    def _resumed_client(self, draw: Draw, start_version: int) -> tuple[Generator, int] | None:
+        """The client this group generates through, and the version its slot counts under: with a journal, the
+        journaled client, booked under the oldest version of the tokens a resume kept for it. None: the kept tokens
+        are past the staleness bound now (an eta lowered across the resume): the draw is dropped."""
+        if self.journal is None:
+            return self.client, start_version
+        self.journal.start(draw.index, start_version)
+        client = JournaledGenerator(self.client, self.journal, draw.index)
+        oldest = client.kept_versions()
+        if oldest is None or oldest >= start_version:
+            return client, start_version
+        try:
+            self.buffer.rebook(start_version, oldest)
+        except ValueError as e:
+            self.journal.forget([draw.index])
+            self.ledger.dropped(draw.index, f"stale on resume: {e}")
+            return None
+        return client, oldest
+
     async def _run_group(self, draw: Draw, start_version: int) -> None:
         group: Group | None = None
         try:
+            chosen = self._resumed_client(draw, start_version)
+            if chosen is None:
+                self.stats.rejected += 1
+                return
+            client, start_version = chosen
             try:
-                trajs = await self.workflow.run(self.client, draw.sample)
+                trajs = await self.workflow.run(client, draw.sample)
             except asyncio.CancelledError:
                 raise  # a stop: the draw stays outstanding (unfinished, drawn again by a resume)
             except Exception as e:  # a broken workflow or reward loses one group, never the run
                 self.stats.failed += 1
+                self._forget(draw)
                 self.ledger.dropped(draw.index, f"failed: {type(e).__name__}: {e}")
                 log.warning("workflow failed on sample %s: %s: %s", draw.sample.id, type(e).__name__, e)
                 await self._count_failure(f"{type(e).__name__}: {e}")
                 return
+            if isinstance(client, JournaledGenerator) and self.journal is not None:
+                self.journal.report.drop_tokens("asked for no more by the restarted workflow", client.unused_tokens())
             why = self._drop_reason(trajs)
             if why is not None:
+                self._forget(draw)
                 self.ledger.dropped(draw.index, why)
                 if why.startswith("aborted"):
                     await self._count_failure(why)
@@ -147,6 +180,10 @@ class RolloutManager:
         finally:
             if not self.buffer.closed:
                 await self.buffer.finish(group, start_version)
+
+    def _forget(self, draw: Draw) -> None:
+        if self.journal is not None:
+            self.journal.forget([draw.index])
 
     async def _count_failure(self, what: str) -> None:
         self._consecutive_failures += 1

@@ -129,6 +129,10 @@ class SimConfig:
     reject: Callable[[int, float, random.Random], bool] = lambda i, d, rng: False
     start_at: int = 0  # restore(start_at) before anything starts (a resumed run)
     crash_at: int | None = None  # after this step: cancel everything, new buffer, restore (a crash and resume)
+    # at the crash, the groups in flight (running, or finished and untrained) continue after the resume from where
+    # they were, under their old start version (StalenessBuffer.rebook, as a journaled resume does), instead of
+    # being lost; rebooks the buffer refuses are dropped and counted
+    resume_in_flight: bool = False
     budget_s: float = 1e6
     audit_starvation: bool = True
 
@@ -153,6 +157,8 @@ class SimResult:
     held_s: float = 0.0
     groups_started: int = 0
     groups_rejected: int = 0
+    groups_resumed: int = 0
+    groups_refused_on_resume: int = 0
     sim_s: float = 0.0
 
     @property
@@ -289,20 +295,45 @@ def simulate(cfg: SimConfig, buffer_cls: type[StalenessBuffer] = StalenessBuffer
                 )
                 break
 
-    async def worker(buf: StalenessBuffer, start: int) -> None:
-        i = next(index)
-        d = cfg.duration(i, rng)
-        rejected = cfg.reject(i, d, rng)
-        await asyncio.sleep(d / 2)
-        mid = buf.version  # tokens after an interruption carry the version then live
-        await asyncio.sleep(d / 2)
+    in_flight: dict[int, dict] = {}  # worker index -> what a resume would carry of it (resume_in_flight)
+
+    async def worker(buf: StalenessBuffer, start: int, carried: dict | None = None) -> None:
+        i = next(index) if carried is None else carried["i"]
+        d = cfg.duration(i, rng) if carried is None else carried["left"]
+        rejected = cfg.reject(i, d, rng) if carried is None else False
+        mine = in_flight[i] = {"i": i, "start": start, "end": loop.time() + d, "mid": carried and carried["mid"]}
+        if mine["mid"] is None:
+            await asyncio.sleep(d / 2)
+            mine["mid"] = buf.version  # tokens after an interruption carry the version then live
+            await asyncio.sleep(d / 2)
+        else:
+            await asyncio.sleep(d)
         running[start] -= 1
         if rejected:
+            in_flight.pop(i, None)
             res.groups_rejected += 1
             await buf.finish(None, start)
         else:
+            mine["end"] = loop.time()  # finished: buffered until trained (a resume replays it at once)
+            mine["fin"] = buf.version
             buffered[start] = buffered.get(start, 0) + 1
-            await buf.finish(_group(start, [start, start, mid, buf.version], i))
+            await buf.finish(_group(start, [start, start, mine["mid"], buf.version], i))
+
+    async def resumer(buf: StalenessBuffer, carried: list[dict], tasks: set) -> None:
+        """The carried groups first (a resume draws them again before fresh ones), each booked under its start."""
+        for c in carried:
+            got = await buf.acquire_slot()
+            try:
+                buf.rebook(got, c["start"])
+            except ValueError:
+                res.groups_refused_on_resume += 1
+                await buf.finish(None, got)
+                continue
+            running[c["start"]] += 1
+            res.groups_resumed += 1
+            t = asyncio.ensure_future(worker(buf, c["start"], c))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
 
     async def submitter(buf: StalenessBuffer, tasks: set) -> None:
         while True:
@@ -313,13 +344,16 @@ def simulate(cfg: SimConfig, buffer_cls: type[StalenessBuffer] = StalenessBuffer
             tasks.add(t)
             t.add_done_callback(tasks.discard)
 
-    async def segment(first: int, last: int) -> None:
+    async def segment(first: int, last: int, carried: list[dict] | None = None) -> None:
         buf = buffer_cls(b, eta, cfg.max_running)
         buf.restore(first)
         running.clear()
         buffered.clear()
+        in_flight.clear()
         state["buf"] = buf
         tasks: set = set()
+        if carried:
+            await resumer(buf, carried, tasks)
         sub = asyncio.ensure_future(submitter(buf, tasks))
         try:
             for v in range(first, last):
@@ -333,6 +367,7 @@ def simulate(cfg: SimConfig, buffer_cls: type[StalenessBuffer] = StalenessBuffer
                     violation(f"step {v}: batch of {len(groups)} groups")
                 for g in groups:
                     buffered[g.start_version] -= 1
+                    in_flight.pop(g.trajectories[0].group_id, None)
                 vers = [ver for g in groups for t in g.trajectories for m, ver in zip(t.loss_mask, t.versions) if m]
                 res.batches.append(Batch(v, [g.start_version for g in groups], min(vers), max(vers)))
                 if max(vers) > v:
@@ -350,7 +385,11 @@ def simulate(cfg: SimConfig, buffer_cls: type[StalenessBuffer] = StalenessBuffer
     async def main() -> None:
         if cfg.crash_at is not None and cfg.start_at < cfg.crash_at < cfg.steps:
             await segment(cfg.start_at, cfg.crash_at)
-            await segment(cfg.crash_at, cfg.steps)
+            now = loop.time()
+            carried = [
+                {**c, "left": max(c["end"] - now, 0.0)} for c in sorted(in_flight.values(), key=lambda c: c["i"])
+            ]
+            await segment(cfg.crash_at, cfg.steps, carried if cfg.resume_in_flight else None)
         else:
             await segment(cfg.start_at, cfg.steps)
 

@@ -17,9 +17,9 @@ On disk a delta is a directory `v<k>` with two files:
 
 Why XOR and compression rather than a list of indices: a changed bf16 value usually moves by one or two ulps, so
 its XOR has only low mantissa bits set, and the unchanged ones are zero; deflate (level 1, fast) packs that far
-tighter than 4 bytes of index per change. Measured on SmolLM2-135M under Adam at lr 2e-5 (5-9% of the bf16 values
-changing per step), XOR + deflate is 10-14x smaller than the bf16 model, indices + values 4-7x
-(benchmarks/README.md).
+tighter than 4 bytes of index per change. On SmolLM2-135M under Adam at lr 2e-5 (3-9% of the bf16 values changing
+per step), XOR + deflate is 10-19x smaller than the bf16 model, int32 indices + values 4-7x (benchmarks/README.md,
+"Delta sync and policy identity").
 
 Everything a reader can get wrong is a `DeltaError` naming the cause: a missing or truncated file, a checksum that
 does not match, a manifest of another format, indices out of range, a delta in another dtype than the weights it

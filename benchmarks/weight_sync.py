@@ -20,6 +20,26 @@ against the whole model before), `peak` = its peak memory above its level at the
 process's RSS high-water mark on CPU, the CUDA allocator's peak on CUDA).
 
     python benchmarks/weight_sync.py --out /tmp/weight_sync.json [--quick] [--sizes 256,1024] [--nproc 1]
+
+With `--model smollm2-135m-instruct` it measures delta sync and policy identity on the real model instead, trained
+by a torchrun trainer with configs/smollm2.yaml's train section (Adam at its learning rate, bf16 compute where the
+CPU has it) on batches of random tokens with random 0/1 rewards (Adam's step is ~lr per element whatever the
+gradient's scale, so the sparsity of the served bits depends on the learning rate and the weights, hardly on the
+data). For each served dtype (bf16, then fp32) an embedded server is started, and every step:
+
+    train       one train step
+    delta       publish_delta (gather, cast to the served dtype, XOR against the last version, deflate, write)
+                + the server's load (read, checksum, inflate, XOR, check the result's digests) + the identity check
+    full        the same version published again as a full snapshot (the fp32 HF checkpoint) + load + check
+    bit_exact   the server's digests after the delta load == the trainer's identity == after the full load
+
+The JSON's `smollm2` entry holds, per served dtype, the medians over steps 2..n (step 1 is the first full
+snapshot): `full_bytes_per_update` (the model in the served dtype: what shipping its bits in full costs),
+`checkpoint_bytes_per_update` (what the full HF checkpoint writes: fp32), `delta_bytes_per_update`, the fraction of
+elements changed per step, seconds per update for each, and the identity check's seconds. The top level repeats the
+bf16 figures (`full_bytes_per_update`, `delta_bytes_per_update`, `bit_exact`).
+
+    python benchmarks/weight_sync.py --model smollm2-135m-instruct --out /tmp/weight_sync_smollm2.json [--steps 5]
 """
 
 from __future__ import annotations
@@ -121,6 +141,178 @@ async def _measure(model_dir: str, work: str, args: argparse.Namespace) -> dict:
             await server.close()
 
 
+def _smollm2_train_config(args: argparse.Namespace) -> dict:
+    from areal_async.config.files import read_yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    train = dict(read_yaml(os.path.join(root, "configs", "smollm2.yaml")).get("train", {}))
+    for key in ("nproc", "torch_threads"):
+        train.pop(key, None)
+    train.update({"device": "cpu", "delta_sync": True, "delta_full_every": 1000, "torch_threads": args.threads})
+    return train
+
+
+def _random_batch(rng, version: int, vocab: int) -> list:
+    from areal_async.types import Trajectory
+
+    trajs = []
+    for g in range(2):
+        for _ in range(4):
+            p, r = 24, 40
+            trajs.append(
+                Trajectory(
+                    input_ids=[rng.randrange(2, vocab) for _ in range(p + r)],
+                    loss_mask=[0] * p + [1] * r,
+                    logprobs=[0.0] * p + [-3.0] * r,
+                    versions=[-1] * p + [version] * r,
+                    reward=float(rng.randrange(2)),
+                    group_id=g,
+                    prompt_len=p,
+                )
+            )
+    return trajs
+
+
+async def _measure_model(model_dir: str, work: str, args: argparse.Namespace) -> dict:
+    """Delta vs full sync and the identity check on a real model (module docstring)."""
+    import random
+
+    from areal_async.inference.client import InferenceClient
+    from areal_async.launch import Processes
+    from areal_async.server.app import start_server
+    from areal_async.train.client import TrainerGroup
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    secret = secrets.token_bytes(32)
+    launcher = Processes(os.path.join(work, "run"))
+    cfg = _smollm2_train_config(args)
+    child = launcher.start_trainers(
+        model=model_dir,
+        nproc=1,
+        config_json=json.dumps(cfg),
+        seed=1,
+        secret_hex=secret.hex(),
+        torch_threads=args.threads,
+    )
+    group = None
+    out: dict = {"train_config": cfg, "steps": args.steps, "served": {}}
+    try:
+        group = await TrainerGroup.connect(launcher.run_dir, 1, secret, timeout=900)
+        initial = (await group.save_checkpoint(os.path.join(work, "initial"))).path
+        rng = random.Random(1)
+        for served in ("bfloat16", "float32"):
+            await group.load_checkpoint(initial)  # both dtypes see the same training
+            rng.seed(1)
+            server = await start_server(model_dir, port=0, device="cpu", dtype=served, max_total_tokens=1024)
+            client = InferenceClient([server.url])
+            root = os.path.join(work, f"weights-{served}")
+            rows = []
+            try:
+                for _ in range(args.steps + 1):
+                    t0 = time.perf_counter()
+                    v = (await group.train_step(_random_batch(rng, group.version, vocab), group.version)).version
+                    t1 = time.perf_counter()
+                    row = {"version": v, "train_s": t1 - t0}
+                    for kind in ("delta", "full"):
+                        t2 = time.perf_counter()
+                        pub = await group.publish_delta(v, root, keep=2, served_dtype=served, force_full=kind == "full")
+                        t3 = time.perf_counter()
+                        await client.update_weights_from_disk(pub.path, v)
+                        t4 = time.perf_counter()
+                        verdict = (await client.verify_weights(pub.identity))[server.url]
+                        t5 = time.perf_counter()
+                        key = pub.kind  # the first step has no base: its "delta" is a full snapshot
+                        row[f"{kind}_as"] = key
+                        row[f"{kind}_bytes"] = pub.num_bytes
+                        row[f"{kind}_publish_s"] = t3 - t2
+                        row[f"{kind}_load_s"] = t4 - t3
+                        row[f"{kind}_identity_s"] = t5 - t4
+                        row[f"{kind}_s"] = t5 - t2
+                        row[f"{kind}_ok"] = verdict.ok
+                        row[f"{kind}_digests"] = pub.identity.combined
+                        row["trainer_digest_s"] = pub.identity_s
+                        row["served_bytes"] = pub.full_bytes
+                        if pub.kind == "delta":
+                            row["changed_frac"] = pub.changed / pub.total
+                    row["bit_exact"] = (
+                        row["delta_ok"] and row["full_ok"] and row["delta_digests"] == row["full_digests"]
+                    )
+                    rows.append(row)
+                    print(
+                        f"  {served} v{v}: {json.dumps({k: row[k] for k in row if 'digests' not in k})}",
+                        file=sys.stderr,
+                    )
+            finally:
+                await client.close()
+                await server.close()
+            deltas = [r for r in rows if r["delta_as"] == "delta"]
+            med = statistics.median
+            out["served"][served] = {
+                "full_bytes_per_update": med(r["served_bytes"] for r in deltas),
+                "checkpoint_bytes_per_update": med(r["full_bytes"] for r in deltas),
+                "delta_bytes_per_update": med(r["delta_bytes"] for r in deltas),
+                "changed_frac_per_step": [r["changed_frac"] for r in deltas],
+                "delta_s_per_update": med(r["delta_s"] for r in deltas),
+                "full_s_per_update": med(r["full_s"] for r in deltas),
+                "delta_publish_s": med(r["delta_publish_s"] for r in deltas),
+                "delta_load_s": med(r["delta_load_s"] for r in deltas),
+                "full_publish_s": med(r["full_publish_s"] for r in deltas),
+                "full_load_s": med(r["full_load_s"] for r in deltas),
+                "identity_check_s": med(r["delta_identity_s"] for r in deltas),
+                "trainer_digest_s": med(r["trainer_digest_s"] for r in deltas),
+                "bit_exact": all(r["bit_exact"] for r in rows),
+                "rows": rows,
+            }
+            s_ = out["served"][served]
+            s_["bytes_ratio"] = s_["full_bytes_per_update"] / max(s_["delta_bytes_per_update"], 1)
+        return out
+    finally:
+        if group is not None:
+            try:
+                await asyncio.wait_for(group.shutdown(), 60)
+                child.proc.wait(60)
+            except Exception:
+                pass
+        launcher.shutdown()
+
+
+def _main_model(args: argparse.Namespace) -> None:
+    from areal_async.model_store import resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    work = tempfile.mkdtemp(prefix="weight_sync_model_", dir=args.workdir)
+    try:
+        res = asyncio.run(_measure_model(model_dir, work, args))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    bf16 = res["served"]["bfloat16"]
+    out = {
+        "benchmark": "weight_sync",
+        "model": args.model,
+        "device": "cpu",
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "full_bytes_per_update": bf16["full_bytes_per_update"],
+        "delta_bytes_per_update": bf16["delta_bytes_per_update"],
+        "bit_exact": bf16["bit_exact"] and res["served"]["float32"]["bit_exact"],
+        "smollm2": res,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    heads = [("served", 10), ("full MB", 10), ("delta MB", 10), ("ratio", 8), ("changed", 9), ("full s", 8)]
+    heads += [("delta s", 9), ("ident s", 9)]
+    print("".join(f"{h:>{w}}" for h, w in heads))
+    for served, r in res["served"].items():
+        print(
+            f"{served:>10}{r['full_bytes_per_update'] / 1e6:>10.1f}{r['delta_bytes_per_update'] / 1e6:>10.1f}"
+            f"{r['bytes_ratio']:>8.1f}{statistics.median(r['changed_frac_per_step']):>9.4f}"
+            f"{r['full_s_per_update']:>8.2f}{r['delta_s_per_update']:>9.2f}{r['identity_check_s']:>9.3f}"
+        )
+    print(f"bit_exact: {out['bit_exact']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON results file")
@@ -131,7 +323,12 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per trainer rank")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
+    ap.add_argument("--model", default=None, help="a real model (smollm2-135m-instruct): delta sync and identity")
+    ap.add_argument("--steps", type=int, default=4, help="with --model: train steps measured after the first")
     args = ap.parse_args()
+    if args.model is not None:
+        _main_model(args)
+        return
     sizes = [2] if args.quick else [int(s) for s in args.sizes.split(",")]
     if args.quick:
         args.repeats = 1

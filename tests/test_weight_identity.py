@@ -232,6 +232,26 @@ async def test_delta_sync_with_a_torchrun_trainer_through_restart_and_rollback(t
             async with aiohttp.ClientSession() as http, http.get(s.url + "/weights_fingerprint") as r:
                 fps.append(msgspec.json.decode(await r.read()))
         assert fps[0]["digests"] == fps[1]["digests"] == sync._published[v].identity.digests
+        # broadcast: the trainers' identity comes from the tensors they sent (served fp32: no second gather) and
+        # both servers prove they hold it
+        from areal_async.rollout.broadcast_sync import ElasticBroadcastSync
+
+        fp32 = await start_server(tiny_ckpt, port=0, device="cpu")  # serves fp32, the dtype the trainer sends
+        servers.append(fp32)
+        solo = InferenceClient([fp32.url])
+        try:
+            bcast = ElasticBroadcastSync(group, solo, "127.0.0.1", ranks_per_server=1, backend="gloo", settle_s=1)
+            await bcast.form_group()
+            v = (await group.train_step(make_batch(rng, group.version), group.version)).version
+            await solo.pause()
+            try:
+                await bcast.apply(v, flush_cache=True)
+            finally:
+                await solo.resume()
+            assert bcast.stats["identity_mismatches"] == 0 and solo.stats()["identity_checks"] == 1
+            assert bcast.stats["identity_check_s"] > 0
+        finally:
+            await solo.close()
     finally:
         if group is not None:
             try:

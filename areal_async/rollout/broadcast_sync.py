@@ -84,6 +84,7 @@ class ElasticBroadcastSync:
         settle_s: float = 10.0,
         catch_up_root: str | None = None,
         max_attempts: int = 2,
+        verify: bool = True,
     ) -> None:
         self.trainers = trainers
         self.client = client
@@ -100,6 +101,9 @@ class ElasticBroadcastSync:
         self.run_token = secrets.token_hex(4)
         self._waited: set[str] = set()  # newcomers that had their wait
         self._failed: set[str] = set()  # members that failed a bucket of a broadcast (TrainerGroup.broadcast_failures)
+        self.verify = verify  # policy identity after every broadcast
+        self._served_dtype: str | None = None
+        self.stats: dict[str, float] = {"identity_check_s": 0.0, "identity_mismatches": 0}
 
     def set_trainers(self, trainers: Any) -> None:
         self.trainers = trainers
@@ -191,6 +195,7 @@ class ElasticBroadcastSync:
                 await self.trainers.broadcast_weights(
                     self.client, version, group_name=self.group_name, flush_cache=flush_cache
                 )
+                await self._verify(version)
                 return
             except (TrainerError, BroadcastIncomplete) as e:
                 if isinstance(e, TrainerError) and e.bad_input:
@@ -211,6 +216,36 @@ class ElasticBroadcastSync:
                 self.members = ()
             finally:
                 self._failed.update(getattr(self.trainers, "broadcast_failures", None) or {})
+
+    async def _served(self) -> str:
+        """The servers' dtype (asked once; SGLang's "auto" read as bf16, what it serves these models in)."""
+        if self._served_dtype is None:
+            infos = await self.client.server_info() if hasattr(self.client, "server_info") else {}
+            dtypes = sorted(
+                "bfloat16" if i.get("dtype") in (None, "auto") else str(i["dtype"])
+                for i in infos.values()
+                if isinstance(i, dict)
+            )
+            self._served_dtype = dtypes[0] if dtypes else "float32"
+        return self._served_dtype
+
+    async def _verify(self, version: int) -> None:
+        """Policy identity after a broadcast (inference/identity.py): the trainers' digests of what they sent
+        (no second gather when the servers serve the dtype sent), checked on every server that took it."""
+        if not self.verify or not hasattr(self.trainers, "identity") or not hasattr(self.client, "verify_weights"):
+            return
+        t0 = time.perf_counter()
+        try:
+            expected = await self.trainers.identity(await self._served())
+        except TrainerError as e:  # the update itself succeeded: an unverified one is reported, not failed
+            log.warning("identity of version %d not checked: the trainers could not give it: %s", version, e)
+            return
+        if expected.version != version:
+            log.warning("identity of version %d not checked: the trainers hold version %d", version, expected.version)
+            return
+        verdicts = await self.client.verify_weights(expected)
+        self.stats["identity_check_s"] += time.perf_counter() - t0
+        self.stats["identity_mismatches"] += sum(1 for v in verdicts.values() if not v.ok and not v.unknown)
 
     async def publish_current(self, version: int) -> str:
         """The client's `weight_source`: an HF checkpoint of `version` for a server that came back."""

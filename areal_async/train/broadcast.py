@@ -43,6 +43,7 @@ from areal_async.train.dist import agree
 from areal_async.train.errors import BroadcastError
 from areal_async.train.publish import iter_full_tensors
 from areal_async.types import BroadcastResult, InitBroadcastRequest, WeightSpec
+from areal_async.weight_digest import IdentityBuilder
 
 __all__ = ["WeightBroadcaster", "plan_buckets", "spec_bytes", "dtype_name"]
 
@@ -94,6 +95,9 @@ class WeightBroadcaster:
         # the worker thread, so that a member lost mid-update ends the broadcast at once, not at its deadline
         self.aborted: dict[str, str] = {}
         self._running: str | None = None  # the group `broadcast` is sending on now
+        # rank 0: digests of what the last complete broadcast sent, in the dtype it sent (policy identity for a
+        # transport that publishes nothing: the controller checks the servers against it; built while sending)
+        self.last_sent: IdentityBuilder | None = None
         self._lock = threading.Lock()
 
     def request_abort(self, group_name: str, reason: str) -> bool:
@@ -224,6 +228,8 @@ class WeightBroadcaster:
         pending: list[tuple[dist.Work, torch.Tensor]] = []
         current, num_bytes, held, held_peak = 0, 0, 0, 0
         error: BroadcastError | None = None
+        self.last_sent = None
+        sent = IdentityBuilder(dtype, -1)
         for name, tensor in iter_full_tensors(model, skip=skip, dtype=dtype, to_cpu=send_device.type == "cpu"):
             if tensor is None or error is not None:  # after a failure: still in every gather, sending nothing
                 continue
@@ -234,6 +240,7 @@ class WeightBroadcaster:
                 self._check_aborted(group_name)
                 tensor = tensor.to(send_device)
                 pending.append((dist.broadcast(tensor, group=pg, group_src=0, async_op=True), tensor))
+                sent.add(name, tensor)  # hashed while the broadcast is on the wire (a host copy on CUDA)
             except Exception as e:
                 error = self._failed(e, pending, group_name, current)
                 continue
@@ -247,6 +254,7 @@ class WeightBroadcaster:
             except Exception as e:
                 error = self._failed(e, pending, group_name, current)
         agree(error, BroadcastError, "the weight broadcast failed")
+        self.last_sent = sent
         return BroadcastResult(
             buckets=buckets,
             seconds=time.perf_counter() - t0,

@@ -119,6 +119,7 @@ class TrainerService:
         self.server = server
         self.host = host
         self._deltas = None  # train/delta_publish.py's DeltaPublisher, made on first use (it imports torch)
+        self._sent_version: int | None = None  # the version the last complete broadcast sent
 
     def _delta_publisher(self):
         if self._deltas is None:
@@ -174,13 +175,23 @@ class TrainerService:
         )
 
     def identity(self, req: IdentityRequest):
-        """The identity of the weights held now, as served in `req.served_dtype` (collective: one gather)."""
+        """The identity of the weights held now, as served in `req.served_dtype`: the digests the last broadcast
+        took of what it sent when it sent this version in that dtype, else a gather (collective) of every
+        parameter."""
         from areal_async.train.publish import iter_full_tensors  # lazy: torch
         from areal_async.weight_digest import IdentityBuilder, served_dtype
 
         e = self.engine
+        dtype = served_dtype(req.served_dtype)
+        sent_dtype = getattr(e, "checkpoint_dtype", None)  # what `broadcast` sends (engine.py)
+        if self._sent_version == e.version and dtype == sent_dtype:  # the broadcast hashed what it sent
+            sent = e._weight_broadcaster().last_sent
+            if sent is None:  # not rank 0: its answer is not read
+                return IdentityBuilder(dtype, e.version).finish()
+            sent.version = e.version
+            return sent.finish()
         e.bind_device()
-        builder = IdentityBuilder(served_dtype(req.served_dtype), e.version)
+        builder = IdentityBuilder(dtype, e.version)
         for name, tensor in iter_full_tensors(e.model, skip=e.tied_names, dtype=e.checkpoint_dtype, to_cpu=True):
             if tensor is not None:
                 builder.add(name, tensor)
@@ -191,6 +202,7 @@ class TrainerService:
         return CheckpointResult(path=os.path.abspath(req.path), version=self.engine.version, seconds=seconds)
 
     def load_checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
+        self._sent_version = None
         self._delta_publisher().reset()  # a resume or a rollback: the held bits are of another lineage
         seconds = self.engine.load_checkpoint(req.path)
         return CheckpointResult(path=os.path.abspath(req.path), version=self.engine.version, seconds=seconds)
@@ -210,7 +222,10 @@ class TrainerService:
         return Empty()
 
     def broadcast(self, req: BroadcastRequest) -> BroadcastResult:
-        return self.engine.broadcast(req)
+        self._sent_version = None
+        result = self.engine.broadcast(req)
+        self._sent_version = self.engine.version  # every rank: `identity` decides alike everywhere
+        return result
 
     def abort_broadcast(self, req: AbortBroadcastRequest) -> AbortBroadcastResult:
         return AbortBroadcastResult(running=self.engine._weight_broadcaster().request_abort(req.group_name, req.reason))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["ADDRESS_ENV", "WILDCARDS", "advertised", "host_address", "rendezvous_host"]
+__all__ = ["ADDRESS_ENV", "WILDCARDS", "advertised", "host_address", "interface_of", "rendezvous_host"]
 
 ADDRESS_ENV = "AREAL_TRAINER_ADDRESS"  # override of the address this host advertises (e.g. TrainerInfo.host)
 WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})  # bind hosts that mean "every interface"
@@ -18,7 +18,8 @@ WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})  # bind hosts that mean "ev
 def host_address() -> str:
     """An address of this host that processes on other hosts can reach: `AREAL_TRAINER_ADDRESS` when set, else
     the IPv4 address of the interface that carries the default route (Linux), else a non-loopback address the
-    host name resolves to, else 127.0.0.1.
+    host name resolves to, else the address of the first interface that is not loopback (a cluster network
+    without a default route, on a host whose name resolves to 127.0.1.1), else 127.0.0.1.
 
     `gethostbyname(gethostname())` alone is often 127.0.1.1 (Debian's /etc/hosts), which only this host reaches.
     Nothing is sent anywhere to find out."""
@@ -36,7 +37,41 @@ def host_address() -> str:
         ip = str(info[4][0])
         if not ip.startswith("127."):
             return ip
+    for _, ip in _interface_addresses():
+        return ip
     return "127.0.0.1"
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's interface that holds IPv4 `address` (None: none does, or not Linux). For
+    GLOO_SOCKET_IFNAME: gloo otherwise binds the address the host name resolves to, which on a Debian-style host
+    is 127.0.1.1, and ranks on other hosts cannot connect to it."""
+    for name, ip in _interface_addresses(include_loopback=True):
+        if ip == address:
+            return name
+    return None
+
+
+def _interface_addresses(include_loopback: bool = False) -> list[tuple[str, str]]:
+    """(interface, IPv4 address) of every interface that has one, in index order (Linux; [] elsewhere)."""
+    try:
+        import fcntl
+        import struct
+
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, ImportError, AttributeError):
+        return []
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address
+                continue
+            ip = socket.inet_ntoa(packed[20:24])
+            if include_loopback or not ip.startswith("127."):
+                out.append((name, ip))
+    return out
 
 
 def advertised(bind_host: str) -> str:

@@ -219,12 +219,14 @@ _SETS: set[int] = set()  # set numbers this process holds open
 
 class Hosts:
     """`n` hosts on one bridge (`hosts[i]` is named `<name_prefix><i>-<pid>-<k>`, at 10.A.B.(i+2)/24); at most
-    ten sets open in one process at a time. With `gateway`, this (root)
+    ten sets open in one process at a time. With `loopback_name`, each host's /etc/hosts maps its own name to
+    127.0.1.1, as Debian's installer writes it: the host then resolves its own name to loopback while the others
+    resolve it to its address (what breaks `gethostbyname(gethostname())` on real clusters). With `gateway`, this (root)
     namespace joins the bridge too, at 10.A.B.1 (`gateway_address`), so the test process can reach the hosts as a
     further host would; without, the hosts reach only each other. `close()` (or the with block) kills every
     process on the hosts and removes all of it; it is safe to call twice."""
 
-    def __init__(self, n: int, *, gateway: bool = True, name_prefix: str = "h") -> None:
+    def __init__(self, n: int, *, gateway: bool = True, name_prefix: str = "h", loopback_name: bool = False) -> None:
         if not 1 <= n <= 50:
             raise ValueError(f"1..50 hosts, not {n}")
         why = unavailable()
@@ -246,6 +248,7 @@ class Hosts:
         peers = {name: f"{subnet}.{i + 2}" for i, name in enumerate(names)}
         self.hosts: list[Host] = []
         self._closed = False
+        self._loopback_name = loopback_name
         try:
             self._build(names, peers)
         except BaseException:
@@ -257,13 +260,14 @@ class Hosts:
         if self.gateway_address:
             _ip("addr", "add", f"{self.gateway_address}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
-        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in peers.items())
         for i, name in enumerate(names):
             netns, link, peer = f"{NETNS_PREFIX}{self._pid}-{self._k}-h{i}", f"{self._tag}v{i}", f"{self._tag}p{i}"
             etc = os.path.join(_ETC_NETNS, netns)
             os.makedirs(etc, exist_ok=True)
+            own = f"127.0.1.1 {name}\n" if self._loopback_name else ""
+            others = "".join(f"{a} {n}\n" for n, a in peers.items() if n != name or not self._loopback_name)
             with open(os.path.join(etc, "hosts"), "w") as f:
-                f.write(hosts_file)
+                f.write(f"127.0.0.1 localhost\n{own}{others}")
             _ip("netns", "add", netns)
             host = Host(name=name, netns=netns, address=peers[name], link=link, peers=dict(peers))
             self.hosts.append(host)

@@ -59,6 +59,12 @@ CONTROLLER_SIDE = [
     "areal_async.cpu_features",
     "areal_async.run_plan",
     "areal_async.model_store",
+    "areal_async.plan",
+    "areal_async.planner.simulate",
+    "areal_async.planner.sweep",
+    "areal_async.planner.report",
+    "areal_async.planner.paper",
+    "areal_async.planner.calibrate",
 ]
 
 PROBE = """
@@ -203,6 +209,8 @@ def test_package_has_no_import_cycles():
 #                                                     it knows nothing of who drives it
 #   train/      launch/ rollout/ inference/           the trainer ranks are driven over RPC and know nothing of the
 #                                                     schedule, the servers' client or the launchers
+#   planner/    server/ train/ launch/ inference/     the capacity planner runs the schedule against models of the
+#                                                     servers and trainers, in one torch-free process
 #
 # net/ uses one leaf outside itself (atomic_write, for the rank files) and config/ none; NET_MAY_USE names the
 # leaves a net/ module may use without breaking the floor (they import nothing of the package, checked below).
@@ -218,6 +226,7 @@ NEVER = {  # floor -> floors it must not import
     "inference": ["server", "train"],
     "server": ["inference", "rollout", "launch", "train"],
     "train": ["launch", "rollout", "inference"],
+    "planner": ["server", "train", "launch", "inference"],
 }
 
 

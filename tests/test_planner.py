@@ -121,3 +121,114 @@ def test_waiting_for_requests_in_flight_loses_to_interrupting_them_on_long_tails
     abort = simulate(_long_tail(mode="abort"), "async", 2)
     assert max(wait.staleness_hist) <= 2
     assert wait.wall_s > 1.2 * abort.wall_s
+
+
+def _small_scenario(**kw):
+    from areal_async.planner.scenario import Scenario
+
+    base = dict(
+        gpu="H100",
+        model="1.5b",
+        gpus=8,
+        gen_frac=0.75,
+        batch_size=16,
+        group_size=4,
+        steps=6,
+        lengths=LengthModel(median=2000, sigma=0.8, max_new_tokens=16384, prompt_tokens=200),
+    )
+    base.update(kw)
+    return Scenario(**base)
+
+
+def test_presets_give_costs_from_specifications():
+    from areal_async.planner.costs import server_costs, trainer_costs
+    from areal_async.planner.presets import gpu, model
+
+    m = model("7b")
+    assert m.params == pytest.approx(7.6e9, rel=0.01)  # Qwen2.5-7B: 7.61B parameters
+    h100, a100 = gpu("H100"), gpu("a100")
+    s = server_costs(h100, m, tp=1)
+    assert s.weights_s == pytest.approx(m.weight_bytes / (3.35e12 * 0.7))
+    assert s.kv_capacity_tokens > 100_000
+    # the same model decodes slower and trains slower on the older GPU
+    assert server_costs(a100, m).weights_s > s.weights_s
+    assert trainer_costs(a100, m, 8).token_s > trainer_costs(h100, m, 8).token_s
+    # 32B's 65 GB of weights leave one 80 GB GPU little KV room; four GPUs hold far more
+    assert server_costs(h100, model("32b"), tp=1).kv_capacity_tokens < 20_000
+    assert server_costs(h100, model("32b"), tp=4).kv_capacity_tokens > 500_000
+
+
+def test_overrides_replace_cost_terms_and_reject_typos():
+    s = _small_scenario(server_overrides={"load_s": "7.5"}, trainer_overrides={"publish_s": 0})
+    st = s.setting()
+    assert st.server.load_s == 7.5 and st.trainer.publish_s == 0.0
+    with pytest.raises(KeyError):
+        _small_scenario(server_overrides={"load_seconds": 1}).setting()
+
+
+def test_the_cli_writes_a_table_json_and_plot(tmp_path, capsys):
+    import json
+
+    from areal_async.plan import main
+
+    out = tmp_path / "plan"
+    args = ["--gpu", "H100", "--gpus", "8", "--batch", "16", "--group", "4", "--steps", "6", "--etas", "1", "4"]
+    args += ["--median", "2000", "--max-new-tokens", "16384", "--prompt-tokens", "200", "--recommend"]
+    args += ["--sweep-steps", "4", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| sync |" in printed and "Recommendation" in printed
+    data = json.loads((out / "plan.json").read_text())
+    names = [(r["mode"], r["eta"]) for r in data["runs"]]
+    assert names == [("sync", 0), ("async", 1), ("async", 4)]
+    assert data["scenario"]["generation_gpus"] == 6 and data["scenario"]["training_gpus"] == 2
+    for r in data["runs"]:
+        assert max(int(k) for k in r["staleness_hist"]) <= r["eta"]
+    rec = data["recommendation"]
+    assert rec["best"]["mode"] == "async" and rec["speedup_vs_best_sync"] > 1.0
+    assert (out / "plan.png").stat().st_size > 1000 and (out / "plan.md").exists()
+
+
+def test_empirical_lengths_and_a_profile_calibrate_the_cpu_model(tmp_path):
+    import json
+
+    from areal_async.planner.calibrate import Profile, fit_line, setting_from_profile
+    from areal_async.planner.lengths import lengths_from_records
+
+    assert fit_line([(16, 0.004), (64, 0.006), (256, 0.014)]) == pytest.approx((0.003333, 4.1667e-5), rel=1e-3)
+    f = tmp_path / "lengths.jsonl"
+    f.write_text("\n".join(json.dumps({"response_len": n}) for n in (10, 40, 90, 96)))
+    assert lengths_from_records(str(f)) == [10, 40, 90, 96]
+    prof = Profile(
+        decode=[(16, 0.004), (256, 0.014)],
+        prefill_s=0.05,
+        prefill_tokens=4000,
+        lengths=[10, 40, 90, 96],
+        prompt_tokens=30,
+        train_steps=[(0.9, 6e4), (0.6, 6e4), (0.6, 6e4)],
+        publish_s=0.05,
+        load_s=0.05,
+        max_new_tokens=96,
+        kv_capacity_tokens=65536,
+        max_running=256,
+    )
+    s = setting_from_profile(prof, batch_size=16, group_size=8, steps=8, max_concurrent_groups=64)
+    assert s.server.additive and s.trainer.token_s == pytest.approx(1e-5)  # the warm-up step left out
+    sync, a1 = simulate(s, "sync"), simulate(s, "async", 1)
+    assert a1.wall_s < sync.wall_s and a1.staleness_max <= 1
+
+
+def test_a_1024_gpu_step_plans_in_seconds():
+    # the paper's batch (512 x 16) on 768 generating and 256 training GPUs, two steps: the scale of a large plan
+    s = _small_scenario(
+        gpu="H800",
+        gpus=1024,
+        batch_size=512,
+        group_size=16,
+        steps=2,
+        lengths=LengthModel(median=8000, sigma=0.7, max_new_tokens=32768, prompt_tokens=300),
+    )
+    t0 = time.perf_counter()
+    r = simulate(s.setting(), "async", 4)
+    assert r.samples == 2 * 512 * 16
+    assert time.perf_counter() - t0 < 20

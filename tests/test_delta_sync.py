@@ -257,3 +257,26 @@ def test_delta_config_keys_are_validated():
         from_dict({"delta_full_every": 0}, TrainConfig)
     with pytest.raises(ConfigError, match="delta_sync: is for weight_sync=disk"):
         from_dict({"delta_sync": True, "weight_sync": "broadcast"}, TrainConfig)
+
+
+async def test_a_fleet_with_sglang_gets_full_checkpoints(tiny_ckpt, fakes, tmp_path, caplog):
+    """SGLang's /update_weights_from_disk reads HF checkpoints only: no delta is ever published for it."""
+    from areal_async.rollout.weight_sync import DiskSync
+
+    (fake,) = await fakes(1)
+    fake.sglang_version = "0.5.6"
+    trainer = LocalTrainer(tiny_ckpt, full_every=8)
+    client = InferenceClient([fake.url])
+    try:
+        sync = DiskSync(trainer, client, str(tmp_path / "weights"))
+        for v in (1, 2, 3):
+            trainer.step()
+            await sync.prepare(v)
+            await sync.apply(v, flush_cache=True)
+        assert sync.stats["full_updates"] == 3 and sync.stats["delta_updates"] == 0
+        assert "cannot load a delta" in caplog.text
+        assert [b["model_path"] for kind, b in fake.admin if kind == "update"] == [
+            str(tmp_path / "weights" / f"v{v}") for v in (1, 2, 3)
+        ]
+    finally:
+        await client.close()

@@ -271,6 +271,8 @@ class AsyncRLController:
             "rollout_aborted": stats.aborted,
             "rollout_invalid": stats.invalid,
             **{f"train/{k}": v for k, v in result.stats.items()},
+            # totals of the weight transport: full and delta updates, bytes, policy-identity checks and mismatches
+            **{f"weights/{k}": v for k, v in getattr(self.weights, "stats", {}).items()},
         }
         self._log("train", st.version, record)
 

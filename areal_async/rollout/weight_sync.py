@@ -14,8 +14,6 @@ import logging
 import time
 from typing import Any, Literal, Protocol
 
-from areal_async.inference.errors import AdminError
-from areal_async.inference.fleet import sglang_version
 from areal_async.types import PublishResult
 
 log = logging.getLogger(__name__)
@@ -86,7 +84,8 @@ class DiskSync:
 
     async def _served(self) -> str:
         """The dtype the servers serve (asked once): an embedded server says it (/get_server_info `dtype`); an
-        SGLang server says "auto" unless launched with --dtype, and auto is bf16 for the models it serves here."""
+        SGLang server says "auto" unless launched with --dtype, and auto is bf16 for the models it serves here.
+        Deltas go only to a fleet whose every server says it takes them (`weights_delta`, the embedded server)."""
         if self._served_dtype is not None:
             return self._served_dtype
         infos = await self.servers.server_info() if hasattr(self.servers, "server_info") else {}
@@ -94,9 +93,9 @@ class DiskSync:
         for url, info in infos.items():
             if not isinstance(info, dict):
                 continue
-            if sglang_version(info) is not None:
+            if not info.get("weights_delta"):  # the embedded server says it takes deltas; SGLang cannot
                 if not self._full_only:
-                    log.warning("%s is SGLang, which cannot load a delta: every version goes as a full checkpoint", url)
+                    log.warning("%s cannot load a delta (SGLang): every version goes as a full checkpoint", url)
                 self._full_only = True
             d = info.get("dtype")
             dtypes.add("bfloat16" if d in (None, "auto") else str(d))
@@ -133,7 +132,7 @@ class DiskSync:
             raise RuntimeError(f"version {version} was not prepared (published) before it was applied")
         try:
             results = await self.servers.update_weights_from_disk(pub.path, version, flush_cache=flush_cache)
-        except AdminError as e:
+        except Exception as e:  # every server refused (the client's AdminError; nothing changed anywhere)
             if getattr(pub, "kind", "full") != "delta":
                 raise
             results = {"*": e}

@@ -376,6 +376,8 @@ class SGLangServer:
                 "num_waiting_reqs": e.num_waiting(),
                 "context_length": e.context_len,
                 "api_key_required": self.api_key is not None,
+                # /update_weights_from_disk also takes a delta directory (server/delta_load.py); SGLang does not
+                "weights_delta": True,
             }
         )
         return json_response(info)

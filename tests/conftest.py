@@ -86,8 +86,7 @@ def pytest_sessionstart(session):
     now, in the background, on the core the first tests leave idle: the test that checks the recipe against the
     shipped model waits on the cache's lock instead of building it from scratch. Only for a whole-suite run; a run
     that selects tests (files, -k, -m, node ids) builds it when, and if, a test needs it."""
-    global _prebuild, _netns_at_start
-    _netns_at_start = _netns_now()
+    global _prebuild
     if _WORKER:  # the controlling process of a parallel run builds it, once
         return
     root = str(session.config.rootpath)
@@ -293,28 +292,14 @@ def _session_jobs() -> list[tuple[str, str]]:
 
 
 def _netns_leftovers() -> list[str]:
-    """Remove, and name, the network-namespace hosts (areal_async/testing/hosts.py) this session's tests left: those
-    this process made, and those of creators that have died since the session began (a test's helper process).
-    Hosts of other live processes belong to another session on this machine and are left alone."""
-    if _netns_at_start is None:
+    """Remove, and name, the network-namespace hosts (areal_async/testing/hosts.py) this session's process made
+    and did not remove. Hosts of other processes are left alone: a concurrent session's (or xdist worker's), and a
+    killed creator's, which the next `Hosts` removes."""
+    if os.geteuid() != 0 or not os.path.isdir("/run/netns"):
         return []
     from areal_async.testing import hosts
 
-    mine = hosts.remove_of(os.getpid())
-    gone = [n for n in hosts.remove_leftovers() if n not in _netns_at_start]
-    return [f"network-namespace host or link {n}, removed" for n in mine + gone]
-
-
-def _netns_now() -> set[str] | None:
-    """The network-namespace hosts and links that exist now (None where this process cannot see them: not root)."""
-    if os.geteuid() != 0:
-        return None
-    from areal_async.testing import hosts
-
-    return set(hosts.namespaces_of()) | set(hosts.links_of())
-
-
-_netns_at_start: set[str] | None = None  # hosts of earlier or concurrent sessions: not this session's leftovers
+    return [f"network-namespace host or link {n}, removed" for n in hosts.remove_of(os.getpid())]
 
 
 def _fail_on_leftovers(session: pytest.Session) -> None:

@@ -114,10 +114,10 @@ def test_hosts_of_a_killed_creator_are_removed_by_the_next_one():
     finally:
         os.kill(creator.pid, signal.SIGKILL)
         creator.wait(10)
-    assert nshosts.namespaces_of(creator.pid)  # still there: nobody cleaned up
+    # (another process's Hosts may have removed them first: any creator removes the sets of dead creators)
     removed = nshosts.remove_leftovers()
-    assert netns in removed and f"ar{creator.pid}k0b" in removed
-    assert nshosts.namespaces_of(creator.pid) == []
+    assert netns in removed or not os.path.exists(f"/run/netns/{netns}"), removed
+    assert nshosts.namespaces_of(creator.pid) == [] and nshosts.links_of(creator.pid) == []
     assert not os.path.exists(f"/etc/netns/{netns}")
     for pid in orphan:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

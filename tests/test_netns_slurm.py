@@ -53,6 +53,16 @@ def base_model() -> str:
     return ensure_base_model()
 
 
+def log_tails(run_dir: str) -> str:
+    """The end of every step's log: what a failure needs (a rank on the second node, a server step)."""
+    out = []
+    logs = os.path.join(run_dir, "logs")
+    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        with open(os.path.join(logs, name), errors="replace") as f:
+            out.append(f"\n--- {name}\n" + "".join(f.readlines()[-25:]))
+    return "".join(out)
+
+
 def test_a_run_over_two_slurm_nodes_learns(cluster, base_model, tmp_path):
     hs, slurm = cluster
     run_dir = str(tmp_path / f"t{SESSION}-2n-{secrets.token_hex(3)}")
@@ -85,7 +95,7 @@ def test_a_run_over_two_slurm_nodes_learns(cluster, base_model, tmp_path):
         env={**os.environ, **slurm.env},
     )
     out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
+    assert p.returncode == 0, out[-3000:] + log_tails(run_dir)
     job = re.search(r"submitted batch job (\d+)", out).group(1)
     assert f"job {job} ended: COMPLETED, exit code 0" in out
     with open(os.path.join(run_dir, "summary.json")) as f:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,32 @@ class LengthModel:
             raw = self.median * np.exp(self.sigma * rng.standard_normal(n))
         raw = raw * (1.0 + self.growth_per_step * version)
         return [int(x) for x in np.clip(np.rint(raw), 1, self.max_new_tokens)]
+
+    def sampler(self, rng: np.random.Generator, chunk: int = 1 << 16) -> Callable[[int, int], list[int]]:
+        """A fast `draw`: unscaled lengths come from `rng` a chunk at a time (one numpy call per 65,536 answers
+        instead of one per group, which is most of a draw's cost); the same distribution as `draw`."""
+        buf: list[float] = []
+        pos = 0
+        cap = self.max_new_tokens
+
+        def refill() -> None:
+            nonlocal buf, pos
+            if self.kind == "empirical":
+                raw = rng.choice(np.asarray(self.samples, dtype=np.float64), size=chunk)
+            else:
+                raw = self.median * np.exp(self.sigma * rng.standard_normal(chunk))
+            buf, pos = raw.tolist(), 0
+
+        def draw(n: int, version: int = 0) -> list[int]:
+            nonlocal pos
+            if pos + n > len(buf):
+                refill()
+            scale = 1.0 + self.growth_per_step * version
+            out = [min(max(int(x * scale + 0.5), 1), cap) for x in buf[pos : pos + n]]
+            pos += n
+            return out
+
+        return draw
 
     def mean(self, version: int = 0, draws: int = 20000, seed: int = 12345) -> float:
         """The clipped mean response length at `version` (by sampling: clipping has no neat closed form for an

@@ -237,16 +237,23 @@ class SimServer:
                     self._walk = None
                     if t + w[1] > now + tol:
                         # the walk knows the state after each sequence that finishes before its event
-                        m = bisect.bisect_right(w[6], now - t + tol)
-                        if m:
-                            dt, n, base, step = w[7][m - 1]
-                            t += dt
-                            busy += dt
-                            head += m
+                        elapsed = w[9] + (now - t)
+                        m = bisect.bisect_right(w[6], elapsed + tol, lo=w[8])
+                        if m > w[8]:
+                            e_m, n, base, step = w[7][m - 1]
+                            head += m - w[8]
+                            t += e_m - w[9]
+                            busy += e_m - w[9]
                         k = base + n * step
                         step = min(step + c.steps_in(n, k, now - t), members[head][0])
                         busy += now - t
                         t = now
+                        # the rest of the walk still holds: keep it, keyed by the state reached (a pause and its
+                        # continue then cost no second walk)
+                        w[0] = (head, len(members), n, step, waiting, draining)
+                        w[1] -= elapsed - w[9]
+                        w[8], w[9] = m, elapsed
+                        self._walk = w
                         return False
                     # the walk that set the timer already knows the state at its event: take it whole
                     _, dt, j, n, base, step = w[:6]
@@ -303,12 +310,26 @@ class SimServer:
         i = len(bounds) - 1
         while i > 0 and bounds[i][0] > g.start_step:
             i -= 1
+        if i == len(bounds) - 1:  # one version all along: the common case
+            out[bounds[i][1]] = g.total
+            return out
+        lengths = sorted(g.lengths)
+        prefix = [0]
+        for x in lengths:
+            prefix.append(prefix[-1] + x)
+        m = len(lengths)
+
+        def upto(x: float) -> float:
+            """Tokens the group's samples made in their first x steps: sum of min(length, x)."""
+            k = bisect.bisect_right(lengths, x)
+            return prefix[k] + (m - k) * x
+
         for j in range(i, len(bounds)):
-            lo = max(bounds[j][0], g.start_step) - g.start_step
-            hi = (bounds[j + 1][0] if j + 1 < len(bounds) else math.inf) - g.start_step
-            if hi <= 0:
+            lo = max(bounds[j][0] - g.start_step, 0.0)
+            hi = (bounds[j + 1][0] - g.start_step) if j + 1 < len(bounds) else math.inf
+            if hi <= lo:
                 continue
-            tokens = sum(max(0.0, min(length, hi) - lo) for length in g.lengths if length > lo)
+            tokens = (g.total if hi == math.inf else upto(hi)) - upto(lo)
             if tokens > 0:
                 v = bounds[j][1]
                 out[v] = out.get(v, 0) + int(round(tokens))
@@ -386,7 +407,8 @@ class SimServer:
             return self.t + self._walk[1]  # nothing changed but the clock (a pause, say): the same wait from now
         when = self._walk_to_event()
         end = self._walk_end
-        self._walk = (key, when - self.t, *end) if end is not None else None
+        # [key, seconds to the event, event index, n, kv_base, step after it, times, states, consumed, elapsed]
+        self._walk = [key, when - self.t, *end, 0, 0.0] if end is not None else None
         return when
 
     def _walk_to_event(self) -> float:

@@ -15,6 +15,7 @@ segments.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -98,12 +99,13 @@ class PlanWorkflow:
         self.lengths = lengths
         self.group_size = group_size
         self.rng = np.random.default_rng(seed)
+        self.draw = lengths.sampler(self.rng)
         self.version = version  # () -> the policy version now (lengths may grow over training)
 
     async def run(self, client: Generator, sample: Sample) -> list[Trajectory] | None:
         assert isinstance(client, SimFleet)
         lm = self.lengths
-        lens = lm.draw(self.rng, self.group_size, self.version())
+        lens = self.draw(self.group_size, self.version())
         by_version = await client.generate_group(lens, lm.prompt_tokens)
         if lm.reject_rate > 0 and self.rng.random() < lm.reject_rate:
             return None
@@ -214,6 +216,17 @@ def simulate(setting: Setting, mode: str = "async", eta: int | None = 1) -> RunR
     setting.lengths.validate()
     t0 = time.perf_counter()
     logging.getLogger("areal_async.rollout.controller").setLevel(logging.WARNING)
-    result = run_virtual(_run(setting, eta, mode))
+    # the collector off while it runs: a large plan holds millions of live objects (groups, ledger entries,
+    # timers) and CPython's full collections, which find nothing here, would cost a third of the run or more
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        result = run_virtual(_run(setting, eta, mode))
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
     result.sim_seconds = time.perf_counter() - t0
     return result

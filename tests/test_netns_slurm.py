@@ -4,7 +4,8 @@ its own NodeName and NodeAddr. This test process is the login node (on the hosts
 then runs as the batch job on the first node and starts one server step and one torchrun agent on each node; the
 agents meet at a c10d store on the first node, the ranks and servers report their routable addresses to the
 controller's registry, and the run must learn the default task (+20 held-out points; 4 steps measured +47.0 with
-launcher=local and +44.5 to +48.0 in four runs of this test, AMD EPYC Zen 5, 2 cores). The hosts share the filesystem: the model, run_dir and the disk-published weights.
+launcher=local and +44.5 to +48.0 in four runs of this test, AMD EPYC Zen 5, 2 cores). The hosts share the
+filesystem: the model, run_dir and the disk-published weights.
 
 The machine's one-node cluster (.ci/start_slurm.sh) is not touched: this one has its own name, config, ports and
 state, and is torn down (jobs, daemons, hosts) when the module ends.

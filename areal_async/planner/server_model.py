@@ -313,23 +313,24 @@ class SimServer:
         if i == len(bounds) - 1:  # one version all along: the common case
             out[bounds[i][1]] = g.total
             return out
+        # tokens the samples made in their first x steps: sum of min(length, x) = prefix[k] + (m - k) x, with k the
+        # samples shorter than x; taken at each version bound, differences give each version's share
         lengths = sorted(g.lengths)
-        prefix = [0]
-        for x in lengths:
-            prefix.append(prefix[-1] + x)
         m = len(lengths)
-
-        def upto(x: float) -> float:
-            """Tokens the group's samples made in their first x steps: sum of min(length, x)."""
-            k = bisect.bisect_right(lengths, x)
-            return prefix[k] + (m - k) * x
-
+        prefix = [0] * (m + 1)
+        for k, x in enumerate(lengths):
+            prefix[k + 1] = prefix[k] + x
+        start = g.start_step
+        done_before = 0.0
         for j in range(i, len(bounds)):
-            lo = max(bounds[j][0] - g.start_step, 0.0)
-            hi = (bounds[j + 1][0] - g.start_step) if j + 1 < len(bounds) else math.inf
-            if hi <= lo:
-                continue
-            tokens = (g.total if hi == math.inf else upto(hi)) - upto(lo)
+            if j + 1 < len(bounds):
+                hi = bounds[j + 1][0] - start
+                k = bisect.bisect_right(lengths, hi)
+                upto = prefix[k] + (m - k) * hi if hi > 0 else 0.0
+            else:
+                upto = g.total
+            tokens = upto - done_before
+            done_before = max(upto, done_before)
             if tokens > 0:
                 v = bounds[j][1]
                 out[v] = out.get(v, 0) + int(round(tokens))
@@ -383,19 +384,22 @@ class SimServer:
         self._admit()
 
     def _schedule(self) -> None:
-        """One timer: at the end of the running prefill, or at the next sequence completion."""
-        if self._timer is not None:
-            self._timer.cancel()
+        """One timer: at the end of the running prefill, or at the next sequence completion. A timer already set
+        for that instant is kept (cancelled timers stay in the loop's heap until they come due)."""
+        when: float | None = None
+        if not self.paused:
+            if self.prefill_end is not None:
+                when = self.prefill_end
+            elif self.n > 0:
+                when = self._next_event_time()
+        timer = self._timer
+        if timer is not None:
+            if when is not None and timer.when() == when:
+                return
+            timer.cancel()
             self._timer = None
-        if self.paused:
-            return
-        if self.prefill_end is not None:
-            when = self.prefill_end
-        elif self.n > 0:
-            when = self._next_event_time()
-        else:
-            return
-        self._timer = self.loop.call_at(when, self._on_timer)
+        if when is not None:
+            self._timer = self.loop.call_at(when, self._on_timer)
 
     def _next_event_time(self) -> float:
         """When the next thing the outside can see happens while decoding: a group's last sample finishing, or a

@@ -116,7 +116,7 @@ def hosts():
     why = nshosts.skip_reason()
     if why:
         pytest.skip(why)
-    made = nshosts.Hosts(3)
+    made = nshosts.Hosts(3, loopback_name=True)  # Debian-style: each name is 127.0.1.1 on its own host
     yield made
     made.close()
 

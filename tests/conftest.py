@@ -135,7 +135,10 @@ _LONG_FIRST = (
     "test_benchmark_e2e.py",
     "test_learning.py",
     "test_fleet.py",
+    "test_netns_slurm.py",
+    "test_netns_faults.py",
     "test_multinode.py",
+    "test_netns_multinode.py",
     "test_clean_runs.py",
 )
 

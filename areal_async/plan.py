@@ -26,7 +26,9 @@ from areal_async.planner.sweep import Grid, recommend, run_plan
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m areal_async.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gpu", default="H800", help=f"GPU preset: {', '.join(GPUS)}")
     ap.add_argument("--model", default="1.5b", help=f"model preset: {', '.join(MODELS)} (or 1.5b, 7b, ...)")
     ap.add_argument("--gpus", type=int, default=128, help="GPUs in all")

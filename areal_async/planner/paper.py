@@ -154,7 +154,11 @@ def scaling(steps: int = 20, model: str = "1.5b", nodes: tuple[int, ...] = (16, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m areal_async.planner.paper",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

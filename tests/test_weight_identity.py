@@ -177,7 +177,7 @@ def make_batch(rng: random.Random, version: int) -> list[Trajectory]:
 
 
 @pytest.mark.slow
-async def test_delta_sync_with_a_torchrun_trainer_through_restart_and_rollback(tiny_ckpt, tmp_path):
+async def test_delta_sync_with_a_torchrun_trainer_through_restart_and_rollback(tiny_ckpt, tmp_path, caplog):
     from areal_async.launch import Processes
     from areal_async.rollout.weight_sync import DiskSync
     from areal_async.server.app import start_server
@@ -232,24 +232,80 @@ async def test_delta_sync_with_a_torchrun_trainer_through_restart_and_rollback(t
             async with aiohttp.ClientSession() as http, http.get(s.url + "/weights_fingerprint") as r:
                 fps.append(msgspec.json.decode(await r.read()))
         assert fps[0]["digests"] == fps[1]["digests"] == sync._published[v].identity.digests
-        # broadcast: the trainers' identity comes from the tensors they sent (served fp32: no second gather) and
-        # both servers prove they hold it
+        # broadcast: the first update sends the full weights (no base yet; the trainers' identity comes from the
+        # tensors they sent, no second gather at fp32 serving), the next ones a delta, each checked by identity
         from areal_async.rollout.broadcast_sync import ElasticBroadcastSync
 
         fp32 = await start_server(tiny_ckpt, port=0, device="cpu")  # serves fp32, the dtype the trainer sends
         servers.append(fp32)
-        solo = InferenceClient([fp32.url])
+        solo = InferenceClient([fp32.url], probe_interval_s=0.05)
         try:
-            bcast = ElasticBroadcastSync(group, solo, "127.0.0.1", ranks_per_server=1, backend="gloo", settle_s=1)
+            bcast = ElasticBroadcastSync(
+                group,
+                solo,
+                "127.0.0.1",
+                ranks_per_server=1,
+                backend="gloo",
+                settle_s=1,
+                catch_up_root=str(tmp_path / "catch_up"),
+            )
+            solo.weight_source = bcast.publish_current
             await bcast.form_group()
+            for _ in range(3):
+                v = (await group.train_step(make_batch(rng, group.version), group.version)).version
+                await solo.pause()
+                try:
+                    await bcast.apply(v, flush_cache=True)
+                finally:
+                    await solo.resume()
+            st = bcast.stats
+            assert st["full_updates"] == 1 and st["delta_updates"] == 2 and st["delta_refused"] == 0, st
+            assert st["identity_mismatches"] == 0 and solo.stats()["identity_checks"] == 3
+            assert 0 < st["delta_bytes"] < st["full_bytes"]
+            # a server on other weights under the current label does not hold the next delta's base: that version
+            # goes in full (the server would refuse the delta: tests/test_delta_sync.py), and identity holds
+            await post(fp32.url, "/update_weights_from_disk", {"model_path": tiny_ckpt, "weight_version": str(v)})
             v = (await group.train_step(make_batch(rng, group.version), group.version)).version
             await solo.pause()
             try:
                 await bcast.apply(v, flush_cache=True)
             finally:
                 await solo.resume()
-            assert bcast.stats["identity_mismatches"] == 0 and solo.stats()["identity_checks"] == 1
-            assert bcast.stats["identity_check_s"] > 0
+            assert bcast.stats["delta_skipped"] == 1 and bcast.stats["full_updates"] == 2
+            assert bcast.stats["delta_refused"] == 0 and bcast.stats["identity_mismatches"] == 0
+            # the server's own check, should the fingerprint it reported before the broadcast be stale: it refuses
+            # the delta (naming the cause), keeps its weights, and the version goes again in full
+            await post(fp32.url, "/update_weights_from_disk", {"model_path": tiny_ckpt, "weight_version": str(v)})
+            trusting = solo.weights_fingerprints
+
+            async def stale(urls):
+                return {u: bcast_base[0] for u in urls}
+
+            bcast_base = [""]
+            real_prepare = group.prepare_delta_broadcast
+
+            async def prepare(version, served):
+                plan = await real_prepare(version, served)
+                bcast_base[0] = plan.base_combined
+                return plan
+
+            group.prepare_delta_broadcast, solo.weights_fingerprints = prepare, stale
+            try:
+                v = (await group.train_step(make_batch(rng, group.version), group.version)).version
+                await solo.pause()
+                try:
+                    with caplog.at_level(logging.WARNING):
+                        await bcast.apply(v, flush_cache=True)
+                finally:
+                    await solo.resume()
+            finally:
+                group.prepare_delta_broadcast, solo.weights_fingerprints = real_prepare, trusting
+            assert bcast.stats["delta_refused"] == 1 and "a full update is needed" in caplog.text
+            await solo.wait_serving(fp32.url, timeout_s=30)
+            expected = await group.identity("float32")
+            assert expected.version == v and (await solo.verify_weights(expected))[fp32.url].ok
+            expected = await group.identity("float32")
+            assert expected.version == v and (await solo.verify_weights(expected))[fp32.url].ok
         finally:
             await solo.close()
     finally:

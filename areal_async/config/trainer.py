@@ -155,9 +155,10 @@ class TrainConfig(Section):
     keep_versions: int = 2
     """Published HF checkpoints kept on disk (older ones are removed)."""
     delta_sync: bool = False
-    """weight_sync=disk: publish each version as a delta of the servers' served-dtype bits against the version
-    before (only the changed elements, bit-exact), with a full snapshot every delta_full_every versions; embedded
-    servers only (real SGLang always gets full checkpoints). docs/weights.md, "Delta sync"."""
+    """Ship each version as a delta of the servers' served-dtype bits against the version before (only the
+    changed elements, bit-exact): disk writes a delta directory, with a full snapshot every delta_full_every
+    versions; broadcast sends the delta's payloads. Embedded servers only (real SGLang always gets full weights).
+    docs/weights.md, "Delta sync"."""
     delta_full_every: int = 8
     """With delta_sync: a full snapshot at least every this many versions (the longest chain a server replays)."""
     nnodes: int = 1
@@ -201,11 +202,6 @@ class TrainConfig(Section):
         check(self.micro_batch_tokens >= 16, key_of(prefix, "micro_batch_tokens"), "must be >= 16")
         check(self.keep_versions >= 1, key_of(prefix, "keep_versions"), "must be >= 1")
         check(self.delta_full_every >= 1, key_of(prefix, "delta_full_every"), "must be >= 1")
-        check(
-            not self.delta_sync or self.weight_sync == "disk",
-            key_of(prefix, "delta_sync"),
-            "is for weight_sync=disk (a broadcast sends full tensors; docs/weights.md)",
-        )
         check(self.torch_threads >= 1, key_of(prefix, "torch_threads"), "must be >= 1")
         check(self.temperature > 0, key_of(prefix, "temperature"), "must be > 0")
         check(self.connect_timeout_s > 0, key_of(prefix, "connect_timeout_s"), "must be > 0")

@@ -28,7 +28,7 @@ from areal_async.inference.fleet import (
     in_place_supported,
     parse_weight_version,
 )
-from areal_async.inference.identity import IdentityGate, Verdict
+from areal_async.inference.identity import IdentityGate, Verdict, held_combined
 from areal_async.inference.resume import ResumeState, SegmentEnd, SegmentRejected, find_stop, generate_resumable
 from areal_async.inference.routing import ServerState
 from areal_async.inference.sglang_wire import SegmentReader, segment_payload
@@ -432,6 +432,7 @@ class InferenceClient(WeightGroups):
         flush_cache: bool = True,
         abort_all_requests: bool = False,
         urls: list[str] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Every reachable server receives the named tensors by broadcast from the trainer (which broadcasts while
         this is pending) and tags them `version` (None, for every bucket but the last: no label is sent and the
@@ -449,6 +450,8 @@ class InferenceClient(WeightGroups):
         }
         if version is not None:  # None (every bucket but the last): the servers keep their label
             payload["weight_version"] = str(version)
+        if extra:  # fields of our own (a delta's base and result: the embedded server); SGLang is never sent them
+            payload.update(extra)
         members = urls if urls is not None else self._groups.get(group_name)
         return await self._fleet.distributed(payload, version, members)
 
@@ -464,6 +467,12 @@ class InferenceClient(WeightGroups):
         Returns url -> verdict."""
         servers = [s for s in self._reachable() if s.state == "serving" and s.version == expected.version]
         return await self._identity.check(expected, servers)
+
+    async def weights_fingerprints(self, urls: list[str]) -> dict[str, str | None]:
+        """url -> the combined digest of the weights it serves (None: it cannot say, e.g. SGLang)."""
+        servers = [self._pool.router.servers[u.rstrip("/")] for u in urls if u.rstrip("/") in self._pool.router.servers]
+        got = await asyncio.gather(*(held_combined(self._pool, s) for s in servers))
+        return {s.url: g for s, g in zip(servers, got)}
 
     def _taint(self, server: ServerState, version: int, why: str) -> None:
         """Its label says `version` but its weights are not that version's: out of rotation, and its label is not

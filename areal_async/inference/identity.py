@@ -32,7 +32,7 @@ from areal_async.protocol.weight_identity import (
     weights_by_name_body,
 )
 
-__all__ = ["IdentityGate", "check_server", "Verdict"]
+__all__ = ["IdentityGate", "check_server", "held_combined", "Verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,21 @@ async def check_server(pool: ServerPool, server: ServerState, expected: Identity
         return Verdict(url=server.url, ok=False, unknown=f"/get_weights_by_name refused every probe ({refused[:3]})")
     names = probe_mismatches({n: expected.probes[n] for n in got_rows}, got_rows)
     return Verdict(url=server.url, ok=not names, differs=names, method="probes")
+
+
+async def held_combined(pool: ServerPool, server: ServerState) -> str | None:
+    """The combined digest of what `server` serves now (GET /weights_fingerprint), None when it cannot say."""
+    timeout = aiohttp.ClientTimeout(total=pool.weight_load_timeout_s)
+    try:
+        status, body = await pool.send(server, "GET", _FINGERPRINT, None, timeout=timeout)
+    except ConnectionFailed:
+        return None
+    if status != 200:
+        return None
+    try:
+        return msgspec.json.decode(body, type=Identity).combined
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 Taint = Callable[[ServerState, int, str], None]  # (server, version, why): out of rotation, label not trusted

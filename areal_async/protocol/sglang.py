@@ -512,6 +512,12 @@ class DestroyGroupIn(msgspec.Struct, kw_only=True):
     group_name: str = "weight_update_group"
 
 
+class DeltaIn(msgspec.Struct, kw_only=True):
+    dtype: str  # the served dtype the XOR is of
+    base: str  # protocol/weight_identity.combine of the weights it applies to
+    result: str  # ... and of the weights it gives
+
+
 class UpdateFromDistributedIn(msgspec.Struct, kw_only=True):
     names: list[str]
     dtypes: list[str]
@@ -520,6 +526,9 @@ class UpdateFromDistributedIn(msgspec.Struct, kw_only=True):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | int | None = None
+    # ours, not SGLang's: the tensors are a delta's payloads (uint8, deflated XOR of the served bits), applied to
+    # weights whose identity is `base` and checked to give `result` (server/delta_load.py)
+    delta: DeltaIn | None = None
 
     def check(self) -> None:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):

@@ -103,7 +103,19 @@ class ElasticBroadcastSync:
         self._failed: set[str] = set()  # members that failed a bucket of a broadcast (TrainerGroup.broadcast_failures)
         self.verify = verify  # policy identity after every broadcast
         self._served_dtype: str | None = None
-        self.stats: dict[str, float] = {"identity_check_s": 0.0, "identity_mismatches": 0}
+        self._delta_off = False  # the trainers said train.delta_sync is off
+        self.stats: dict[str, float] = {
+            "identity_check_s": 0.0,
+            "identity_mismatches": 0,
+            "full_updates": 0,
+            "delta_updates": 0,
+            "delta_refused": 0,
+            "delta_skipped": 0,
+            "delta_bytes": 0,
+            "full_bytes": 0,
+            "changed_elements": 0,
+            "total_elements": 0,
+        }
 
     def set_trainers(self, trainers: Any) -> None:
         self.trainers = trainers
@@ -192,6 +204,8 @@ class ElasticBroadcastSync:
                 await self._members_settled()
                 await self.form_group()
             try:
+                if await self._send_delta(version, flush_cache):
+                    return
                 await self.trainers.broadcast_weights(
                     self.client, version, group_name=self.group_name, flush_cache=flush_cache
                 )
@@ -216,6 +230,60 @@ class ElasticBroadcastSync:
                 self.members = ()
             finally:
                 self._failed.update(getattr(self.trainers, "broadcast_failures", None) or {})
+
+    async def _takes_deltas(self) -> bool:
+        """Every member says it takes a delta (`weights_delta` in /get_server_info: the embedded server)."""
+        if not hasattr(self.client, "server_info"):
+            return False
+        infos = await self.client.server_info(list(self.members))
+        return bool(infos) and all(isinstance(i, dict) and i.get("weights_delta") for i in infos.values())
+
+    async def _send_delta(self, version: int, flush_cache: bool) -> bool:
+        """With train.delta_sync: prepare the delta of `version` and send it (True), or say a full broadcast is
+        due (False: delta sync off, no base yet, a member that cannot take one). A member that refuses the delta
+        (its base is not the trainer's) leaves rotation and catches up with a full load (weight_source); a member
+        known beforehand not to hold the base (its /weights_fingerprint) makes the version go in full."""
+        if self._delta_off or not hasattr(self.trainers, "prepare_delta_broadcast"):
+            return False
+        if not await self._takes_deltas():
+            return False
+        plan = await self.trainers.prepare_delta_broadcast(version, await self._served())
+        if plan.kind == "off":
+            self._delta_off = True
+            return False
+        self.stats["full_bytes"] += plan.full_bytes
+        if plan.kind != "delta":
+            self.stats["full_updates"] += 1
+            return False
+        held = await self.client.weights_fingerprints(list(self.members))
+        behind = sorted(u for u in self.members if held.get(u) != plan.base_combined)
+        if behind:  # a member without the delta's base would refuse it: everyone gets the full weights instead
+            log.info("version %d goes in full: %s do not hold the delta's base", version, ", ".join(behind))
+            self.stats["full_updates"] += 1
+            self.stats["delta_skipped"] += 1
+            return False
+        await self.trainers.broadcast_delta(
+            _Members(self.client, self.members), plan, group_name=self.group_name, flush_cache=flush_cache
+        )
+        self.stats["delta_updates"] += 1
+        self.stats["delta_bytes"] += plan.num_bytes
+        self.stats["changed_elements"] += plan.changed
+        self.stats["total_elements"] += plan.total
+        refused = getattr(self.trainers, "broadcast_failures", None) or {}
+        if refused:  # they received it and kept their weights: the version goes again, in full, to the group
+            self.stats["delta_refused"] += len(refused)
+            log.warning(
+                "the delta of version %d was refused (%s): broadcasting it in full",
+                version,
+                "; ".join(f"{u}: {why}" for u, why in refused.items()),
+            )
+            return False
+        if self.verify and plan.identity is not None:
+            t0 = time.perf_counter()
+            verdicts = await self.client.verify_weights(plan.identity)
+            self.stats["identity_check_s"] += time.perf_counter() - t0
+            self.stats["identity_mismatches"] += sum(1 for v in verdicts.values() if not v.ok and not v.unknown)
+        return True
 
     async def _served(self) -> str:
         """The servers' dtype (asked once; SGLang's "auto" read as bf16, what it serves these models in)."""

@@ -273,7 +273,13 @@ class SGLangServer:
         return await self._success_call(
             "update_weights_from_distributed",
             self.engine.update_weights_from_distributed(
-                u.names, u.dtypes, u.shapes, u.group_name, sglang_protocol.version_str(u.weight_version), u.flush_cache
+                u.names,
+                u.dtypes,
+                u.shapes,
+                u.group_name,
+                sglang_protocol.version_str(u.weight_version),
+                u.flush_cache,
+                delta=u.delta,
             ),
         )
 

@@ -28,7 +28,7 @@ from areal_async.server.weights import load_checkpoint
 from areal_async.weight_delta import DeltaError, apply_delta, is_delta_dir, read_delta, read_manifest
 from areal_async.weight_digest import dtype_name, identity_of, probe_row, tensor_digest
 
-__all__ = ["served_tensors", "served_identity", "load_delta", "DeltaError", "is_delta_dir"]
+__all__ = ["served_tensors", "served_identity", "load_delta", "apply_broadcast_delta", "DeltaError", "is_delta_dir"]
 
 
 def served_tensors(model) -> dict[str, torch.Tensor]:
@@ -94,3 +94,17 @@ def load_delta(path: str, spec: ModelSpec, model, held: Identity) -> tuple[dict[
     probes = {n: probe_row(final[n]) for n in probe_names(list(final))}
     identity = Identity(version=m.version, dtype=served, digests=digests, combined=result, probes=probes)
     return changed, identity, how
+
+
+def apply_broadcast_delta(
+    model, held: Identity, payloads: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], Identity]:
+    """A delta that came by broadcast (name -> deflated XOR) applied to what `model` serves, whose identity is
+    `held`: the new tensors and the identity the model will have. Raises `DeltaError` (nothing changed)."""
+    current = served_tensors(model)
+    changed = apply_delta(current, payloads, model.dtype)
+    digests = {**held.digests, **{n: tensor_digest(t) for n, t in changed.items()}}
+    final = {n: changed.get(n, current[n]) for n in current}
+    probes = {n: probe_row(final[n]) for n in probe_names(list(final))}
+    identity = Identity(version=-1, dtype=held.dtype, digests=digests, combined=combine(digests), probes=probes)
+    return changed, identity

@@ -18,7 +18,13 @@ from collections.abc import Callable
 import torch
 
 from areal_async.protocol.weight_identity import Identity
-from areal_async.server.delta_load import DeltaError, is_delta_dir, load_delta, served_identity
+from areal_async.server.delta_load import (
+    DeltaError,
+    apply_broadcast_delta,
+    is_delta_dir,
+    load_delta,
+    served_identity,
+)
 from areal_async.server.model import UnsupportedModelError
 from areal_async.server.scheduler import abort_reason
 from areal_async.server.weights import (
@@ -199,6 +205,7 @@ class WeightUpdates:
         group_name: str,
         weight_version: str | None,
         flush_cache: bool = True,
+        delta=None,
     ) -> tuple[bool, str]:
         """Receive each tensor by broadcast(src=0), in order, then swap them in like a disk update: at once while
         paused, else once the running requests have finished."""
@@ -207,7 +214,7 @@ class WeightUpdates:
             return False, f"no weight update group {group_name!r}; call init_weights_update_group first"
         if not len(names) == len(dtypes) == len(shapes):
             return False, "names, dtypes and shapes must have the same length"
-        bad = [d for d in dtypes if d not in DTYPES]
+        bad = [d for d in dtypes if d not in DTYPES or (d == "uint8") != (delta is not None)]
         if bad:
             return False, f"unsupported dtypes {bad[:3]}"
         assert self._weights_lock is not None, "engine not started"
@@ -216,6 +223,8 @@ class WeightUpdates:
                 # Receive everything first, even names we will reject or a swap we will refuse: the trainer's
                 # broadcasts must all be matched.
                 tensors = await to_side_thread(receive_tensors, group, names, dtypes, shapes, self.device)
+                if delta is not None:
+                    return await self._apply_broadcast_delta(tensors, delta, weight_version, flush_cache)
                 expected = self.spec.param_shapes()
                 if self.spec.tie_word_embeddings and "lm_head.weight" in tensors:
                     expected = {**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}
@@ -230,6 +239,38 @@ class WeightUpdates:
             except WeightError as e:
                 return False, str(e)
         return True, "Succeeded to update parameter online from distributed."
+
+    async def _apply_broadcast_delta(
+        self, payloads: dict[str, torch.Tensor], delta, weight_version: str | None, flush_cache: bool
+    ) -> tuple[bool, str]:
+        """A delta received by broadcast (train/delta_broadcast.py): applied only to weights whose identity is its
+        base, and swapped in only when the result's digests are the trainer's. Caller holds `_weights_lock`."""
+        served = str(self.model.dtype).removeprefix("torch.")
+        if delta.dtype != served:
+            return False, f"the delta holds {delta.dtype} bits; this server serves {served}: a full update is needed"
+        held = await self._held_identity()
+        if held.combined != delta.base:
+            return False, (
+                f"the delta applies to weights with fingerprint {delta.base[:12]}; this server holds "
+                f"{held.combined[:12]} (version {self.weight_version}): a full update is needed"
+            )
+        cpu = {n: t.cpu() for n, t in payloads.items()}
+        try:
+            changed, identity = await to_side_thread(apply_broadcast_delta, self.model, held, cpu)
+        except DeltaError as e:
+            return False, f"failed to apply the delta: {e}"
+        if identity.combined != delta.result:
+            return False, (
+                f"the delta gives weights with fingerprint {identity.combined[:12]}, the trainer's are "
+                f"{delta.result[:12]}: refused"
+            )
+        label = weight_version if weight_version is not None else self.weight_version
+        identity.version = _label_number(next_version(self.weight_version, label))
+        try:
+            await self._swap(lambda: self.model.load_tensors(changed), label, flush_cache, identity=identity)
+        except WeightError as e:
+            return False, str(e)
+        return True, f"Succeeded to update parameter online from distributed (delta of {len(changed)} tensors)."
 
     async def set_weight_version(self, version: str) -> None:
         def cmd() -> None:

@@ -27,6 +27,7 @@ DTYPES = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
+    "uint8": torch.uint8,  # a delta's payloads (deflated XOR of the served bits); never a weight
 }
 
 

@@ -98,6 +98,7 @@ class WeightBroadcaster:
         # rank 0: digests of what the last complete broadcast sent, in the dtype it sent (policy identity for a
         # transport that publishes nothing: the controller checks the servers against it; built while sending)
         self.last_sent: IdentityBuilder | None = None
+        self._delivered: str | None = None  # the group whose last send was a delta that every member received
         self._lock = threading.Lock()
 
     def request_abort(self, group_name: str, reason: str) -> bool:
@@ -107,6 +108,11 @@ class WeightBroadcaster:
         of that name is made. Returns True when a broadcast on it was running (it stops), False otherwise."""
         with self._lock:
             if group_name not in self.groups and group_name != self._running:
+                return False
+            if self._delivered == group_name and self._running is None:
+                # late: a delta's payloads all arrived before a member refused it; the group stays for the full
+                # broadcast of the same version that follows (see _complete_delta)
+                self._delivered = None
                 return False
             self.aborted[group_name] = reason or "aborted by the controller"
             running = self._running == group_name
@@ -186,6 +192,7 @@ class WeightBroadcaster:
         rank = dist.get_rank()
         with self._lock:
             pg = self.groups.get(group_name)
+            self._delivered = None
             if rank == 0 and pg is not None:
                 self._running = group_name
         try:
@@ -262,6 +269,70 @@ class WeightBroadcaster:
             held_peak_bytes=held_peak,
             memory_peak_bytes=meter.peak(),
         )
+
+    def send_payloads(self, group_name: str, payloads: list[torch.Tensor]) -> BroadcastResult:
+        """Rank 0: broadcast prepared tensors (a delta's payloads, train/delta_broadcast.py) through `group_name`,
+        in order, as one bucket; no gather, so the other ranks have nothing to do. Aborts and deadlines as for
+        `broadcast`."""
+        t0 = time.perf_counter()
+        if dist.get_rank() != 0:
+            return BroadcastResult(buckets=[], seconds=0.0, num_bytes=0, held_peak_bytes=0, memory_peak_bytes=0)
+        with self._lock:
+            pg = self.groups.get(group_name)
+            if pg is not None:
+                self._running = group_name
+        try:
+            if pg is None:
+                self._check_aborted(group_name)
+                raise BroadcastError(
+                    f"no weight-update group {group_name!r} on trainer rank 0: call init_broadcast first"
+                )
+            device = self.devices.get(group_name, torch.device("cpu"))
+            pending: list[tuple[dist.Work, torch.Tensor]] = []
+            num_bytes = 0
+            try:
+                for t in payloads:
+                    self._check_aborted(group_name)
+                    t = t.to(device)
+                    pending.append((dist.broadcast(t, group=pg, group_src=0, async_op=True), t))
+                    num_bytes += t.numel()
+                self._complete_delta(pending, group_name)
+            except Exception as e:
+                raise self._failed(e, pending, group_name, 0) from e
+        finally:
+            with self._lock:
+                if self._running == group_name:
+                    self._running = None
+        return BroadcastResult(
+            buckets=[],
+            seconds=time.perf_counter() - t0,
+            num_bytes=num_bytes,
+            held_peak_bytes=num_bytes,
+            memory_peak_bytes=0,
+        )
+
+    def _complete_delta(self, pending: list[tuple[dist.Work, torch.Tensor]], group_name: str) -> None:
+        """Wait for a delta's sends. A member answers only once it has received every payload, so an abort that
+        comes from a member refusing the delta (its base is not the trainer's) finds the sends complete, or about
+        to be: within `_DELTA_GRACE_S` of the abort they count as sent and the group stays usable (the controller
+        sends the version again in full through it). Sends still pending then (a member gone) fail as usual."""
+        deadline = time.monotonic() + self.timeout_s
+        grace_until: float | None = None
+        for work, _ in pending:
+            while not work.is_completed():
+                now = time.monotonic()
+                if group_name in self.aborted and grace_until is None:
+                    grace_until = now + _DELTA_GRACE_S
+                if grace_until is not None and now > grace_until:
+                    self._check_aborted(group_name)
+                if now > deadline:
+                    raise BroadcastError(f"weight-update group {group_name!r}: the delta was not received in time")
+                time.sleep(0.005)
+            work.wait()
+        pending.clear()
+        with self._lock:
+            self.aborted.pop(group_name, None)  # every payload arrived: a refusal afterwards is the member's business
+            self._delivered = group_name
 
     def _failed(self, e: Exception, pending: list, group_name: str, bucket: int) -> BroadcastError:
         """Rank 0 stops sending on `group_name`: the work in flight is dropped with the group (it will never
@@ -344,6 +415,7 @@ class WeightBroadcaster:
             pass
 
 
+_DELTA_GRACE_S = 2.0  # see WeightBroadcaster._complete_delta
 _WATCHDOG_MARGIN_S = 60.0  # the group's own (watchdog) timeout is this much past the per-bucket deadline
 
 

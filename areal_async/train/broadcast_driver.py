@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_async.train.messages import WeightPlan
@@ -90,15 +91,21 @@ async def broadcast_to_members(
     plan: WeightPlan,
     req: BroadcastRequest,
     flush_cache: bool,
+    *,
+    send: Awaitable[BroadcastResult] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> BroadcastResult:
-    """The trainer's broadcast beside one receive loop per member (see `TrainerGroup.broadcast_weights`)."""
+    """The trainer's broadcast beside one receive loop per member (see `TrainerGroup.broadcast_weights`).
+    `send`: the trainer's side when it is not `group.broadcast(req)` (a prepared delta); `extra`: fields added to
+    every bucket's announcement (the delta's base and result)."""
     n = len(plan.buckets)
     received = {u: 0 for u in members}  # buckets each member has taken
     failures: dict[str, BaseException] = {}
     gone: set[str] = set()  # members removed from the client during the update
     stopped = False  # set once rank 0 is being aborted: no member gets another bucket
     abort: asyncio.Future | None = None
-    trainer = asyncio.ensure_future(group.broadcast(req))
+    trainer = asyncio.ensure_future(send if send is not None else group.broadcast(req))
+    more = {"extra": extra} if extra else {}
 
     def failed(url: str, bucket: int, error: BaseException) -> None:
         nonlocal stopped, abort
@@ -135,6 +142,7 @@ async def broadcast_to_members(
                     group_name=req.group_name,
                     flush_cache=flush_cache and last,
                     urls=[url],
+                    **more,
                 )
                 outcome = answer.get(url) if isinstance(answer, dict) else None
                 if not isinstance(answer, dict) or url not in answer:

@@ -34,8 +34,11 @@ from areal_async.train.messages import (
     AbortBroadcastRequest,
     AbortBroadcastResult,
     BroadcastEndpoint,
+    DeltaBroadcastPlan,
+    DeltaBroadcastPrepare,
     DeltaPublishRequest,
     DeltaPublishResult,
+    DeltaSendRequest,
     IdentityRequest,
     OpenBroadcastRequest,
     WeightPlan,
@@ -393,6 +396,36 @@ class TrainerGroup:
             log.warning("could not abort weight-update group %s on trainer rank 0: %s", group_name, e)
             return False
         return answer.running
+
+    async def prepare_delta_broadcast(self, version: int, served_dtype: str) -> DeltaBroadcastPlan:
+        """The delta broadcast of `version` (train/delta_broadcast.py; a gather on every rank)."""
+        req = DeltaBroadcastPrepare(version=version, served_dtype=served_dtype)
+        async with self._lock:
+            return (await self._call("prepare_delta_broadcast", req, DeltaBroadcastPlan))[0]
+
+    async def broadcast_delta(
+        self, servers: WeightReceivers, plan: DeltaBroadcastPlan, *, group_name: str, flush_cache: bool = True
+    ) -> BroadcastResult:
+        """Send a prepared delta (one bucket of payloads) to the group's members, each of which checks its base
+        and the result before it swaps anything in. A member that refuses is left part-way like one that failed
+        a bucket: it leaves rotation and catches up with a full load (`broadcast_failures`)."""
+        assert plan.identity is not None
+        extra = {"delta": {"dtype": plan.identity.dtype, "base": plan.base_combined, "result": plan.identity.combined}}
+        req = BroadcastRequest(version=plan.version, group_name=group_name, bucket_bytes=0)
+        members_of = getattr(servers, "weight_group_members", None)
+        members = list(members_of(group_name)) if members_of is not None else []
+        self.broadcast_failures = {}
+
+        async def send() -> BroadcastResult:
+            async with self._lock:
+                return (
+                    await self._call(
+                        "send_delta", DeltaSendRequest(group_name=group_name, version=plan.version), BroadcastResult
+                    )
+                )[0]
+
+        one = WeightPlan(buckets=[plan.spec], num_bytes=plan.num_bytes)
+        return await broadcast_to_members(self, servers, members, one, req, flush_cache, send=send(), extra=extra)
 
     async def broadcast_weights(
         self,

@@ -21,6 +21,9 @@ __all__ = [
     "DeltaPublishRequest",
     "DeltaPublishResult",
     "IdentityRequest",
+    "DeltaBroadcastPrepare",
+    "DeltaBroadcastPlan",
+    "DeltaSendRequest",
 ]
 
 
@@ -93,3 +96,35 @@ class IdentityRequest(msgspec.Struct, kw_only=True):
     a gather of every parameter, for a transport that publishes nothing, such as broadcast)."""
 
     served_dtype: str = "float32"
+
+
+class DeltaBroadcastPrepare(msgspec.Struct, kw_only=True):
+    """Ask the trainers to prepare the delta broadcast of `version` (the version they hold) in `served_dtype`:
+    a gather, the XOR of the served bits against the last version prepared, compressed, held on rank 0."""
+
+    version: int
+    served_dtype: str = "float32"
+
+
+class DeltaBroadcastPlan(msgspec.Struct, kw_only=True):
+    """What a delta broadcast will send. `kind`: "delta" (send it with `send_delta`), "full" (no base to diff
+    against: broadcast the full weights; the bits are kept for the next delta) or "off" (train.delta_sync is off).
+    `spec`: the payloads in send order (uint8, one per changed parameter, named after it)."""
+
+    kind: str
+    version: int
+    spec: WeightSpec
+    base_combined: str = ""
+    identity: Identity | None = None  # of the result, as served
+    num_bytes: int = 0
+    full_bytes: int = 0
+    changed: int = 0
+    total: int = 0
+    seconds: float = 0.0
+
+
+class DeltaSendRequest(msgspec.Struct, kw_only=True):
+    """Send the prepared delta of `version` through group `group_name` (rank 0; no gather)."""
+
+    group_name: str
+    version: int

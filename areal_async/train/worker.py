@@ -50,8 +50,11 @@ from areal_async.train.messages import (
     AbortBroadcastRequest,
     AbortBroadcastResult,
     BroadcastEndpoint,
+    DeltaBroadcastPlan,
+    DeltaBroadcastPrepare,
     DeltaPublishRequest,
     DeltaPublishResult,
+    DeltaSendRequest,
     IdentityRequest,
     OpenBroadcastRequest,
     WeightPlan,
@@ -120,6 +123,37 @@ class TrainerService:
         self.host = host
         self._deltas = None  # train/delta_publish.py's DeltaPublisher, made on first use (it imports torch)
         self._sent_version: int | None = None  # the version the last complete broadcast sent
+        self._sender = None  # train/delta_broadcast.py's DeltaSender, made on first use
+
+    def _delta_sender(self):
+        if self._sender is None:
+            from areal_async.train.delta_broadcast import DeltaSender  # lazy: torch
+
+            self._sender = DeltaSender()
+        return self._sender
+
+    def prepare_delta_broadcast(self, req: DeltaBroadcastPrepare) -> DeltaBroadcastPlan:
+        """train.delta_sync with broadcast: the delta of the version held now (train/delta_broadcast.py); "off"
+        without a gather when delta sync is off."""
+        from areal_async.types import WeightSpec
+
+        e = self.engine
+        if not getattr(e.cfg, "delta_sync", False):
+            return DeltaBroadcastPlan(kind="off", version=e.version, spec=WeightSpec(names=[], dtypes=[], shapes=[]))
+        if req.version != e.version:
+            raise ValueError(f"the trainers hold version {e.version}, not {req.version}")
+        e.bind_device()
+        return self._delta_sender().prepare(
+            e.model, version=e.version, served=req.served_dtype, skip=e.tied_names, checkpoint_dtype=e.checkpoint_dtype
+        )
+
+    def send_delta(self, req: DeltaSendRequest) -> BroadcastResult:
+        payloads = self._delta_sender().take(req.version)
+        try:
+            return e_broadcaster(self.engine).send_payloads(req.group_name, payloads)
+        except Exception:
+            self._delta_sender().reset()  # the servers may hold anything now: the next one is full
+            raise
 
     def _delta_publisher(self):
         if self._deltas is None:
@@ -135,6 +169,8 @@ class TrainerService:
         s.register("publish", self.publish, PublishRequest, blocking=True)
         s.register("publish_delta", self.publish_delta, DeltaPublishRequest, blocking=True)
         s.register("identity", self.identity, IdentityRequest, blocking=True)
+        s.register("prepare_delta_broadcast", self.prepare_delta_broadcast, DeltaBroadcastPrepare, blocking=True)
+        s.register("send_delta", self.send_delta, DeltaSendRequest, blocking=True)
         s.register("save_checkpoint", self.save_checkpoint, CheckpointRequest, blocking=True)
         s.register("load_checkpoint", self.load_checkpoint, CheckpointRequest, blocking=True)
         s.register("weight_plan", self.weight_plan, WeightPlanRequest, blocking=True)
@@ -203,6 +239,8 @@ class TrainerService:
 
     def load_checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
         self._sent_version = None
+        if self._sender is not None:
+            self._sender.reset()
         self._delta_publisher().reset()  # a resume or a rollback: the held bits are of another lineage
         seconds = self.engine.load_checkpoint(req.path)
         return CheckpointResult(path=os.path.abspath(req.path), version=self.engine.version, seconds=seconds)
@@ -233,6 +271,11 @@ class TrainerService:
     def shutdown(self, _: Empty) -> Empty:
         self.server.request_stop()  # serve_forever returns once this reply is sent
         return Empty()
+
+
+def e_broadcaster(engine):
+    """The engine's WeightBroadcaster (made on first use)."""
+    return engine._weight_broadcaster()
 
 
 def nccl_environment(cfg: TrainConfig, environ: MutableMapping[str, str]) -> None:

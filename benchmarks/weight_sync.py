@@ -243,6 +243,8 @@ async def _measure_model(model_dir: str, work: str, args: argparse.Namespace) ->
                         f"  {served} v{v}: {json.dumps({k: row[k] for k in row if 'digests' not in k})}",
                         file=sys.stderr,
                     )
+                if served == "bfloat16" and args.broadcast:
+                    out["broadcast_bf16"] = await _measure_broadcast(group, client, server.url, rng, vocab, args)
             finally:
                 await client.close()
                 await server.close()
@@ -275,6 +277,53 @@ async def _measure_model(model_dir: str, work: str, args: argparse.Namespace) ->
             except Exception:
                 pass
         launcher.shutdown()
+
+
+async def _measure_broadcast(group, client, url: str, rng, vocab: int, args: argparse.Namespace) -> dict:
+    """Delta vs full over a gloo broadcast (ElasticBroadcastSync with train.delta_sync), bf16 serving: per step
+    the delta update (prepare + send + the server's checks + identity), then the same version again as a full
+    broadcast (gather + send + the server's cast + identity, a gather on the trainer since it sends fp32)."""
+    from areal_async.rollout.broadcast_sync import ElasticBroadcastSync
+
+    sync = ElasticBroadcastSync(group, client, "127.0.0.1", ranks_per_server=1, backend="gloo", settle_s=1)
+    await sync.form_group()
+    rows = []
+    for _ in range(args.steps + 1):
+        v = (await group.train_step(_random_batch(rng, group.version, vocab), group.version)).version
+        before = dict(sync.stats)
+        await client.pause()
+        try:
+            t0 = time.perf_counter()
+            await sync.apply(v, flush_cache=True)
+            t1 = time.perf_counter()
+            await group.broadcast_weights(client, v, group_name=sync.group_name)
+            await sync._verify(v)
+            t2 = time.perf_counter()
+        finally:
+            await client.resume()
+        kind = "delta" if sync.stats["delta_updates"] > before["delta_updates"] else "full"
+        verdict = (await client.verify_weights(await group.identity("bfloat16")))[url]
+        row = {
+            "version": v,
+            "first_as": kind,
+            "first_s": t1 - t0,
+            "full_s": t2 - t1,
+            "delta_bytes": sync.stats["delta_bytes"] - before["delta_bytes"],
+            "full_bytes": sync.stats["full_bytes"] - before["full_bytes"],
+            "ok": verdict.ok,
+        }
+        rows.append(row)
+        print(f"  broadcast bf16 v{v}: {json.dumps(row)}", file=sys.stderr)
+    deltas = [r for r in rows if r["first_as"] == "delta"]
+    med = statistics.median
+    return {
+        "delta_bytes_per_update": med(r["delta_bytes"] for r in deltas),
+        "full_bytes_per_update": med(r["full_bytes"] for r in deltas),
+        "delta_s_per_update": med(r["first_s"] for r in deltas),
+        "full_s_per_update": med(r["full_s"] for r in deltas),
+        "identity_ok": all(r["ok"] for r in rows),
+        "rows": rows,
+    }
 
 
 def _main_model(args: argparse.Namespace) -> None:
@@ -325,6 +374,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--model", default=None, help="a real model (smollm2-135m-instruct): delta sync and identity")
     ap.add_argument("--steps", type=int, default=4, help="with --model: train steps measured after the first")
+    ap.add_argument("--no-broadcast", dest="broadcast", action="store_false", help="with --model: disk only")
     args = ap.parse_args()
     if args.model is not None:
         _main_model(args)

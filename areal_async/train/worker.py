@@ -148,9 +148,10 @@ class TrainerService:
         )
 
     def send_delta(self, req: DeltaSendRequest) -> BroadcastResult:
+        """Rank 0 broadcasts the payloads `prepare_delta_broadcast` made for `req.version` (no gather)."""
         payloads = self._delta_sender().take(req.version)
         try:
-            return e_broadcaster(self.engine).send_payloads(req.group_name, payloads)
+            return self.engine._weight_broadcaster().send_payloads(req.group_name, payloads)
         except Exception:
             self._delta_sender().reset()  # the servers may hold anything now: the next one is full
             raise
@@ -271,11 +272,6 @@ class TrainerService:
     def shutdown(self, _: Empty) -> Empty:
         self.server.request_stop()  # serve_forever returns once this reply is sent
         return Empty()
-
-
-def e_broadcaster(engine):
-    """The engine's WeightBroadcaster (made on first use)."""
-    return engine._weight_broadcaster()
 
 
 def nccl_environment(cfg: TrainConfig, environ: MutableMapping[str, str]) -> None:

@@ -255,7 +255,9 @@ async def test_batch_matches_single_requests(http):
 
 
 async def test_stream_is_cumulative_and_ends_with_done(http):
-    req = {"text": "7*8=", "sampling_params": greedy(10, ignore_eos=True), "return_logprob": True}
+    # 100 tokens: the engine thread can make a few tokens between two turns of a busy event loop, which then go out
+    # as one event; 100 of them in one event would need the loop held for the whole generation
+    req = {"text": "7*8=", "sampling_params": greedy(100, ignore_eos=True), "return_logprob": True}
     final = await generate(http, req)
     async with http.post("/generate", json={**req, "stream": True}) as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
@@ -269,7 +271,7 @@ async def test_stream_is_cumulative_and_ends_with_done(http):
         assert len(cur["meta_info"]["output_token_logprobs"]) == len(cur["output_ids"])
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     last = chunks[-1]
-    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 100}
     assert last["text"] == final["text"] and last["output_ids"] == final["output_ids"]
 
     async with http.post(

@@ -9,7 +9,15 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["ADDRESS_ENV", "WILDCARDS", "advertised", "host_address", "interface_of", "rendezvous_host"]
+__all__ = [
+    "ADDRESS_ENV",
+    "WILDCARDS",
+    "advertised",
+    "host_address",
+    "interface_of",
+    "pin_gloo_interface",
+    "rendezvous_host",
+]
 
 ADDRESS_ENV = "AREAL_TRAINER_ADDRESS"  # override of the address this host advertises (e.g. TrainerInfo.host)
 WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})  # bind hosts that mean "every interface"
@@ -40,6 +48,31 @@ def host_address() -> str:
     for _, ip in _interface_addresses():
         return ip
     return "127.0.0.1"
+
+
+def pin_gloo_interface() -> str | None:
+    """Set GLOO_SOCKET_IFNAME to the interface of `host_address()` when gloo's own choice would be unreachable from
+    other hosts; returns the interface set (None: left as it was).
+
+    gloo binds the address the host name resolves to. On a Debian-style host that is 127.0.1.1, and a group with a
+    member on another host fails ("Connection refused, remote=[127.0.1.1]"): the trainers' world across hosts,
+    and the weight-update group between trainer rank 0 and servers on other hosts. So when the name resolves only
+    to loopback and the host has a routable address, gloo is pinned to that address's interface (which also
+    serves a group on this one host). A variable the user set is kept, and a host whose name resolves to a
+    routable address is left to gloo."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    if any(not str(info[4][0]).startswith("127.") for info in infos):
+        return None
+    address = host_address()
+    iface = interface_of(address) if not address.startswith("127.") else None
+    if iface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+    return iface
 
 
 def interface_of(address: str) -> str | None:

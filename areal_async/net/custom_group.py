@@ -28,6 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from areal_async.net.address import pin_gloo_interface
+
 __all__ = [
     "new_custom_group",
     "open_store",
@@ -126,6 +128,8 @@ def new_custom_group(
         if dev.type != "cuda":
             raise ValueError("backend 'nccl' needs a CUDA device; use 'gloo' on CPU")
         torch.cuda.set_device(dev)
+    if backend == "gloo":
+        pin_gloo_interface()  # servers and trainer rank 0 on other hosts must reach this member's gloo address
     timeout = timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(group_name, store)
     with unbound_default_group():

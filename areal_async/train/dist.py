@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from areal_async.net.address import ADDRESS_ENV, host_address, interface_of
+from areal_async.net.address import ADDRESS_ENV, host_address, pin_gloo_interface
 from areal_async.train.errors import TrainerFailure, peer_error
 
 __all__ = [
@@ -53,7 +53,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> torch.d
     dev = rank_device(device)
     bind_device(dev)
     if not dist.is_initialized():
-        _pin_gloo_interface()
+        pin_gloo_interface()  # a Debian-style host: gloo would bind 127.0.1.1, which other hosts cannot reach
         backend = "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"
         kwargs: dict = {}
         if "RANK" not in os.environ:  # not under torchrun: a private world of one
@@ -65,21 +65,6 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> torch.d
             **kwargs,
         )
     return dev
-
-
-def _pin_gloo_interface() -> None:
-    """A world across hosts: gloo binds the address the host name resolves to, which on a Debian-style host
-    (/etc/hosts: 127.0.1.1 <name>) no other host can reach, and the ranks fail with "Connection refused,
-    remote=[127.0.1.1]". So pin gloo to the interface of this host's routable address, unless the user chose one
-    (GLOO_SOCKET_IFNAME) or the whole world is on this host."""
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= int(os.environ.get("LOCAL_WORLD_SIZE", str(world))):
-        return
-    iface = interface_of(host_address())
-    if iface is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = iface
 
 
 def bind_device(device: torch.device) -> None:

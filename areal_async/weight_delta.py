@@ -3,10 +3,10 @@
 After one small optimizer step most bf16 values do not change (an Adam step of ~lr is far below one bf16 ulp of
 most weights), so the bits that did change are sparse. A delta holds, per parameter that changed, the XOR of its
 old and new bits, compressed (mostly zeros, so it packs tight); applied to the exact base it was computed against,
-it gives the new version bit for bit. "Exact base" is checked, not assumed: the manifest carries the base's identity and the result's (the
-combined digests of protocol/weight_identity.py), and a receiver applies a delta only to weights whose identity is
-the base's, then checks the result's. A label ("version 4") is not enough: after a trainer rollback version 4 is
-trained again and has other bits.
+it gives the new version bit for bit. "Exact base" is checked, not assumed: the manifest carries the base's
+identity and the result's (the combined digests of protocol/weight_identity.py), and a receiver applies a delta
+only to weights whose identity is the base's, then checks the result's. A label ("version 4") is not enough:
+after a trainer rollback version 4 is trained again and has other bits.
 
 On disk a delta is a directory `v<k>` with two files:
 

@@ -543,7 +543,10 @@ async def test_real_servers_routing_and_failover(tiny_ckpt):
             await a.close()
             results = await asyncio.gather(*tasks)
             assert [r.output_ids for r in results] == [r.output_ids for r in ref]
-            assert c.stats()["failovers"] >= 1 and not c.stats()["servers"][a.url]["healthy"]
+            # a's requests left it either as a failover (the connection dropped mid-request) or as an interruption
+            # (a closing server aborts what it runs, and the resubmission goes to b): which one depends on timing
+            moved = c.stats()["failovers"] + c.stats()["interruptions"]
+            assert moved >= 1 and not c.stats()["servers"][a.url]["healthy"], c.stats()
             assert {r.server for r in results} == {b.url}
 
             restarted = await start_server(tiny_ckpt, port=port, device="cpu")

@@ -106,10 +106,13 @@ def test_hosts_of_a_killed_creator_are_removed_by_the_next_one():
     try:
         netns = creator.stdout.readline().strip()
         assert netns in nshosts.namespaces_of(creator.pid)
-        orphan = [
-            int(x)
-            for x in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
-        ]
+        # `ip netns exec` enters the namespace after Popen returns: wait for the sleep to be seen inside it
+        deadline = time.monotonic() + 20
+        orphan: list[int] = []
+        while not orphan and time.monotonic() < deadline:
+            out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout
+            orphan = [int(x) for x in out.split()]
+            time.sleep(0.05)
         assert orphan
     finally:
         os.kill(creator.pid, signal.SIGKILL)

@@ -44,6 +44,7 @@ from areal_async.launch import (
     launcher_for,
     supervise,
 )
+from areal_async.launch.eval_server import EvalServerProcess
 from areal_async.launch.outcomes import NoServerServing, RunStopped, TrainerLost
 from areal_async.launch.processes import Processes
 from areal_async.launch.recovery import LOG_FILE as RECOVERY_LOG_FILE
@@ -56,6 +57,7 @@ from areal_async.rollout.controller import AsyncRLController
 from areal_async.rollout.evaluate import evaluate
 from areal_async.rollout.ledger import FILE_NAME as LEDGER_FILE
 from areal_async.rollout.ledger import SampleLedger
+from areal_async.rollout.pinned_eval import PinnedEvals, link_checkpoint
 from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.weight_sync import WeightSync
 from areal_async.run_connect import bring_servers_to, connect_trainers, connect_weights
@@ -132,6 +134,8 @@ class Session:
     recovery: RunRecovery | None = None  # the recovery policy, when recovery.enabled (run() keeps failure_policy's)
     recovery_log: RecoveryLog | None = None  # every fault and what was done
     trainers_stopped: bool = False  # every rank took the shutdown RPC: the trainer job is exiting by itself
+    pinned_evals: PinnedEvals | None = None  # eval.mode=pinned
+    eval_server: EvalServerProcess | None = None  # the server eval.mode=pinned started (no eval.server_url)
 
     def log_metrics(self, kind: str, step: int, values: dict[str, Any]) -> None:
         if self.logger is not None:
@@ -162,6 +166,13 @@ class Session:
                     await part.close()
         if logger is not None:
             logger.close()
+        pinned, self.pinned_evals = self.pinned_evals, None
+        if pinned is not None:
+            with contextlib.suppress(Exception):
+                await pinned.close()
+        server, self.eval_server = self.eval_server, None
+        if server is not None:
+            await asyncio.to_thread(server.stop)
 
 
 async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = None) -> dict[str, Any]:
@@ -266,6 +277,8 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
     weights = await connect_weights(plan, trainers, client, cluster)
     if rec is not None:
         rec.attach(client)
+    if cfg.eval.mode == "pinned" and plan.eval_samples:
+        session.pinned_evals = make_pinned_evals(plan, session, trainers, weights)
     if plan.resumed:  # the servers start from the base model: bring them to the resumed version
         await bring_servers_to(weights, state.version)
     log.info(
@@ -324,6 +337,9 @@ def make_controller(
         keep_checkpoints=cfg.recovery.keep_checkpoints,
         checkpointed=checkpointed,
         journal=cfg.recovery.journal,
+        # pinned without held-out prompts has nothing to pin
+        eval_mode="overlap" if cfg.eval.mode == "pinned" and session.pinned_evals is None else cfg.eval.mode,
+        pinned_evals=session.pinned_evals,
     )
 
 
@@ -357,15 +373,17 @@ async def _stop_without_servers(ctrl: AsyncRLController, session: Session, why: 
 # ---- evals and the final checkpoint -----------------------------------------------------------------------------
 
 
-def make_evaluator(plan: RunPlan, client: InferenceClient) -> Any:
+def make_evaluator(plan: RunPlan, client: InferenceClient | None) -> Any:
+    """The held-out eval through `client`; with None, a function of the client to evaluate through (the pinned
+    evals' server)."""
     cfg = plan.cfg
     priority = cfg.eval.priority
     if priority is None and cfg.server.backend == "embedded":
         priority = 1
 
-    async def evaluator() -> dict[str, float]:
+    async def evaluator(through: Any = None) -> dict[str, float]:
         return await evaluate(
-            client,
+            through if through is not None else client,
             plan.tokenizer,
             plan.eval_samples,
             plan.score,
@@ -375,6 +393,33 @@ def make_evaluator(plan: RunPlan, client: InferenceClient) -> Any:
         )
 
     return evaluator
+
+
+def make_pinned_evals(plan: RunPlan, session: Session, trainers: Any, weights: WeightSync) -> PinnedEvals:
+    """eval.mode=pinned (rollout/pinned_eval.py): the eval server (eval.server_url, else one this run starts) and
+    the snapshot of a version: hard links to its disk-sync checkpoint when that is a full one, else a full
+    checkpoint the trainer writes (broadcast and delta sync leave none of the version on disk)."""
+    cfg = plan.cfg
+    root = os.path.join(cfg.run_dir, "eval_weights")
+    if cfg.eval.server_url is not None:
+        fixed = cfg.eval.server_url
+
+        async def server_url() -> str:
+            return fixed
+    else:
+        session.eval_server = EvalServerProcess(cfg, plan.model_path)
+        server_url = session.eval_server.url
+
+    async def snapshot(version: int) -> str:
+        dest = os.path.join(root, f"v{version}")
+        latest = weights.latest_checkpoint
+        if latest is not None and os.path.basename(latest.rstrip("/")) == f"v{version}":
+            return await asyncio.to_thread(link_checkpoint, latest, dest)
+        pub = await trainers.publish(version, root, keep=1_000_000)  # pinned_eval.py deletes each after its eval
+        return pub.path
+
+    evaluator = make_evaluator(plan, None)
+    return PinnedEvals(server_url=server_url, snapshot=snapshot, evaluate=evaluator, api_key=cfg.server.api_key)
 
 
 async def _copy_final(ctrl: AsyncRLController, run_dir: str) -> str | None:

@@ -313,7 +313,8 @@ class RolloutConfig(Section):
 
 
 class EvalConfig(Section):
-    """Held-out evaluation: greedy decoding through the same servers (its timing is schedule.eval_every)."""
+    """Held-out evaluation: greedy decoding, scored by the task's reward (its timing is schedule.eval_every).
+    Every mode evaluates exactly one weight version and says which; they differ in what waits for the eval."""
 
     num_prompts: int = 200
     """Held-out prompts scored per eval; 0: no evals."""
@@ -322,10 +323,33 @@ class EvalConfig(Section):
     priority: int | None = None
     """Queue priority of eval requests (larger goes first). null: 1 on embedded servers, so an eval beside running
     rollouts is not stuck behind them; unset for sglang/external (SGLang needs --enable-priority-scheduling)."""
+    mode: Literal["overlap", "stop", "pinned"] = "overlap"
+    """overlap: the eval of version v runs on the rollout servers beside the next train step, whose weight sync
+    waits for it; stop: the train loop stops for the eval and no new rollout starts until it ends (what a
+    synchronous system does); pinned: the eval runs on a server of its own that holds version v, and nothing
+    waits for it (the rollout servers keep generating and updating; docs/design.md, "Evaluation")."""
+    server_url: str | None = None
+    """eval.mode=pinned: the URL of a server you run for evals (embedded or SGLang; it gets each version by
+    /update_weights_from_disk, so it must read this run's run_dir). null: the run starts an embedded one."""
+    device: str | None = None
+    """eval.mode=pinned, the server the run starts: its device (auto, cpu, cuda:N); null: server.device."""
 
     def validate(self, prefix: str = "") -> None:
         check(self.num_prompts >= 0, key_of(prefix, "num_prompts"), "must be >= 0")
         check(self.max_new_tokens >= 1, key_of(prefix, "max_new_tokens"), "must be >= 1")
+        check(
+            self.server_url is None or self.mode == "pinned",
+            key_of(prefix, "server_url"),
+            "is only used with eval.mode=pinned",
+        )
+        check(
+            self.server_url is None or self.server_url.startswith(("http://", "https://")),
+            key_of(prefix, "server_url"),
+            f"must be an http:// or https:// URL, not {self.server_url!r}",
+        )
+        check(
+            self.device is None or self.mode == "pinned", key_of(prefix, "device"), "is only used with eval.mode=pinned"
+        )
 
 
 class WandbConfig(Section):
@@ -430,6 +454,17 @@ class RunConfig(Section):
             key_of(prefix, "schedule.interruptible"),
             "false cannot be combined with train.weight_sync=broadcast in async mode (a broadcast is sent bucket "
             "by bucket and needs the servers paused); use interruptible=true or train.weight_sync=disk",
+        )
+        # the run starts the pinned eval's server only as an embedded server on the controller's host
+        check(
+            not (
+                self.eval.mode == "pinned"
+                and self.eval.server_url is None
+                and (self.server.backend != "embedded" or self.launcher != "local")
+            ),
+            key_of(prefix, "eval.mode"),
+            "pinned starts its own eval server only with server.backend=embedded and launcher=local; "
+            "elsewhere run one yourself and give its URL as eval.server_url",
         )
 
 

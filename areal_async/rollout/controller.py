@@ -55,6 +55,7 @@ from areal_async.rollout.checkpoints import (
 from areal_async.rollout.journal import GenerationJournal
 from areal_async.rollout.ledger import SampleLedger
 from areal_async.rollout.manager import RolloutManager
+from areal_async.rollout.pinned_eval import PinnedEvals
 from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.weight_sync import DiskSync, WeightSync, interrupt_mode, update_weights
 from areal_async.rollout.workflow_api import Generator, Workflow
@@ -115,6 +116,8 @@ class AsyncRLController:
         checkpointed: bool = False,
         pace_gc: bool = True,
         journal: bool = False,
+        eval_mode: str = "overlap",
+        pinned_evals: PinnedEvals | None = None,
     ) -> None:
         """`weights` defaults to disk sync under `run_dir/weights`; `ledger` to one without a file (the run passes
         one that writes trained_index.jsonl); `busy_probe` reads the servers' cumulative compute seconds.
@@ -123,8 +126,18 @@ class AsyncRLController:
         `pace_gc`: the rollout manager paces the garbage collector (off for a process that manages its own, such
         as the planner's virtual-time runs, where a pacer waking every 50 ms of virtual time would dominate).
         `journal`: keep a generation journal in `run_dir/journal` (rollout/journal.py) and the groups in flight in
-        every checkpoint; with `checkpointed`, the groups the checkpoint left in flight continue from their tokens."""
+        every checkpoint; with `checkpointed`, the groups the checkpoint left in flight continue from their tokens.
+        `eval_mode` (eval.mode): what the periodic evals hold up (docs/design.md, "Evaluation"); "pinned" runs
+        them through `pinned_evals` (pinned_eval.py), the base and final ones through `evaluator` as always."""
         schedule.validate("schedule")
+        if eval_mode not in ("overlap", "stop", "pinned"):
+            raise ValueError(f"eval_mode must be overlap, stop or pinned, not {eval_mode!r}")
+        if eval_mode == "pinned" and pinned_evals is None:
+            raise ValueError("eval_mode=pinned needs pinned_evals")
+        self.eval_mode = eval_mode
+        self.pinned_evals = pinned_evals
+        if pinned_evals is not None:
+            pinned_evals.on_result = self._pinned_result
         self.cfg = schedule
         self.client = client
         self.trainer = trainer
@@ -196,12 +209,16 @@ class AsyncRLController:
                     and st.version % self.cfg.eval_every == 0
                     and st.version < self.cfg.total_steps
                 ):
-                    self._eval_due = True  # started by the next step once it has its batch (see _train_one_step)
+                    await self._periodic_eval()
                 if self.cfg.checkpoint_every and st.version % self.cfg.checkpoint_every == 0:
                     await self.save_checkpoint()
             await self._join_eval()
             self._eval_due = False  # a max_wall_s stop: the final eval below covers this version
+            if self.pinned_evals is not None:
+                await self.pinned_evals.drain()  # their figures belong before the final one
         finally:
+            if self.pinned_evals is not None:
+                await self.pinned_evals.close()
             if self._eval_task is not None and not self._eval_task.done():
                 self._eval_task.cancel()
             await asyncio.gather(*(t for t in [self._eval_task] if t is not None), return_exceptions=True)
@@ -292,6 +309,33 @@ class AsyncRLController:
             pub = await self.trainer.publish(self.state.version, os.path.join(self.run_dir, "weights"))
             return pub.path
         return self.weights.latest_checkpoint
+
+    async def _periodic_eval(self) -> None:
+        """A periodic eval of the version just made, as eval.mode says. overlap: due, started by the next step
+        once it has its batch (see _train_one_step); stop: now, with the train loop and new rollouts waiting;
+        pinned: a snapshot now and the eval on its own server (pinned_eval.py), nothing waits."""
+        if self.eval_mode == "overlap":
+            self._eval_due = True
+        elif self.eval_mode == "stop":
+            t0 = _now()
+            self.rollout.hold()
+            try:
+                await self._evaluate()
+            finally:
+                self.rollout.release()
+            self.timings["eval_wait_s"] += _now() - t0
+        else:
+            assert self.pinned_evals is not None
+            t0 = _now()
+            await self.pinned_evals.submit(self.state.version, self.state.wall_s)
+            self.timings["eval_wait_s"] += _now() - t0  # the snapshot: the train loop's whole share of it
+
+    def _pinned_result(self, version: int, wall_s: float, ev: dict[str, float]) -> None:
+        """A pinned eval's figures, attributed to exactly `version` (pinned_eval.py checked every token)."""
+        self.timings["eval_s"] += ev.get("seconds", 0.0)
+        ev = {**ev, "version": version, "wall_s": wall_s}
+        self.evals.append(ev)
+        self._log("eval", version, ev)
 
     async def _join_eval(self) -> float:
         """Wait for a periodic eval still running (it must finish on the weights it started with, so the next weight

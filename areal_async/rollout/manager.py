@@ -84,6 +84,22 @@ class RolloutManager:
         self._tasks: set[asyncio.Task] = set()
         self.pace_gc = pace_gc
         self._gc = GCPacer() if pace_gc else None
+        self._admitting: asyncio.Event | None = None  # cleared: no new group starts (made on the loop, lazily)
+
+    def _admission(self) -> asyncio.Event:
+        if self._admitting is None:
+            self._admitting = asyncio.Event()
+            self._admitting.set()
+        return self._admitting
+
+    def hold(self) -> None:
+        """Start no new group until `release` (the groups running go on, and one the admission rule has already
+        let through still starts). eval.mode=stop holds generation this way for an eval; no slot is taken while
+        held, so the staleness accounting is unchanged."""
+        self._admission().clear()
+
+    def release(self) -> None:
+        self._admission().set()
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -94,6 +110,7 @@ class RolloutManager:
     async def _submit_loop(self) -> None:
         try:
             while True:
+                await self._admission().wait()
                 start_version = await self.buffer.acquire_slot()
                 draw = self.stream.draw()
                 self.ledger.drawn(draw.index)

@@ -419,7 +419,12 @@ def make_pinned_evals(plan: RunPlan, session: Session, trainers: Any, weights: W
         return pub.path
 
     evaluator = make_evaluator(plan, None)
-    return PinnedEvals(server_url=server_url, snapshot=snapshot, evaluate=evaluator, api_key=cfg.server.api_key)
+
+    def make_client(url: str) -> InferenceClient:
+        # a short wait for an unavailable server: a dead eval server fails its eval, it does not stall
+        return InferenceClient([url], api_key=cfg.server.api_key, unavailable_timeout_s=30.0)
+
+    return PinnedEvals(server_url=server_url, make_client=make_client, snapshot=snapshot, evaluate=evaluator)
 
 
 async def _copy_final(ctrl: AsyncRLController, run_dir: str) -> str | None:

@@ -55,7 +55,6 @@ from areal_async.rollout.checkpoints import (
 from areal_async.rollout.journal import GenerationJournal
 from areal_async.rollout.ledger import SampleLedger
 from areal_async.rollout.manager import RolloutManager
-from areal_async.rollout.pinned_eval import PinnedEvals
 from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.weight_sync import DiskSync, WeightSync, interrupt_mode, update_weights
 from areal_async.rollout.workflow_api import Generator, Workflow
@@ -117,7 +116,7 @@ class AsyncRLController:
         pace_gc: bool = True,
         journal: bool = False,
         eval_mode: str = "overlap",
-        pinned_evals: PinnedEvals | None = None,
+        pinned_evals: Any = None,
     ) -> None:
         """`weights` defaults to disk sync under `run_dir/weights`; `ledger` to one without a file (the run passes
         one that writes trained_index.jsonl); `busy_probe` reads the servers' cumulative compute seconds.
@@ -127,8 +126,9 @@ class AsyncRLController:
         as the planner's virtual-time runs, where a pacer waking every 50 ms of virtual time would dominate).
         `journal`: keep a generation journal in `run_dir/journal` (rollout/journal.py) and the groups in flight in
         every checkpoint; with `checkpointed`, the groups the checkpoint left in flight continue from their tokens.
-        `eval_mode` (eval.mode): what the periodic evals hold up (docs/design.md, "Evaluation"); "pinned" runs
-        them through `pinned_evals` (pinned_eval.py), the base and final ones through `evaluator` as always."""
+        `eval_mode` (eval.mode): what the periodic evals hold up (docs/design.md, "Evaluation"). "pinned" runs
+        them through `pinned_evals` (a pinned_eval.PinnedEvals, typed Any: the planner imports this module and
+        must not reach the inference client it holds), the base and final ones through `evaluator` as always."""
         schedule.validate("schedule")
         if eval_mode not in ("overlap", "stop", "pinned"):
             raise ValueError(f"eval_mode must be overlap, stop or pinned, not {eval_mode!r}")

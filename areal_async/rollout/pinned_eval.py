@@ -30,8 +30,8 @@ import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from areal_async.inference.client import InferenceClient
 from areal_async.rollout.workflow_api import Generator
 
 log = logging.getLogger(__name__)
@@ -53,23 +53,24 @@ class PinnedEvals:
         self,
         *,
         server_url: Callable[[], Awaitable[str]],
+        make_client: Callable[[str], Any],
         snapshot: Snapshot,
         evaluate: EvalFn,
         on_result: OnResult | None = None,
-        api_key: str | None = None,
         max_pending: int = 4,
     ) -> None:
         self.server_url = server_url
+        # url -> an InferenceClient (passed in: the planner imports the controller, and must not import the client)
+        self.make_client = make_client
         self.snapshot = snapshot
         self.evaluate = evaluate
         self.on_result = on_result  # the controller sets its own (AsyncRLController._pinned_result)
-        self.api_key = api_key
         self.max_pending = max_pending
         self.counts = {"done": 0, "failed": 0, "skipped": 0}
         self.snapshot_s = 0.0  # time the train loop spent making snapshots (the only time it spends on evals)
         self._queue: asyncio.Queue[tuple[int, float, str, float]] | None = None
         self._worker: asyncio.Task | None = None
-        self._client: InferenceClient | None = None
+        self._client: Any = None
 
     async def submit(self, version: int, wall_s: float) -> bool:
         """Take the snapshot of `version` now (the trainer holds exactly it) and queue its eval; False if the
@@ -133,14 +134,13 @@ class PinnedEvals:
                     self.on_result(version, wall_s, ev)
             self._queue.task_done()
 
-    async def _eval_client(self) -> InferenceClient:
+    async def _eval_client(self) -> Any:
         url = (await self.server_url()).rstrip("/")
         if self._client is not None and list(self._client.urls) != [url]:
             await self._client.close()  # a restarted server, on another port
             self._client = None
         if self._client is None:
-            # a short wait for an unavailable server: a dead eval server fails its eval, it does not stall
-            self._client = InferenceClient([url], api_key=self.api_key, unavailable_timeout_s=30.0)
+            self._client = self.make_client(url)
         return self._client
 
     async def _one(self, version: int, path: str) -> dict[str, float]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -41,6 +42,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -62,12 +64,15 @@ from areal_async.launch.processes import (
 )
 from areal_async.launch.slurm_allocation import (
     Allocation,
+    NodeHealth,
     SlurmError,
     expand_counts,
     in_allocation,
+    lost_nodes,
+    node_health,
     slurm_cmd,
 )
-from areal_async.net.rank_registry import Registry, route_address
+from areal_async.net.rank_registry import Registry, rank_file, route_address
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -77,6 +82,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Allocation",
     "NodeAssignment",
+    "NodeLost",
     "SlurmCluster",
     "SlurmError",
     "SlurmLauncher",
@@ -180,8 +186,16 @@ def list_steps(job_id: str) -> dict[str, str]:
     return steps
 
 
+class NodeLost(NotImplementedError):
+    """A node of the trainer step went away (power, network, a reboot): Slurm keeps listing that node's part of the
+    step, holding its CPUs, and no scancel ends it, so no new trainer step fits in this allocation. The run stops
+    with its last checkpoint (run_rollback.py treats a restart that cannot be done as final); resubmitting it once
+    the node is back, or on other nodes, resumes it. The message names the node."""
+
+
 class SlurmCluster:
-    """srun children of this controller, one per step; watched by polling like LocalCluster."""
+    """srun children of this controller, one per step; watched by polling like LocalCluster. A failed trainer step
+    is replaced in place (`restart_trainers`, on the same nodes), unless one of its nodes went away (`NodeLost`)."""
 
     def __init__(
         self,
@@ -205,6 +219,11 @@ class SlurmCluster:
         self.poll_s = poll_s
         self.join: JoinFile | None = None  # run_dir/servers.txt (launch/membership.py), set once the servers are up
         self._closed = False
+        self.start_trainers: Callable[[str | None, int], Child] | None = None  # (resume, generation): set by launch
+        self.trainer_nodes: list[str] = []
+        self.node_timeout_s = 120.0
+        self.nodes_at_start: dict[str, NodeHealth] = {}  # the trainer nodes as they were when the run launched
+        self._generation = 0  # trainer steps started so far, minus one
 
     @property
     def trainers(self) -> TrainerHandle:
@@ -218,6 +237,53 @@ class SlurmCluster:
     def step_name(self, name: str) -> str:
         return f"areal.{self.tag}.{name}"
 
+    # ---- replacing the trainer step (the recovery policy's side, launch/recovery.py) ----------------------------
+
+    def trainer_pids(self) -> set[int]:
+        """The srun process of the current trainer step."""
+        return {c.proc.pid for c in self.processes.children if c.role == "trainer" and not c.expected_exit}
+
+    def lost_trainer_nodes(self) -> dict[str, str]:
+        """Trainer nodes that went away since the launch (node -> why; see slurm_allocation.lost_nodes)."""
+        return lost_nodes(self.nodes_at_start, node_health(self.trainer_nodes))
+
+    async def restart_trainers(self, resume: str | None) -> TrainerHandle:
+        """Replace the trainer step: cancel the old one and wait until Slurm no longer lists it (its CPUs are then
+        free again), forget its ranks, and start a new step on the same nodes from the trainer checkpoint `resume`
+        (None: the base model) with a fresh rendezvous. Raises `NodeLost` naming the node when a trainer node went
+        away (its part of the old step cannot end), `ChildFailed` when the new step is not created in
+        `slurm.node_timeout_s`."""
+        if self.start_trainers is None:
+            raise NotImplementedError("this cluster cannot restart its trainers")
+        step = self.step_name("trainer")
+        for old in self.processes.children:
+            if old.role == "trainer":
+                old.expected_exit = True  # its srun ends on the scancel below: no event for that
+        deadline = time.monotonic() + self.node_timeout_s
+        cancelled = False
+        while True:
+            listed = await asyncio.to_thread(_steps_or_none, self.alloc.job_id)
+            sid = None if listed is None else listed.get(step)
+            if listed is not None and sid is None:
+                break
+            if sid is not None and not cancelled:
+                await self._scancel([], [sid])
+                cancelled = True
+            lost = await asyncio.to_thread(self.lost_trainer_nodes) if sid is not None else {}
+            if lost or time.monotonic() > deadline:
+                raise NodeLost(_node_lost_message(sid or step, lost, self.trainer_nodes, self.node_timeout_s))
+            await asyncio.sleep(1.0)
+        for old in [c for c in self.processes.children if c.role == "trainer"]:
+            await asyncio.to_thread(self.processes.stop, old, 5.0)
+        for name in [n for n, reg in self.registry.entries.items() if reg.kind == "rank"]:
+            self.registry.entries.pop(name)
+            with contextlib.suppress(OSError):
+                os.remove(rank_file(self.registry.rank_dir, int(name.removeprefix("rank"))))
+        self._generation += 1
+        child = self.start_trainers(resume, self._generation)
+        await SlurmLauncher._wait_created(self, [child], self.node_timeout_s, only=True)
+        return self.trainers
+
     async def watch(self, on_event: EventHandler) -> None:
         while True:
             for child in self.processes.exited():  # an srun exits when its step ends
@@ -229,6 +295,7 @@ class SlurmCluster:
                         log_path=child.log_path,
                         log_tail=tail(child.log_path),
                         url=child.url,
+                        pid=child.proc.pid,
                     )
                 )
             if self.join is not None:
@@ -294,6 +361,25 @@ class SlurmCluster:
             log.error("could not cancel the steps: %s", e)
 
 
+def _steps_or_none(job_id: str) -> dict[str, str] | None:
+    try:
+        return list_steps(job_id)
+    except SlurmError as e:
+        log.warning("cannot list the steps: %s", e)
+        return None
+
+
+def _node_lost_message(step: str, lost: dict[str, str], nodes: list[str], timeout_s: float) -> str:
+    if lost:
+        where = "; ".join(f"node {n} went away ({why})" for n, why in lost.items())
+    else:
+        where = f"Slurm still lists it {timeout_s:.0f}s after scancel (slurm.node_timeout_s) on {','.join(nodes)}"
+    return (
+        f"the trainer step {step} cannot be replaced in this allocation: {where}; Slurm keeps that node's part of "
+        f"the step, so resubmit the run once the node is back (or on other nodes)"
+    )
+
+
 def describe_steps(alloc: Allocation) -> str:
     """What holds the job's resources: 'job 28 holds 4 CPUs on vm; its running steps: 28.0 blocker (2 CPUs on
     vm), ...' (why a step cannot be created)."""
@@ -341,7 +427,15 @@ class SlurmLauncher:
             cluster = SlurmCluster(
                 alloc, procs, registry, tag, [], world, secret, cfg.run_dir, _node_address(assignment.trainer_nodes[0])
             )
-            trainer = self._start_trainers(cluster, cfg, assignment, model_path, trainer_resume, secret, remote)
+            trainer = self._start_trainers(
+                cluster, cfg, assignment, model_path, trainer_resume, secret=secret, remote=remote
+            )
+            cluster.start_trainers = functools.partial(
+                self._start_trainers, cluster, cfg, assignment, model_path, secret=secret, remote=remote
+            )
+            cluster.trainer_nodes = list(assignment.trainer_nodes)
+            cluster.node_timeout_s = cfg.slurm.node_timeout_s
+            cluster.nodes_at_start = await asyncio.to_thread(node_health, cluster.trainer_nodes)
             servers = self._start_servers(cluster, cfg, assignment, model_path, secret)
             await self._wait_created(cluster, [trainer, *servers], cfg.slurm.node_timeout_s)
             for child in servers:
@@ -380,6 +474,8 @@ class SlurmLauncher:
         p: NodeAssignment,
         model_path: str,
         resume: str | None,
+        generation: int = 0,
+        *,
         secret: bytes,
         remote: bool,
     ) -> Child:
@@ -389,9 +485,8 @@ class SlurmLauncher:
             endpoint = t.rdzv.endpoint or (
                 f"{p.trainer_nodes[0]}:{rdzv_port(alloc.job_id, alloc.controller_node, p.trainer_nodes[0])}"
             )
-            rdzv = c10d_args(
-                nnodes=t.nnodes, endpoint=endpoint, run_id=f"{alloc.job_id}-{cluster.tag}", timeout_s=t.rdzv.timeout_s
-            )
+            run_id = f"{alloc.job_id}-{cluster.tag}-{generation}"
+            rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=run_id, timeout_s=t.rdzv.timeout_s)
         cmd = trainer_cmd(
             model=model_path,
             nproc=t.nproc,
@@ -471,13 +566,17 @@ class SlurmLauncher:
         return out
 
     @staticmethod
-    async def _wait_created(cluster: SlurmCluster, children: list[Child], timeout_s: float) -> None:
+    async def _wait_created(
+        cluster: SlurmCluster, children: list[Child], timeout_s: float, *, only: bool = False
+    ) -> None:
         """Until Slurm lists a step for every child; a child that exits first, or a step not created in time (srun
-        keeps retrying while the step's nodes are busy, down or unreachable), fails with srun's log."""
+        keeps retrying while the step's nodes are busy, down or unreachable), fails with srun's log. With `only` (a
+        step replaced while the run goes on), other children's exits stay for the watch."""
         deadline = time.monotonic() + timeout_s
         pending = {cluster.step_name(c.name): c for c in children}
         while True:
-            for child in cluster.processes.exited():
+            for child in [c for c in children if c.proc.poll() is not None] if only else cluster.processes.exited():
+                child.reported = True
                 raise ChildFailed(child.describe_exit())
             with contextlib.suppress(SlurmError):
                 listed = await asyncio.to_thread(list_steps, cluster.alloc.job_id)

@@ -109,3 +109,50 @@ def _job_resources(job: str) -> tuple[list[str], dict[str, int]]:
     if not nodes:
         raise SlurmError(f"scontrol show job -d {job}: no node list")
     return nodes, cpus
+
+
+# ---- node health: which node of a step went away ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """One node as slurmctld sees it: `state` as scontrol prints it ("MIXED", "IDLE*": the trailing `*` is "not
+    responding"), and when its slurmd last started (a new time means the node's slurmd, and whatever ran there,
+    was restarted: a power loss or a reboot)."""
+
+    state: str
+    slurmd_started: str
+
+    @property
+    def responding(self) -> bool:
+        s = self.state.upper()
+        return not (s.endswith("*") or "NOT_RESPONDING" in s or s.startswith(("DOWN", "FAIL")))
+
+
+def node_health(nodes: list[str]) -> dict[str, NodeHealth]:
+    """`scontrol show node` for `nodes` ({} when slurmctld does not answer: no verdict, not a lost node)."""
+    try:
+        text = slurm_cmd(["scontrol", "show", "node", "-o", ",".join(nodes)])
+    except SlurmError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        f = dict(re.findall(r"(\w+)=(\S+)", line))
+        if "NodeName" in f:
+            out[f["NodeName"]] = NodeHealth(f.get("State", "?"), f.get("SlurmdStartTime", "?"))
+    return out
+
+
+def lost_nodes(before: dict[str, NodeHealth], now: dict[str, NodeHealth]) -> dict[str, str]:
+    """node -> why it went away since `before`: its slurmd does not answer, or it was restarted (what ran on the
+    node died with it; Slurm still lists that node's part of our steps, which no scancel can end)."""
+    out = {}
+    for node, h in now.items():
+        if not h.responding:
+            out[node] = f"{h.state}: its slurmd does not answer (the node lost power or its network)"
+        elif node in before and h.slurmd_started != before[node].slurmd_started:
+            out[node] = (
+                f"its slurmd restarted at {h.slurmd_started} (was up since {before[node].slurmd_started}): the node "
+                "lost power or rebooted, and what ran there with it"
+            )
+    return out

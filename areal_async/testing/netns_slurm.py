@@ -101,6 +101,20 @@ class SlurmOnHosts:
                 )
             time.sleep(0.5)
 
+    def start_slurmd(self, host_index: int, timeout_s: float = 60.0) -> None:
+        """Start host `host_index`'s slurmd again (after `Host.kill_all`, as a node that comes back from a power
+        loss) and wait until slurmctld sees it answer."""
+        h = self.hosts[host_index]
+        self._daemon(host_index, ["slurmd", "-D", "-N", h.name, "-f", self.conf], f"slurmd-{h.name}.out")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.node_states().get(h.name, "")
+            if state and not state.endswith("*") and not state.startswith(("down", "fail")):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{h.name} not answering {timeout_s:.0f}s after its slurmd started ({state})")
+            time.sleep(0.5)
+
     def _log_tails(self) -> str:
         out = []
         log_dir = os.path.join(self.root, "log")

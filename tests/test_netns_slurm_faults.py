@@ -1,0 +1,163 @@
+"""Trainer faults under launcher=slurm on two real nodes (network-namespace hosts, areal_async/testing/netns_slurm.py):
+the batch job (the controller) on h0, one server step and one torchrun agent on each node, as in test_netns_slurm.py
+but with the tiny model. This test process is the login node: it submits the run and follows it.
+
+- A trainer rank on h1 is SIGKILLed mid-run: the trainer step fails, the run cancels it and starts a new one on the
+  same nodes from the last checkpoint (launch/slurm.py `restart_trainers`), rolls back, and finishes every step
+  with no sample lost or trained twice.
+- Every process on h1 is SIGKILLed, slurmd included, as when the node loses power: Slurm keeps listing h1's part of
+  the trainer step (no scancel ends it, so no new step fits), and the run stops with its checkpoint and a message
+  naming h1 (`NodeLost`). Once h1 is back, the same command resumes the run, which then finishes with no sample lost
+  or trained twice.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from areal_async.testing import hosts as nshosts
+from areal_async.testing.faults import RunProcess, accounting, summary
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SESSION = os.environ.get("AREAL_TEST_SESSION", "nosession")
+WHY = nshosts.skip_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.skipif(WHY is not None, reason=str(WHY))]
+B, N, STEPS = 4, 4, 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from areal_async.testing.netns_slurm import SlurmOnHosts
+
+    if not os.path.exists("/run/munge/munge.socket.2"):  # munged comes with the machine's one-node cluster
+        p = subprocess.run(["bash", os.path.join(REPO, ".ci", "start_slurm.sh")], capture_output=True, text=True)
+        if p.returncode != 0:
+            pytest.fail(f".ci/start_slurm.sh could not start munge and Slurm: {(p.stderr or p.stdout)[-1500:]}")
+    with nshosts.Hosts(2) as hs:
+        slurm = SlurmOnHosts(hs, str(tmp_path_factory.mktemp("slurm2f")))
+        try:
+            yield hs, slurm
+        finally:
+            slurm.close()
+
+
+class SlurmRun(RunProcess):
+    """`python -m areal_async.run launcher=slurm ...` on the login node (this process), against `slurm`."""
+
+    def __init__(self, args: list[str], run_dir: str, env: dict[str, str]) -> None:
+        super().__init__(args, run_dir)
+        self.env = env
+
+    def start(self) -> SlurmRun:
+        with open(self.out_path, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "areal_async.run", *self.args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+            )
+        self.started = time.monotonic()
+        return self
+
+
+def run_args(model: str, run_dir: str) -> list[str]:
+    return [
+        "launcher=slurm",
+        f"model.path={model}",
+        f"run_dir={run_dir}",
+        f"total_steps={STEPS}",
+        "schedule.checkpoint_every=2",
+        "schedule.eval_every=0",
+        "eval.num_prompts=0",
+        f"schedule.batch_size={B}",
+        f"rollout.group_size={N}",
+        "rollout.max_new_tokens=48",
+        "data.num_train=200",
+        "train.micro_batch_tokens=1024",
+        "server.device=cpu",
+        "train.device=cpu",
+        "slurm.nodes=2",
+        "slurm.servers_per_node=1",
+        "server.num_servers=2",
+        "train.nnodes=2",
+        "train.nproc=1",
+        "server.host=0.0.0.0",
+        f"server.api_key={secrets.token_hex(16)}",
+        "slurm.sbatch_args=[--mem-per-cpu=200M]",  # as in test_netns_slurm.py
+        "slurm.node_timeout_s=60",
+        "recovery.health_interval_s=0.5",
+        "recovery.health_timeout_s=1",
+        "train.connect_timeout_s=120",
+        "train.rdzv.timeout_s=120",
+    ]
+
+
+def check_ledger(run_dir: str) -> None:
+    acc = accounting(run_dir)
+    assert acc["versions"] == list(range(1, STEPS + 1)), acc["versions"]
+    assert acc["ended"] and not acc["lost"] and not acc["twice"], acc
+    assert acc["trained"] == STEPS * B
+    s = summary(run_dir)
+    assert s["completed"] and s["steps"] == STEPS and s["trained_samples"] == STEPS * B * N, s
+
+
+def test_a_killed_trainer_rank_on_the_second_node_is_replaced_in_the_allocation(cluster, tiny_ckpt, tmp_path):
+    hs, slurm = cluster
+    run_dir = str(tmp_path / f"t{SESSION}-rk-{secrets.token_hex(3)}")
+    run = SlurmRun(run_args(tiny_ckpt, run_dir), run_dir, slurm.env).start()
+    try:
+        run.wait_version(3, timeout=240)  # past the checkpoint at 2
+        pid = run.trainer_rank_pid(1)
+        assert pid in hs[1].pids()  # rank 1 runs on h1
+        os.kill(pid, signal.SIGKILL)
+        assert run.wait(240) == 0, run.output()[-4000:]
+    finally:
+        run.kill()
+    recs = run.recoveries()
+    failed = [r for r in recs if r["event"] == "trainer_failed"]
+    back = [r for r in recs if r["event"] == "trainer_recovered"]
+    assert failed and back, recs
+    assert back[-1]["version"] == 2, back  # rolled back to the checkpoint
+    check_ledger(run_dir)
+    assert not slurm.jobs()
+
+
+def test_a_node_that_loses_power_stops_the_run_resumably_naming_it(cluster, tiny_ckpt, tmp_path):
+    hs, slurm = cluster
+    h1 = hs[1]
+    run_dir = str(tmp_path / f"t{SESSION}-pw-{secrets.token_hex(3)}")
+    args = run_args(tiny_ckpt, run_dir)
+    run = SlurmRun(args, run_dir, slurm.env).start()
+    try:
+        run.wait_version(3, timeout=240)
+        assert h1.kill_all()  # slurmd, the step daemons, server1, trainer agent 1 and its rank
+        run.wait_for(lambda: os.path.exists(os.path.join(run_dir, "summary.json")), "the run to stop", 180)
+        slurm.start_slurmd(1)  # power is back: the job can finish, the rerun gets both nodes
+        rc = run.wait(120)
+    finally:
+        run.kill()
+    out = run.output()
+    assert rc != 0, out[-3000:]
+    stopped = summary(run_dir)
+    assert not stopped["completed"], stopped
+    assert f"node {h1.name} went away" in stopped["stopped"], stopped
+    assert "checkpoint" in stopped["stopped"], stopped
+    gave_up = [r for r in run.recoveries() if r["event"] == "trainer_not_restartable"]
+    assert gave_up and h1.name in gave_up[0]["what"], run.recoveries()
+    # the same command again resumes from the checkpoint and finishes
+    rerun = SlurmRun(args, run_dir, slurm.env).start()
+    try:
+        assert rerun.wait(240) == 0, rerun.output()[-4000:]
+    finally:
+        rerun.kill()
+    assert [r for r in rerun.recoveries() if r["event"] == "controller_resumed"] or "resum" in rerun.output()
+    check_ledger(run_dir)
+    assert not slurm.jobs()

@@ -136,6 +136,7 @@ _LONG_FIRST = (
     "test_learning.py",
     "test_fleet.py",
     "test_netns_slurm.py",
+    "test_netns_slurm_faults.py",
     "test_netns_faults.py",
     "test_multinode.py",
     "test_netns_multinode.py",

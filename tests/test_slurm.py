@@ -32,7 +32,7 @@ import pytest
 
 from areal_async.config import ConfigError, load_config
 from areal_async.launch.sbatch import classify_reason, render_sbatch
-from areal_async.launch.slurm import Allocation, check_allocation, expand_counts, place
+from areal_async.launch.slurm import Allocation, check_allocation, expand_counts, job_nodes, place
 from areal_async.net.rank_registry import route_address
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -558,6 +558,25 @@ def test_paper_split_two_nodes_of_eight_gpus():
                 "train.nproc=2",
             ),
             ["g1", "g2"],
+            controller_node="g1",
+        )
+
+
+def test_servers_apart_keeps_servers_off_the_trainer_nodes():
+    common = ("server.backend=sglang", "server.host=0.0.0.0", "server.api_key=k", "slurm.gpus_per_node=8")
+    c = cfg(*common, "server.num_servers=16", "train.nnodes=2", "train.nproc=8", "slurm.servers_apart=true")
+    assert job_nodes(c) == 3  # the trainers' two, and one for the servers (servers_per_node null)
+    p = place(c, ["g1", "g2", "g3", "g4"], controller_node="g1")
+    assert p.trainer_nodes == ["g1", "g2"] and p.server_nodes == ["g3"] * 8 + ["g4"] * 8
+    assert p.needs("g1") == (8 * 2, 8) and p.needs("g3") == (8 * 2, 8)  # trainer nodes: no server CPUs or GPUs
+    per = cfg(*common, "server.num_servers=16", "slurm.servers_per_node=8", "slurm.servers_apart=true")
+    assert job_nodes(per) == 3
+    with pytest.raises(ConfigError, match=r"^slurm.servers_apart: the trainers take all 2 nodes"):
+        place(cfg(*common, "train.nnodes=2", "slurm.servers_apart=true"), ["g1", "g2"], controller_node="g1")
+    with pytest.raises(ConfigError, match=r"^slurm.servers_per_node: 3 servers at 1 per node need 3 nodes, .* has 2 "):
+        place(
+            cfg(*common, "server.num_servers=3", "slurm.servers_per_node=1", "slurm.servers_apart=true"),
+            ["g1", "g2", "g3"],
             controller_node="g1",
         )
 

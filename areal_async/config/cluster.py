@@ -47,7 +47,11 @@ class SlurmConfig(Section):
     gpus_per_node: int = 0
     """GPUs per node; a server step takes server.gpus_per_server (embedded: 1), a trainer rank 1. 0: CPU only."""
     servers_per_node: int | None = None
-    """Server steps per node; null: server.num_servers spread evenly over the job's nodes."""
+    """Server steps per node; null: server.num_servers spread evenly over the job's nodes (with servers_apart: over
+    the nodes after the trainers')."""
+    servers_apart: bool = False
+    """true: servers only on nodes no trainer runs on (the nodes after the first train.nnodes; slurm.nodes null asks
+    for enough of them); false: server i on node i // servers_per_node, the first beside the trainers."""
     cpus_per_server: int | None = None
     """CPUs of each server step; null: server.torch_threads + 1."""
     cpus_per_trainer: int | None = None

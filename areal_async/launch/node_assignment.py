@@ -46,12 +46,17 @@ class NodeAssignment:
 
 
 def job_nodes(cfg: RunConfig) -> int:
-    """Nodes a submitted job asks for: slurm.nodes, or enough for the trainers and slurm.servers_per_node."""
-    if cfg.slurm.nodes:
-        return cfg.slurm.nodes
-    n = cfg.train.nnodes
-    if cfg.server.backend != "external" and cfg.slurm.servers_per_node:
-        n = max(n, math.ceil(cfg.server.num_servers / cfg.slurm.servers_per_node))
+    """Nodes a submitted job asks for: slurm.nodes, or enough for the trainers and slurm.servers_per_node (with
+    slurm.servers_apart, the server nodes come on top of the trainers': one, or what servers_per_node needs)."""
+    s, n = cfg.slurm, cfg.train.nnodes
+    if s.nodes:
+        return s.nodes
+    if cfg.server.backend == "external":
+        return n
+    if s.servers_apart:
+        return n + (math.ceil(cfg.server.num_servers / s.servers_per_node) if s.servers_per_node else 1)
+    if s.servers_per_node:
+        n = max(n, math.ceil(cfg.server.num_servers / s.servers_per_node))
     return n
 
 
@@ -89,13 +94,20 @@ def place(cfg: RunConfig, nodes: list[str], controller_node: str | None) -> Node
             raise ConfigError(f"{key}: {why}")
     server_nodes: list[str] = []
     if srv.backend != "external":
-        per = s.servers_per_node or math.ceil(srv.num_servers / len(nodes))
-        if math.ceil(srv.num_servers / per) > len(nodes):
+        pool = nodes[t.nnodes :] if s.servers_apart else nodes  # the nodes servers may run on
+        if not pool:
+            raise ConfigError(
+                f"slurm.servers_apart: the trainers take all {len(nodes)} nodes of the job (train.nnodes="
+                f"{t.nnodes}); raise slurm.nodes for the servers' own nodes"
+            )
+        per = s.servers_per_node or math.ceil(srv.num_servers / len(pool))
+        if math.ceil(srv.num_servers / per) > len(pool):
             raise ConfigError(
                 f"slurm.servers_per_node: {srv.num_servers} servers at {per} per node need "
-                f"{math.ceil(srv.num_servers / per)} nodes, the job has {len(nodes)}"
+                f"{math.ceil(srv.num_servers / per)} nodes, the job has {len(pool)}"
+                f"{f' beside the {t.nnodes} trainer nodes (slurm.servers_apart)' if s.servers_apart else ''}"
             )
-        server_nodes = [nodes[i // per] for i in range(srv.num_servers)]
+        server_nodes = [pool[i // per] for i in range(srv.num_servers)]
         remote = [n for n in server_nodes if n != controller_node]
         if remote and _loopback(srv.host):
             raise ConfigError(

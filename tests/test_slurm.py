@@ -712,3 +712,15 @@ def test_launch_modules_import_no_torch():
     p = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == []
+
+
+def test_lost_nodes_names_a_silent_or_restarted_slurmd():
+    from areal_async.launch.slurm_allocation import NodeHealth, lost_nodes
+
+    before = {"a": NodeHealth("MIXED", "t0"), "b": NodeHealth("MIXED", "t0"), "c": NodeHealth("IDLE", "t0")}
+    now = {"a": NodeHealth("MIXED", "t0"), "b": NodeHealth("MIXED+NOT_RESPONDING", "t0"), "c": NodeHealth("IDLE", "t1")}
+    lost = lost_nodes(before, now)
+    assert set(lost) == {"b", "c"}
+    assert "does not answer" in lost["b"] and "restarted at t1" in lost["c"]
+    assert not NodeHealth("IDLE*", "t0").responding and not NodeHealth("DOWN", "t0").responding
+    assert lost_nodes(before, {}) == {}  # slurmctld silent: no verdict

@@ -115,3 +115,49 @@ def test_a_run_over_two_slurm_nodes_learns(cluster, base_model, tmp_path):
         assert re.search(rf"registered rank{i} at tcp://{re.escape(h.address)}:\d+", run_log), run_log[-3000:]
     assert "127.0.0.1" not in "\n".join(re.findall(r"registered .*", run_log))  # nothing advertised loopback
     assert not slurm.jobs()  # the job and its steps are gone
+
+
+def test_servers_apart_put_the_server_on_a_node_of_its_own(cluster, tiny_ckpt, tmp_path):
+    """slurm.servers_apart=true: the trainer step on the first node (beside the controller), the server alone on
+    the second; the run trains its steps with each where it belongs."""
+    hs, slurm = cluster
+    run_dir = str(tmp_path / f"t{SESSION}-apart-{secrets.token_hex(3)}")
+    args = [
+        "launcher=slurm",
+        f"model.path={tiny_ckpt}",
+        f"run_dir={run_dir}",
+        "total_steps=2",
+        "schedule.eval_every=0",
+        "eval.num_prompts=0",
+        "schedule.batch_size=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=32",
+        "data.num_train=50",
+        "server.device=cpu",
+        "train.device=cpu",
+        "slurm.nodes=2",
+        "slurm.servers_apart=true",
+        "server.num_servers=1",
+        "server.host=0.0.0.0",
+        f"server.api_key={secrets.token_hex(16)}",
+        "slurm.sbatch_args=[--mem-per-cpu=200M]",
+        "train.connect_timeout_s=120",
+    ]
+    p = subprocess.run(
+        [sys.executable, "-m", "areal_async.run", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **slurm.env},
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:] + log_tails(run_dir)
+    h0, h1 = hs.hosts
+    with open(os.path.join(run_dir, "logs", "server0.log")) as f:
+        assert re.search(rf"serving at tcp://{re.escape(h1.address)}:\d+", f.read()), "server0 not on h1"
+    with open(os.path.join(run_dir, "run.log")) as f:
+        run_log = f.read()
+    assert re.search(rf"registered rank0 at tcp://{re.escape(h0.address)}:\d+", run_log), run_log[-3000:]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["steps"] == 2
+    assert not slurm.jobs()

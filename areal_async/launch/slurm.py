@@ -66,11 +66,15 @@ from areal_async.launch.slurm_allocation import (
     Allocation,
     NodeHealth,
     SlurmError,
+    describe_steps,
     expand_counts,
     in_allocation,
+    list_steps,
     lost_nodes,
     node_health,
+    node_lost_message,
     slurm_cmd,
+    steps_or_none,
 )
 from areal_async.net.rank_registry import Registry, rank_file, route_address
 
@@ -175,17 +179,6 @@ def rdzv_port(job_id: str, controller_node: str | None, first_trainer: str) -> i
     return 29500 + int(re.sub(r"\D", "", job_id) or 0) % 20000
 
 
-def list_steps(job_id: str) -> dict[str, str]:
-    """step name -> "<job>.<step>" of the job's running steps."""
-    out = slurm_cmd(["squeue", "--noheader", "--steps", "--jobs", job_id, "--format", "%i|%j"])
-    steps = {}
-    for line in out.splitlines():
-        sid, _, name = line.strip().partition("|")
-        if sid:
-            steps[name] = sid
-    return steps
-
-
 class NodeLost(NotImplementedError):
     """A node of the trainer step went away (power, network, a reboot): Slurm keeps listing that node's part of the
     step, holding its CPUs, and no scancel ends it, so no new trainer step fits in this allocation. The run stops
@@ -262,7 +255,7 @@ class SlurmCluster:
         deadline = time.monotonic() + self.node_timeout_s
         cancelled = False
         while True:
-            listed = await asyncio.to_thread(_steps_or_none, self.alloc.job_id)
+            listed = await asyncio.to_thread(steps_or_none, self.alloc.job_id)
             sid = None if listed is None else listed.get(step)
             if listed is not None and sid is None:
                 break
@@ -271,7 +264,7 @@ class SlurmCluster:
                 cancelled = True
             lost = await asyncio.to_thread(self.lost_trainer_nodes) if sid is not None else {}
             if lost or time.monotonic() > deadline:
-                raise NodeLost(_node_lost_message(sid or step, lost, self.trainer_nodes, self.node_timeout_s))
+                raise NodeLost(node_lost_message(sid or step, lost, self.trainer_nodes, self.node_timeout_s))
             await asyncio.sleep(1.0)
         for old in [c for c in self.processes.children if c.role == "trainer"]:
             await asyncio.to_thread(self.processes.stop, old, 5.0)
@@ -359,45 +352,6 @@ class SlurmCluster:
             await asyncio.to_thread(slurm_cmd, ["scancel", *flags, *ids])
         except SlurmError as e:
             log.error("could not cancel the steps: %s", e)
-
-
-def _steps_or_none(job_id: str) -> dict[str, str] | None:
-    try:
-        return list_steps(job_id)
-    except SlurmError as e:
-        log.warning("cannot list the steps: %s", e)
-        return None
-
-
-def _node_lost_message(step: str, lost: dict[str, str], nodes: list[str], timeout_s: float) -> str:
-    if lost:
-        where = "; ".join(f"node {n} went away ({why})" for n, why in lost.items())
-    else:
-        where = f"Slurm still lists it {timeout_s:.0f}s after scancel (slurm.node_timeout_s) on {','.join(nodes)}"
-    return (
-        f"the trainer step {step} cannot be replaced in this allocation: {where}; Slurm keeps that node's part of "
-        f"the step, so resubmit the run once the node is back (or on other nodes)"
-    )
-
-
-def describe_steps(alloc: Allocation) -> str:
-    """What holds the job's resources: 'job 28 holds 4 CPUs on vm; its running steps: 28.0 blocker (2 CPUs on
-    vm), ...' (why a step cannot be created)."""
-    holds = ", ".join(f"{n} CPUs on {node}" for node, n in alloc.cpus.items())
-    try:
-        text = slurm_cmd(["scontrol", "show", "step", "-o", alloc.job_id])
-    except SlurmError as e:
-        return f"job {alloc.job_id} holds {holds}; scontrol show step failed: {e}"
-    steps = []
-    for line in text.splitlines():
-        f = dict(re.findall(r"(\w+)=(\S+)", line))
-        if f.get("StepId", "").endswith((".batch", ".extern")) or f.get("State") == "PENDING":
-            continue  # they hold no CPUs a step could use
-        steps.append(
-            f"{f.get('StepId')} {f.get('Name')} ({f.get('CPUs')} CPUs on {f.get('NodeList')}, "
-            f"{f.get('State', '').lower()})"
-        )
-    return f"job {alloc.job_id} holds {holds}; its running steps: {', '.join(steps) or 'none'}"
 
 
 class SlurmLauncher:

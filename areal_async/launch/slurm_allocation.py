@@ -1,5 +1,6 @@
-"""The Slurm job this controller runs in (`Allocation`: its nodes and the CPUs it holds on each), and the one way
-this package calls Slurm's client commands (`slurm_cmd`, failing with `SlurmError` in Slurm's own words).
+"""The Slurm job this controller runs in (`Allocation`: its nodes and the CPUs it holds on each; its steps,
+`list_steps`; its nodes' health, `node_health`, `lost_nodes`), and the one way this package calls Slurm's client
+commands (`slurm_cmd`, failing with `SlurmError` in Slurm's own words).
 
 Apart from launch/slurm.py, which starts steps in the allocation, because reading an allocation does not depend on
 what runs in it, and launch/sbatch.py uses the same client commands to submit and follow a job from outside any
@@ -8,6 +9,7 @@ allocation. No torch here.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -15,6 +17,8 @@ import subprocess
 from dataclasses import dataclass
 
 from areal_async.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 _SLURM_TIMEOUT_S = 30.0  # one squeue/scontrol/scancel call
 
@@ -156,3 +160,56 @@ def lost_nodes(before: dict[str, NodeHealth], now: dict[str, NodeHealth]) -> dic
                 "lost power or rebooted, and what ran there with it"
             )
     return out
+
+
+# ---- the job's steps -----------------------------------------------------------------------------------------------
+
+
+def list_steps(job_id: str) -> dict[str, str]:
+    """step name -> "<job>.<step>" of the job's running steps."""
+    out = slurm_cmd(["squeue", "--noheader", "--steps", "--jobs", job_id, "--format", "%i|%j"])
+    steps = {}
+    for line in out.splitlines():
+        sid, _, name = line.strip().partition("|")
+        if sid:
+            steps[name] = sid
+    return steps
+
+
+def steps_or_none(job_id: str) -> dict[str, str] | None:
+    try:
+        return list_steps(job_id)
+    except SlurmError as e:
+        log.warning("cannot list the steps: %s", e)
+        return None
+
+
+def node_lost_message(step: str, lost: dict[str, str], nodes: list[str], timeout_s: float) -> str:
+    if lost:
+        where = "; ".join(f"node {n} went away ({why})" for n, why in lost.items())
+    else:
+        where = f"Slurm still lists it {timeout_s:.0f}s after scancel (slurm.node_timeout_s) on {','.join(nodes)}"
+    return (
+        f"the trainer step {step} cannot be replaced in this allocation: {where}; Slurm keeps that node's part of "
+        f"the step, so resubmit the run once the node is back (or on other nodes)"
+    )
+
+
+def describe_steps(alloc: Allocation) -> str:
+    """What holds the job's resources: 'job 28 holds 4 CPUs on vm; its running steps: 28.0 blocker (2 CPUs on
+    vm), ...' (why a step cannot be created)."""
+    holds = ", ".join(f"{n} CPUs on {node}" for node, n in alloc.cpus.items())
+    try:
+        text = slurm_cmd(["scontrol", "show", "step", "-o", alloc.job_id])
+    except SlurmError as e:
+        return f"job {alloc.job_id} holds {holds}; scontrol show step failed: {e}"
+    steps = []
+    for line in text.splitlines():
+        f = dict(re.findall(r"(\w+)=(\S+)", line))
+        if f.get("StepId", "").endswith((".batch", ".extern")) or f.get("State") == "PENDING":
+            continue  # they hold no CPUs a step could use
+        steps.append(
+            f"{f.get('StepId')} {f.get('Name')} ({f.get('CPUs')} CPUs on {f.get('NodeList')}, "
+            f"{f.get('State', '').lower()})"
+        )
+    return f"job {alloc.job_id} holds {holds}; its running steps: {', '.join(steps) or 'none'}"

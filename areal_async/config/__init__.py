@@ -22,7 +22,7 @@ from areal_async.config.run_config import (
     logprob_temperature,
     to_dict,
 )
-from areal_async.config.trainer import AdvantageConfig, LossConfig, OptimConfig, TrainConfig
+from areal_async.config.trainer import AdvantageConfig, LoRAConfig, LossConfig, OptimConfig, TrainConfig
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -35,6 +35,7 @@ __all__ = [
     "MetricsConfig",
     "ModelConfig",
     "MultiTurnConfig",
+    "LoRAConfig",
     "OptimConfig",
     "RecoveryConfig",
     "RendezvousConfig",

@@ -455,6 +455,13 @@ class RunConfig(Section):
             "false cannot be combined with train.weight_sync=broadcast in async mode (a broadcast is sent bucket "
             "by bucket and needs the servers paused); use interruptible=true or train.weight_sync=disk",
         )
+        # adapters are merged by the embedded server (server/lora_load.py); SGLang's LoRA endpoints are not wired
+        check(
+            not (self.train.lora.enabled and self.server.backend == "sglang"),
+            key_of(prefix, "train.lora.rank"),
+            "train.lora needs servers that load adapters: server.backend=embedded or external (embedded servers); "
+            "SGLang's LoRA endpoints are not wired yet",
+        )
         # the run starts the pinned eval's server only as an embedded server on the controller's host
         check(
             not (

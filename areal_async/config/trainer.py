@@ -16,7 +16,7 @@ import msgspec
 from areal_async.config.base import Section, check, key_of
 from areal_async.config.cluster import RendezvousConfig
 
-__all__ = ["AdvantageConfig", "LossConfig", "OptimConfig", "TrainConfig"]
+__all__ = ["AdvantageConfig", "LoRAConfig", "LossConfig", "OptimConfig", "TrainConfig"]
 
 
 class LossConfig(Section):
@@ -130,6 +130,54 @@ class OptimConfig(Section):
         check(self.grad_clip >= 0, key_of(prefix, "grad_clip"), "must be >= 0")
 
 
+class LoRAConfig(Section):
+    """Low-rank adapters (train/lora.py): the base weights stay frozen, only each target linear layer's A [r, in] and
+    B [out, r] train (W = W0 + alpha / r * B @ A), and only they travel to the servers (docs/weights.md, "LoRA")."""
+
+    rank: int = 0
+    """r, the adapters' rank; 0: off (full fine-tuning)."""
+    alpha: float = 32.0
+    """lora_alpha: the update is scaled by alpha / rank (peft's convention)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training. Keep 0 for RL: the proximal and current policies must agree
+    at the same weights (a folded prox pass assumes it); > 0 makes the step's own logprobs noisy."""
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Linear layers of the decoder layers that get adapters, by the last part of their name (peft's matching);
+    every name must match at least one layer."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank if self.rank > 0 else 0.0
+
+    def validate(self, prefix: str = "") -> None:
+        check(self.rank >= 0, key_of(prefix, "rank"), "must be >= 0 (0: off)")
+        check(self.alpha > 0, key_of(prefix, "alpha"), "must be > 0")
+        check(0.0 <= self.dropout < 1.0, key_of(prefix, "dropout"), "must be in [0, 1)")
+        check(bool(self.target_modules), key_of(prefix, "target_modules"), "must name at least one linear layer")
+        for name in self.target_modules:
+            check(
+                bool(name) and name.replace("_", "").isalnum(),
+                key_of(prefix, "target_modules"),
+                f"{name!r} is not a module name (the last part of a linear layer's name, e.g. q_proj)",
+            )
+            check(
+                name not in ("lm_head", "embed_tokens"),
+                key_of(prefix, "target_modules"),
+                f"{name!r}: adapters go on the decoder layers' linear layers only",
+            )
+        check(
+            len(set(self.target_modules)) == len(self.target_modules),
+            key_of(prefix, "target_modules"),
+            "lists a name twice",
+        )
+
+
 class TrainConfig(Section):
     """FSDP2 trainer processes launched by torchrun (train/worker.py reads this section as JSON)."""
 
@@ -183,6 +231,8 @@ class TrainConfig(Section):
     """Rewards to advantages."""
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     """The optimizer."""
+    lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (off unless lora.rank > 0)."""
 
     def validate(self, prefix: str = "") -> None:
         check(self.nproc >= 1, key_of(prefix, "nproc"), "must be >= 1")
@@ -208,3 +258,14 @@ class TrainConfig(Section):
         self.loss.validate(key_of(prefix, "loss"))
         self.advantage.validate(key_of(prefix, "advantage"))
         self.optim.validate(key_of(prefix, "optim"))
+        self.lora.validate(key_of(prefix, "lora"))
+        check(
+            not (self.lora.enabled and self.delta_sync),
+            key_of(prefix, "delta_sync"),
+            "with train.lora only the adapters travel already; turn delta_sync off",
+        )
+        check(
+            not (self.lora.enabled and self.weight_sync == "broadcast"),
+            key_of(prefix, "weight_sync"),
+            "train.lora sends its adapters by disk only (broadcast of adapters is not built yet); use disk",
+        )

@@ -73,6 +73,7 @@ class DiskSync:
         self.stats: dict[str, float] = {
             "full_updates": 0,
             "delta_updates": 0,
+            "adapter_updates": 0,  # train.lora: versions sent as their adapters alone (train/lora_publish.py)
             "delta_fallbacks": 0,
             "published_bytes": 0,
             "full_bytes": 0,
@@ -112,10 +113,10 @@ class DiskSync:
         pub = await self.trainer.publish_delta(
             version, self.root, self.keep_versions, served_dtype=dtype, force_full=force_full or self._full_only
         )
-        self.stats["delta_updates" if pub.kind == "delta" else "full_updates"] += 1
+        self.stats[{"delta": "delta_updates", "adapter": "adapter_updates"}.get(pub.kind, "full_updates")] += 1
         self.stats["published_bytes"] += pub.num_bytes
         self.stats["full_bytes"] += pub.full_bytes
-        self.stats["changed_elements"] += pub.changed if pub.kind == "delta" else pub.total
+        self.stats["changed_elements"] += pub.changed if pub.kind in ("delta", "adapter") else pub.total
         self.stats["total_elements"] += pub.total
         return pub
 
@@ -154,6 +155,27 @@ class DiskSync:
             verdicts = await self.servers.verify_weights(identity)
             self.stats["identity_check_s"] += time.perf_counter() - t0
             self.stats["identity_mismatches"] += sum(1 for v in verdicts.values() if not v.ok and not v.unknown)
+            if getattr(pub, "kind", "full") == "adapter":
+                adapter_reached(version, pub.path, verdicts)
+
+
+class AdapterNotServed(RuntimeError):
+    """train.lora: no server serves the adapter version it says it loaded (the failure other async LoRA systems
+    hit silently: rollouts keep coming from the base or an old adapter, labelled as the new version)."""
+
+
+def adapter_reached(version: int, path: str, verdicts: dict[str, Any]) -> None:
+    """Stop the run when every checked server holds other weights than the adapter version `version` merged
+    (policy identity, inference/identity.py): a server that mismatches alone leaves rotation and reloads, as with
+    full weights, but when none serves it, reloading the same directory cannot help and the run would train on
+    rollouts of other weights."""
+    checked = [v for v in verdicts.values() if not v.unknown]
+    if checked and not any(v.ok for v in checked):
+        detail = "; ".join(f"{v.url}: {', '.join(v.differs[:3])}" for v in checked[:3])
+        raise AdapterNotServed(
+            f"the adapter of version {version} ({path}) reached no server: every server that took it serves "
+            f"other weights (parameters that differ: {detail})"
+        )
 
 
 def interrupt_mode(interruptible: bool, mode: str) -> InterruptMode:

@@ -384,6 +384,7 @@ class SGLangServer:
                 "api_key_required": self.api_key is not None,
                 # /update_weights_from_disk also takes a delta directory (server/delta_load.py); SGLang does not
                 "weights_delta": True,
+                "weights_adapter": True,  # loads a peft adapter directory by merging it (server/lora_load.py)
             }
         )
         return json_response(info)

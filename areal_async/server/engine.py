@@ -120,6 +120,7 @@ class AsyncEngine(WeightUpdates):
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)
         self._groups: dict[str, object] = {}  # weight-update process groups by name
+        self._lora_base: dict[str, torch.Tensor] | None = None  # W0 of adapted layers (server/lora_load.py)
         self.gpu_uuid = device_uuid(self.device)  # "" on CPU; the broadcast compares it with the trainer's
 
         # engine-thread state

@@ -25,6 +25,7 @@ from areal_async.server.delta_load import (
     load_delta,
     served_identity,
 )
+from areal_async.server.lora_load import AdapterError, is_adapter_dir, load_adapter
 from areal_async.server.model import UnsupportedModelError
 from areal_async.server.scheduler import abort_reason
 from areal_async.server.weights import (
@@ -105,21 +106,27 @@ class WeightUpdates:
                 return False, refusal, 0
             identity: Identity | None = None
             how = ""
+            base = None
             try:
-                if is_delta_dir(model_path):
+                if is_adapter_dir(model_path):  # train.lora: merged into the kept base (server/lora_load.py)
+                    tensors, base, how = await to_side_thread(
+                        load_adapter, model_path, self.spec, self.model, getattr(self, "_lora_base", None)
+                    )
+                elif is_delta_dir(model_path):
                     held_identity = await self._held_identity()
                     tensors, identity, how = await to_side_thread(
                         load_delta, model_path, self.spec, self.model, held_identity
                     )
                 else:
                     _, tensors = await to_side_thread(load_checkpoint, model_path, self.spec)
-            except (WeightError, DeltaError, UnsupportedModelError, OSError) as e:
+            except (WeightError, DeltaError, AdapterError, UnsupportedModelError, OSError) as e:
                 return False, f"failed to load weights from {model_path}: {e}", 0
             if identity is not None:
                 identity.version = _label_number(next_version(self.weight_version, weight_version))
 
             def load() -> None:
                 self.model.load_tensors(tensors)
+                self._lora_base = base  # None after a full or delta load: those weights are the new base
                 if not how:  # a delta changes the weights, not the model directory they came from
                     self.model_path = model_path
 
@@ -235,7 +242,7 @@ class WeightUpdates:
             try:
                 # as SGLang: a bucket without a version (every bucket of a broadcast but the last) keeps the label
                 label = weight_version if weight_version is not None else self.weight_version
-                await self._swap(lambda: self.model.load_tensors(tensors), label, flush_cache)
+                await self._swap(lambda: self._load_full(tensors), label, flush_cache)
             except WeightError as e:
                 return False, str(e)
         return True, "Succeeded to update parameter online from distributed."
@@ -267,10 +274,15 @@ class WeightUpdates:
         label = weight_version if weight_version is not None else self.weight_version
         identity.version = _label_number(next_version(self.weight_version, label))
         try:
-            await self._swap(lambda: self.model.load_tensors(changed), label, flush_cache, identity=identity)
+            await self._swap(lambda: self._load_full(changed), label, flush_cache, identity=identity)
         except WeightError as e:
             return False, str(e)
         return True, f"Succeeded to update parameter online from distributed (delta of {len(changed)} tensors)."
+
+    def _load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Weights that are not an adapter: they become the base the next adapter merges into."""
+        self.model.load_tensors(tensors)
+        self._lora_base = None
 
     async def set_weight_version(self, version: str) -> None:
         def cmd() -> None:

@@ -158,13 +158,23 @@ class TrainEngine:
         if self.rank == 0:
             log.info("train.mixed_precision=%s: %s compute (%s)", cfg.mixed_precision, mp, why)
         self.compute_dtype = torch.bfloat16 if mp == "bf16" else torch.float32
-        loaded = load_sharded(model_path, self.device, self.compute_dtype, cfg.activation_checkpointing, trainable=True)
+        loaded = load_sharded(
+            model_path,
+            self.device,
+            self.compute_dtype,
+            cfg.activation_checkpointing,
+            trainable=True,
+            lora=cfg.lora,
+            seed=seed,
+        )
         self.model = loaded.model
         self.hf_config = loaded.config
         self.vocab_size = int(loaded.config.get_text_config().vocab_size)
         self.checkpoint_dtype = loaded.checkpoint_dtype
         self.tied_names = loaded.tied_names
+        self.lora = loaded.lora  # train.lora: adapted module -> scale (empty: full fine-tuning)
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.num_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.layouts = select_layout(self.model, cfg.layout if layout is None else layout)
         self.layout = self.layouts.name
         self.last_step_layout = ""  # the layout the last step ran (the prefix layout falls back per step)
@@ -177,7 +187,7 @@ class TrainEngine:
             self.ref_model = load_sharded(model_path, self.device, self.compute_dtype, False, trainable=False).model
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # with train.lora: the adapters alone
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
@@ -295,7 +305,12 @@ class TrainEngine:
             )
         layout = self.layouts.for_step(candidate, costs)
         self.last_step_layout = layout.name
-        fold = self.cfg.loss.prox_logp == "recompute" and self.cfg.ppo_minibatches == 1 and self.fold_prox
+        fold = (
+            self.cfg.loss.prox_logp == "recompute"
+            and self.cfg.ppo_minibatches == 1
+            and self.fold_prox
+            and self.cfg.lora.dropout == 0.0  # adapter dropout: the training forward is not the prox policy's
+        )
         saved = costs[0] if layout.name == "prefix" else 0.0
         return _Step(shard, layout, num_seqs, saved, fold, shard.seq_of_token())
 
@@ -459,8 +474,16 @@ class TrainEngine:
             self._broadcaster.close()
 
     def publish(self, root: str, version: int, keep: int = 2) -> PublishResult:
-        """Write the full model as an HF directory `root/v<version>` (collective; rank 0 writes)."""
+        """Write the full model as an HF directory `root/v<version>` (collective; rank 0 writes); with train.lora
+        the adapters merged into the base (W0 + scale * B @ A, train/lora.py), so transformers loads it as is."""
         self.bind_device()
+        merged = None
+        if self.lora:  # the adapters merged into the base weights: an ordinary HF checkpoint
+            from areal_async.train.lora import merged_tensors
+            from areal_async.train.publish import iter_full_tensors
+
+            gathered = iter_full_tensors(self.model, skip=self.tied_names, dtype=torch.float32, to_cpu=True)
+            merged = merged_tensors(gathered, self.lora, self.checkpoint_dtype)
         return publish_hf(
             self.model,
             source_dir=self.model_path,
@@ -469,6 +492,7 @@ class TrainEngine:
             keep=keep,
             dtype=self.checkpoint_dtype,
             skip=self.tied_names,
+            tensors=merged,
         )
 
     def save_checkpoint(self, path: str) -> float:

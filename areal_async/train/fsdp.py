@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ class LoadedModel:
     config: object  # transformers PretrainedConfig (dropout zeroed, use_cache off)
     checkpoint_dtype: torch.dtype  # the dtype the HF directory stores: what publish and broadcast send
     tied_names: set[str]  # state-dict names that alias another parameter (a tied lm_head): never written twice
+    lora: dict[str, float] = field(default_factory=dict)  # train.lora: adapted module -> scale (train/lora.py)
 
 
 def load_sharded(
@@ -36,9 +37,14 @@ def load_sharded(
     activation_checkpointing: bool,
     *,
     trainable: bool,
+    lora=None,
+    seed: int = 1,
 ) -> LoadedModel:
     """Build the model on the meta device on every rank, shard it with FSDP2, then fill the shards from the full
-    weights that only rank 0 reads from disk (fp32 master weights whatever the checkpoint's dtype)."""
+    weights that only rank 0 reads from disk (fp32 master weights whatever the checkpoint's dtype).
+
+    `lora` (a config's `LoRAConfig` with rank > 0): adapters go on the target layers before sharding, the base is
+    frozen, and rank 0 draws the initial adapters (from `seed`) into the state dict it broadcasts (train/lora.py)."""
     import transformers
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -74,6 +80,16 @@ def load_sharded(
     tied = {n for names in aliases.values() for n in names[1:]}
     persistent = set(model.state_dict())
     transient = [n for n, _ in model.named_buffers() if n not in persistent]  # rotary inv_freq and the like
+    adapted: dict[str, float] = {}
+    if lora is not None and lora.rank > 0:
+        from areal_async.train.lora import initial_adapters, inject_lora, lora_modules
+
+        inject_lora(
+            model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=list(lora.target_modules)
+        )
+        adapted = {n: m.lora_scale for n, m in lora_modules(model).items()}
+        if rank == 0:
+            full_sd.update(initial_adapters(model, seed))
     if activation_checkpointing and trainable:  # non-reentrant: the variant that composes with FSDP2
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -115,7 +131,7 @@ def load_sharded(
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    return LoadedModel(model, config, checkpoint_dtype, tied)
+    return LoadedModel(model, config, checkpoint_dtype, tied, adapted)
 
 
 @contextlib.contextmanager

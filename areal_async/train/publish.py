@@ -181,6 +181,7 @@ def publish_hf(
     skip: set[str] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     observe: Callable[[str, Tensor], None] | None = None,
+    tensors: Iterator[tuple[str, Tensor | None]] | None = None,
 ) -> PublishResult:
     """Write `root/v<version>` atomically (collective; rank 0 writes) and keep only the newest `keep` versions.
 
@@ -189,7 +190,10 @@ def publish_hf(
     collective.
 
     `observe(name, tensor)` sees every tensor rank 0 writes, as it is written (the delta publisher keeps the served
-    bits of a full snapshot this way, without a second gather); an error it raises fails the publish."""
+    bits of a full snapshot this way, without a second gather); an error it raises fails the publish.
+
+    `tensors`: the stream to write instead of `iter_full_tensors(model)` (train.lora: the base weights with the
+    adapters merged in, train/lora.py's `merged_tensors`); every rank must pass one."""
     if version < 0:
         raise ValueError(f"version must be >= 0, got {version}")
     if keep < 1:
@@ -208,7 +212,9 @@ def publish_hf(
             writer = _ShardWriter(tmp, max_shard_bytes)
         except OSError as e:
             error = e
-    for name, tensor in iter_full_tensors(model, skip=skip or set(), dtype=dtype, to_cpu=True):
+    if tensors is None:
+        tensors = iter_full_tensors(model, skip=skip or set(), dtype=dtype, to_cpu=True)
+    for name, tensor in tensors:
         if writer is not None and error is None and tensor is not None:
             try:
                 writer.add(name, tensor)

@@ -122,6 +122,7 @@ class TrainerService:
         self.server = server
         self.host = host
         self._deltas = None  # train/delta_publish.py's DeltaPublisher, made on first use (it imports torch)
+        self._adapters = None  # train/lora_publish.py's AdapterPublisher (train.lora), made on first use
         self._sent_version: int | None = None  # the version the last complete broadcast sent
         self._sender = None  # train/delta_broadcast.py's DeltaSender, made on first use
 
@@ -163,6 +164,13 @@ class TrainerService:
             self._deltas = DeltaPublisher()
         return self._deltas
 
+    def _adapter_publisher(self):
+        if self._adapters is None:
+            from areal_async.train.lora_publish import AdapterPublisher  # lazy: torch
+
+            self._adapters = AdapterPublisher()
+        return self._adapters
+
     def register(self) -> None:
         s = self.server
         s.register("info", self.info, Empty)  # on the loop: answers even while a step runs
@@ -193,10 +201,26 @@ class TrainerService:
         return self.engine.publish(req.root, req.version, req.keep)
 
     def publish_delta(self, req: DeltaPublishRequest) -> DeltaPublishResult:
-        """A full snapshot or a delta (train.delta_sync, train.delta_full_every), with the identity of what it
-        holds as served in `req.served_dtype` (train/delta_publish.py)."""
+        """A full snapshot or a delta (train.delta_sync, train.delta_full_every), or with train.lora the adapters
+        alone, with the identity of what the servers then hold as served in `req.served_dtype`
+        (train/delta_publish.py, train/lora_publish.py)."""
         e = self.engine
         e.bind_device()
+        if getattr(e, "lora", None):  # train.lora: the adapters alone (train/lora_publish.py)
+            lcfg = e.cfg.lora
+            return self._adapter_publisher().publish(
+                e.model,
+                lora=e.lora,
+                rank=lcfg.rank,
+                alpha=lcfg.alpha,
+                dropout=lcfg.dropout,
+                source_dir=e.model_path,
+                root=req.root,
+                version=req.version,
+                keep=req.keep,
+                served=req.served_dtype,
+                skip=e.tied_names,
+            )
         return self._delta_publisher().publish(
             e.model,
             source_dir=e.model_path,

@@ -1,0 +1,164 @@
+"""Adapter-only disk sync (train.lora): each version is published as its adapters alone, with the identity of the
+merged weights the servers must then serve.
+
+`root/v<k>` is a peft adapter directory (areal_async/lora_adapter.py: `adapter_config.json`,
+`adapter_model.safetensors`), written into `root/.tmp-v<k>` and renamed into place like a full checkpoint (readers
+never see half of one); all but the newest `keep` versions are pruned. Only the adapters leave FSDP (an all-gather
+of the A and B shards, some MB), never the frozen base.
+
+Identity (protocol/weight_identity.py): what a server serves after loading `v<k>` is its kept base W0 with every
+adapted weight replaced by `merge_weight(W0, A, B, scale)`, bit for bit the same on every device. So rank 0 keeps,
+from one gather of the base at the first publish of the process, the served bits of the adapted weights (the W0 it
+merges from) and the digest and probe row of every other parameter (they never change); each version then costs
+the merges of the adapted weights and their digests, on rank 0's host. A server that did not take the adapter
+(still on the base, or on another version's merge) differs in every adapted weight.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from areal_async.lora_adapter import adapter_config, merge_weight, write_adapter
+from areal_async.protocol.weight_identity import Identity, combine, probe_names
+from areal_async.train.dist import any_rank
+from areal_async.train.errors import PeerPublishError, PublishError
+from areal_async.train.lora import adapter_tensors, lora_param_names
+from areal_async.train.messages import DeltaPublishResult
+from areal_async.train.publish import _fsync_dir, _prune, iter_full_tensors, version_dir
+from areal_async.weight_digest import dtype_name, probe_row, served_dtype, tensor_digest
+
+__all__ = ["AdapterPublisher"]
+
+
+class AdapterPublisher:
+    """One trainer rank's adapter publishing state; only rank 0 holds tensors."""
+
+    def __init__(self) -> None:
+        self.dtype: torch.dtype | None = None
+        self.base: dict[str, Tensor] = {}  # rank 0: adapted weight name -> W0 in the served dtype (CPU)
+        self.digests: dict[str, str] = {}  # rank 0: every other parameter's digest
+        self.rows: dict[str, list[float]] = {}  # rank 0: every parameter's probe row (adapted ones per version)
+        self.total = 0  # elements of the served model
+
+    def _take_base(self, model: nn.Module, adapted: list[str], skip: set[str], dtype: torch.dtype) -> None:
+        """The one gather of the base (collective)."""
+        lora = set(lora_param_names(adapted))
+        weights = {f"{m}.weight" for m in adapted}
+        self.base, self.digests, self.rows, self.total = {}, {}, {}, 0
+        for name, tensor in iter_full_tensors(model, skip=skip | lora, dtype=torch.float32, to_cpu=True):
+            if tensor is None or not tensor.is_floating_point():
+                continue
+            bits = tensor.to(dtype)
+            self.total += bits.numel()
+            if name in weights:
+                self.base[name] = bits.clone()
+            else:
+                self.digests[name] = tensor_digest(bits)
+                self.rows[name] = probe_row(bits)
+        self.dtype = dtype
+
+    def publish(
+        self,
+        model: nn.Module,
+        *,
+        lora: dict[str, float],
+        rank: int,
+        alpha: float,
+        dropout: float,
+        source_dir: str,
+        root: str,
+        version: int,
+        keep: int,
+        served: str,
+        skip: set[str],
+    ) -> DeltaPublishResult:
+        """Collective: write `root/v<version>` as the adapters of `model` (adapted module -> scale: `lora`) and
+        return the identity of the merged weights as served in `served`."""
+        t0 = time.perf_counter()
+        me = dist.get_rank() if dist.is_initialized() else 0
+        dtype = served_dtype(served)
+        adapted = sorted(lora)
+        if self.dtype != dtype:
+            self._take_base(model, adapted, skip, dtype)
+        names = set(lora_param_names(adapted))
+        others = {n for n in model.state_dict() if n not in names}
+        tensors = adapter_tensors(iter_full_tensors(model, skip=others, dtype=torch.float32, to_cpu=True))
+        error: BaseException | None = None
+        num_bytes, spent = 0, 0.0
+        identity = Identity(version=version, dtype=dtype_name(dtype), digests={}, combined="")
+        if me == 0:
+            try:
+                t1 = time.perf_counter()
+                identity = self._identity(tensors, lora, version, dtype)
+                spent = time.perf_counter() - t1
+                config = adapter_config(
+                    rank=rank,
+                    alpha=alpha,
+                    dropout=dropout,
+                    target_modules=sorted({m.rsplit(".", 1)[-1] for m in adapted}),
+                    base_model=os.path.abspath(source_dir),
+                    version=version,
+                )
+                num_bytes = self._write(root, version, tensors, config)
+                _prune(root, keep, version)
+            except Exception as e:
+                error = e
+        failed = any_rank(error is not None)
+        if me == 0 and error is not None:
+            shutil.rmtree(os.path.join(root, f".tmp-v{version}"), ignore_errors=True)
+            raise PublishError(
+                f"publishing the adapters of version {version} to {root} failed: {type(error).__name__}: {error}"
+            ) from error
+        if failed:
+            raise PeerPublishError(f"publishing the adapters of version {version} failed on trainer rank 0")
+        return DeltaPublishResult(
+            path=os.path.abspath(version_dir(root, version)),
+            seconds=time.perf_counter() - t0,
+            num_bytes=num_bytes,
+            kind="adapter",
+            identity=identity,
+            changed=sum(t.numel() for t in tensors.values()),
+            total=self.total,
+            full_bytes=self.total * dtype.itemsize,
+            identity_s=spent,
+        )
+
+    def _identity(self, tensors: dict[str, Tensor], lora: dict[str, float], version: int, dtype: torch.dtype):
+        """Rank 0: the identity of the base with every adapted weight merged (lora_adapter.merge_weight)."""
+        from areal_async.lora_adapter import peft_key
+
+        digests = dict(self.digests)
+        rows = dict(self.rows)
+        for module, scale in lora.items():
+            name = f"{module}.weight"
+            merged = merge_weight(
+                self.base[name], tensors[peft_key(module, "A")], tensors[peft_key(module, "B")], scale, dtype
+            )
+            digests[name] = tensor_digest(merged)
+            rows[name] = probe_row(merged)
+        probes = {n: rows[n] for n in probe_names(list(digests))}
+        return Identity(
+            version=version, dtype=dtype_name(dtype), digests=digests, combined=combine(digests), probes=probes
+        )
+
+    def _write(self, root: str, version: int, tensors: dict[str, Tensor], config: dict) -> int:
+        tmp = os.path.join(root, f".tmp-v{version}")
+        final = version_dir(root, version)
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        num_bytes = write_adapter(tmp, tensors, config)
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # a version published again (after a resume): replace it
+            old = os.path.join(root, f".old-v{version}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        return num_bytes

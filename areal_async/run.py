@@ -428,6 +428,10 @@ def make_pinned_evals(plan: RunPlan, session: Session, trainers: Any, weights: W
 
 
 async def _copy_final(ctrl: AsyncRLController, run_dir: str) -> str | None:
+    adapter = getattr(ctrl.weights, "latest_adapter", None)  # train.lora: the last adapters, as peft loads them
+    if adapter and os.path.isdir(adapter):  # copied first: publish_final may write that version's directory
+        shutil.rmtree(os.path.join(run_dir, "final_adapter"), ignore_errors=True)
+        shutil.copytree(adapter, os.path.join(run_dir, "final_adapter"))
     src = await ctrl.publish_final()
     if not src:
         return None

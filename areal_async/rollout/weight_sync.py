@@ -66,6 +66,7 @@ class DiskSync:
         self.keep_versions = keep_versions
         self.verify = verify
         self.latest_checkpoint: str | None = None
+        self.latest_adapter: str | None = None  # train.lora: the peft directory of the last prepared version
         self._published: dict[int, Any] = {}
         self._served_dtype: str | None = None
         self._full_only = False  # an SGLang server in the fleet: deltas are never sent
@@ -126,6 +127,7 @@ class DiskSync:
         self._published = {version: pub}
         # a delta directory is not an HF checkpoint: publish_final writes a full one at the end
         self.latest_checkpoint = pub.path if getattr(pub, "kind", "full") == "full" else None
+        self.latest_adapter = pub.path if getattr(pub, "kind", "full") == "adapter" else None
 
     async def apply(self, version: int, *, flush_cache: bool) -> None:
         pub = self._published.get(version)

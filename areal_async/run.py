@@ -428,8 +428,11 @@ def make_pinned_evals(plan: RunPlan, session: Session, trainers: Any, weights: W
 
 
 async def _copy_final(ctrl: AsyncRLController, run_dir: str) -> str | None:
-    adapter = getattr(ctrl.weights, "latest_adapter", None)  # train.lora: the last adapters, as peft loads them
-    if adapter and os.path.isdir(adapter):  # copied first: publish_final may write that version's directory
+    # train.lora: the last adapters, as peft loads them; copied first (publish_final may write that version's
+    # directory)
+    final_adapter = getattr(ctrl.weights, "final_adapter", None)
+    adapter = await final_adapter(ctrl.state.version) if final_adapter is not None else None
+    if adapter and os.path.isdir(adapter):
         shutil.rmtree(os.path.join(run_dir, "final_adapter"), ignore_errors=True)
         shutil.copytree(adapter, os.path.join(run_dir, "final_adapter"))
     src = await ctrl.publish_final()

@@ -264,8 +264,3 @@ class TrainConfig(Section):
             key_of(prefix, "delta_sync"),
             "with train.lora only the adapters travel already; turn delta_sync off",
         )
-        check(
-            not (self.lora.enabled and self.weight_sync == "broadcast"),
-            key_of(prefix, "weight_sync"),
-            "train.lora sends its adapters by disk only (broadcast of adapters is not built yet); use disk",
-        )

@@ -518,6 +518,11 @@ class DeltaIn(msgspec.Struct, kw_only=True):
     result: str  # ... and of the weights it gives
 
 
+class LoraIn(msgspec.Struct, kw_only=True):
+    r: int  # the adapters' rank
+    lora_alpha: float  # W = W0 + lora_alpha / r * B @ A
+
+
 class UpdateFromDistributedIn(msgspec.Struct, kw_only=True):
     names: list[str]
     dtypes: list[str]
@@ -529,6 +534,9 @@ class UpdateFromDistributedIn(msgspec.Struct, kw_only=True):
     # ours, not SGLang's: the tensors are a delta's payloads (uint8, deflated XOR of the served bits), applied to
     # weights whose identity is `base` and checked to give `result` (server/delta_load.py)
     delta: DeltaIn | None = None
+    # ours too: the tensors are LoRA adapters under peft's names (fp32 A and B), merged into the base the server
+    # keeps (server/lora_load.py)
+    lora: LoraIn | None = None
 
     def check(self) -> None:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):

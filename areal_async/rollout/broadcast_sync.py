@@ -104,6 +104,7 @@ class ElasticBroadcastSync:
         self.verify = verify  # policy identity after every broadcast
         self._served_dtype: str | None = None
         self._delta_off = False  # the trainers said train.delta_sync is off
+        self._adapters = False  # the trainers send adapters (train.lora)
         self.stats: dict[str, float] = {
             "identity_check_s": 0.0,
             "identity_mismatches": 0,
@@ -251,6 +252,9 @@ class ElasticBroadcastSync:
         if plan.kind == "off":
             self._delta_off = True
             return False
+        if plan.kind == "adapter":
+            await self._send_adapter(plan, flush_cache)
+            return True
         self.stats["full_bytes"] += plan.full_bytes
         if plan.kind != "delta":
             self.stats["full_updates"] += 1
@@ -285,6 +289,36 @@ class ElasticBroadcastSync:
             self.stats["identity_mismatches"] += sum(1 for v in verdicts.values() if not v.ok and not v.unknown)
         return True
 
+    async def _send_adapter(self, plan: Any, flush_cache: bool) -> None:
+        """train.lora: the adapters alone, one bucket, merged by every member into the base it keeps. There is no
+        full broadcast to fall back to (the trainers' full weights are base + adapters): a member that refuses
+        leaves rotation and catches up from the adapter directory `publish_current` writes; when no member serves
+        the adapter, the run stops (rollout/weight_sync.py `adapter_reached`)."""
+        from areal_async.rollout.weight_sync import adapter_reached
+
+        self._adapters = True
+        await self.trainers.broadcast_delta(
+            _Members(self.client, self.members), plan, group_name=self.group_name, flush_cache=flush_cache
+        )
+        self.stats["adapter_updates"] = self.stats.get("adapter_updates", 0) + 1
+        self.stats["delta_bytes"] += plan.num_bytes
+        self.stats["full_bytes"] += plan.full_bytes
+        self.stats["changed_elements"] += plan.changed
+        self.stats["total_elements"] += plan.total
+        refused = getattr(self.trainers, "broadcast_failures", None) or {}
+        if refused:
+            log.warning(
+                "the adapters of version %d were refused (%s): those servers catch up from disk",
+                plan.version,
+                "; ".join(f"{u}: {why}" for u, why in refused.items()),
+            )
+        if self.verify and plan.identity is not None:
+            t0 = time.perf_counter()
+            verdicts = await self.client.verify_weights(plan.identity)
+            self.stats["identity_check_s"] += time.perf_counter() - t0
+            self.stats["identity_mismatches"] += sum(1 for v in verdicts.values() if not v.ok and not v.unknown)
+            adapter_reached(plan.version, f"broadcast to {', '.join(self.members)}", verdicts)
+
     async def _served(self) -> str:
         """The servers' dtype (asked once; SGLang's "auto" read as bf16, what it serves these models in)."""
         if self._served_dtype is None:
@@ -315,9 +349,20 @@ class ElasticBroadcastSync:
         self.stats["identity_check_s"] += time.perf_counter() - t0
         self.stats["identity_mismatches"] += sum(1 for v in verdicts.values() if not v.ok and not v.unknown)
 
+    async def final_adapter(self, version: int) -> str | None:
+        """train.lora: an adapter directory of `version` the trainers write now (None: not an adapter run)."""
+        if not self._adapters or self.catch_up_root is None or self.trainers.version != version:
+            return None
+        return await self.publish_current(version)
+
     async def publish_current(self, version: int) -> str:
         """The client's `weight_source`: an HF checkpoint of `version` for a server that came back."""
         held = self.trainers.version
         if held != version or self.catch_up_root is None:
             raise RuntimeError(f"the trainers hold version {held}, not {version} (an update is under way)")
+        if self._adapters:  # train.lora: the adapter directory (a server keeps its base and merges it)
+            pub = await self.trainers.publish_delta(
+                version, self.catch_up_root, keep=1, served_dtype=await self._served()
+            )
+            return pub.path
         return (await self.trainers.publish(version, self.catch_up_root, keep=1)).path

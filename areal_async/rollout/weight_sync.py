@@ -129,6 +129,11 @@ class DiskSync:
         self.latest_checkpoint = pub.path if getattr(pub, "kind", "full") == "full" else None
         self.latest_adapter = pub.path if getattr(pub, "kind", "full") == "adapter" else None
 
+    async def final_adapter(self, version: int) -> str | None:
+        """train.lora: the adapter directory of `version` (None: not an adapter run, or another version)."""
+        pub = self._published.get(version)
+        return self.latest_adapter if pub is not None and getattr(pub, "kind", "") == "adapter" else None
+
     async def apply(self, version: int, *, flush_cache: bool) -> None:
         pub = self._published.get(version)
         if pub is None:

@@ -280,6 +280,7 @@ class SGLangServer:
                 sglang_protocol.version_str(u.weight_version),
                 u.flush_cache,
                 delta=u.delta,
+                lora=u.lora,
             ),
         )
 

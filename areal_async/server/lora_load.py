@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from areal_async.lora_adapter import AdapterError, is_adapter_dir, merge_weight, read_adapter
+from areal_async.lora_adapter import AdapterError, is_adapter_dir, merge_weight, module_of_key, read_adapter
 from areal_async.server.delta_load import served_tensors
 from areal_async.server.model import ModelSpec
 
-__all__ = ["load_adapter", "drop_base", "AdapterError", "is_adapter_dir"]
+__all__ = ["load_adapter", "adapter_pairs", "merge_adapter", "drop_base", "AdapterError", "is_adapter_dir"]
 
 
 def load_adapter(
@@ -36,7 +36,40 @@ def load_adapter(
     base). Returns (name -> merged tensor to load, including W0 for layers no longer adapted; the base to keep
     from now on; a phrase saying what was loaded). Raises AdapterError (nothing changed)."""
     cfg, pairs = read_adapter(path)
-    scale = float(cfg["lora_alpha"]) / int(cfg["r"])
+    return merge_adapter(pairs, int(cfg["r"]), float(cfg["lora_alpha"]), spec, model, base, where=path)
+
+
+def adapter_pairs(tensors: dict[str, torch.Tensor], r: int, where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module -> (A, B) of adapters received by name (peft keys, as a broadcast sends them), checked as
+    `read_adapter` checks a directory's. Raises AdapterError."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, which = module_of_key(key)
+        if t.dim() != 2 or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise AdapterError(f"{where}: {key} must be a finite 2-d float tensor")
+        halves.setdefault(module, {})[which] = t.cpu()
+    pairs = {}
+    for module, ab in halves.items():
+        if set(ab) != {"A", "B"} or ab["A"].shape[0] != r or ab["B"].shape[1] != r:
+            raise AdapterError(f"{where}: {module} needs lora_A [r={r}, in] and lora_B [out, r={r}]")
+        pairs[module] = (ab["A"], ab["B"])
+    if not pairs:
+        raise AdapterError(f"{where}: no adapter tensors")
+    return pairs
+
+
+def merge_adapter(
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    r: int,
+    alpha: float,
+    spec: ModelSpec,
+    model,
+    base: dict[str, torch.Tensor] | None,
+    *,
+    where: str,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], str]:
+    """`load_adapter`'s merge, for adapters from a directory or a broadcast."""
+    scale = alpha / r
     expected = spec.param_shapes()
     current = served_tensors(model)
     kept = dict(base or {})
@@ -45,10 +78,10 @@ def load_adapter(
         name = f"{module}.weight"
         shape = expected.get(name)
         if shape is None or name not in current:
-            raise AdapterError(f"{path}: the adapter targets {module}, which {spec.architecture} does not have")
+            raise AdapterError(f"{where}: the adapter targets {module}, which {spec.architecture} does not have")
         if len(shape) != 2 or (b.shape[0], a.shape[1]) != tuple(shape):
             raise AdapterError(
-                f"{path}: {module}: B @ A is [{b.shape[0]}, {a.shape[1]}], the layer's weight is {list(shape)}"
+                f"{where}: {module}: B @ A is [{b.shape[0]}, {a.shape[1]}], the layer's weight is {list(shape)}"
             )
         if name not in kept:  # never adapted before: its weights now are its base
             kept[name] = current[name].detach().clone()
@@ -56,7 +89,7 @@ def load_adapter(
     for name, w0 in kept.items():  # adapted by an earlier version, not by this one: back to the base
         if name not in out:
             out[name] = w0
-    how = f"adapter r={cfg['r']} alpha={cfg['lora_alpha']} merged into {len(pairs)} layers"
+    how = f"adapter r={r} alpha={alpha:g} merged into {len(pairs)} layers"
     return out, kept, how
 
 

@@ -25,7 +25,7 @@ from areal_async.server.delta_load import (
     load_delta,
     served_identity,
 )
-from areal_async.server.lora_load import AdapterError, is_adapter_dir, load_adapter
+from areal_async.server.lora_load import AdapterError, adapter_pairs, is_adapter_dir, load_adapter, merge_adapter
 from areal_async.server.model import UnsupportedModelError
 from areal_async.server.scheduler import abort_reason
 from areal_async.server.weights import (
@@ -213,6 +213,7 @@ class WeightUpdates:
         weight_version: str | None,
         flush_cache: bool = True,
         delta=None,
+        lora=None,
     ) -> tuple[bool, str]:
         """Receive each tensor by broadcast(src=0), in order, then swap them in like a disk update: at once while
         paused, else once the running requests have finished."""
@@ -232,6 +233,8 @@ class WeightUpdates:
                 tensors = await to_side_thread(receive_tensors, group, names, dtypes, shapes, self.device)
                 if delta is not None:
                     return await self._apply_broadcast_delta(tensors, delta, weight_version, flush_cache)
+                if lora is not None:  # train.lora: adapters under peft's names (server/lora_load.py)
+                    return await self._apply_broadcast_adapter(tensors, lora, weight_version, flush_cache)
                 expected = self.spec.param_shapes()
                 if self.spec.tie_word_embeddings and "lm_head.weight" in tensors:
                     expected = {**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}
@@ -278,6 +281,33 @@ class WeightUpdates:
         except WeightError as e:
             return False, str(e)
         return True, f"Succeeded to update parameter online from distributed (delta of {len(changed)} tensors)."
+
+    async def _apply_broadcast_adapter(
+        self, tensors: dict[str, torch.Tensor], lora, weight_version: str | None, flush_cache: bool
+    ) -> tuple[bool, str]:
+        """Adapters received by broadcast, merged into the kept base like an adapter directory. Caller holds
+        `_weights_lock`."""
+        where = "update_weights_from_distributed"
+        try:
+            pairs = await to_side_thread(adapter_pairs, tensors, lora.r, where)
+            merged, base, how = await to_side_thread(
+                lambda: merge_adapter(
+                    pairs, lora.r, lora.lora_alpha, self.spec, self.model, self._lora_base, where=where
+                )
+            )
+        except AdapterError as e:
+            return False, f"failed to apply the adapters: {e}"
+
+        def load() -> None:
+            self.model.load_tensors(merged)
+            self._lora_base = base
+
+        label = weight_version if weight_version is not None else self.weight_version
+        try:
+            await self._swap(load, label, flush_cache)
+        except WeightError as e:
+            return False, str(e)
+        return True, f"Succeeded to update parameter online from distributed ({how})."
 
     def _load_full(self, tensors: dict[str, torch.Tensor]) -> None:
         """Weights that are not an adapter: they become the base the next adapter merges into."""

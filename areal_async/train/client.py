@@ -410,7 +410,12 @@ class TrainerGroup:
         and the result before it swaps anything in. A member that refuses is left part-way like one that failed
         a bucket: it leaves rotation and catches up with a full load (`broadcast_failures`)."""
         assert plan.identity is not None
-        extra = {"delta": {"dtype": plan.identity.dtype, "base": plan.base_combined, "result": plan.identity.combined}}
+        if plan.kind == "adapter":  # train.lora: the servers merge the adapters (server/lora_load.py)
+            extra: dict = {"lora": {"r": plan.lora_rank, "lora_alpha": plan.lora_alpha}}
+        else:
+            extra = {
+                "delta": {"dtype": plan.identity.dtype, "base": plan.base_combined, "result": plan.identity.combined}
+            }
         req = BroadcastRequest(version=plan.version, group_name=group_name, bucket_bytes=0)
         members_of = getattr(servers, "weight_group_members", None)
         members = list(members_of(group_name)) if members_of is not None else []

@@ -441,7 +441,15 @@ class TrainEngine:
     def weight_plan(self, bucket_bytes: int) -> list[WeightSpec]:
         """How `broadcast` buckets the weights: names, dtypes, shapes in send order (local, no collective)."""
         self.bind_device()
+        self._no_full_broadcast()
         return plan_buckets(self.model, skip=self.tied_names, dtype=self.checkpoint_dtype, bucket_bytes=bucket_bytes)
+
+    def _no_full_broadcast(self) -> None:
+        if self.lora:
+            raise ValueError(
+                "train.lora broadcasts the adapters alone (prepare_delta_broadcast, train/lora_publish.py), never the "
+                "full weights: every server must take adapters (the embedded server)"
+            )
 
     def _weight_broadcaster(self):
         if self._broadcaster is None:
@@ -461,6 +469,7 @@ class TrainEngine:
     def broadcast(self, req: BroadcastRequest) -> BroadcastResult:
         """Send the current weights through the group (collective among trainers; rank 0 sends)."""
         self.bind_device()
+        self._no_full_broadcast()
         return self._weight_broadcaster().broadcast(
             self.model,
             group_name=req.group_name,

@@ -4,7 +4,8 @@ merged weights the servers must then serve.
 `root/v<k>` is a peft adapter directory (areal_async/lora_adapter.py: `adapter_config.json`,
 `adapter_model.safetensors`), written into `root/.tmp-v<k>` and renamed into place like a full checkpoint (readers
 never see half of one); all but the newest `keep` versions are pruned. Only the adapters leave FSDP (an all-gather
-of the A and B shards, some MB), never the frozen base.
+of the A and B shards, some MB), never the frozen base. By broadcast (`prepare_broadcast`, then `take` for rank 0's
+send) the same adapters go as one bucket of fp32 tensors under peft's names.
 
 Identity (protocol/weight_identity.py): what a server serves after loading `v<k>` is its kept base W0 with every
 adapted weight replaced by `merge_weight(W0, A, B, scale)`, bit for bit the same on every device. So rank 0 keeps,
@@ -29,8 +30,9 @@ from areal_async.protocol.weight_identity import Identity, combine, probe_names
 from areal_async.train.dist import any_rank
 from areal_async.train.errors import PeerPublishError, PublishError
 from areal_async.train.lora import adapter_tensors, lora_param_names
-from areal_async.train.messages import DeltaPublishResult
+from areal_async.train.messages import DeltaBroadcastPlan, DeltaPublishResult
 from areal_async.train.publish import _fsync_dir, _prune, iter_full_tensors, version_dir
+from areal_async.types import WeightSpec
 from areal_async.weight_digest import dtype_name, probe_row, served_dtype, tensor_digest
 
 __all__ = ["AdapterPublisher"]
@@ -45,6 +47,7 @@ class AdapterPublisher:
         self.digests: dict[str, str] = {}  # rank 0: every other parameter's digest
         self.rows: dict[str, list[float]] = {}  # rank 0: every parameter's probe row (adapted ones per version)
         self.total = 0  # elements of the served model
+        self._payloads: tuple[int, list[Tensor]] | None = None  # rank 0: the adapters prepared for a broadcast
 
     def _take_base(self, model: nn.Module, adapted: list[str], skip: set[str], dtype: torch.dtype) -> None:
         """The one gather of the base (collective)."""
@@ -84,11 +87,7 @@ class AdapterPublisher:
         me = dist.get_rank() if dist.is_initialized() else 0
         dtype = served_dtype(served)
         adapted = sorted(lora)
-        if self.dtype != dtype:
-            self._take_base(model, adapted, skip, dtype)
-        names = set(lora_param_names(adapted))
-        others = {n for n in model.state_dict() if n not in names}
-        tensors = adapter_tensors(iter_full_tensors(model, skip=others, dtype=torch.float32, to_cpu=True))
+        tensors = self._gather(model, adapted, skip, dtype)
         error: BaseException | None = None
         num_bytes, spent = 0, 0.0
         identity = Identity(version=version, dtype=dtype_name(dtype), digests={}, combined="")
@@ -128,6 +127,66 @@ class AdapterPublisher:
             full_bytes=self.total * dtype.itemsize,
             identity_s=spent,
         )
+
+    def _gather(self, model: nn.Module, adapted: list[str], skip: set[str], dtype: torch.dtype) -> dict[str, Tensor]:
+        """Collective: the adapters (peft key -> fp32 CPU tensor on rank 0; {} elsewhere), after the one gather of
+        the base when the served dtype is new."""
+        if self.dtype != dtype:
+            self._take_base(model, adapted, skip, dtype)
+        names = set(lora_param_names(adapted))
+        others = {n for n in model.state_dict() if n not in names}
+        return adapter_tensors(iter_full_tensors(model, skip=others, dtype=torch.float32, to_cpu=True))
+
+    def prepare_broadcast(
+        self,
+        model: nn.Module,
+        *,
+        lora: dict[str, float],
+        rank: int,
+        alpha: float,
+        version: int,
+        served: str,
+        skip: set[str],
+    ) -> DeltaBroadcastPlan:
+        """Collective: gather the adapters of `version` for a broadcast (rank 0 keeps them for `take`) and return
+        the plan: one bucket of fp32 tensors under peft's names, the identity of the merged weights."""
+        t0 = time.perf_counter()
+        me = dist.get_rank() if dist.is_initialized() else 0
+        dtype = served_dtype(served)
+        tensors = self._gather(model, sorted(lora), skip, dtype)
+        spec = WeightSpec(names=[], dtypes=[], shapes=[])
+        identity = None
+        if me == 0:
+            for key in sorted(tensors):
+                spec.names.append(key)
+                spec.dtypes.append("float32")
+                spec.shapes.append(list(tensors[key].shape))
+            identity = self._identity(tensors, lora, version, dtype)
+            self._payloads = (version, [tensors[k] for k in spec.names])
+        numel = sum(t.numel() for t in tensors.values())
+        return DeltaBroadcastPlan(
+            kind="adapter",
+            version=version,
+            spec=spec,
+            identity=identity,
+            num_bytes=numel * 4,
+            full_bytes=self.total * dtype.itemsize,
+            changed=numel,
+            total=self.total,
+            seconds=time.perf_counter() - t0,
+            lora_rank=rank,
+            lora_alpha=alpha,
+        )
+
+    def take(self, version: int) -> list[Tensor]:
+        """Rank 0: the adapters prepared for `version`, in the plan's order (once); [] on other ranks."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return []
+        payloads = getattr(self, "_payloads", None)
+        if payloads is None or payloads[0] != version:
+            raise RuntimeError(f"no adapters of version {version} were prepared")
+        self._payloads = None
+        return payloads[1]
 
     def _identity(self, tensors: dict[str, Tensor], lora: dict[str, float], version: int, dtype: torch.dtype):
         """Rank 0: the identity of the base with every adapted weight merged (lora_adapter.merge_weight)."""

@@ -108,7 +108,8 @@ class DeltaBroadcastPrepare(msgspec.Struct, kw_only=True):
 
 class DeltaBroadcastPlan(msgspec.Struct, kw_only=True):
     """What a delta broadcast will send. `kind`: "delta" (send it with `send_delta`), "full" (no base to diff
-    against: broadcast the full weights; the bits are kept for the next delta) or "off" (train.delta_sync is off).
+    against: broadcast the full weights; the bits are kept for the next delta), "off" (train.delta_sync is off) or
+    "adapter" (train.lora: send the adapters with `send_delta`; the servers merge them).
     `spec`: the payloads in send order (uint8, one per changed parameter, named after it)."""
 
     kind: str
@@ -121,6 +122,8 @@ class DeltaBroadcastPlan(msgspec.Struct, kw_only=True):
     changed: int = 0
     total: int = 0
     seconds: float = 0.0
+    lora_rank: int = 0  # kind "adapter" (train.lora): the payloads are the adapters, W = W0 + alpha / r * B @ A
+    lora_alpha: float = 0.0
 
 
 class DeltaSendRequest(msgspec.Struct, kw_only=True):

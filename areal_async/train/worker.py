@@ -139,6 +139,19 @@ class TrainerService:
         from areal_async.types import WeightSpec
 
         e = self.engine
+        if getattr(e, "lora", None):  # train.lora: the adapters alone (train/lora_publish.py)
+            if req.version != e.version:
+                raise ValueError(f"the trainers hold version {e.version}, not {req.version}")
+            e.bind_device()
+            return self._adapter_publisher().prepare_broadcast(
+                e.model,
+                lora=e.lora,
+                rank=e.cfg.lora.rank,
+                alpha=e.cfg.lora.alpha,
+                version=e.version,
+                served=req.served_dtype,
+                skip=e.tied_names,
+            )
         if not getattr(e.cfg, "delta_sync", False):
             return DeltaBroadcastPlan(kind="off", version=e.version, spec=WeightSpec(names=[], dtypes=[], shapes=[]))
         if req.version != e.version:
@@ -150,6 +163,10 @@ class TrainerService:
 
     def send_delta(self, req: DeltaSendRequest) -> BroadcastResult:
         """Rank 0 broadcasts the payloads `prepare_delta_broadcast` made for `req.version` (no gather)."""
+        if getattr(self.engine, "lora", None):
+            return self.engine._weight_broadcaster().send_payloads(
+                req.group_name, self._adapter_publisher().take(req.version)
+            )
         payloads = self._delta_sender().take(req.version)
         try:
             return self.engine._weight_broadcaster().send_payloads(req.group_name, payloads)

@@ -254,3 +254,34 @@ async def test_a_run_whose_adapter_never_reaches_the_servers_stops_within_the_st
             await sync.apply(2, flush_cache=True)
     finally:
         await client.close()
+
+
+def test_lora_config_keys_are_validated(tiny_ckpt):
+    """Bad train.lora values name their key before anything launches; a target no decoder layer has is named
+    when the trainer builds the model."""
+    from areal_async.config import ConfigError, RunConfig, TrainConfig, from_dict
+
+    assert not TrainConfig().lora.enabled  # off by default
+    cases = {
+        "train.lora.rank: must be >= 0": {"rank": -1},
+        "train.lora.alpha: must be > 0": {"rank": 4, "alpha": 0},
+        "train.lora.dropout: must be in": {"rank": 4, "dropout": 1.0},
+        "train.lora.target_modules: must name at least one": {"rank": 4, "target_modules": []},
+        "train.lora.target_modules: 'lm_head'": {"rank": 4, "target_modules": ["lm_head"]},
+        "train.lora.target_modules: 'q.proj' is not a module name": {"rank": 4, "target_modules": ["q.proj"]},
+        "train.lora.target_modules: lists a name twice": {"rank": 4, "target_modules": ["q_proj", "q_proj"]},
+    }
+    for message, lora in cases.items():
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+            from_dict({"train": {"lora": lora}}, RunConfig).validate()
+    with pytest.raises(ConfigError, match="train.delta_sync: with train.lora"):
+        from_dict({"train": {"lora": {"rank": 4}, "delta_sync": True}}, RunConfig).validate()
+    with pytest.raises(ConfigError, match="train.lora.rank: train.lora needs servers that load adapters"):
+        from_dict({"train": {"lora": {"rank": 4}}, "server": {"backend": "sglang"}}, RunConfig).validate()
+    import transformers
+
+    from areal_async.train.lora import inject_lora
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt)
+    with pytest.raises(ValueError, match=r"train.lora.target_modules: \['qkv_proj'\] match no linear layer"):
+        inject_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "qkv_proj"])

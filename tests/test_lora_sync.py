@@ -285,3 +285,26 @@ def test_lora_config_keys_are_validated(tiny_ckpt):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt)
     with pytest.raises(ValueError, match=r"train.lora.target_modules: \['qkv_proj'\] match no linear layer"):
         inject_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "qkv_proj"])
+
+
+@pytest.mark.slow
+def test_lora_benchmark_quick(tmp_path):
+    """benchmarks/lora.py's smoke setting runs and writes its figures (no speed is asserted)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "lora.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "lora.py"), "--quick", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result["train_step"]) == {"full", "lora"}
+    w = result["weight_update"]
+    assert w["lora"]["identity_checked"] and w["lora"]["bytes_per_update"] < w["full"]["bytes_per_update"]

@@ -46,7 +46,7 @@ __all__ = [
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
-_ROWS = 64  # output rows merged at a time: the float64 accumulator of one block stays in cache
+_ROWS = 128  # output rows merged at a time: the float64 accumulator of one block stays in cache (~1.5 MB)
 
 
 class AdapterError(ValueError):

@@ -151,10 +151,6 @@ class LoRAConfig(Section):
     def enabled(self) -> bool:
         return self.rank > 0
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank if self.rank > 0 else 0.0
-
     def validate(self, prefix: str = "") -> None:
         check(self.rank >= 0, key_of(prefix, "rank"), "must be >= 0 (0: off)")
         check(self.alpha > 0, key_of(prefix, "alpha"), "must be > 0")

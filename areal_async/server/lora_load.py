@@ -26,7 +26,7 @@ from areal_async.lora_adapter import AdapterError, is_adapter_dir, merge_weight,
 from areal_async.server.delta_load import served_tensors
 from areal_async.server.model import ModelSpec
 
-__all__ = ["load_adapter", "adapter_pairs", "merge_adapter", "drop_base", "AdapterError", "is_adapter_dir"]
+__all__ = ["load_adapter", "adapter_pairs", "merge_adapter", "AdapterError", "is_adapter_dir"]
 
 
 def load_adapter(
@@ -91,8 +91,3 @@ def merge_adapter(
             out[name] = w0
     how = f"adapter r={r} alpha={alpha:g} merged into {len(pairs)} layers"
     return out, kept, how
-
-
-def drop_base(engine) -> None:
-    """A full or delta load replaces the base: forget the kept copy (the engine calls it inside its swap)."""
-    engine._lora_base = None

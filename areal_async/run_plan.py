@@ -96,6 +96,8 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     model_path = resolve_model(cfg)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path} is not an HF checkpoint directory (no config.json)")
+    if cfg.train.lora.enabled:
+        _check_lora_targets(model_path, cfg.train.lora.target_modules)
     try:  # the tokenizer files, an EOS token, ids within the model's vocabulary (the template: below)
         tokenizer = check_tokenizer(model_path)
     except (OSError, ValueError) as e:
@@ -257,6 +259,35 @@ def _check_chat_template(cfg: RunConfig, tokenizer: Tokenizer, samples: list[Sam
         raise ConfigError(
             f"{key}: the chat template of {tokenizer.path} does not render: {type(e).__name__}: {e}"
         ) from None
+
+
+def _check_lora_targets(model_path: str, targets: list[str]) -> None:
+    """Every train.lora target names a linear layer of the decoder layers (a 2-d
+    `model.layers.<i>.<...>.<target>.weight`), read from the safetensors headers (no torch): a typo fails here, not
+    in every trainer rank after launch."""
+    import json
+    import struct
+
+    matrices: set[str] = set()  # names of 2-d weights (a linear layer's; norms are 1-d)
+    for fname in sorted(os.listdir(model_path)):
+        if not fname.endswith(".safetensors"):
+            continue
+        try:
+            with open(os.path.join(model_path, fname), "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, ValueError, struct.error):
+            return  # unreadable here: the trainer's own check (train/lora.py) names the problem
+        matrices.update(n for n, v in header.items() if isinstance(v, dict) and len(v.get("shape", ())) == 2)
+    if not matrices:
+        return
+    layer_parts = {n.split(".")[-2] for n in matrices if ".layers." in n and n.endswith(".weight")}
+    missing = [t for t in targets if t not in layer_parts]
+    if missing:
+        raise ConfigError(
+            f"train.lora.target_modules: {missing} match no linear layer of the decoder layers of {model_path} "
+            f"(they have {sorted(layer_parts)})"
+        )
 
 
 def _check_reward(spec: str) -> None:

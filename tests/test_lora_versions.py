@@ -156,3 +156,12 @@ def test_a_lora_run_trains_adapters_within_the_staleness_bound(tiny_ckpt, tmp_pa
     with_adapter = peft_logprobs(tiny_ckpt, adapter, ids)[0]
     merged = peft_logprobs(os.path.join(run_dir, "final"), None, ids)[0]
     assert (with_adapter - merged).abs().max().item() < 1e-5  # the adapters are the final model's
+
+
+def test_a_lora_target_the_model_lacks_is_found_before_launch(tiny_ckpt, tmp_path):
+    run_dir = str(tmp_path / "never")
+    p = run_cli(
+        [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "train.lora.rank=4", "train.lora.target_modules=[qkv]"]
+    )
+    assert p.returncode == 2 and "train.lora.target_modules: ['qkv'] match no linear layer" in p.stderr, p.stderr
+    assert not os.path.exists(run_dir)

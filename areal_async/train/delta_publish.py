@@ -30,10 +30,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_async.train.dist import any_rank
-from areal_async.train.errors import PeerPublishError, PublishError
+from areal_async.train.errors import PublishError
 from areal_async.train.messages import DeltaPublishResult
-from areal_async.train.publish import _fsync_dir, iter_full_tensors, list_versions, publish_hf, version_dir
+from areal_async.train.publish import (
+    _fsync_dir,
+    iter_full_tensors,
+    list_versions,
+    publish_hf,
+    settle_publish,
+    version_dir,
+)
 from areal_async.weight_delta import FORMAT, Manifest, diff_tensor, write_delta
 from areal_async.weight_digest import IdentityBuilder, served_dtype
 
@@ -188,16 +194,7 @@ class DeltaPublisher:
                 self._prune(root, keep, version)
             except Exception as e:
                 error = e
-        failed = any_rank(error is not None)
-        if rank == 0 and error is not None:
-            shutil.rmtree(os.path.join(root, f".tmp-v{version}"), ignore_errors=True)
-            raise PublishError(
-                f"publishing the delta of version {version} to {root} failed: {type(error).__name__}: {error}"
-            ) from error
-        if failed:
-            raise PeerPublishError(
-                f"publishing the delta of version {version} failed on trainer rank 0 (see its error)"
-            )
+        settle_publish(error, rank, os.path.join(root, f".tmp-v{version}"), f"the delta of version {version} to {root}")
         base = self.version
         self.chain = [*self.chain, version]
         self.version, self.combined = version, identity.combined

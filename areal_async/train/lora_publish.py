@@ -27,11 +27,9 @@ from torch import Tensor, nn
 
 from areal_async.lora_adapter import adapter_config, merge_weight, write_adapter
 from areal_async.protocol.weight_identity import Identity, combine, probe_names
-from areal_async.train.dist import any_rank
-from areal_async.train.errors import PeerPublishError, PublishError
 from areal_async.train.lora import adapter_tensors, lora_param_names
 from areal_async.train.messages import DeltaBroadcastPlan, DeltaPublishResult
-from areal_async.train.publish import _fsync_dir, _prune, iter_full_tensors, version_dir
+from areal_async.train.publish import _fsync_dir, _prune, iter_full_tensors, settle_publish, version_dir
 from areal_async.types import WeightSpec
 from areal_async.weight_digest import dtype_name, probe_row, served_dtype, tensor_digest
 
@@ -108,14 +106,9 @@ class AdapterPublisher:
                 _prune(root, keep, version)
             except Exception as e:
                 error = e
-        failed = any_rank(error is not None)
-        if me == 0 and error is not None:
-            shutil.rmtree(os.path.join(root, f".tmp-v{version}"), ignore_errors=True)
-            raise PublishError(
-                f"publishing the adapters of version {version} to {root} failed: {type(error).__name__}: {error}"
-            ) from error
-        if failed:
-            raise PeerPublishError(f"publishing the adapters of version {version} failed on trainer rank 0")
+        settle_publish(
+            error, me, os.path.join(root, f".tmp-v{version}"), f"the adapters of version {version} to {root}"
+        )
         return DeltaPublishResult(
             path=os.path.abspath(version_dir(root, version)),
             seconds=time.perf_counter() - t0,

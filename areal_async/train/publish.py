@@ -170,6 +170,18 @@ def _prune(root: str, keep: int, newest: int) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def settle_publish(error: BaseException | None, rank: int, tmp: str, what: str) -> None:
+    """Every rank learns whether rank 0's write of `what` failed (a collective, so also the barrier after its
+    rename): rank 0 removes its temporary directory `tmp` and raises its error, the others `PeerPublishError`.
+    Full, delta and adapter publishing all end this way."""
+    failed = any_rank(error is not None)
+    if rank == 0 and error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise PublishError(f"publishing {what} failed: {type(error).__name__}: {error}") from error
+    if failed:
+        raise PeerPublishError(f"publishing {what} failed on trainer rank 0 (see its error)")
+
+
 def publish_hf(
     model: nn.Module,
     *,
@@ -237,10 +249,5 @@ def publish_hf(
         except Exception as e:
             error = e
     num_bytes = writer.num_bytes if writer is not None else 0
-    failed = any_rank(error is not None)  # also the barrier after rank 0's rename
-    if rank == 0 and error is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise PublishError(f"publishing version {version} to {root} failed: {type(error).__name__}: {error}") from error
-    if failed:
-        raise PeerPublishError(f"publishing version {version} to {root} failed on trainer rank 0 (see its error)")
+    settle_publish(error, rank, tmp, f"version {version} to {root}")
     return PublishResult(path=os.path.abspath(final), seconds=time.perf_counter() - t0, num_bytes=num_bytes)

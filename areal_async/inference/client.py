@@ -2,7 +2,7 @@
 
 No torch here. `InferenceClient` is the facade over transport.py (the server pool), routing.py, resume.py
 (interruptible generation), sglang_wire.py (the /generate wire), fleet.py (which weights each server holds) and
-weight_groups.py (the trainer's broadcast groups); the errors are in errors.py.
+weight_groups.py (the trainer's broadcast groups), lora_window.py (SGLang's LoRA adapters); the errors are in errors.py.
 How generations survive pauses and lost servers, and why `stream="auto"` streams only to servers with incremental
 events, is in docs/inference.md; the measurements behind that choice are in benchmarks/README.md.
 """
@@ -29,6 +29,7 @@ from areal_async.inference.fleet import (
     parse_weight_version,
 )
 from areal_async.inference.identity import IdentityGate, Verdict, held_combined
+from areal_async.inference.lora_window import AdapterPin, LoRAAdapters
 from areal_async.inference.resume import ResumeState, SegmentEnd, SegmentRejected, find_stop, generate_resumable
 from areal_async.inference.routing import ServerState
 from areal_async.inference.sglang_wire import SegmentReader, segment_payload
@@ -50,7 +51,7 @@ __all__ = [
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
-class InferenceClient(WeightGroups):
+class InferenceClient(WeightGroups, LoRAAdapters):
     """Drives one or more SGLang-protocol servers. Use `async with InferenceClient(urls) as c:` or `await close()`.
 
     Bound to the event loop that first uses it (aiohttp sessions are). Safe for thousands of concurrent
@@ -197,21 +198,25 @@ class InferenceClient(WeightGroups):
         state = ResumeState(rid, input_ids, sampling)
         base = sampling.to_sglang()
         sent = 0  # bodies sent, retries included: each gets its own rid
+        pin: AdapterPin | None = None  # with adapters: the version every submission of it runs under
 
         async def submit(st: ResumeState) -> SegmentEnd | None:
             reader: SegmentReader | None = None
 
             def make_body(attempt: int, url: str) -> bytes | None:
-                nonlocal sent, reader
+                nonlocal sent, reader, pin
                 if attempt > 0 and st.segment_starts:  # a retry: count what the failed attempt streamed to us
                     self._counts["failover_kept_tokens"] += len(st.out_ids) - st.segment_starts[-1]
                 if self.cancelled(rid) or (st.segment_starts and st.remaining <= 0):
                     return None  # aborted by the caller, or every token arrived before the server was lost
                 st.begin_segment()
-                reader = SegmentReader(st, url, self._counts)
+                pin = self._adapter_pin(pin)  # its own adapter while loaded (lora_window.py)
+                reader = SegmentReader(st, url, self._counts, pinned=None if pin is None else pin.version)
                 # each body has its own rid (a server refuses an rid in flight); abort() sends the current one
                 seg_rid = self._segment_rid[rid] = rid if sent == 0 else f"{rid}-{sent}"
                 payload = segment_payload(st, seg_rid, base, stream=self._streams_to(url), priority=priority)
+                if pin is not None and pin.name is not None:
+                    payload["lora_path"] = pin.name  # SGLang: the adapter's name
                 sent += 1
                 return self._enc.encode(payload)
 
@@ -571,6 +576,7 @@ class InferenceClient(WeightGroups):
             **self._fleet.counts,
             **self._identity.stats(),
             **self._counts,
+            **(self._adapters.counts if self._adapters is not None else {}),
             "servers": {
                 s.url: {
                     "outstanding": s.outstanding,

@@ -97,8 +97,11 @@ def span_versions(spans: list[tuple[int, Any]], n: int, start: int, where: str) 
 class SegmentReader:
     """Reads one submission's answer (one JSON body, or the events of a stream) into the state."""
 
-    def __init__(self, state: ResumeState, url: str, counts: dict[str, int]):
+    def __init__(self, state: ResumeState, url: str, counts: dict[str, int], *, pinned: int | None = None):
         self.state = state
+        # the version of an SGLang LoRA adapter the request names (lora_window.py): its every token is that
+        # version's, whatever weight_version (the server's label) says
+        self.pinned = pinned
         self.url = url
         self.where = url + "/generate"
         self.counts = counts
@@ -136,7 +139,9 @@ class SegmentReader:
             )
         if n > start:
             new = triples[start:] if start else triples
-            if meta.weight_version_spans is not None:
+            if self.pinned is not None:
+                versions = [self.pinned] * (n - start)
+            elif meta.weight_version_spans is not None:
                 versions = span_versions(meta.weight_version_spans, n, start, self.where)
             else:
                 versions = [parse_weight_version(meta.weight_version)] * (n - start)

@@ -36,6 +36,15 @@ def tok_logprob(t: int, version: str) -> float:
     return -0.01 * t - v
 
 
+LORA_OFF = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+
+
+def lora_logprob(name: str | None) -> float:
+    """What an adapter adds to every logprob: -0.001 * its version for our names (areal-v<k>), 0 for the base."""
+    rest = name.rsplit("v", 1)[-1] if name else ""
+    return -0.001 * int(rest) if rest.isdigit() else 0.0
+
+
 class FakeSGLang:
     def __init__(self, port: int = 0, *, token_delay: float = 0.0, version: str = "default"):
         self.port = port
@@ -86,6 +95,17 @@ class FakeSGLang:
         # them, like a server whose load silently did nothing)
         self.weights: dict[str, list] = {}
         self.weights_by_path: dict[str, dict[str, list]] = {}
+        # SGLang's LoRA serving (--enable-lora; lora/lora_registry.py, the tokenizer manager's load/unload): a
+        # registry name -> path; /generate's `lora_path` names an adapter and its tokens' logprobs carry that
+        # adapter (lora_logprob); an unload unregisters at once and answers once the requests under it finished.
+        # Faults: a load of a path in `lora_fail_paths` is refused (SGLang's 400), `lora_silent` answers success
+        # without registering (an adapter that never arrives)
+        self.lora_enabled = False
+        self.adapters: dict[str, str] = {}
+        self.lora_fail_paths: set[str] = set()
+        self.lora_silent = False
+        self.lora_calls: list[tuple[str, dict]] = []  # ("load" | "unload", body), in arrival order
+        self._lora_users: dict[str, int] = {}  # adapter name -> requests in flight under it
         self._groups: dict[str, Any] = {}
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -132,6 +152,8 @@ class FakeSGLang:
         app.router.add_post("/update_weights_from_distributed", self._distributed)
         app.router.add_route("GET", "/get_weights_by_name", self._weights_by_name)
         app.router.add_post("/get_weights_by_name", self._weights_by_name)
+        app.router.add_post("/load_lora_adapter", self._load_lora)
+        app.router.add_post("/unload_lora_adapter", self._unload_lora)
         self._runner = web.AppRunner(app, shutdown_timeout=0.05, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
@@ -170,7 +192,18 @@ class FakeSGLang:
         rid = body["rid"]
         if rid in self._inflight:
             return self._json({"error": {"message": f"rid {rid} in flight"}}, 400)
-        await self._resumed.wait()  # a request that arrives while paused waits, as in SGLang
+        lora = body.get("lora_path")
+        if lora is not None:  # the tokenizer manager resolves the name first (LoRARegistry.acquire)
+            if not self.lora_enabled or lora not in self.adapters:
+                why = f"The following requested LoRA adapters are not loaded: {lora}\n"
+                return self._json({"error": {"message": why + f"Loaded adapters: {list(self.adapters)}."}}, 400)
+            self._lora_users[lora] = self._lora_users.get(lora, 0) + 1  # acquired before it waits
+        try:
+            await self._resumed.wait()  # a request that arrives while paused waits, as in SGLang
+        except BaseException:
+            if lora is not None:
+                self._lora_users[lora] -= 1
+            raise
         st = {"aborted": False, "task": asyncio.current_task(), "made": 0}
         self._inflight[rid] = st
         resp: web.StreamResponse | None = None
@@ -197,7 +230,8 @@ class FakeSGLang:
                     "weight_version": self.version,
                     "e2e_latency": 0.0,
                     "output_token_logprobs": [
-                        [tok_logprob(t, v), t, tok_text(t) if with_text else None] for t, v in zip(out[lo:], vers[lo:])
+                        [tok_logprob(t, v) + lora_logprob(lora), t, tok_text(t) if with_text else None]
+                        for t, v in zip(out[lo:], vers[lo:])
                     ],
                 }
                 if self.spans:
@@ -252,6 +286,8 @@ class FakeSGLang:
             return resp
         finally:
             self._inflight.pop(rid, None)
+            if lora is not None:
+                self._lora_users[lora] -= 1
 
     async def _health(self, request: web.Request) -> web.Response:
         await self._hang_if_hung()
@@ -420,6 +456,41 @@ class FakeSGLang:
         if "weight_version" in body:  # as SGLang: the buckets received are relabelled; no label, the old one
             self.version = body["weight_version"]
         return self._json({"success": True, "message": "ok"})
+
+    def _lora_answer(self, ok: bool, why: str = "", *, listed: bool = True) -> web.Response:
+        """SGLang's LoRAUpdateOutput as http_server.py sends it (orjson of the dataclass, BaseReq's fields too):
+        200 on success, else 400; `loaded_adapters` maps every registered name to its path, except in a refusal
+        the tokenizer manager makes itself (LoRA off, an unknown name to unload), which lists none."""
+        out = {"success": ok, "error_message": why, "loaded_adapters": dict(self.adapters) if listed else None}
+        return self._json({**out, "rid": None, "http_worker_ipc": None}, 200 if ok else 400)
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.lora_calls.append(("load", body))
+        name, path = body.get("lora_name", ""), body.get("lora_path", "")
+        if not self.lora_enabled:
+            return self._lora_answer(False, LORA_OFF, listed=False)
+        if name in self.adapters:
+            return self._lora_answer(False, f"Failed to load LoRA adapter {name} because it is already loaded")
+        if path in self.lora_fail_paths:
+            return self._lora_answer(False, f"Can't find adapter_config.json in {path}")
+        if not self.lora_silent:
+            self.adapters[name] = path
+        return self._lora_answer(True)
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.lora_calls.append(("unload", body))
+        name = body.get("lora_name", "")
+        if not self.lora_enabled:
+            return self._lora_answer(False, LORA_OFF, listed=False)
+        if name not in self.adapters:
+            why = f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.adapters)}"
+            return self._lora_answer(False, why, listed=False)
+        del self.adapters[name]  # unregistered at once: new requests naming it are refused
+        while self._lora_users.get(name, 0) > 0:  # the adapter leaves memory once the requests under it finished
+            await asyncio.sleep(0.002)
+        return self._lora_answer(True)
 
     async def _update_version(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())

@@ -13,6 +13,8 @@ import os
 from areal_async.config import RunConfig
 from areal_async.inference.client import InferenceClient
 from areal_async.launch import Cluster, ElasticBroadcastSync
+from areal_async.launch.sglang_lora import adapter_window
+from areal_async.rollout.lora_sync import AdapterSync
 from areal_async.rollout.weight_sync import DiskSync, WeightSync
 from areal_async.run_plan import RunPlan
 from areal_async.train.client import TrainerGroup
@@ -39,6 +41,12 @@ async def connect_weights(
     not reuse)."""
     cfg = plan.cfg
     assert trainers is not None and client is not None
+    if cfg.train.lora.enabled and await _sglang_fleet(cfg, client):  # adapters loaded per version, per request
+        if isinstance(previous, AdapterSync):  # a replaced trainer job: the servers keep the window they hold
+            previous.trainer = trainers
+            return previous
+        root = os.path.join(cfg.run_dir, "weights")
+        return AdapterSync(trainers, client, root, window=adapter_window(cfg), keep_versions=cfg.train.keep_versions)
     if cfg.train.weight_sync == "disk":
         return DiskSync(trainers, client, os.path.join(cfg.run_dir, "weights"), cfg.train.keep_versions)
     if isinstance(previous, ElasticBroadcastSync):
@@ -60,6 +68,15 @@ async def connect_weights(
     await sync.form_group()
     client.weight_source = sync.publish_current
     return sync
+
+
+async def _sglang_fleet(cfg: RunConfig, client: InferenceClient) -> bool:
+    """Do the servers apply adapters per request (SGLang) rather than merge them (the embedded server)? Launched:
+    server.backend says; external: a server that does not say it is ours (`weights_delta`) is taken for SGLang."""
+    if cfg.server.backend != "external":
+        return cfg.server.backend == "sglang"
+    infos = await client.server_info()
+    return any(isinstance(i, dict) and not i.get("weights_delta") for i in infos.values())
 
 
 async def bring_servers_to(weights: WeightSync, version: int) -> None:

@@ -276,8 +276,16 @@ def test_lora_config_keys_are_validated(tiny_ckpt):
             from_dict({"train": {"lora": lora}}, RunConfig).validate()
     with pytest.raises(ConfigError, match="train.delta_sync: with train.lora"):
         from_dict({"train": {"lora": {"rank": 4}, "delta_sync": True}}, RunConfig).validate()
-    with pytest.raises(ConfigError, match="train.lora.rank: train.lora needs servers that load adapters"):
-        from_dict({"train": {"lora": {"rank": 4}}, "server": {"backend": "sglang"}}, RunConfig).validate()
+    # LoRA on SGLang is accepted (rollout/lora_sync.py), with the adapters by disk, a bounded eta, launched locally
+    from_dict({"train": {"lora": {"rank": 4}}, "server": {"backend": "sglang"}}, RunConfig).validate()
+    sglang = {"backend": "sglang"}
+    for message, extra in {
+        "train.weight_sync: must be disk": {"train": {"lora": {"rank": 4}, "weight_sync": "broadcast"}},
+        "schedule.eta: must be bounded": {"train": {"lora": {"rank": 4}}, "schedule": {"eta": None}},
+        "launcher: must be local": {"train": {"lora": {"rank": 4}}, "launcher": "slurm"},
+    }.items():
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+            from_dict({**extra, "server": sglang}, RunConfig).validate()
     import transformers
 
     from areal_async.train.lora import inject_lora

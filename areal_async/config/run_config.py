@@ -455,13 +455,25 @@ class RunConfig(Section):
             "false cannot be combined with train.weight_sync=broadcast in async mode (a broadcast is sent bucket "
             "by bucket and needs the servers paused); use interruptible=true or train.weight_sync=disk",
         )
-        # adapters are merged by the embedded server (server/lora_load.py); SGLang's LoRA endpoints are not wired
-        check(
-            not (self.train.lora.enabled and self.server.backend == "sglang"),
-            key_of(prefix, "train.lora.rank"),
-            "train.lora needs servers that load adapters: server.backend=embedded or external (embedded servers); "
-            "SGLang's LoRA endpoints are not wired yet",
-        )
+        # LoRA on SGLang (rollout/lora_sync.py, docs/weights.md "LoRA on SGLang"): adapters go by disk to
+        # /load_lora_adapter, eta + 1 versions stay loaded, and the local launcher starts SGLang with LoRA enabled
+        if self.train.lora.enabled and self.server.backend == "sglang":
+            check(
+                self.train.weight_sync == "disk",
+                key_of(prefix, "train.weight_sync"),
+                "must be disk with train.lora on SGLang: SGLang 0.5 loads adapters from a directory only",
+            )
+            check(
+                self.schedule.effective_eta is not None,
+                key_of(prefix, "schedule.eta"),
+                "must be bounded with train.lora on SGLang: the servers keep eta + 1 adapter versions loaded",
+            )
+            check(
+                self.launcher == "local",
+                key_of(prefix, "launcher"),
+                "must be local with train.lora on SGLang: the slurm launcher does not start SGLang with LoRA "
+                "enabled yet (start the servers yourself with --enable-lora and use server.backend=external)",
+            )
         # the run starts the pinned eval's server only as an embedded server on the controller's host
         check(
             not (

@@ -132,7 +132,9 @@ class OptimConfig(Section):
 
 class LoRAConfig(Section):
     """Low-rank adapters (train/lora.py): the base weights stay frozen, only each target linear layer's A [r, in] and
-    B [out, r] train (W = W0 + alpha / r * B @ A), and only they travel to the servers (docs/weights.md, "LoRA")."""
+    B [out, r] train (W = W0 + alpha / r * B @ A), and only they travel to the servers (docs/weights.md, "LoRA"):
+    the embedded server merges each version; SGLang is started with --enable-lora and keeps eta + 1 versions
+    loaded, each request running under the version it started with ("LoRA on SGLang")."""
 
     rank: int = 0
     """r, the adapters' rank; 0: off (full fine-tuning)."""

@@ -27,6 +27,7 @@ from areal_async.launch.api import ClusterEvent, EventHandler, ProcessExited, Se
 from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
+from areal_async.launch.sglang_lora import sglang_lora_args
 from areal_async.launch.slurm import SlurmLauncher
 from areal_async.net.address import advertised, host_address, rendezvous_host
 from areal_async.net.rank_registry import Registry, rank_files_dir, read_secret
@@ -250,6 +251,7 @@ def _start_server(
         base_gpu_id=srv.base_gpu_id,
         gpus_per_server=srv.gpus_per_server,
         dtype=cfg.model.dtype,
+        lora_args=sglang_lora_args(cfg, list(srv.extra_args)),
     )
 
 

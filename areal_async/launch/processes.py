@@ -221,10 +221,12 @@ def sglang_server_cmd(
     base_gpu_id: int = 0,
     tp_size: int = 1,
     dtype: str = "auto",
+    lora_args: list[str] | None = None,
 ) -> list[str]:
     """`tp_size` (server.gpus_per_server) becomes --tp-size: without it SGLang runs tp 1 on the first of the
     server's GPUs, and the weight broadcast would count ranks the server does not have. `dtype` (model.dtype)
-    becomes --dtype unless `extra_args` has one (SGLang's own default is auto, so auto adds nothing)."""
+    becomes --dtype unless `extra_args` has one (SGLang's own default is auto, so auto adds nothing). `lora_args`:
+    the LoRA flags of a train.lora run (launch/sglang_lora.py)."""
 
     cmd = [
         sys.executable,
@@ -237,6 +239,7 @@ def sglang_server_cmd(
         "--port",
         port,
         *extra_args,
+        *(lora_args or []),
     ]
     if sglang_flag(extra_args, "--base-gpu-id") is None:
         cmd += ["--base-gpu-id", str(base_gpu_id)]
@@ -396,6 +399,7 @@ class Processes:
         base_gpu_id: int = 0,
         gpus_per_server: int = 1,
         dtype: str = "auto",
+        lora_args: list[str] | None = None,
     ) -> Child:
         port = port or free_port(host)  # SGLang needs its port on the command line
         cmd = sglang_server_cmd(
@@ -407,6 +411,7 @@ class Processes:
             base_gpu_id=base_gpu_id + index * gpus_per_server,
             tp_size=gpus_per_server,
             dtype=dtype,
+            lora_args=lora_args,
         )
         return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 

@@ -191,7 +191,12 @@ def interrupt_mode(interruptible: bool, mode: str) -> InterruptMode:
 
 async def update_weights(sync: WeightSync, servers: PausableServers, version: int, mode: InterruptMode) -> None:
     """`sync.apply(version)` under the in-flight treatment `mode`. The caller has
-    `prepare`d the version already (that part overlaps generation and is timed apart). The modes: docs/weights.md."""
+    `prepare`d the version already (that part overlaps generation and is timed apart). The modes: docs/weights.md.
+    A `pauseless` transport (SGLang LoRA adapters, rollout/lora_sync.py: each request keeps the adapter it started
+    under, so nothing in flight changes weights) applies without a pause, whatever the mode."""
+    if getattr(sync, "pauseless", False):
+        await sync.apply(version, flush_cache=False)
+        return
     if mode == "wait":
         if getattr(sync, "bucketed", False):
             raise ValueError(

@@ -237,6 +237,24 @@ async def test_a_restarted_server_loads_the_window_before_it_serves(fakes, tmp_p
         assert b2.version == "2" and c.stats()["servers"][b.url]["state"] == "serving"
 
 
+async def test_a_server_that_recovers_during_a_load_takes_the_version_being_loaded(fakes, tmp_path):
+    """While a version is being loaded it is not yet in the window (no request names it), but a server whose
+    ready check runs meanwhile loads it too: it never returns to rotation (and to the relabel) without it."""
+    [s] = await fleet(fakes, 1)
+    async with InferenceClient([s.url], stream=False) as c:
+        sync = AdapterSync(AdapterTrainer(), c, str(tmp_path), window=2)
+        await sync.prepare(1)
+        await update_weights(sync, c, 1, "abort")
+        sync.window.pending = (2, str(tmp_path / "v2"))
+        server = c._pool.router.servers[s.url]
+        assert await c._pool.ready_check(server)
+        assert sorted(s.adapters) == ["areal-v1", "areal-v2"]
+        sync.window.pending = None
+        s.lora_fail_paths = {str(tmp_path / "v1")}
+        s.adapters.clear()  # a restarted server that cannot load an adapter of the window stays out
+        assert not await c._pool.ready_check(server)
+
+
 async def test_a_rollback_replaces_the_versions_of_the_old_lineage(fakes, tmp_path):
     [s] = await fleet(fakes, 1)
     async with InferenceClient([s.url], stream=False) as c:

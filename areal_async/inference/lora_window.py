@@ -96,6 +96,9 @@ class AdapterWindow:
             raise ValueError("an adapter window holds at least one version")
         self.size = size
         self._paths: dict[int, str] = {}  # version -> its adapter directory, every version the fleet holds
+        # the version being loaded across the fleet, not yet named by requests: a server that recovers meanwhile
+        # loads it too, so it never returns to rotation (and to the relabel) without it
+        self.pending: tuple[int, str] | None = None
         self.counts = {"adapter_loads": 0, "adapter_unloads": 0, "adapter_load_failures": 0, "adapter_repins": 0}
 
     def pin(self) -> AdapterPin:
@@ -130,6 +133,13 @@ class AdapterWindow:
     def loaded(self) -> dict[int, str]:
         """version -> adapter directory of every version in the window, oldest first."""
         return dict(sorted(self._paths.items()))
+
+    def wanted(self) -> dict[int, str]:
+        """What a server must hold to serve: the window and the version being loaded."""
+        out = self.loaded
+        if self.pending is not None:
+            out[self.pending[0]] = self.pending[1]
+        return out
 
 
 async def _post(pool: ServerPool, server: ServerState, path: str, payload: dict) -> tuple[int, bytes]:
@@ -191,8 +201,12 @@ async def probe_adapter(pool: ServerPool, server: ServerState, version: int) -> 
         "rid": f"areal-lora-probe-{uuid.uuid4().hex}",
     }
     try:
-        status, body = await pool.send(
-            server, "POST", "/generate", msgspec.json.encode(payload), timeout=pool.probe_timeout()
+        status, body = await pool.send(  # queued behind the rollouts on a busy server: a weight load's time
+            server,
+            "POST",
+            "/generate",
+            msgspec.json.encode(payload),
+            timeout=aiohttp.ClientTimeout(total=pool.weight_load_timeout_s),
         )
     except ConnectionFailed as e:
         return f"unreachable: {e}"
@@ -210,7 +224,7 @@ def adapters_ready(window: AdapterWindow, pool: ServerPool, ready: Ready | None)
     async def checked(server: ServerState) -> bool:
         if ready is not None and not await ready(server):
             return False
-        for version, path in window.loaded.items():
+        for version, path in window.wanted().items():
             why = await load_adapter(pool, server, version, path)
             if why:
                 window.counts["adapter_load_failures"] += 1
@@ -260,6 +274,7 @@ class LoRAAdapters:
         Returns url -> "" (proven) or why not; a server that fails leaves rotation until it loads the window."""
         assert self._adapters is not None, "use_adapters() first"
         window = self._adapters
+        window.pending = (version, path)
 
         async def one(server: ServerState) -> str:
             why = await load_adapter(self._pool, server, version, path)
@@ -271,7 +286,10 @@ class LoRAAdapters:
                 self._pool.needs_sync(server, f"adapter of version {version}: {why}")
             return why
 
-        return await self._on_servers(one)
+        try:
+            return await self._on_servers(one)
+        finally:
+            window.pending = None  # the caller admits it (or stops the run): from here the window says
 
     async def unload_lora_adapters(self, versions: list[int]) -> dict[str, str]:
         """Every reachable server unloads these versions' adapters (returns when SGLang has: after the requests

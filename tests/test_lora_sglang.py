@@ -91,6 +91,20 @@ def test_the_launcher_starts_sglang_with_lora_sized_to_the_window():
     assert "--max-loras-per-batch" not in sglang_lora_args(cfg, ["--max-loras-per-batch", "16"])
     plain = from_dict({"server": {"backend": "sglang"}}, RunConfig)
     assert sglang_lora_args(plain, []) == []
+    # the local launcher passes them to every SGLang server it starts (restarts included: the same call)
+    from areal_async.launch import local
+
+    class Recorder:
+        def __init__(self):
+            self.lora_args = []
+
+        def start_sglang_server(self, index, model, **kw):
+            self.lora_args.append(kw["lora_args"])
+
+    procs = Recorder()
+    local._start_server(procs, cfg, "/m", 0, 0)
+    local._start_server(procs, plain, "/m", 0, 0)
+    assert procs.lora_args == [args, []]
 
 
 async def fleet(fakes, n: int = 2, **kw):

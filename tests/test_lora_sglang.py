@@ -17,7 +17,7 @@ import os
 import pytest
 from aiohttp import web
 
-from areal_async.config import RunConfig, ScheduleConfig, from_dict
+from areal_async.config import ConfigError, RunConfig, ScheduleConfig, from_dict
 from areal_async.inference.client import InferenceClient
 from areal_async.inference.lora_window import AdapterWindow, adapter_name
 from areal_async.launch.processes import sglang_server_cmd
@@ -91,6 +91,8 @@ def test_the_launcher_starts_sglang_with_lora_sized_to_the_window():
     assert "--max-loras-per-batch" not in sglang_lora_args(cfg, ["--max-loras-per-batch", "16"])
     plain = from_dict({"server": {"backend": "sglang"}}, RunConfig)
     assert sglang_lora_args(plain, []) == []
+    with pytest.raises(ConfigError, match="--dp-size 2 with train.lora"):
+        sglang_lora_args(cfg, ["--dp-size", "2"])
     # the local launcher passes them to every SGLang server it starts (restarts included: the same call)
     from areal_async.launch import local
 
@@ -267,6 +269,18 @@ async def test_a_server_that_recovers_during_a_load_takes_the_version_being_load
         s.lora_fail_paths = {str(tmp_path / "v1")}
         s.adapters.clear()  # a restarted server that cannot load an adapter of the window stays out
         assert not await c._pool.ready_check(server)
+
+
+async def test_external_servers_that_are_not_ours_get_adapters_per_request(fakes, tmp_path):
+    from areal_async.run_connect import _sglang_fleet
+
+    [s] = await fakes(1)
+    cfg = from_dict({"server": {"backend": "external", "urls": [s.url]}, "train": {"lora": {"rank": 4}}}, RunConfig)
+    async with InferenceClient([s.url], stream=False) as c:
+        assert await _sglang_fleet(cfg, c)  # SGLang's /get_server_info has no weights_delta
+    assert await _sglang_fleet(lora_cfg(), None)
+    embedded = from_dict({"train": {"lora": {"rank": 4}}}, RunConfig)
+    assert not await _sglang_fleet(embedded, None)
 
 
 async def test_a_rollback_replaces_the_versions_of_the_old_lineage(fakes, tmp_path):

@@ -12,7 +12,7 @@ that leave the window instead (rollout/lora_sync.py). A flag the user put in `se
 
 from __future__ import annotations
 
-from areal_async.config import RunConfig
+from areal_async.config import ConfigError, RunConfig
 from areal_async.launch.placement import sglang_flag
 
 __all__ = ["adapter_window", "sglang_lora_args"]
@@ -32,6 +32,14 @@ def sglang_lora_args(cfg: RunConfig, extra_args: list[str]) -> list[str]:
     lora = cfg.train.lora
     if not lora.enabled or cfg.server.backend != "sglang":
         return []
+    # the tokenizer manager asserts dp_size == 1 for every adapter load and unload (later builds also allow DP
+    # attention): refused here rather than as a failed first update
+    dp = sglang_flag(extra_args, "--dp-size", "--dp", "--data-parallel-size")
+    if dp not in (None, "", "1") and sglang_flag(extra_args, "--enable-dp-attention") is None:
+        raise ConfigError(
+            f"server.extra_args: --dp-size {dp} with train.lora: SGLang loads adapters at run time only with "
+            "dp_size 1; run one server per replica instead (server.num_servers)"
+        )
     out: list[str] = []
     if sglang_flag(extra_args, "--enable-lora") is None:
         out.append("--enable-lora")

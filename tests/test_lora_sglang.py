@@ -39,7 +39,8 @@ class AdapterTrainer:
     def __init__(self) -> None:
         self.published: list[tuple[int, int]] = []  # (version, keep)
 
-    async def publish_delta(self, version, root, keep=2, *, served_dtype="float32", force_full=False):
+    async def publish_delta(self, version, root, keep=2, *, served_dtype="float32", force_full=False, identity=True):
+        assert not identity  # SGLang applies adapters per request: no merged identity is asked for
         self.published.append((version, keep))
         from areal_async.protocol.weight_identity import Identity
 
@@ -442,3 +443,27 @@ async def test_a_run_whose_adapter_never_reaches_sglang_stops_within_the_step(fa
         with pytest.raises(AdapterNotServed, match="reached no server as areal-v1"):
             await lora_controller(tmp_path, c, trainer, weights, steps=4).run()
     assert len(trainer.batches) == 1  # the first update stopped the run
+
+
+def test_adapters_for_sglang_are_published_without_the_merged_identity(tiny_ckpt, tmp_path):
+    """SGLang's adapter sync asks the trainers for no identity: the same peft directory, the same element count,
+    but no gather of the base and no merge (what the embedded server's proof costs per version)."""
+    import torch
+    import transformers
+
+    from areal_async.train.lora import initial_adapters, inject_lora, lora_modules
+    from areal_async.train.lora_publish import AdapterPublisher
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    inject_lora(model, rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    model.load_state_dict(initial_adapters(model, seed=3), strict=False)
+    lora = {n: m.lora_scale for n, m in lora_modules(model).items()}
+    skip = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    kw = dict(lora=lora, rank=4, alpha=8.0, dropout=0.0, source_dir=tiny_ckpt, version=1, keep=2, skip=skip)
+    full, bare = AdapterPublisher(), AdapterPublisher()
+    a = full.publish(model, root=str(tmp_path / "a"), served="bfloat16", **kw)
+    b = bare.publish(model, root=str(tmp_path / "b"), served="bfloat16", identity=False, **kw)
+    assert a.identity.digests and not b.identity.digests and not bare.base and full.base
+    assert (a.total, a.changed, a.num_bytes, a.kind) == (b.total, b.changed, b.num_bytes, b.kind)
+    name = "adapter_model.safetensors"
+    assert (tmp_path / "a" / "v1" / name).read_bytes() == (tmp_path / "b" / "v1" / name).read_bytes()

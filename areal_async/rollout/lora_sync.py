@@ -28,7 +28,14 @@ log = logging.getLogger(__name__)
 
 class AdapterPublisher(Protocol):
     async def publish_delta(
-        self, version: int, root: str, keep: int = 2, *, served_dtype: str = "float32", force_full: bool = False
+        self,
+        version: int,
+        root: str,
+        keep: int = 2,
+        *,
+        served_dtype: str = "float32",
+        force_full: bool = False,
+        identity: bool = True,
     ) -> Any: ...
 
 
@@ -73,9 +80,12 @@ class AdapterSync:
 
     async def prepare(self, version: int) -> None:
         """The trainers write version `version`'s adapters to `root/v<version>` (while generation goes on)."""
-        # the identity of the merged weights comes along (the embedded server's proof); SGLang keeps its base and
-        # applies the adapter per request, so it is not compared here: the proof is the load answer and a probe
-        pub = await self.trainer.publish_delta(version, self.root, self.keep_versions, served_dtype="bfloat16")
+        # no identity of merged weights (the embedded server's proof, a gather of the base and a merge per
+        # version): SGLang keeps its base and applies the adapter per request; the proof is the load answer and
+        # a probe generation (apply)
+        pub = await self.trainer.publish_delta(
+            version, self.root, self.keep_versions, served_dtype="bfloat16", identity=False
+        )
         if getattr(pub, "kind", "") != "adapter":
             raise RuntimeError(
                 f"version {version} was published as {getattr(pub, 'kind', '?')!r}, not as adapters: the trainers "

@@ -292,12 +292,20 @@ class TrainerGroup:
         return results[0]
 
     async def publish_delta(
-        self, version: int, root: str, keep: int = 2, *, served_dtype: str = "float32", force_full: bool = False
+        self,
+        version: int,
+        root: str,
+        keep: int = 2,
+        *,
+        served_dtype: str = "float32",
+        force_full: bool = False,
+        identity: bool = True,
     ) -> DeltaPublishResult:
-        """Write `root/v<version>` as a full snapshot or a delta (train.delta_sync; train/delta_publish.py) and
-        return the identity of what it holds as served in `served_dtype`."""
+        """Write `root/v<version>` as a full snapshot or a delta (train.delta_sync; train/delta_publish.py), or
+        with train.lora as the adapters, and return the identity of what it holds as served in `served_dtype`
+        (`identity=False`, adapters only: none, for servers that apply adapters per request)."""
         req = DeltaPublishRequest(
-            version=version, root=root, keep=keep, served_dtype=served_dtype, force_full=force_full
+            version=version, root=root, keep=keep, served_dtype=served_dtype, force_full=force_full, identity=identity
         )
         async with self._lock:
             results = await self._call("publish_delta", req, DeltaPublishResult)

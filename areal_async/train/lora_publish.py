@@ -78,21 +78,25 @@ class AdapterPublisher:
         keep: int,
         served: str,
         skip: set[str],
+        identity: bool = True,
     ) -> DeltaPublishResult:
         """Collective: write `root/v<version>` as the adapters of `model` (adapted module -> scale: `lora`) and
-        return the identity of the merged weights as served in `served`."""
+        return the identity of the merged weights as served in `served` (without `identity`: an empty one, and
+        the base is never gathered; for servers that apply the adapters per request, such as SGLang)."""
         t0 = time.perf_counter()
         me = dist.get_rank() if dist.is_initialized() else 0
         dtype = served_dtype(served)
         adapted = sorted(lora)
-        tensors = self._gather(model, adapted, skip, dtype)
+        tensors = self._gather(model, adapted, skip, dtype, base=identity)
+        total = self.total if identity else _served_elements(model, adapted, skip)
         error: BaseException | None = None
         num_bytes, spent = 0, 0.0
-        identity = Identity(version=version, dtype=dtype_name(dtype), digests={}, combined="")
+        ident = Identity(version=version, dtype=dtype_name(dtype), digests={}, combined="")
         if me == 0:
             try:
                 t1 = time.perf_counter()
-                identity = self._identity(tensors, lora, version, dtype)
+                if identity:
+                    ident = self._identity(tensors, lora, version, dtype)
                 spent = time.perf_counter() - t1
                 config = adapter_config(
                     rank=rank,
@@ -114,17 +118,19 @@ class AdapterPublisher:
             seconds=time.perf_counter() - t0,
             num_bytes=num_bytes,
             kind="adapter",
-            identity=identity,
+            identity=ident,
             changed=sum(t.numel() for t in tensors.values()),
-            total=self.total,
-            full_bytes=self.total * dtype.itemsize,
+            total=total,
+            full_bytes=total * dtype.itemsize,
             identity_s=spent,
         )
 
-    def _gather(self, model: nn.Module, adapted: list[str], skip: set[str], dtype: torch.dtype) -> dict[str, Tensor]:
+    def _gather(
+        self, model: nn.Module, adapted: list[str], skip: set[str], dtype: torch.dtype, *, base: bool = True
+    ) -> dict[str, Tensor]:
         """Collective: the adapters (peft key -> fp32 CPU tensor on rank 0; {} elsewhere), after the one gather of
-        the base when the served dtype is new."""
-        if self.dtype != dtype:
+        the base when the served dtype is new (with `base`: an identity is to be computed)."""
+        if base and self.dtype != dtype:
             self._take_base(model, adapted, skip, dtype)
         names = set(lora_param_names(adapted))
         others = {n for n in model.state_dict() if n not in names}
@@ -214,3 +220,12 @@ class AdapterPublisher:
         os.rename(tmp, final)
         _fsync_dir(root)
         return num_bytes
+
+
+def _served_elements(model: nn.Module, adapted: list[str], skip: set[str]) -> int:
+    """Elements of the served model (every floating-point parameter and buffer but the adapters and `skip`), from
+    the global shapes alone: what a publish without identity reports in place of the base gather's count."""
+    lora = set(lora_param_names(adapted))
+    return sum(
+        t.numel() for n, t in model.state_dict().items() if n not in lora and n not in skip and t.is_floating_point()
+    )

@@ -76,6 +76,10 @@ class DeltaPublishRequest(msgspec.Struct, kw_only=True):
     keep: int = 2
     served_dtype: str = "float32"  # the dtype the servers hold the weights in: deltas and identities are of its bits
     force_full: bool = False  # a full snapshot whatever the schedule (a delta was refused somewhere)
+    # train.lora: also compute the identity of the merged weights (the embedded server's proof; it costs one gather
+    # of the base and a merge of every adapted weight per version). SGLang applies adapters per request and keeps
+    # its base, so its adapter sync asks for none (rollout/lora_sync.py)
+    identity: bool = True
 
 
 class DeltaPublishResult(msgspec.Struct, kw_only=True):

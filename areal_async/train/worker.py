@@ -237,6 +237,7 @@ class TrainerService:
                 keep=req.keep,
                 served=req.served_dtype,
                 skip=e.tied_names,
+                identity=req.identity,
             )
         return self._delta_publisher().publish(
             e.model,

@@ -192,6 +192,11 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_configure(config):
+    # A shell without job control starts `cmd &` with SIGINT ignored, and a child inherits an ignored signal
+    # through exec: every run a test started would then shrug off its Ctrl-C and the signal tests would hang to
+    # their timeouts. A handler of our own is reset to the default on exec, so the runs get Python's usual one.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if _WORKER:  # a worker of `pytest -n N`: it collects, the controller schedules by group
         config.pluginmanager.register(_LongFirst(), "areal-long-first")
 

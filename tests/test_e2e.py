@@ -291,13 +291,16 @@ def in_place_run(request, tiny_ckpt, tmp_path_factory) -> str:
             f"run_dir={run_dir}",
             "mode=async",
             "eta=2",
-            # steps 1 and 2 train tokens made before any update; a span needs a request in flight at an update, so
-            # six steps give four updates a chance at one (four steps, two chances, found none once under load)
+            # steps 1 and 2 train tokens made before any update; a span needs a request in flight at an update.
+            # One request at a time makes generation ~10x slower than a train step (16 answers of ~100 tokens in
+            # turn against 0.3 s), so the trainer always waits for batches and every update finds one running; with
+            # 4 at a time a loaded machine's slow trainer once let generation run ahead to the staleness limit and
+            # stop, and no update met a request (CI at load 5)
             "total_steps=6",
             "schedule.interrupt_mode=in_place",
             f"train.weight_sync={request.param}",
             "schedule.eval_every=0",
-            "server.max_running_requests=4",
+            "server.max_running_requests=1",
             *COMMON,
         ]
     )

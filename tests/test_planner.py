@@ -34,6 +34,73 @@ def test_virtual_clock_jumps_and_orders_timers():
     assert real < 1.0
 
 
+def test_virtual_clock_fires_timers_in_asyncio_order_with_ties_and_cancellations():
+    # the loop keeps its own (when, handle) heap; asyncio's loop, on the same virtual clock, is the reference
+    import random
+
+    from areal_async.planner.clock import VirtualClockLoop
+
+    class AsyncioHeap(VirtualClockLoop):
+        call_at = asyncio.BaseEventLoop.call_at
+        _run_once = asyncio.BaseEventLoop._run_once
+
+    def fired(cls: type) -> list[tuple[int, float]]:
+        rng = random.Random(7)
+        loop = cls()
+        order: list[tuple[int, float]] = []
+        timers: list[asyncio.TimerHandle] = []
+
+        def fire(i: int) -> None:
+            order.append((i, loop.time()))
+            for _ in range(rng.randint(0, 3)):  # timers set by timers, on a coarse grid of instants: many ties
+                timers.append(loop.call_at(loop.time() + rng.randint(0, 4) * 0.25, fire, len(timers)))
+            if timers and rng.random() < 0.4:  # and cancellations, enough to trigger the heap's purge
+                rng.choice(timers).cancel()
+
+        for _ in range(200):
+            timers.append(loop.call_at(rng.randint(0, 8) * 0.5, fire, len(timers)))
+
+        async def main() -> None:
+            while len(order) < 3000 and loop._scheduled:
+                await asyncio.sleep(0.125)
+
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+        return order
+
+    ours = fired(VirtualClockLoop)
+    assert len(ours) > 1000 and ours == fired(AsyncioHeap)
+
+
+def test_the_length_sampler_rounds_as_draw_does():
+    import numpy as np
+
+    for lm in (
+        LengthModel(median=8000, sigma=0.7, max_new_tokens=32768),
+        LengthModel(median=0.6, sigma=2.0, max_new_tokens=5),  # answers clipped at both ends
+        LengthModel(median=900, sigma=0.5, growth_per_step=0.1),  # scaled per version: the per-answer path
+        LengthModel(kind="empirical", samples=[1, 5, 7, 100_000], max_new_tokens=50),
+    ):
+        draw = lm.sampler(np.random.default_rng(3), chunk=1000)
+        rng = np.random.default_rng(3)
+        raw: list[float] = []
+        pos = 0
+        for i in range(1500):
+            if pos + 16 > len(raw):
+                if lm.kind == "empirical":
+                    raw = rng.choice(np.asarray(lm.samples, dtype=np.float64), size=1000).tolist()
+                else:
+                    raw = (lm.median * np.exp(lm.sigma * rng.standard_normal(1000))).tolist()
+                pos = 0
+            scale = 1.0 + lm.growth_per_step * (i // 300)
+            want = [min(max(int(x * scale + 0.5), 1), lm.max_new_tokens) for x in raw[pos : pos + 16]]
+            pos += 16
+            got = draw(16, i // 300)
+            assert got == want and all(type(x) is int for x in got)
+
+
 def test_virtual_clock_reports_a_stall():
     async def main() -> None:
         await asyncio.get_running_loop().create_future()  # nobody will ever set it

@@ -56,25 +56,31 @@ class LengthModel:
 
     def sampler(self, rng: np.random.Generator, chunk: int = 1 << 16) -> Callable[[int, int], list[int]]:
         """A fast `draw`: unscaled lengths come from `rng` a chunk at a time (one numpy call per 65,536 answers
-        instead of one per group, which is most of a draw's cost); the same distribution as `draw`."""
-        buf: list[float] = []
+        instead of one per group, which is most of a draw's cost); the same distribution as `draw`. Unscaled draws
+        (no growth, or version 0) are rounded and clipped by numpy once per chunk, so a group's draw is a slice:
+        floor(x + 0.5) clipped to [1, cap] is exactly what the per-answer `int(x * 1.0 + 0.5)` gives for x > 0."""
+        raw = np.empty(0)
+        ints: list[int] = []
         pos = 0
         cap = self.max_new_tokens
 
         def refill() -> None:
-            nonlocal buf, pos
+            nonlocal raw, ints, pos
             if self.kind == "empirical":
                 raw = rng.choice(np.asarray(self.samples, dtype=np.float64), size=chunk)
             else:
                 raw = self.median * np.exp(self.sigma * rng.standard_normal(chunk))
-            buf, pos = raw.tolist(), 0
+            ints, pos = np.clip(np.floor(raw + 0.5), 1, cap).astype(np.int64).tolist(), 0
 
         def draw(n: int, version: int = 0) -> list[int]:
             nonlocal pos
-            if pos + n > len(buf):
+            if pos + n > len(ints):
                 refill()
             scale = 1.0 + self.growth_per_step * version
-            out = [min(max(int(x * scale + 0.5), 1), cap) for x in buf[pos : pos + n]]
+            if scale == 1.0:
+                out = ints[pos : pos + n]
+            else:
+                out = [min(max(int(x * scale + 0.5), 1), cap) for x in raw[pos : pos + n].tolist()]
             pos += n
             return out
 

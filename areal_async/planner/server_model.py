@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -87,7 +88,18 @@ def _solve(b: float, a: float, t: float) -> float:
 class SimGroup:
     """One prompt group on a server: its samples' lengths, and where it stands."""
 
-    __slots__ = ("lengths", "total", "prompt", "future", "start_step", "version", "need", "finish_step", "done_members")
+    __slots__ = (
+        "lengths",
+        "total",
+        "prompt",
+        "future",
+        "start_step",
+        "version",
+        "need",
+        "finish_step",
+        "done_at",
+        "done_members",
+    )
 
     def __init__(self, lengths: list[int], prompt: int, future: asyncio.Future) -> None:
         self.lengths = lengths
@@ -98,6 +110,7 @@ class SimGroup:
         self.version = 0
         self.need = 0
         self.finish_step = 0.0
+        self.done_at = 0.0  # finish_step less the tolerance: a finish step at or past it ends the group
         self.done_members = 0
 
 
@@ -116,11 +129,13 @@ class SimServer:
         self.n = 0  # running sequences
         self.kv_base = 0.0  # K = kv_base + n * step
         self.reserved = 0  # KV tokens reserved by admitted groups
-        # running sequences sorted by finish step from index `_head` on: (finish step, tiebreak, kv term, group)
+        # running sequences sorted by finish step from index `_head` on: (finish step, group's tiebreak, kv term,
+        # group)
         self.members: list[tuple[float, int, float, SimGroup]] = []
         self._head = 0
         self.waiting: deque[SimGroup] = deque()
         self.boundaries: list[tuple[float, int]] = [(-math.inf, 0)]  # (step, version from that step on)
+        self.bound_steps: list[float] = [-math.inf]  # the boundaries' steps, for bisect
         self.prefill_end: float | None = None  # set while a prefill runs
         self.prefilling: list[SimGroup] = []
         self.paused = False
@@ -189,6 +204,7 @@ class SimServer:
         self._advance()
         self.version = version
         self.boundaries.append((self.step, version))
+        self.bound_steps.append(self.step)
         self.draining = False
         self._admit()
         self._schedule()
@@ -276,7 +292,7 @@ class SimServer:
                     head += 1
                     n -= 1
                     base -= kv_term
-                done = f >= g.finish_step - 1e-9 and not g.done_members
+                done = f >= g.done_at and not g.done_members
                 if done:
                     g.done_members = 1
                     self.reserved -= g.need
@@ -307,9 +323,8 @@ class SimServer:
         """Tokens of the group by the version that sampled them (the server's version changes at step bounds)."""
         out: dict[int, int] = {}
         bounds = self.boundaries
-        i = len(bounds) - 1
-        while i > 0 and bounds[i][0] > g.start_step:
-            i -= 1
+        # the last bound at or before the group's start (bound_steps[0] is -inf, so i >= 0)
+        i = bisect.bisect_right(self.bound_steps, g.start_step) - 1
         if i == len(bounds) - 1:  # one version all along: the common case
             out[bounds[i][1]] = g.total
             return out
@@ -317,9 +332,7 @@ class SimServer:
         # samples shorter than x; taken at each version bound, differences give each version's share
         lengths = sorted(g.lengths)
         m = len(lengths)
-        prefix = [0] * (m + 1)
-        for k, x in enumerate(lengths):
-            prefix[k + 1] = prefix[k] + x
+        prefix = [0, *itertools.accumulate(lengths)]
         start = g.start_step
         done_before = 0.0
         for j in range(i, len(bounds)):
@@ -368,17 +381,27 @@ class SimServer:
 
     def _finish_prefill(self) -> None:
         self.prefill_end = None
+        # locals for the per-answer loop (16 answers a group: the planner's most repeated lines); the sums are
+        # taken in the same order as attribute updates would be, so the state is the same to the last bit
+        step, seq, n, base, head = self.step, self._seq, self.n, self.kv_base, self._head
+        members = self.members
+        insort = bisect.insort
         for g in self.prefilling:
-            g.start_step = self.step
+            g.start_step = step
             g.version = self.version
-            g.finish_step = self.step + max(g.lengths)
+            g.finish_step = step + max(g.lengths)
+            g.done_at = g.finish_step - 1e-9
+            kv_term = g.prompt - step  # each answer's KV: prompt + (step - start_step)
+            # the tiebreak between equal finish steps: one number per group, in admission order (a group's own
+            # answers of equal length make equal entries, which bisect keeps in arrival order and which are
+            # interchangeable anyway), so no new int per answer
+            seq += 1
             for length in g.lengths:
-                self._seq += 1
-                kv_term = g.prompt - self.step  # its KV: prompt + (step - start_step)
-                bisect.insort(self.members, (self.step + length, self._seq, kv_term, g), lo=self._head)
-                self.n += 1
-                self.kv_base += kv_term
+                insort(members, (step + length, seq, kv_term, g), lo=head)
+                n += 1
+                base += kv_term
             self._unstarted -= len(g.lengths)
+        self._seq, self.n, self.kv_base = seq, n, base
         self.prefilling = []
         self._check_drained()
         self._admit()
@@ -390,6 +413,13 @@ class SimServer:
         if not self.paused:
             if self.prefill_end is not None:
                 when = self.prefill_end
+                if self.n > 0 and not self.prefilling and not self.waiting and not self.draining:
+                    # the KV recompute after an abort pause adds no sequence and admits none, so the state after
+                    # it is today's moved to its end: the walk already known says when the next visible event
+                    # is, and the prefill's end needs no timer of its own (`_advance` finishes it on the way)
+                    w = self._walk
+                    if w is not None and w[0] == (self._head, len(self.members), self.n, self.step, 0, False):
+                        when = self.prefill_end + w[1]
             elif self.n > 0:
                 when = self._next_event_time()
         timer = self._timer
@@ -429,18 +459,26 @@ class SimServer:
         t0 = t
         times: list[float] = []  # seconds from now to each earlier sequence's finish, and the state after it
         states: list[tuple[float, int, float, float]] = []
+        # ServerCosts.time_for_steps inlined (the same expression, term by term, so the same floats): this loop
+        # runs about once per answer, and the call and its attribute reads were most of its cost
+        o, ws, kvs, sq, at, additive = c.step_overhead_s, c.weights_s, c.kv_s, c.seq_s, c.attn_s, c.additive
         for i in range(self._head, len(members)):
             f, _, kv_term, g = members[i]
             if f > step:
-                t += c.time_for_steps(n, base + n * step, f - step)
+                k = base + n * step
+                d = f - step
+                mem = (ws + kvs * k) * d + kvs * n * d * d / 2
+                comp = (sq * n + at * k) * d + at * n * d * d / 2
+                t += o * d + (mem + comp if additive else (comp if comp > mem else mem))  # max(mem, comp)
                 step = f
             n -= 1
             base -= kv_term
-            if (f >= g.finish_step - 1e-9 and not g.done_members) or n <= want:
+            if (f >= g.done_at and not g.done_members) or n <= want:
                 self._walk_end = (i, n, base, step, times, states)
                 return t
-            times.append(t - t0)
-            states.append((t - t0, n, base, step))
+            e = t - t0
+            times.append(e)
+            states.append((e, n, base, step))
         self._walk_end = None
         return t
 

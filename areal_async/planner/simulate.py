@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,12 +112,17 @@ class PlanWorkflow:
             return None
         versions = sorted(by_version)
         n = len(versions)
+        p, total = lm.prompt_tokens, sum(lens)
+        if isinstance(p, int):  # sum of (p + x)^2, expanded: exact in integers, and no generator per group
+            sumsq = float(len(lens) * p * p + 2 * p * total + sum(map(operator.mul, lens, lens)))
+        else:
+            sumsq = float(sum((p + x) ** 2 for x in lens))
         info: dict[str, float | int | str | bool] = {
             "finish": "stop",
-            TOKENS_KEY: sum(lens),
-            PROMPT_KEY: lm.prompt_tokens,
+            TOKENS_KEY: total,
+            PROMPT_KEY: p,
             SAMPLES_KEY: self.group_size,
-            SUMSQ_KEY: float(sum((lm.prompt_tokens + x) ** 2 for x in lens)),
+            SUMSQ_KEY: sumsq,
         }
         for v in versions:
             info[f"{VERSION_PREFIX}{v}"] = by_version[v]
@@ -166,7 +172,9 @@ async def _run(setting: Setting, eta: int | None, mode: str) -> RunResult:
         max_consecutive_failures=10**9,
     )
     records = _Records()
-    stream = SampleStream([Sample(id=0, prompt="", answer="")], seed=setting.seed)
+    # the workflow never reads the sample; a dataset of one would make every draw an epoch of its own (a seeded
+    # shuffle per group), so the stream holds the same sample many times: one shuffle per 4,096 draws
+    stream = SampleStream([Sample(id=0, prompt="", answer="")] * 4096, seed=setting.seed)
     holder: dict[str, AsyncRLController] = {}
     workflow = PlanWorkflow(setting.lengths, setting.group_size, setting.seed, lambda: holder["c"].buffer.version)
     ctrl = AsyncRLController(

@@ -272,3 +272,38 @@ async def test_restore_then_steps_from_there():
     assert [g.start_version for g in await buf.get_batch()] == [7, 7]
     await buf.set_version(8)
     assert buf.capacity() == 2 and len(buf) == 2  # B more may start; the other two wait for step 8
+
+
+async def test_a_finish_wakes_waiters_only_when_it_can_change_what_they_do():
+    # under the staleness bound a finish frees no slot: the submit side must not be woken for it, but a waiting
+    # trainer still is, once its B groups are there (to time how long the batch rule holds them) and when ready
+    buf = StalenessBuffer(2, eta=1, max_running=100)
+    await fill(buf, 4)  # (eta + 1) x B: admission closed until version 1
+    notified = []
+    real_notify = buf._cond.notify_all
+    buf._cond.notify_all = lambda: (notified.append(len(buf)), real_notify())[1]  # type: ignore[method-assign]
+    slot = asyncio.create_task(buf.acquire_slot())
+    batch = asyncio.create_task(buf.get_batch())
+    await asyncio.sleep(0)
+    await buf.finish(group(0))  # one of B: neither waiter can proceed
+    await buf.finish(group(1))  # B groups: the batch rule allows them (no older group runs), the trainer wakes
+    assert len(await asyncio.wait_for(batch, 1)) == 2
+    await buf.finish(group(2))  # the trainer is not waiting, and the submit loop still has no slot
+    await asyncio.sleep(0)
+    assert notified == [2] and not slot.done()
+    await buf.set_version(1)  # a new version opens B slots: the waiter is woken and gets one
+    assert await asyncio.wait_for(slot, 1) == 1
+    # a held batch is still counted as held, from the finish that completed it
+    buf2 = StalenessBuffer(1, eta=1, max_running=100)
+    await fill(buf2, 2)  # one group under version 0 ...
+    await buf2.finish(Group(group(0).trajectories, start_version=0, finish_version=0))
+    assert len(await buf2.get_batch()) == 1
+    await buf2.set_version(1)
+    await buf2.acquire_slot()  # ... one old straggler of version 0 runs, one new group of version 1 starts
+    waiting = asyncio.create_task(buf2.get_batch())
+    await asyncio.sleep(0)
+    await buf2.finish(Group(group(1).trajectories, start_version=1, finish_version=1))
+    await asyncio.sleep(0)
+    assert buf2.held_batches == 1 and not waiting.done()  # B groups there, held for the straggler
+    await buf2.finish(Group(group(2).trajectories, start_version=0, finish_version=1))
+    assert (await asyncio.wait_for(waiting, 1))[0].start_version == 0

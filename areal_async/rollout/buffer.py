@@ -59,6 +59,9 @@ class StalenessBuffer:
         self._taken_at_version = 0  # groups handed out while the version is self.version
         self._cond = asyncio.Condition()
         self._closed: BaseException | None = None
+        # who waits on the condition, so that a finished group wakes them only when it can change what they do
+        self._slot_waiters = 0  # acquire_slot calls in their wait
+        self._batch_waiters: list[list[int]] = []  # [n, held] of each get_batch in its wait
 
     # ---- admission ----------------------------------------------------------------------------------------------
 
@@ -73,7 +76,11 @@ class StalenessBuffer:
         """Wait until the admission rule allows one more group; count it as running; return the version it starts
         under."""
         async with self._cond:
-            await self._cond.wait_for(lambda: self._closed is not None or self.capacity() > 0)
+            self._slot_waiters += 1
+            try:
+                await self._cond.wait_for(lambda: self._closed is not None or self.capacity() > 0)
+            finally:
+                self._slot_waiters -= 1
             self._raise_if_closed()
             self.running += 1
             self._running_at[self.version] += 1
@@ -129,7 +136,26 @@ class StalenessBuffer:
                 self.accepted_total += 1
                 self._buffered.setdefault(started, deque()).append(group)
                 self._n_buffered += 1
-            self._cond.notify_all()
+            if self._finish_wakes():
+                self._cond.notify_all()
+
+    def _finish_wakes(self) -> bool:
+        """Whether a group just finished can change what a waiter does: a slot waiter proceeds once capacity is
+        positive; a batch waiter once the batch rule allows its batch, and it first notes the moment its n groups
+        are there (`held_s`). Any other wake-up would find its predicate false and wait again with nothing changed
+        (no state, no order: the waiters re-queue as they were), so it is skipped.
+
+        Why: under the staleness bound a finish frees no admission slot (the accepted count rises as the running
+        count falls), so with thousands of groups in flight every finish woke the submit loop and the trainer only
+        for both to sleep again: most of the buffer's cost in a large run, and of the planner's at 1,024 GPUs."""
+        if self._closed is not None:
+            return True
+        if self._slot_waiters and self.capacity() > 0:
+            return True
+        for n, held in self._batch_waiters:
+            if self._n_buffered >= n and (not held or self._ready(n)):
+                return True
+        return False
 
     # ---- consumption --------------------------------------------------------------------------------------------
 
@@ -175,11 +201,17 @@ class StalenessBuffer:
         loop = asyncio.get_running_loop()
         async with self._cond:
             held_since: float | None = None
-            while self._closed is None and not self._ready(n):
-                if held_since is None and self._n_buffered >= n:
-                    held_since = loop.time()
-                    self.held_batches += 1
-                await self._cond.wait()
+            waiter = [n, 0]  # what _finish_wakes knows of this wait: its n, and whether held_since is set
+            self._batch_waiters.append(waiter)
+            try:
+                while self._closed is None and not self._ready(n):
+                    if held_since is None and self._n_buffered >= n:
+                        held_since = loop.time()
+                        self.held_batches += 1
+                        waiter[1] = 1
+                    await self._cond.wait()
+            finally:
+                self._batch_waiters = [w for w in self._batch_waiters if w is not waiter]
             if held_since is not None:
                 self.held_s += loop.time() - held_since
             self._raise_if_closed()

@@ -97,7 +97,6 @@ class SimGroup:
         "version",
         "need",
         "finish_step",
-        "done_at",
         "done_members",
     )
 
@@ -110,7 +109,6 @@ class SimGroup:
         self.version = 0
         self.need = 0
         self.finish_step = 0.0
-        self.done_at = 0.0  # finish_step less the tolerance: a finish step at or past it ends the group
         self.done_members = 0
 
 
@@ -130,8 +128,8 @@ class SimServer:
         self.kv_base = 0.0  # K = kv_base + n * step
         self.reserved = 0  # KV tokens reserved by admitted groups
         # running sequences sorted by finish step from index `_head` on: (finish step, group's tiebreak, kv term,
-        # group)
-        self.members: list[tuple[float, int, float, SimGroup]] = []
+        # group, whether it is one of the group's longest)
+        self.members: list[tuple[float, int, float, SimGroup, bool]] = []
         self._head = 0
         self.waiting: deque[SimGroup] = deque()
         self.boundaries: list[tuple[float, int]] = [(-math.inf, 0)]  # (step, version from that step on)
@@ -253,13 +251,15 @@ class SimServer:
                     self._walk = None
                     if t + w[1] > now + tol:
                         # the walk knows the state after each sequence that finishes before its event
-                        elapsed = w[9] + (now - t)
-                        m = bisect.bisect_right(w[6], elapsed + tol, lo=w[8])
-                        if m > w[8]:
-                            e_m, n, base, step = w[7][m - 1]
-                            head += m - w[8]
-                            t += e_m - w[9]
-                            busy += e_m - w[9]
+                        elapsed = w[8] + (now - t)
+                        # the states finished by now: their first field, the seconds from the walk's start, is at
+                        # most elapsed + tol (inf: a state whose seconds equal it counts, as bisect on floats would)
+                        m = bisect.bisect_right(w[6], (elapsed + tol, math.inf), lo=w[7])
+                        if m > w[7]:
+                            e_m, n, base, step = w[6][m - 1]
+                            head += m - w[7]
+                            t += e_m - w[8]
+                            busy += e_m - w[8]
                         k = base + n * step
                         step = min(step + c.steps_in(n, k, now - t), members[head][0])
                         busy += now - t
@@ -267,18 +267,18 @@ class SimServer:
                         # the rest of the walk still holds: keep it, keyed by the state reached (a pause and its
                         # continue then cost no second walk)
                         w[0] = (head, len(members), n, step, waiting, draining)
-                        w[1] -= elapsed - w[9]
-                        w[8], w[9] = m, elapsed
+                        w[1] -= elapsed - w[8]
+                        w[7], w[8] = m, elapsed
                         self._walk = w
                         return False
                     # the walk that set the timer already knows the state at its event: take it whole
                     _, dt, j, n, base, step = w[:6]
                     t += dt
                     busy += dt
-                    f, _, kv_term, g = members[j]
+                    f, _, kv_term, g, last = members[j]
                     head = j + 1
                 else:
-                    f, _, kv_term, g = members[head]
+                    f, _, kv_term, g, last = members[head]
                     if f > step:
                         dt = c.time_for_steps(n, base + n * step, f - step)
                         if t + dt > now + tol:
@@ -292,7 +292,7 @@ class SimServer:
                     head += 1
                     n -= 1
                     base -= kv_term
-                done = f >= g.done_at and not g.done_members
+                done = last and not g.done_members
                 if done:
                     g.done_members = 1
                     self.reserved -= g.need
@@ -389,15 +389,16 @@ class SimServer:
         for g in self.prefilling:
             g.start_step = step
             g.version = self.version
-            g.finish_step = step + max(g.lengths)
-            g.done_at = g.finish_step - 1e-9
+            longest = max(g.lengths)
+            g.finish_step = step + longest
             kv_term = g.prompt - step  # each answer's KV: prompt + (step - start_step)
             # the tiebreak between equal finish steps: one number per group, in admission order (a group's own
             # answers of equal length make equal entries, which bisect keeps in arrival order and which are
             # interchangeable anyway), so no new int per answer
             seq += 1
             for length in g.lengths:
-                insort(members, (step + length, seq, kv_term, g), lo=head)
+                # the last field: this answer is (one of) the group's longest, so its finish may end the group
+                insort(members, (step + length, seq, kv_term, g, length == longest), lo=head)
                 n += 1
                 base += kv_term
             self._unstarted -= len(g.lengths)
@@ -441,7 +442,7 @@ class SimServer:
             return self.t + self._walk[1]  # nothing changed but the clock (a pause, say): the same wait from now
         when = self._walk_to_event()
         end = self._walk_end
-        # [key, seconds to the event, event index, n, kv_base, step after it, times, states, consumed, elapsed]
+        # [key, seconds to the event, event index, n, kv_base, step after it, states, consumed, elapsed]
         self._walk = [key, when - self.t, *end, 0, 0.0] if end is not None else None
         return when
 
@@ -457,13 +458,13 @@ class SimServer:
             if self.reserved + need <= c.kv_capacity_tokens and n + m > c.max_running:
                 want = c.max_running - m
         t0 = t
-        times: list[float] = []  # seconds from now to each earlier sequence's finish, and the state after it
+        # seconds from now to each earlier sequence's finish, and the state after it
         states: list[tuple[float, int, float, float]] = []
         # ServerCosts.time_for_steps inlined (the same expression, term by term, so the same floats): this loop
         # runs about once per answer, and the call and its attribute reads were most of its cost
         o, ws, kvs, sq, at, additive = c.step_overhead_s, c.weights_s, c.kv_s, c.seq_s, c.attn_s, c.additive
         for i in range(self._head, len(members)):
-            f, _, kv_term, g = members[i]
+            f, _, kv_term, g, last = members[i]
             if f > step:
                 k = base + n * step
                 d = f - step
@@ -473,12 +474,10 @@ class SimServer:
                 step = f
             n -= 1
             base -= kv_term
-            if (f >= g.done_at and not g.done_members) or n <= want:
-                self._walk_end = (i, n, base, step, times, states)
+            if (last and not g.done_members) or n <= want:
+                self._walk_end = (i, n, base, step, states)
                 return t
-            e = t - t0
-            times.append(e)
-            states.append((e, n, base, step))
+            states.append((t - t0, n, base, step))
         self._walk_end = None
         return t
 

@@ -8,8 +8,9 @@ never an input: nothing here reads them before predicting.
 
 The paper (arXiv 2505.24298) trains R1-Distill-Qwen 1.5B-32B on H800 nodes (8 GPUs each), 75% of the GPUs
 generating and 25% training, batch 512 prompts x 16 answers, 4 PPO minibatches, eta 8 for math and 4 for code,
-answers of up to 32k tokens. What it does not state is assumed (docs/planner.md, "Measured, specified, assumed"):
-the length distribution below the 32k cap, the inference servers' tensor-parallel size, and every efficiency.
+answers of up to 32k tokens. The inference servers' tensor-parallel size comes from the authors' own benchmark script
+(PAPER_RUNS); what neither states is assumed (docs/planner.md, "Measured, specified, assumed"): the length
+distribution below the 32k cap, 14B's TP, and every efficiency.
 """
 
 from __future__ import annotations
@@ -35,14 +36,18 @@ class PaperRun:
     sync_h: float
     async_h: float
     speedup: float
-    tp: int  # assumed: the paper does not give the inference servers' TP size
+    tp: int  # the inference servers' TP size (the paper does not state it; see PAPER_RUNS)
 
 
+# Inference TP: the paper's text does not give it, but the AReaL authors' own benchmark of this setting
+# (inclusionAI/AReaL, benchmark/verl_312a8cb/build_cmd.py: R1-Distill-Qwen 1.5B, 7B and 32B, 512 x 16, 75% of the
+# GPUs on SGLang) serves 1.5B and 7B at TP 1 and 32B at TP 8 (`sglang_tp = 1 if model_size < 32 else 8`). 14B is
+# not in that script (it takes sizes 1, 7 and 32 only): its TP 2 stays an assumption (docs/planner.md).
 PAPER_RUNS = [
     PaperRun("1.5b", "AIME24 (math)", 128, 8, 41.0, 14.8, 2.77, 1),
     PaperRun("7b", "AIME24 (math)", 192, 8, 57.7, 25.4, 2.27, 1),
     PaperRun("14b", "LiveCodeBench (code)", 256, 4, 48.8, 21.9, 2.23, 2),
-    PaperRun("32b", "LiveCodeBench (code)", 384, 4, 51.1, 31.1, 1.64, 4),
+    PaperRun("32b", "LiveCodeBench (code)", 384, 4, 51.1, 31.1, 1.64, 8),
 ]
 
 # the staleness ablation (1.5B): effective training throughput in tokens/s at eta 0 (sync), 1 and 4
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     out = {"headline": headline(args.steps), "ablation": ablation(args.steps), "scaling": scaling(args.steps)}
-    print("| model | task | GPUs | eta | TP (assumed) | paper speedup | predicted | error |")
+    print("| model | task | GPUs | eta | inference TP | paper speedup | predicted | error |")
     print("|---|---|---|---|---|---|---|---|")
     for r in out["headline"]:
         print(

@@ -5,10 +5,10 @@ but with the tiny model. This test process is the login node: it submits the run
 - A trainer rank on h1 is SIGKILLed mid-run: the trainer step fails, the run cancels it and starts a new one on the
   same nodes from the last checkpoint (launch/slurm.py `restart_trainers`), rolls back, and finishes every step
   with no sample lost or trained twice.
-- Every process on h1 is SIGKILLed, slurmd included, as when the node loses power: Slurm keeps listing h1's part of
-  the trainer step (no scancel ends it, so no new step fits), and the run stops with its checkpoint and a message
-  naming h1 (`NodeLost`). Once h1 is back, the same command resumes the run, which then finishes with no sample lost
-  or trained twice.
+- Then, in the same run, every process on h1 is SIGKILLed, slurmd included, as when the node loses power: Slurm
+  keeps listing h1's part of the trainer step (no scancel ends it, so no new step fits), and the run stops with its
+  checkpoint and a message naming h1 (`NodeLost`). Once h1 is back, the same command resumes the run, which then
+  finishes with no sample lost or trained twice.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SESSION = os.environ.get("AREAL_TEST_SESSION", "nosession")
 WHY = nshosts.skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.skipif(WHY is not None, reason=str(WHY))]
-B, N, STEPS = 4, 4, 6
+B, N, STEPS = 4, 4, 8  # checkpoints at 2, 4, 6: a rank killed at 3, the node lost at 5
 
 
 @pytest.fixture(scope="module")
@@ -109,36 +109,26 @@ def check_ledger(run_dir: str) -> None:
     assert s["completed"] and s["steps"] == STEPS and s["trained_samples"] == STEPS * B * N, s
 
 
-def test_a_killed_trainer_rank_on_the_second_node_is_replaced_in_the_allocation(cluster, tiny_ckpt, tmp_path):
-    hs, slurm = cluster
-    run_dir = str(tmp_path / f"t{SESSION}-rk-{secrets.token_hex(3)}")
-    run = SlurmRun(run_args(tiny_ckpt, run_dir), run_dir, slurm.env).start()
-    try:
-        run.wait_version(3, timeout=240)  # past the checkpoint at 2
-        pid = run.trainer_rank_pid(1)
-        assert pid in hs[1].pids()  # rank 1 runs on h1
-        os.kill(pid, signal.SIGKILL)
-        assert run.wait(240) == 0, run.output()[-4000:]
-    finally:
-        run.kill()
-    recs = run.recoveries()
-    failed = [r for r in recs if r["event"] == "trainer_failed"]
-    back = [r for r in recs if r["event"] == "trainer_recovered"]
-    assert failed and back, recs
-    assert back[-1]["version"] == 2, back  # rolled back to the checkpoint
-    check_ledger(run_dir)
-    assert not slurm.jobs()
-
-
-def test_a_node_that_loses_power_stops_the_run_resumably_naming_it(cluster, tiny_ckpt, tmp_path):
+def test_a_killed_rank_is_replaced_then_a_lost_node_stops_the_run_resumably_naming_it(cluster, tiny_ckpt, tmp_path):
+    """Both faults of the module docstring in one run, one after the other (one job's start-up, not two)."""
     hs, slurm = cluster
     h1 = hs[1]
-    run_dir = str(tmp_path / f"t{SESSION}-pw-{secrets.token_hex(3)}")
+    run_dir = str(tmp_path / f"t{SESSION}-f-{secrets.token_hex(3)}")
     args = run_args(tiny_ckpt, run_dir)
     run = SlurmRun(args, run_dir, slurm.env).start()
     try:
+        # 1. a trainer rank on h1 killed past the checkpoint at 2: a new trainer step, back to 2, on to the end
         run.wait_version(3, timeout=240)
-        assert h1.kill_all()  # slurmd, the step daemons, server1, trainer agent 1 and its rank
+        pid = run.trainer_rank_pid(1)
+        assert pid in h1.pids()  # rank 1 runs on h1
+        os.kill(pid, signal.SIGKILL)
+        back = run.wait_recovery("trainer_recovered", timeout=240)
+        assert back[-1]["version"] == 2, back  # rolled back to the checkpoint
+        assert [r for r in run.recoveries() if r["event"] == "trainer_failed"], run.recoveries()
+        # 2. past the checkpoint at 4 with the new step, h1 loses power: slurmd, the step daemons, server1, trainer
+        # agent 1 and its rank
+        run.wait_version(5, timeout=240)
+        assert h1.kill_all()
         run.wait_for(lambda: os.path.exists(os.path.join(run_dir, "summary.json")), "the run to stop", 180)
         slurm.start_slurmd(1)  # power is back: the job can finish, the rerun gets both nodes
         rc = run.wait(120)

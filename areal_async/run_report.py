@@ -45,6 +45,10 @@ def summarize(
         "server_busy_s": ctrl.timings.get("server_busy_s"),
         "num_servers": num_servers,
         "evals": ctrl.evals,
+        # eval.mode=pinned: evals done / failed / skipped (queue full), and the train loop's time on snapshots
+        "pinned_evals": (
+            {**ctrl.pinned_evals.counts, "snapshot_s": ctrl.pinned_evals.snapshot_s} if ctrl.pinned_evals else None
+        ),
         "final_checkpoint": final_checkpoint,
         "model": plan.model_path,
         "completed": True,

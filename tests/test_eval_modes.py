@@ -77,6 +77,9 @@ def test_stop_mode_evaluates_the_version_it_stopped_at(tiny_ckpt, tmp_path):
         (["eval.device=cpu"], "eval.device"),
         (["eval.mode=pinned", "server.backend=external", "server.urls=[http://127.0.0.1:1]"], "eval.mode"),
         (["eval.mode=sometimes"], "eval.mode"),
+        (["eval.server_nice=5"], "eval.server_nice"),
+        (["eval.mode=pinned", "eval.server_nice=20"], "eval.server_nice"),
+        (["eval.mode=pinned", "eval.server_url=http://127.0.0.1:1", "eval.server_nice=5"], "eval.server_nice"),
     ],
 )
 def test_eval_keys_are_checked_naming_the_key(overrides, key):

@@ -54,6 +54,21 @@ async def test_crashed_child_is_reported_with_log_tail(tmp_path):
     assert all(c.proc.poll() is not None for c in la.children)
 
 
+def test_a_child_can_start_at_a_lower_cpu_priority(tmp_path):
+    """`nice` (eval.server_nice: a pinned eval server on the cores the run uses) is added to ours in the child."""
+    la = Processes(str(tmp_path))
+    code = [sys.executable, "-c", "import os; print('nice', os.nice(0))"]
+    ours = os.nice(0)
+    try:
+        low = la.spawn("low", code, nice=7)
+        same = la.spawn("same", code)
+        assert low.proc.wait(30) == 0 and same.proc.wait(30) == 0
+    finally:
+        la.shutdown(grace_s=2)
+    assert f"nice {min(ours + 7, 19)}" in open(low.log_path).read()
+    assert f"nice {ours}" in open(same.log_path).read()
+
+
 def test_shutdown_kills_grandchildren(tmp_path):
     la = Processes(str(tmp_path))
     pidfile = tmp_path / "grandchild.pid"

@@ -46,7 +46,9 @@ class EvalServerProcess:
         if self._procs is None:
             self._procs = Processes(self.cfg.run_dir)
         self.starts += 1
-        return self._procs.spawn(NAME, cmd, thread_env(srv.torch_threads), role="server")
+        return self._procs.spawn(
+            NAME, cmd, thread_env(srv.torch_threads), role="server", nice=self.cfg.eval.server_nice
+        )
 
     async def url(self) -> str:
         """The running server's URL, after starting it (first use, or it exited) and waiting for its /health."""

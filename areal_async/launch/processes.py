@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -134,7 +135,9 @@ def kill_left(procs: list[tuple[int, str]], timeout_s: float = 10.0) -> None:
         left = [(p, st) for p, st in left if live(p, st)]
 
 
-def _child_setup() -> None:  # runs in the child between fork and exec
+def _child_setup(nice: int = 0) -> None:  # runs in the child between fork and exec
+    if nice:
+        os.nice(nice)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -322,8 +325,10 @@ class Processes:
         role: Role = "other",
         url: str | None = None,
         unset: frozenset[str] = frozenset(),
+        nice: int = 0,
     ) -> Child:
-        """Start `cmd` with this environment plus `env`, minus the variables named in `unset`."""
+        """Start `cmd` with this environment plus `env`, minus the variables named in `unset`, at CPU priority
+        `nice` (added to ours)."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         out = open(log_path, "ab")
         offset = out.tell()
@@ -339,7 +344,7 @@ class Processes:
                 stdin=subprocess.DEVNULL,
                 env=full_env,
                 start_new_session=True,
-                preexec_fn=_child_setup,
+                preexec_fn=functools.partial(_child_setup, nice),
             )
         finally:
             out.close()

@@ -179,6 +179,10 @@ class AsyncRLController:
             "weight_load_s": 0.0,
             "eval_s": 0.0,
             "eval_wait_s": 0.0,
+            "checkpoint_trainer_s": 0.0,
+            "checkpoint_controller_s": 0.0,
+            "checkpoint_prune_s": 0.0,
+            "checkpoints": 0,
         }
         self.evals: list[dict[str, float]] = []
         self._eval_due = False  # a periodic eval waits for the next batch, then runs beside that train step
@@ -412,8 +416,10 @@ class AsyncRLController:
         st = self.state
         path = checkpoint_dir(self.run_dir, st.version)
         trainer_dir = os.path.join(path, "trainer")
+        t0 = _now()
         if self._saved_version != st.version or not os.path.isdir(trainer_dir):
             await self.trainer.save_checkpoint(trainer_dir)
+        t1 = _now()
         st.data_position = self.stream.position
         # redraws queued by a resume and not handed out yet are unresolved too
         st.pending = sorted(set(self.ledger.pending()) | set(self.stream.pending_redraws))
@@ -423,7 +429,23 @@ class AsyncRLController:
         if self.journal is not None:  # no await since the snapshot: the new journal file starts where it ends
             self.journal.rotate(st.version)
         self._saved_version = st.version
+        t2 = _now()
         prune_checkpoints(self.run_dir, self.keep_checkpoints)
+        # the trainer's part (model + optimizer), ours (the state and the groups in flight) and the pruning of
+        # older checkpoints, apart: the train loop waits for all three, and only ours grows with the work in flight
+        t3 = _now()
+        self.timings["checkpoint_trainer_s"] += t1 - t0
+        self.timings["checkpoint_controller_s"] += t2 - t1
+        self.timings["checkpoint_prune_s"] += t3 - t2
+        self.timings["checkpoints"] += 1
+        log.info(
+            "checkpoint v%d: trainer %.2fs, controller %.3fs (%d groups in flight), pruning %.2fs",
+            st.version,
+            t1 - t0,
+            t2 - t1,
+            self.buffer.running,
+            t3 - t2,
+        )
         return path
 
     async def request_stop(self, reason: BaseException) -> None:

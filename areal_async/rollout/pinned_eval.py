@@ -15,7 +15,7 @@ Why a server of its own. The other two ways to evaluate v without stopping were 
   SGLang cannot do it at all.
 A dedicated server holds no rollout and takes no weight update except the version it is about to evaluate, so its
 requests are never interrupted and never mix versions, with SGLang as with the embedded server. Between evals it
-idles. What it saves next to eval.mode=stop in training throughput is not measured yet.
+idles. What it saves next to eval.mode=stop: benchmarks/eval_modes.py (docs/design.md, "Evaluation").
 
 An eval that fails (its server died, a load failed, a version mismatch) is logged and counted, never fatal: the
 next one starts the server again. Evals that fall behind queue up to `max_pending`; one more is skipped, logged.

@@ -8,8 +8,8 @@ cadence) once per mode, one after the other on the same machine, against the sam
 Modes: `none` (schedule.eval_every=0: the base and final evals only, which lie outside the run's wall time in every
 mode), `stop` (the train loop and new rollouts wait for each eval, as a synchronous system does), `overlap` (the
 eval of v runs on the rollout servers beside the next train step, whose weight sync waits for it) and `pinned` (a
-server of its own evaluates a snapshot of v; the loop waits only for the snapshot), and `pinned_nice` (the same with
-`eval.server_nice=19`: the eval server runs on the CPU the run leaves idle; not in the default list).
+server of its own evaluates a snapshot of v at `eval.server_nice=0`; the loop waits only for the snapshot), and
+`pinned_nice` (the same at `eval.server_nice=19`, the default: the eval server runs on the CPU the run leaves idle).
 
 For each: wall time, trained samples/s and the share of `none`'s throughput lost (`lost_frac` = 1 - samples/s over
 none's samples/s of the same round), the time the train loop waited for evals (`eval_wait_s`; for pinned, the
@@ -39,7 +39,7 @@ MODES = {
     "none": ["schedule.eval_every=0"],
     "stop": ["eval.mode=stop"],
     "overlap": ["eval.mode=overlap"],
-    "pinned": ["eval.mode=pinned"],
+    "pinned": ["eval.mode=pinned", "eval.server_nice=0"],
     "pinned_nice": ["eval.mode=pinned", "eval.server_nice=19"],
 }
 
@@ -50,7 +50,9 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="a run config file every mode starts from")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--eval-every", type=int, default=4)
-    ap.add_argument("--modes", nargs="*", default=["none", "stop", "overlap", "pinned"], help=f"of {', '.join(MODES)}")
+    ap.add_argument(
+        "--modes", nargs="*", default=["none", "stop", "overlap", "pinned_nice"], help=f"of {', '.join(MODES)}"
+    )
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode (paired losses, medians)")
     ap.add_argument("--report-only", action="store_true", help="rebuild the outputs from the runs already there")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")

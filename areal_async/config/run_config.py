@@ -333,10 +333,12 @@ class EvalConfig(Section):
     /update_weights_from_disk, so it must read this run's run_dir). null: the run starts an embedded one."""
     device: str | None = None
     """eval.mode=pinned, the server the run starts: its device (auto, cpu, cuda:N); null: server.device."""
-    server_nice: int = 0
-    """eval.mode=pinned, the server the run starts: its CPU priority (nice, 0-19). Where it shares the cores of
-    the rollout servers and trainers (one machine, CPU serving), 19 lets it run only on cycles they leave idle, so
-    the evals take longer and training loses almost nothing to them; 0: the same priority as the run."""
+    server_nice: int | None = None
+    """eval.mode=pinned, the server the run starts: its CPU priority (nice, 0-19); null: 19. Where it shares the
+    cores of the rollout servers and trainers (one machine, CPU serving), 19 lets it run only on the cycles they
+    leave idle: the evals take longer and training loses nothing to them (measured on SmolLM2 on 2 cores: 29% of
+    the throughput lost at 0, none at 19; benchmarks/README.md, "Evaluation modes"). On a GPU the eval server
+    needs little CPU; 0 gives it the run's own priority."""
 
     def validate(self, prefix: str = "") -> None:
         check(self.num_prompts >= 0, key_of(prefix, "num_prompts"), "must be >= 0")
@@ -354,9 +356,13 @@ class EvalConfig(Section):
         check(
             self.device is None or self.mode == "pinned", key_of(prefix, "device"), "is only used with eval.mode=pinned"
         )
-        check(0 <= self.server_nice <= 19, key_of(prefix, "server_nice"), f"must be 0..19, not {self.server_nice}")
         check(
-            self.server_nice == 0 or (self.mode == "pinned" and self.server_url is None),
+            self.server_nice is None or 0 <= self.server_nice <= 19,
+            key_of(prefix, "server_nice"),
+            f"must be 0..19, not {self.server_nice}",
+        )
+        check(
+            self.server_nice is None or (self.mode == "pinned" and self.server_url is None),
             key_of(prefix, "server_nice"),
             "is only used for the eval server the run starts (eval.mode=pinned without eval.server_url)",
         )

@@ -47,7 +47,7 @@ class EvalServerProcess:
             self._procs = Processes(self.cfg.run_dir)
         self.starts += 1
         return self._procs.spawn(
-            NAME, cmd, thread_env(srv.torch_threads), role="server", nice=self.cfg.eval.server_nice
+            NAME, cmd, thread_env(srv.torch_threads), role="server", nice=_nice(self.cfg.eval.server_nice)
         )
 
     async def url(self) -> str:
@@ -70,3 +70,8 @@ class EvalServerProcess:
         if self._procs is not None:
             self._procs.shutdown()
         self._child = None
+
+
+def _nice(configured: int | None) -> int:
+    """eval.server_nice; null: 19, the eval only on cycles generation and training leave idle (its docstring)."""
+    return 19 if configured is None else configured

@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runs import load_run, markdown_table, run_one  # noqa: E402
+from runs import load_run, markdown_table, plot_accuracy, run_one  # noqa: E402
 
 MODES = {
     "none": ["schedule.eval_every=0"],
@@ -120,7 +120,9 @@ def main() -> None:
     with open(stem + ".md", "w") as f:
         f.write(table + "\n")
     print(table)
-    _plot(rows, stem + ".png")
+    for r in rows:
+        r["label"] = f"{r['mode']} ({r['samples_per_s']:.2f} samples/s)"
+    plot_accuracy(rows, stem + ".png", label="label", xlabel="run wall time at the version evaluated (s)")
 
 
 def _row(mode: str, s: dict[str, Any], rnd: int) -> dict[str, Any]:
@@ -159,26 +161,6 @@ def _median_round(rows: list[dict[str, Any]]) -> dict[str, Any]:
     row["lost_rounds"] = " / ".join(f"{x:.1%}" for x in losses) or "-"
     row["wall_s_rounds"] = [r["wall_s"] for r in rows]
     return row
-
-
-def _plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in rows:
-        if r["eval_curve"]:
-            xs, ys = zip(*r["eval_curve"])
-            ax.plot(xs, [100 * y for y in ys], "o-", label=f"{r['mode']} ({r['samples_per_s']:.2f} samples/s)")
-    ax.set_xlabel("run wall time at the version evaluated (s)")
-    ax.set_ylabel("held-out greedy accuracy (%)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -214,3 +214,27 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str
             cells.append("n/a" if v is None else format(v, fmt) if fmt else str(v))
         body.append("| " + " | ".join(cells) + " |")
     return "\n".join([head, sep, *body])
+
+
+def plot_accuracy(
+    rows: list[dict[str, Any]], path: str, *, label: str = "name", xlabel: str = "training wall time (s)"
+) -> None:
+    """Held-out accuracy against wall time, one line per row (its `eval_curve`: [(wall s, accuracy), ...]),
+    labelled by the row's `label` key; a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        if r["eval_curve"]:
+            xs, ys = zip(*r["eval_curve"])
+            ax.plot(xs, [100 * y for y in ys], "o-", label=str(r[label]))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -32,7 +32,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runs import load_run, markdown_table, run_one  # noqa: E402
+from runs import load_run, markdown_table, plot_accuracy, run_one  # noqa: E402
 
 MODES = [
     ("sync", ["mode=sync"]),
@@ -166,7 +166,7 @@ def main() -> None:
     with open(base + ".md", "w") as f:
         f.write(table + "\n")
     print(table)
-    plot(runs, base + ".png")
+    plot_accuracy(runs, base + ".png")
 
 
 def _row(name: str, s: dict, rnd: int) -> dict:
@@ -231,26 +231,6 @@ def _median_round(rows: list[dict]) -> dict:
         row[key + "_rounds"] = [r[key] for r in rows]
     row["speedup_rounds"] = " / ".join(f"{r['speedup_vs_sync']:.2f}" for r in rows if r["speedup_vs_sync"])
     return row
-
-
-def plot(runs: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
-        if r["eval_curve"]:
-            xs, ys = zip(*r["eval_curve"])
-            ax.plot(xs, [100 * y for y in ys], "o-", label=r["name"])
-    ax.set_xlabel("training wall time (s)")
-    ax.set_ylabel("held-out greedy accuracy (%)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

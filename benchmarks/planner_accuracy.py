@@ -177,6 +177,7 @@ def predict(p: dict[str, Any], steps: int) -> dict[str, dict[str, float]]:
         max_new_tokens=p["max_new_tokens"],
         kv_capacity_tokens=p["kv_capacity_tokens"],
         max_running=p["max_running"],
+        run_lengths_mean=p.get("profile_run_lengths_mean", []),
     )
     p["server_costs"] = server_from_profile(prof).__dict__
     p["trainer_costs"] = trainer_from_profile(prof).__dict__

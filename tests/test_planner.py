@@ -81,6 +81,7 @@ def test_the_length_sampler_rounds_as_draw_does():
         LengthModel(median=8000, sigma=0.7, max_new_tokens=32768),
         LengthModel(median=0.6, sigma=2.0, max_new_tokens=5),  # answers clipped at both ends
         LengthModel(median=900, sigma=0.5, growth_per_step=0.1),  # scaled per version: the per-answer path
+        LengthModel(median=50, sigma=0.5, version_scale=[1.0, 1.5, 2.5]),  # measured factors, the last one held
         LengthModel(kind="empirical", samples=[1, 5, 7, 100_000], max_new_tokens=50),
     ):
         draw = lm.sampler(np.random.default_rng(3), chunk=1000)
@@ -94,7 +95,8 @@ def test_the_length_sampler_rounds_as_draw_does():
                 else:
                     raw = (lm.median * np.exp(lm.sigma * rng.standard_normal(1000))).tolist()
                 pos = 0
-            scale = 1.0 + lm.growth_per_step * (i // 300)
+            v = i // 300
+            scale = (1.0 + lm.growth_per_step * v) * (lm.version_scale[min(v, 2)] if lm.version_scale else 1.0)
             want = [min(max(int(x * scale + 0.5), 1), lm.max_new_tokens) for x in raw[pos : pos + 16]]
             pos += 16
             got = draw(16, i // 300)
@@ -259,7 +261,7 @@ def test_the_cli_writes_a_table_json_and_plot(tmp_path, capsys):
 def test_empirical_lengths_and_a_profile_calibrate_the_cpu_model(tmp_path):
     import json
 
-    from areal_async.planner.calibrate import Profile, fit_line, setting_from_profile
+    from areal_async.planner.calibrate import Profile, fit_line, length_trend, setting_from_profile
     from areal_async.planner.lengths import lengths_from_records
 
     assert fit_line([(16, 0.004), (64, 0.006), (256, 0.014)]) == pytest.approx((0.003333, 4.1667e-5), rel=1e-3)
@@ -283,6 +285,17 @@ def test_empirical_lengths_and_a_profile_calibrate_the_cpu_model(tmp_path):
     assert s.server.additive and s.trainer.token_s == pytest.approx(1e-5)  # the warm-up step left out
     sync, a1 = simulate(s, "sync"), simulate(s, "async", 1)
     assert a1.wall_s < sync.wall_s and a1.staleness_max <= 1
+
+    # the profile run's answers lengthen: each profiled version takes its step's mean over the base answers' (59),
+    # later ones hold the second half's mean; longer answers, longer generation in the simulation
+    assert length_trend([59.0, 118.0, 177.0, 118.0], 59.0) == pytest.approx([1.0, 2.0, 3.0, 2.0, 2.5])
+    assert length_trend([], 59.0) == []
+    prof.lengths, prof.run_lengths_mean = [10, 20, 30], [20.0, 40.0]
+    grown = setting_from_profile(prof, batch_size=16, group_size=8, steps=8, max_concurrent_groups=64)
+    assert grown.lengths.version_scale == pytest.approx([1.0, 2.0, 2.0])
+    assert grown.lengths.mean(5) == pytest.approx(2 * grown.lengths.mean(0), rel=0.05)
+    with pytest.raises(ValueError, match="version_scale"):
+        LengthModel(version_scale=[1.0, 0.0]).validate()
 
 
 def test_a_1024_gpu_step_plans_in_seconds():

@@ -4,7 +4,7 @@ What a profile holds (benchmarks/planner_accuracy.py measures it): the embedded 
 requests to generate L tokens, at several n and two L (the difference is pure decode at batch n); its time for a
 batch of one-token requests (prefill); the response lengths the real workflow produces from the real prompts; and,
 from a short synchronous run of the whole stack, the trainer's seconds per step with the tokens each step held, and
-the weight publish and load seconds per step.
+the weight publish and load seconds per step, and the mean response length of each of its steps.
 
 Why this shape: it is what the simulator's cost terms mean, measured where they arise (through the same HTTP
 client, the same engine, the same trainer), and none of it is a speedup: the planner is then checked against the
@@ -27,7 +27,8 @@ from areal_async.planner.trainer_model import TrainerCosts
 class Profile:
     """Raw measurements (seconds, tokens). `decode`: (n, seconds per decode step at batch n) pairs; `prefill_s`
     over `prefill_tokens` prompt tokens; `lengths`: response lengths; `prompt_tokens`: the mean prompt length;
-    `train_steps`: (seconds, tokens) of each profiled train step; `publish_s` and `load_s`: per weight sync."""
+    `train_steps`: (seconds, tokens) of each profiled train step; `publish_s` and `load_s`: per weight sync;
+    `run_lengths_mean`: the mean response length of each profiled train step (empty: lengths do not change)."""
 
     decode: list[tuple[int, float]]
     prefill_s: float
@@ -41,6 +42,7 @@ class Profile:
     kv_capacity_tokens: int
     max_running: int
     extra: dict[str, Any] = field(default_factory=dict)
+    run_lengths_mean: list[float] = field(default_factory=list)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -82,6 +84,19 @@ def trainer_from_profile(p: Profile) -> TrainerCosts:
     return TrainerCosts(token_s=per_token, publish_s=p.publish_s)
 
 
+def length_trend(run_means: list[float], base_mean: float) -> list[float]:
+    """Per-version length multipliers (LengthModel.version_scale) from the profile run's mean response length per
+    step, over the mean of the base answers (`lengths`). Why: RL changes answer lengths from the first steps on
+    (the default task's answers roughly double within six steps), and generation time follows them, so base-model
+    lengths alone undercount every step's generation. Versions the profile ran take their step's mean; later ones
+    hold the mean of its second half: a single step's mean moves by a quarter step to step, and nothing measured
+    says where the trend goes beyond the profile, so it is held, not extrapolated."""
+    if not run_means or base_mean <= 0:
+        return []
+    tail = run_means[len(run_means) // 2 :]
+    return [m / base_mean for m in run_means] + [statistics.fmean(tail) / base_mean]
+
+
 def setting_from_profile(
     p: Profile,
     *,
@@ -98,6 +113,7 @@ def setting_from_profile(
         samples=list(p.lengths),
         max_new_tokens=p.max_new_tokens,
         prompt_tokens=int(round(p.prompt_tokens)),
+        version_scale=length_trend(p.run_lengths_mean, statistics.fmean(p.lengths)),
     )
     return Setting(
         server=server_from_profile(p),

@@ -22,9 +22,12 @@ import numpy as np
 class LengthModel:
     """Response lengths in tokens. `kind` "lognormal": median `median` and log-space sigma `sigma`; "empirical":
     drawn with replacement from `samples`. Every draw is clipped to [1, `max_new_tokens`]. `growth_per_step`:
-    lengths at policy version v are scaled by (1 + growth_per_step * v) before clipping. `prompt_tokens`: the prompt
-    length (a constant: prompts vary far less than answers). `reject_rate`: the probability that a finished group is
-    dropped (rejected, or filtered for equal rewards) and replaced by a fresh draw."""
+    lengths at policy version v are scaled by (1 + growth_per_step * v) before clipping. `version_scale`: measured
+    multipliers instead of (or on top of) a rate: lengths at version v are also scaled by `version_scale[v]`, and
+    every version past the list by its last entry (a calibration's lengths as a short real run traced them, held at
+    its last level rather than extrapolated). `prompt_tokens`: the prompt length (a constant: prompts vary far less
+    than answers). `reject_rate`: the probability that a finished group is dropped (rejected, or filtered for equal
+    rewards) and replaced by a fresh draw."""
 
     kind: str = "lognormal"
     median: float = 1000.0
@@ -34,6 +37,7 @@ class LengthModel:
     growth_per_step: float = 0.0
     reject_rate: float = 0.0
     samples: list[int] = field(default_factory=list)
+    version_scale: list[float] = field(default_factory=list)
 
     def validate(self) -> None:
         if self.kind not in ("lognormal", "empirical"):
@@ -44,6 +48,15 @@ class LengthModel:
             raise ValueError("lengths: median > 0, sigma >= 0, max_new_tokens >= 1, prompt_tokens >= 0")
         if not 0.0 <= self.reject_rate < 1.0:
             raise ValueError("lengths.reject_rate must be in [0, 1)")
+        if any(not (x > 0 and math.isfinite(x)) for x in self.version_scale):
+            raise ValueError("lengths.version_scale: every entry must be a finite number > 0")
+
+    def scale(self, version: int) -> float:
+        """The factor lengths of `version` are scaled by (1.0: unscaled)."""
+        s = 1.0 + self.growth_per_step * version
+        if self.version_scale:
+            s *= self.version_scale[min(version, len(self.version_scale) - 1)]
+        return s
 
     def draw(self, rng: np.random.Generator, n: int, version: int = 0) -> list[int]:
         """`n` response lengths for a group started under policy `version`."""
@@ -51,7 +64,7 @@ class LengthModel:
             raw = rng.choice(np.asarray(self.samples, dtype=np.float64), size=n)
         else:
             raw = self.median * np.exp(self.sigma * rng.standard_normal(n))
-        raw = raw * (1.0 + self.growth_per_step * version)
+        raw = raw * self.scale(version)
         return [int(x) for x in np.clip(np.rint(raw), 1, self.max_new_tokens)]
 
     def sampler(self, rng: np.random.Generator, chunk: int = 1 << 16) -> Callable[[int, int], list[int]]:
@@ -76,7 +89,7 @@ class LengthModel:
             nonlocal pos
             if pos + n > len(ints):
                 refill()
-            scale = 1.0 + self.growth_per_step * version
+            scale = self.scale(version)
             if scale == 1.0:
                 out = ints[pos : pos + n]
             else:

@@ -74,6 +74,43 @@ def test_virtual_clock_fires_timers_in_asyncio_order_with_ties_and_cancellations
     assert len(ours) > 1000 and ours == fired(AsyncioHeap)
 
 
+def test_the_virtual_loop_makes_handles_and_reports_errors_as_asyncio_does():
+    # call_soon and call_at fill the stock Handle / TimerHandle fields without their constructors, and _run_once
+    # runs callbacks as Handle._run does: a raising callback reaches the loop's exception handler
+    import contextvars
+    from asyncio import events
+
+    from areal_async.planner.clock import VirtualClockLoop
+
+    loop = VirtualClockLoop()
+    seen: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+
+    def cb(*args: object) -> None:
+        raise ValueError(args)
+
+    try:
+        ctx = contextvars.copy_context()
+        ours = [loop.call_soon(cb, 1, 2, context=ctx), loop.call_at(5.0, cb, 3, context=ctx)]
+        stock = [events.Handle(cb, (1, 2), loop, ctx), events.TimerHandle(5.0, cb, (3,), loop, ctx)]
+        for a, b in zip(ours, stock):
+            assert type(a) is type(b)
+            slots = [s for k in type(a).__mro__ for s in getattr(k, "__slots__", ()) if s != "__weakref__"]
+            assert {s: getattr(a, s) for s in slots if s != "_scheduled"} == {
+                s: getattr(b, s) for s in slots if s != "_scheduled"
+            }
+        assert ours[1]._scheduled and loop.call_soon(cb)._context is not ctx  # a context of its own by default
+
+        async def main() -> None:
+            await asyncio.sleep(10)
+
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert [type(c["exception"]) for c in seen] == [ValueError] * 3
+    assert seen[0]["message"].startswith("Exception in callback") and seen[0]["handle"] is ours[0]
+
+
 def test_the_length_sampler_rounds_as_draw_does():
     import numpy as np
 
@@ -190,6 +227,41 @@ def test_waiting_for_requests_in_flight_loses_to_interrupting_them_on_long_tails
     abort = simulate(_long_tail(mode="abort"), "async", 2)
     assert max(wait.staleness_hist) <= 2
     assert wait.wall_s > 1.2 * abort.wall_s
+
+
+def test_plans_are_the_same_to_the_last_digit():
+    # the predictions of the planner before its speed work (docs/planner.md, "Speed"), pinned: a faster server
+    # model or event loop must reproduce every float, not just come close (a tie broken the other way, a sum taken
+    # in another order, shows here)
+    want = {
+        ("abort", "sync"): (368.9419328500001, 0.699611660176729, 0.0, {0: 285284}),
+        ("abort", "async"): (
+            125.44574337129394,
+            0.9630035323985016,
+            187551.27024387493,
+            {0: 51636, 1: 85419, 2: 148229},
+        ),
+        ("in_place", "async"): (125.00996359808491, 0.9632483534755921, 0.0, {0: 51668, 1: 85473, 2: 148142}),
+        ("wait", "sync"): (368.34193285000003, 0.7007512724735377, 0.0, {0: 285284}),
+        ("wait", "async"): (369.12348375000005, 0.7567523358299469, 0.0, {0: 20417, 1: 38504, 2: 226363}),
+    }
+    for (interrupt, mode), expected in want.items():
+        r = simulate(_long_tail(steps=6, mode=interrupt), mode, 2)
+        assert (r.wall_s, r.gen_busy_frac, r.recomputed_tokens, r.staleness_hist) == expected, (interrupt, mode)
+    sc = _small_scenario(
+        gpus=64,
+        batch_size=64,
+        group_size=8,
+        steps=4,
+        lengths=LengthModel(median=3000, sigma=0.9, max_new_tokens=16384, prompt_tokens=200),
+    )
+    r = simulate(sc.setting(), "async", 1)
+    assert (r.wall_s, r.gen_busy_frac, r.recomputed_tokens) == (
+        221.44752347253942,
+        0.8680999416478898,
+        2336012.5830091317,
+    )
+    assert r.staleness_hist == {0: 2281180, 1: 6273281}
 
 
 def _small_scenario(**kw):

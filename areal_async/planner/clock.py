@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import selectors
-from asyncio import events
+from asyncio import events, format_helpers
 from collections.abc import Callable, Coroutine
+from contextvars import copy_context
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -41,7 +42,7 @@ class _JumpSelector(selectors.SelectSelector):
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         assert self.loop is not None
         if timeout is None:
-            raise SimulationStalled("no task is ready and no timer is scheduled: the simulation cannot progress")
+            raise SimulationStalled(_STALLED)
         if timeout > 0:
             self.loop.advance(timeout)
         return []
@@ -65,63 +66,121 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
             raise ValueError("the virtual clock only moves forward")
         self._now += seconds
 
-    # ---- the timer heap, lean -----------------------------------------------------------------------------------
-    # Why: a large plan runs millions of timers, and asyncio's heap orders TimerHandles through their Python-level
-    # __lt__ (a frame per comparison). Here the heap holds (when, handle) pairs, compared in C. The order is the
-    # same: a pair compares as its handle does (by `when`; equal whens compare as "not less" either way), so every
-    # push and pop moves the same entries and timers fire in exactly the order asyncio's own loop fires them.
-    # `_run_once` is asyncio's own iteration (3.10-3.13) less the I/O poll, which here never has anything to report:
-    # no threads, sockets or signals in a simulation (module docstring); its clock jump is the selector's.
+    # ---- the timer heap and the handles, lean ---------------------------------------------------------------------
+    # Why: a large plan runs millions of timers and callbacks, and asyncio's loop spends a Python frame or three on
+    # each beside the callback's own work. Here the heap holds (when, handle) pairs, compared in C, where asyncio's
+    # orders TimerHandles through their Python-level __lt__. The order is the same: a pair compares as its handle
+    # does (by `when`; equal whens compare as "not less" either way), so every push and pop moves the same entries
+    # and timers fire in exactly the order asyncio's own loop fires them. Handles are the stock Handle and
+    # TimerHandle, their fields set as their constructors set them (outside debug mode, where those constructors
+    # run), and `_run_once` runs each callback as Handle._run does, less that frame. `_run_once` is asyncio's own
+    # iteration (3.10-3.13) less the I/O poll, which here never has anything to report: no threads, sockets or
+    # signals in a simulation (module docstring); its clock jump is the selector's.
+
+    def call_soon(self, callback: Callable[..., object], *args: Any, context: Any = None) -> asyncio.Handle:
+        if self._debug:  # type: ignore[attr-defined]
+            return super().call_soon(callback, *args, context=context)
+        if self._closed:  # type: ignore[attr-defined]
+            raise RuntimeError("Event loop is closed")
+        handle = _new_handle(events.Handle)
+        handle._context = copy_context() if context is None else context
+        handle._loop = self
+        handle._callback = callback
+        handle._args = args
+        handle._cancelled = False
+        handle._repr = None
+        handle._source_traceback = None
+        self._ready.append(handle)  # type: ignore[attr-defined]
+        return handle
 
     def call_at(
         self, when: float, callback: Callable[..., object], *args: Any, context: Any = None
     ) -> asyncio.TimerHandle:
         if when is None:
             raise TypeError("when cannot be None")
-        self._check_closed()
-        timer = events.TimerHandle(when, callback, args, self, context)
-        if timer._source_traceback:
-            del timer._source_traceback[-1]
+        if self._debug:  # type: ignore[attr-defined]
+            self._check_closed()  # type: ignore[attr-defined]
+            timer = events.TimerHandle(when, callback, args, self, context)
+            if timer._source_traceback:
+                del timer._source_traceback[-1]
+        else:
+            if self._closed:  # type: ignore[attr-defined]
+                raise RuntimeError("Event loop is closed")
+            timer = _new_handle(events.TimerHandle)
+            timer._context = copy_context() if context is None else context
+            timer._loop = self
+            timer._callback = callback
+            timer._args = args
+            timer._cancelled = False
+            timer._repr = None
+            timer._source_traceback = None
+            timer._when = when
         heapq.heappush(self._scheduled, (timer._when, timer))  # type: ignore[misc]
         timer._scheduled = True
         return timer
 
     def _run_once(self) -> None:
-        sched: list[tuple[float, asyncio.TimerHandle]] = self._scheduled  # type: ignore[assignment]
-        count = len(sched)
-        if count > 100 and self._timer_cancelled_count / count > 0.5:  # asyncio's purge of cancelled timers
-            kept = []
-            for item in sched:
-                if item[1]._cancelled:
-                    item[1]._scheduled = False
-                else:
-                    kept.append(item)
-            heapq.heapify(kept)
-            self._scheduled = sched = kept  # type: ignore[assignment]
-            self._timer_cancelled_count = 0
-        else:
-            while sched and sched[0][1]._cancelled:
-                self._timer_cancelled_count -= 1
-                heapq.heappop(sched)[1]._scheduled = False
+        # asyncio's run_forever calls _run_once, then leaves once `_stopping` is set; iterating here until then is
+        # the same sequence of iterations, less a call and this setup per iteration
         ready = self._ready  # type: ignore[attr-defined]
-        if not (ready or self._stopping):  # type: ignore[attr-defined]
-            if not sched:
-                raise SimulationStalled("no task is ready and no timer is scheduled: the simulation cannot progress")
-            timeout = min(max(0, sched[0][0] - self._now), _MAX_JUMP_S)
-            if timeout > 0:
-                self._now += timeout
-        end_time = self._now + self._clock_resolution  # type: ignore[attr-defined]
-        while sched and sched[0][0] < end_time:
-            handle = heapq.heappop(sched)[1]
-            handle._scheduled = False
-            ready.append(handle)
-        for _ in range(len(ready)):
-            handle = ready.popleft()
-            if not handle._cancelled:
-                handle._run()
-        handle = None  # break a cycle should a callback have raised
+        resolution = self._clock_resolution  # type: ignore[attr-defined]
+        heappop = heapq.heappop
+        while True:
+            sched: list[tuple[float, asyncio.TimerHandle]] = self._scheduled  # type: ignore[assignment]
+            count = len(sched)
+            # asyncio's purge of cancelled timers, when more than half are (an exact form of cancelled / count > 0.5)
+            if count > 100 and 2 * self._timer_cancelled_count > count:
+                kept = []
+                for item in sched:
+                    if item[1]._cancelled:
+                        item[1]._scheduled = False
+                    else:
+                        kept.append(item)
+                heapq.heapify(kept)
+                self._scheduled = sched = kept  # type: ignore[assignment]
+                self._timer_cancelled_count = 0
+            else:
+                while sched and sched[0][1]._cancelled:
+                    self._timer_cancelled_count -= 1
+                    heappop(sched)[1]._scheduled = False
+            if not (ready or self._stopping):  # type: ignore[attr-defined]
+                if not sched:
+                    raise SimulationStalled(_STALLED)
+                timeout = sched[0][0] - self._now  # min(max(0, gap), _MAX_JUMP_S), as asyncio's, added if > 0
+                if timeout > 0:
+                    self._now += _MAX_JUMP_S if _MAX_JUMP_S < timeout else timeout
+            end_time = self._now + resolution
+            while sched and sched[0][0] < end_time:
+                handle = heappop(sched)[1]
+                handle._scheduled = False
+                ready.append(handle)
+            for _ in range(len(ready)):
+                handle = ready.popleft()
+                if not handle._cancelled:
+                    try:  # Handle._run, inline
+                        handle._context.run(handle._callback, *handle._args)
+                    except (SystemExit, KeyboardInterrupt):
+                        raise
+                    except BaseException as exc:
+                        _report(handle, exc)
+            handle = None  # break a cycle should a callback have raised
+            if self._stopping:  # type: ignore[attr-defined]
+                return
 
 
+def _report(handle: asyncio.Handle, exc: BaseException) -> None:
+    """What Handle._run does with a callback's exception: the loop's exception handler gets it."""
+    cb = format_helpers._format_callback_source(handle._callback, handle._args)  # type: ignore[attr-defined]
+    context: dict[str, Any] = {"message": f"Exception in callback {cb}", "exception": exc, "handle": handle}
+    if handle._source_traceback:  # type: ignore[attr-defined]
+        context["source_traceback"] = handle._source_traceback  # type: ignore[attr-defined]
+    handle._loop.call_exception_handler(context)  # type: ignore[attr-defined]
+
+
+_new_handle = object.__new__  # a Handle without its constructor (call_soon and call_at set every field)
+
+
+_STALLED = "no task is ready and no timer is scheduled: the simulation cannot progress"
 _MAX_JUMP_S = 24 * 3600.0  # asyncio's MAXIMUM_SELECT_TIMEOUT: the longest wait one iteration makes
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -86,7 +85,7 @@ def _solve(b: float, a: float, t: float) -> float:
 
 
 class SimGroup:
-    """One prompt group on a server: its samples' lengths, and where it stands."""
+    """One prompt group on a server: its samples' lengths (ascending), and where it stands."""
 
     __slots__ = (
         "lengths",
@@ -97,18 +96,20 @@ class SimGroup:
         "version",
         "need",
         "finish_step",
+        "kv_term",
         "done_members",
     )
 
     def __init__(self, lengths: list[int], prompt: int, future: asyncio.Future) -> None:
-        self.lengths = lengths
+        self.lengths = sorted(lengths)  # ascending: the prefill inserts them in order, the version split needs it
         self.total = sum(lengths)
         self.prompt = prompt
         self.future = future
         self.start_step = 0.0
         self.version = 0
         self.need = 0
-        self.finish_step = 0.0
+        self.finish_step = 0.0  # the step its longest samples finish at
+        self.kv_term = 0.0  # each running sample's KV is kv_term + step (prompt + tokens so far)
         self.done_members = 0
 
 
@@ -127,9 +128,12 @@ class SimServer:
         self.n = 0  # running sequences
         self.kv_base = 0.0  # K = kv_base + n * step
         self.reserved = 0  # KV tokens reserved by admitted groups
-        # running sequences sorted by finish step from index `_head` on: (finish step, group's tiebreak, kv term,
-        # group, whether it is one of the group's longest)
-        self.members: list[tuple[float, int, float, SimGroup, bool]] = []
+        # the running sequences from index `_head` on, sorted by the step they finish at: `fin` holds that step,
+        # `grp` the sequence's group (equal steps in admission order). Two flat lists rather than a tuple per
+        # sequence: the prefill inserts 16 sequences a group and the walks read every one, and floats compare and
+        # insert faster alone (which samples of one group finish at one step is immaterial: they are alike)
+        self.fin: list[float] = []
+        self.grp: list[SimGroup] = []
         self._head = 0
         self.waiting: deque[SimGroup] = deque()
         self.boundaries: list[tuple[float, int]] = [(-math.inf, 0)]  # (step, version from that step on)
@@ -141,10 +145,9 @@ class SimServer:
         self._drained: asyncio.Future | None = None
         self._pending_prefill_s = 0.0  # a prefill cut by a pause, resumed after it
         self._timer: asyncio.TimerHandle | None = None
-        # the last walk: (state it started from, seconds to its event, event index, n, kv_base, step after it)
-        self._walk: tuple | None = None
-        self._walk_end: tuple | None = None
-        self._seq = 0
+        # the last walk: [state it started from, seconds to its event, event index, n, kv_base, step after it,
+        # seconds from its start to each earlier sequence's finish, how many of those were consumed, and when]
+        self._walk: list | None = None
         self.busy_s = 0.0
         self.load_busy_s = 0.0
         self.generated_tokens = 0
@@ -174,10 +177,13 @@ class SimServer:
             # sum of c^2 over running contexts approximated by K^2 / n (equal contexts)
             self._pending_prefill_s += self.c.prefill_time(k, k / self.n / 2)
         self.paused = True
-        self._schedule()
+        # what `_schedule` does once paused: no timer
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def resume(self) -> None:
-        self._advance()
+        self.t = self.loop.time()  # `_advance` while paused: nothing runs, the clock moves
         self.paused = False
         if self._pending_prefill_s > 0 and self.prefill_end is None:
             self.prefill_end = self.t + self._pending_prefill_s
@@ -199,13 +205,28 @@ class SimServer:
     def set_version(self, version: int, load_s: float) -> None:
         """The load of `version` (which took `load_s`) is done: tokens from here on are sampled by it."""
         self.load_busy_s += load_s
-        self._advance()
+        paused = self.paused
+        if paused:
+            self.t = self.loop.time()  # `_advance` while paused
+        else:
+            self._advance()
         self.version = version
         self.boundaries.append((self.step, version))
         self.bound_steps.append(self.step)
         self.draining = False
-        self._admit()
-        self._schedule()
+        if not paused:  # paused, neither admits nor schedules anything
+            self._admit()
+            self._schedule()
+
+    def release(self) -> None:
+        """Drop the groups and the timer once the run is over (SimFleet.release says why)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.fin, self.grp, self.prefilling = [], [], []
+        self.waiting.clear()
+        self._walk = None
+        self._drained = None
 
     # ---- the model --------------------------------------------------------------------------------------------
 
@@ -221,18 +242,22 @@ class SimServer:
     def _advance(self) -> None:
         """Bring the state up to the loop's now, finishing whatever finished on the way."""
         now = self.loop.time()
+        if self.paused:
+            self.t = now
+            return
         tol = 1e-9 * (1.0 + abs(now))
-        while not self.paused:
-            if self.prefill_end is not None:
-                if self.prefill_end > now:
+        while True:
+            prefill_end = self.prefill_end
+            if prefill_end is not None:
+                if prefill_end > now:
                     break
-                self.busy_s += self.prefill_end - self.t
-                self.t = self.prefill_end
+                self.busy_s += prefill_end - self.t
+                self.t = prefill_end
                 self._finish_prefill()
                 continue
             if self.n == 0 or not self._decode_until(now, tol):
                 break
-        if not self.paused and (self.n > 0 or self.prefill_end is not None):
+        if self.n > 0 or self.prefill_end is not None:
             self.busy_s += now - self.t
         self.t = now
 
@@ -240,33 +265,42 @@ class SimServer:
         """Decode towards `now`, finishing sequences on the way (locals for speed: this is the planner's inner
         loop). Returns True when it stopped early because a prefill started (the caller goes on from there)."""
         c = self.c
-        members = self.members
+        fin, grp = self.fin, self.grp
         head, n, base, step, t = self._head, self.n, self.kv_base, self.step, self.t
         busy = 0.0
         waiting, draining = len(self.waiting), self.draining
         try:
             while n > 0:
                 w = self._walk
-                if w is not None and w[0] == (head, len(members), n, step, waiting, draining):
+                if w is not None and w[0] == (head, len(fin), n, step, waiting, draining):
                     self._walk = None
                     if t + w[1] > now + tol:
-                        # the walk knows the state after each sequence that finishes before its event
+                        # the walk knows when each sequence that finishes before its event does
                         elapsed = w[8] + (now - t)
-                        # the states finished by now: their first field, the seconds from the walk's start, is at
-                        # most elapsed + tol (inf: a state whose seconds equal it counts, as bisect on floats would)
-                        m = bisect.bisect_right(w[6], (elapsed + tol, math.inf), lo=w[7])
-                        if m > w[7]:
-                            e_m, n, base, step = w[6][m - 1]
-                            head += m - w[7]
+                        # the sequences finished by now: their seconds from the walk's start are at most elapsed + tol
+                        lo = w[7]
+                        m = bisect.bisect_right(w[6], elapsed + tol, lo)
+                        if m > lo:
+                            # their state changes, replayed as the walk made them (so the same floats)
+                            for i in range(head, head + m - lo):
+                                f = fin[i]
+                                if f > step:
+                                    step = f
+                                base -= grp[i].kv_term
+                            n -= m - lo
+                            head += m - lo
+                            e_m = w[6][m - 1]
                             t += e_m - w[8]
                             busy += e_m - w[8]
-                        k = base + n * step
-                        step = min(step + c.steps_in(n, k, now - t), members[head][0])
+                        if now > t:  # (as below)
+                            x = step + c.steps_in(n, base + n * step, now - t)
+                            f = fin[head]
+                            step = f if f < x else x  # min(x, f)
                         busy += now - t
                         t = now
                         # the rest of the walk still holds: keep it, keyed by the state reached (a pause and its
                         # continue then cost no second walk)
-                        w[0] = (head, len(members), n, step, waiting, draining)
+                        w[0] = (head, len(fin), n, step, waiting, draining)
                         w[1] -= elapsed - w[8]
                         w[7], w[8] = m, elapsed
                         self._walk = w
@@ -275,14 +309,16 @@ class SimServer:
                     _, dt, j, n, base, step = w[:6]
                     t += dt
                     busy += dt
-                    f, _, kv_term, g, last = members[j]
+                    f, g = fin[j], grp[j]
                     head = j + 1
                 else:
-                    f, _, kv_term, g, last = members[head]
+                    f, g = fin[head], grp[head]
                     if f > step:
                         dt = c.time_for_steps(n, base + n * step, f - step)
                         if t + dt > now + tol:
-                            step = min(step + c.steps_in(n, base + n * step, now - t), f)
+                            if now > t:  # (none fit in no time: steps_in would give 0.0 and leave step as it is)
+                                x = step + c.steps_in(n, base + n * step, now - t)
+                                step = f if f < x else x  # min(x, f)
                             busy += now - t
                             t = now
                             return False
@@ -291,8 +327,10 @@ class SimServer:
                         step = f
                     head += 1
                     n -= 1
-                    base -= kv_term
-                done = last and not g.done_members
+                    base -= g.kv_term
+                # one of the group's longest samples (f is the step its prefill started at plus the sample's
+                # length, finish_step the same plus the longest length: equal exactly when the lengths are)
+                done = f == g.finish_step and not g.done_members
                 if done:
                     g.done_members = 1
                     self.reserved -= g.need
@@ -309,10 +347,12 @@ class SimServer:
         finally:
             self._head, self.n, self.kv_base, self.step, self.t = head, n, base, step, t
             self.busy_s += busy
-            if self._head > 256 and self._head * 2 > len(members):
-                del members[: self._head]
+            if head > 256 and head * 2 > len(fin):
+                del fin[:head]
+                del grp[:head]
                 self._head = 0
-            self._check_drained()
+            if self.draining:
+                self._check_drained()
 
     def _check_drained(self) -> None:
         if self.draining and self.n == 0 and self.prefill_end is None and self._drained is not None:
@@ -321,32 +361,32 @@ class SimServer:
 
     def _versions_of(self, g: SimGroup) -> dict[int, int]:
         """Tokens of the group by the version that sampled them (the server's version changes at step bounds)."""
-        out: dict[int, int] = {}
         bounds = self.boundaries
         # the last bound at or before the group's start (bound_steps[0] is -inf, so i >= 0)
         i = bisect.bisect_right(self.bound_steps, g.start_step) - 1
         if i == len(bounds) - 1:  # one version all along: the common case
-            out[bounds[i][1]] = g.total
-            return out
-        # tokens the samples made in their first x steps: sum of min(length, x) = prefix[k] + (m - k) x, with k the
-        # samples shorter than x; taken at each version bound, differences give each version's share
-        lengths = sorted(g.lengths)
+            return {bounds[i][1]: g.total}
+        out: dict[int, int] = {}
+        # tokens the samples made in their first x steps: the sum of min(length, x), i.e. the sum of the k lengths
+        # at most x plus (m - k) x; taken at each version bound, differences give each version's share
+        lengths = g.lengths  # ascending
         m = len(lengths)
-        prefix = [0, *itertools.accumulate(lengths)]
         start = g.start_step
         done_before = 0.0
+        last = len(bounds) - 1
         for j in range(i, len(bounds)):
-            if j + 1 < len(bounds):
+            if j < last:
                 hi = bounds[j + 1][0] - start
                 k = bisect.bisect_right(lengths, hi)
-                upto = prefix[k] + (m - k) * hi if hi > 0 else 0.0
+                upto = sum(lengths[:k]) + (m - k) * hi if hi > 0 else 0.0
             else:
                 upto = g.total
             tokens = upto - done_before
-            done_before = max(upto, done_before)
+            if upto > done_before:
+                done_before = upto
             if tokens > 0:
                 v = bounds[j][1]
-                out[v] = out.get(v, 0) + int(round(tokens))
+                out[v] = out.get(v, 0) + round(tokens)
         return out
 
     def _admit(self) -> None:
@@ -383,26 +423,27 @@ class SimServer:
         self.prefill_end = None
         # locals for the per-answer loop (16 answers a group: the planner's most repeated lines); the sums are
         # taken in the same order as attribute updates would be, so the state is the same to the last bit
-        step, seq, n, base, head = self.step, self._seq, self.n, self.kv_base, self._head
-        members = self.members
-        insort = bisect.insort
+        step, n, base, head = self.step, self.n, self.kv_base, self._head
+        fin, grp = self.fin, self.grp
+        bisect_right = bisect.bisect_right
         for g in self.prefilling:
             g.start_step = step
             g.version = self.version
-            longest = max(g.lengths)
-            g.finish_step = step + longest
-            kv_term = g.prompt - step  # each answer's KV: prompt + (step - start_step)
-            # the tiebreak between equal finish steps: one number per group, in admission order (a group's own
-            # answers of equal length make equal entries, which bisect keeps in arrival order and which are
-            # interchangeable anyway), so no new int per answer
-            seq += 1
-            for length in g.lengths:
-                # the last field: this answer is (one of) the group's longest, so its finish may end the group
-                insort(members, (step + length, seq, kv_term, g, length == longest), lo=head)
+            lengths = g.lengths  # ascending, so each insert starts its search after the one before
+            g.finish_step = step + lengths[-1]
+            kv_term = g.kv_term = g.prompt - step  # each answer's KV: prompt + (step - start_step)
+            # after every entry of an equal step: earlier groups first, as they were admitted
+            lo = head
+            for length in lengths:
+                f = step + length
+                lo = bisect_right(fin, f, lo)
+                fin.insert(lo, f)
+                grp.insert(lo, g)
+                lo += 1
                 n += 1
                 base += kv_term
-            self._unstarted -= len(g.lengths)
-        self._seq, self.n, self.kv_base = seq, n, base
+            self._unstarted -= len(lengths)
+        self.n, self.kv_base = n, base
         self.prefilling = []
         self._check_drained()
         self._admit()
@@ -419,13 +460,13 @@ class SimServer:
                     # it is today's moved to its end: the walk already known says when the next visible event
                     # is, and the prefill's end needs no timer of its own (`_advance` finishes it on the way)
                     w = self._walk
-                    if w is not None and w[0] == (self._head, len(self.members), self.n, self.step, 0, False):
+                    if w is not None and w[0] == (self._head, len(self.fin), self.n, self.step, 0, False):
                         when = self.prefill_end + w[1]
             elif self.n > 0:
                 when = self._next_event_time()
         timer = self._timer
         if timer is not None:
-            if when is not None and timer.when() == when:
+            if when is not None and timer._when == when:  # TimerHandle.when(), without the call
                 return
             timer.cancel()
             self._timer = None
@@ -436,20 +477,17 @@ class SimServer:
         """When the next thing the outside can see happens while decoding: a group's last sample finishing, or a
         sequence finishing that lets a waiting group in under the running cap (KV reservations are freed only with
         whole groups). Walks the sorted running sequences without changing anything: the sequences finishing
-        before then change only the batch, which `_advance` replays when the timer fires."""
-        key = (self._head, len(self.members), self.n, self.step, len(self.waiting), self.draining)
-        if self._walk is not None and self._walk[0] == key:
-            return self.t + self._walk[1]  # nothing changed but the clock (a pause, say): the same wait from now
-        when = self._walk_to_event()
-        end = self._walk_end
-        # [key, seconds to the event, event index, n, kv_base, step after it, states, consumed, elapsed]
-        self._walk = [key, when - self.t, *end, 0, 0.0] if end is not None else None
-        return when
-
-    def _walk_to_event(self) -> float:
+        before then change only the batch, which `_advance` replays when the timer fires. The walk is kept in
+        `_walk`: [the state it started from, seconds to its event, the event's index, n, kv_base and step after
+        it, seconds from its start to each earlier sequence's finish, how many of those are consumed, and the
+        seconds consumed]."""
         c = self.c
         t, step, n, base = self.t, self.step, self.n, self.kv_base
-        members = self.members
+        key = (self._head, len(self.fin), n, step, len(self.waiting), self.draining)
+        w = self._walk
+        if w is not None and w[0] == key:
+            return t + w[1]  # nothing changed but the clock (a pause, say): the same wait from now
+        fin, grp = self.fin, self.grp
         want = 0  # the running count under which the first waiting group may start (0: the cap is not what binds)
         if self.waiting and not self.draining:
             g = self.waiting[0]
@@ -458,27 +496,32 @@ class SimServer:
             if self.reserved + need <= c.kv_capacity_tokens and n + m > c.max_running:
                 want = c.max_running - m
         t0 = t
-        # seconds from now to each earlier sequence's finish, and the state after it
-        states: list[tuple[float, int, float, float]] = []
+        # seconds from now to each earlier sequence's finish (the rest of its state `_decode_until` replays)
+        states: list[float] = []
         # ServerCosts.time_for_steps inlined (the same expression, term by term, so the same floats): this loop
-        # runs about once per answer, and the call and its attribute reads were most of its cost
+        # runs about once per answer, and the call and its attribute reads were most of its cost. The running
+        # count as a float (`nf`) gives the same products as the int (a float times an int converts it exactly,
+        # and halving is exact), in the interpreter's float-only arithmetic
         o, ws, kvs, sq, at, additive = c.step_overhead_s, c.weights_s, c.kv_s, c.seq_s, c.attn_s, c.additive
-        for i in range(self._head, len(members)):
-            f, _, kv_term, g, last = members[i]
+        nf = float(n)
+        head = self._head
+        for i in range(head, len(fin)):
+            f = fin[i]
             if f > step:
-                k = base + n * step
+                k = base + nf * step
                 d = f - step
-                mem = (ws + kvs * k) * d + kvs * n * d * d / 2
-                comp = (sq * n + at * k) * d + at * n * d * d / 2
+                mem = (ws + kvs * k) * d + kvs * nf * d * d * 0.5
+                comp = (sq * nf + at * k) * d + at * nf * d * d * 0.5
                 t += o * d + (mem + comp if additive else (comp if comp > mem else mem))  # max(mem, comp)
                 step = f
-            n -= 1
-            base -= kv_term
-            if (last and not g.done_members) or n <= want:
-                self._walk_end = (i, n, base, step, states)
+            nf -= 1.0
+            g = grp[i]
+            base -= g.kv_term
+            if nf <= want or (f == g.finish_step and not g.done_members):
+                self._walk = [key, t - t0, i, n - (i - head + 1), base, step, states, 0, 0.0]
                 return t
-            states.append((t - t0, n, base, step))
-        self._walk_end = None
+            states.append(t - t0)
+        self._walk = None
         return t
 
     def _on_timer(self) -> None:

@@ -34,10 +34,10 @@ from areal_async.planner.trainer_model import (
     SAMPLES_KEY,
     SUMSQ_KEY,
     TOKENS_KEY,
-    VERSION_PREFIX,
     SimTrainer,
     SimWeightSync,
     TrainerCosts,
+    version_key,
 )
 from areal_async.rollout.controller import AsyncRLController
 from areal_async.rollout.samples import SampleStream
@@ -125,7 +125,7 @@ class PlanWorkflow:
             SUMSQ_KEY: sumsq,
         }
         for v in versions:
-            info[f"{VERSION_PREFIX}{v}"] = by_version[v]
+            info[version_key(v)] = by_version[v]
         return [
             Trajectory(
                 input_ids=[0] * (n + 1),
@@ -193,6 +193,8 @@ async def _run(setting: Setting, eta: int | None, mode: str) -> RunResult:
     await ctrl.run()
     wall = loop.time() - t0
     fs = fleet.stats(wall)
+    fleet.release()
+    holder.clear()  # the controller's cycle through the workflow's version callback
     hist = dict(trainer.staleness)
     total = sum(hist.values())
     walls = [r["wall_s"] for r in records.train]

@@ -29,6 +29,17 @@ PROMPT_KEY = "sim_prompt"  # prompt tokens of each sample
 SAMPLES_KEY = "sim_samples"  # samples in the group
 SUMSQ_KEY = "sim_sumsq"  # sum over samples of (prompt + response)^2
 VERSION_PREFIX = "sim_v"  # sim_v<version>: response tokens sampled by that version
+_VERSION_KEYS: dict[int, str] = {}  # version -> its key, made once (a plan writes one per group and version)
+_KEY_VERSIONS: dict[str, int] = {}  # and back, for the trainer's tally
+
+
+def version_key(version: int) -> str:
+    """The info key of the tokens `version` sampled: VERSION_PREFIX + version."""
+    key = _VERSION_KEYS.get(version)
+    if key is None:
+        key = _VERSION_KEYS[version] = f"{VERSION_PREFIX}{version}"
+        _KEY_VERSIONS[key] = version
+    return key
 
 
 @dataclass
@@ -63,6 +74,8 @@ class SimTrainer:
         tokens = 0.0
         sumsq = 0.0
         samples = 0
+        by_staleness: dict[int, int] = {}  # this step's tokens by staleness, added to the run's below
+        versions = _KEY_VERSIONS
         for t in trajectories:
             info = t.info
             m = int(info[SAMPLES_KEY])
@@ -70,8 +83,15 @@ class SimTrainer:
             tokens += float(info[TOKENS_KEY]) + m * float(info[PROMPT_KEY])
             sumsq += float(info[SUMSQ_KEY])
             for k, v in info.items():
-                if k.startswith(VERSION_PREFIX):
-                    self.staleness[policy_version - int(k[len(VERSION_PREFIX) :])] += int(v)
+                ver = versions.get(k)
+                if ver is None:
+                    if not k.startswith(VERSION_PREFIX):
+                        continue
+                    ver = int(k[len(VERSION_PREFIX) :])
+                s = policy_version - ver
+                by_staleness[s] = by_staleness.get(s, 0) + int(v)
+        for s, n in by_staleness.items():
+            self.staleness[s] += n
         dt = self.c.step_time(tokens, sumsq)
         await asyncio.sleep(dt)
         self.busy_s += dt

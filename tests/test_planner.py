@@ -94,12 +94,19 @@ def test_the_virtual_loop_makes_handles_and_reports_errors_as_asyncio_does():
         ours = [loop.call_soon(cb, 1, 2, context=ctx), loop.call_at(5.0, cb, 3, context=ctx)]
         stock = [events.Handle(cb, (1, 2), loop, ctx), events.TimerHandle(5.0, cb, (3,), loop, ctx)]
         for a, b in zip(ours, stock):
-            assert type(a) is type(b)
+            assert isinstance(a, type(b))
             slots = [s for k in type(a).__mro__ for s in getattr(k, "__slots__", ()) if s != "__weakref__"]
             assert {s: getattr(a, s) for s in slots if s != "_scheduled"} == {
                 s: getattr(b, s) for s in slots if s != "_scheduled"
             }
         assert ours[1]._scheduled and loop.call_soon(cb)._context is not ctx  # a context of its own by default
+        for timer in (loop.call_at(6.0, cb), events.TimerHandle(6.0, cb, (), loop)):  # cancel: the same effects
+            count = loop._timer_cancelled_count
+            timer._scheduled = True
+            timer.cancel()
+            timer.cancel()
+            assert (timer._cancelled, timer._callback, timer._args) == (True, None, None)
+            assert loop._timer_cancelled_count == count + 1
 
         async def main() -> None:
             await asyncio.sleep(10)

@@ -72,10 +72,10 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     # orders TimerHandles through their Python-level __lt__. The order is the same: a pair compares as its handle
     # does (by `when`; equal whens compare as "not less" either way), so every push and pop moves the same entries
     # and timers fire in exactly the order asyncio's own loop fires them. Handles are the stock Handle and
-    # TimerHandle, their fields set as their constructors set them (outside debug mode, where those constructors
-    # run), and `_run_once` runs each callback as Handle._run does, less that frame. `_run_once` is asyncio's own
-    # iteration (3.10-3.13) less the I/O poll, which here never has anything to report: no threads, sockets or
-    # signals in a simulation (module docstring); its clock jump is the selector's.
+    # TimerHandle (a subclass with a one-frame cancel), their fields set as the constructors set them (outside
+    # debug mode, where those constructors run), and `_run_once` runs each callback as Handle._run does, less that
+    # frame. `_run_once` is asyncio's own iteration (3.10-3.13) less the I/O poll, which here never has anything to
+    # report: no threads, sockets or signals in a simulation (module docstring); its clock jump is the selector's.
 
     def call_soon(self, callback: Callable[..., object], *args: Any, context: Any = None) -> asyncio.Handle:
         if self._debug:  # type: ignore[attr-defined]
@@ -106,7 +106,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         else:
             if self._closed:  # type: ignore[attr-defined]
                 raise RuntimeError("Event loop is closed")
-            timer = _new_handle(events.TimerHandle)
+            timer = _new_handle(_Timer)
             timer._context = copy_context() if context is None else context
             timer._loop = self
             timer._callback = callback
@@ -166,6 +166,23 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
             handle = None  # break a cycle should a callback have raised
             if self._stopping:  # type: ignore[attr-defined]
                 return
+
+
+class _Timer(events.TimerHandle):
+    """A TimerHandle whose cancel() is one frame: what TimerHandle.cancel, the loop's _timer_handle_cancelled and
+    Handle.cancel do, in that order (a simulated server moves its one timer on most of its events)."""
+
+    __slots__ = ()
+
+    def cancel(self) -> None:
+        if not self._cancelled:
+            if self._scheduled:
+                self._loop._timer_cancelled_count += 1  # type: ignore[attr-defined]
+            self._cancelled = True
+            if self._loop.get_debug():
+                self._repr = repr(self)  # type: ignore[attr-defined]
+            self._callback = None  # type: ignore[assignment]
+            self._args = None  # type: ignore[assignment]
 
 
 def _report(handle: asyncio.Handle, exc: BaseException) -> None:

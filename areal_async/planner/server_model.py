@@ -136,8 +136,9 @@ class SimServer:
         self.grp: list[SimGroup] = []
         self._head = 0
         self.waiting: deque[SimGroup] = deque()
-        self.boundaries: list[tuple[float, int]] = [(-math.inf, 0)]  # (step, version from that step on)
-        self.bound_steps: list[float] = [-math.inf]  # the boundaries' steps, for bisect
+        # the version bounds: from step bound_steps[i] on, tokens are sampled by version bound_versions[i]
+        self.bound_steps: list[float] = [-math.inf]
+        self.bound_versions: list[int] = [0]
         self.prefill_end: float | None = None  # set while a prefill runs
         self.prefilling: list[SimGroup] = []
         self.paused = False
@@ -211,8 +212,8 @@ class SimServer:
         else:
             self._advance()
         self.version = version
-        self.boundaries.append((self.step, version))
         self.bound_steps.append(self.step)
+        self.bound_versions.append(version)
         self.draining = False
         if not paused:  # paused, neither admits nor schedules anything
             self._admit()
@@ -306,7 +307,7 @@ class SimServer:
                         self._walk = w
                         return False
                     # the walk that set the timer already knows the state at its event: take it whole
-                    _, dt, j, n, base, step = w[:6]
+                    _, dt, j, n, base, step, _, _, _ = w
                     t += dt
                     busy += dt
                     f, g = fin[j], grp[j]
@@ -314,7 +315,12 @@ class SimServer:
                 else:
                     f, g = fin[head], grp[head]
                     if f > step:
-                        dt = c.time_for_steps(n, base + n * step, f - step)
+                        # ServerCosts.time_for_steps(n, base + n * step, f - step), inline (as in the walk)
+                        k = base + n * step
+                        d = f - step
+                        mem = (c.weights_s + c.kv_s * k) * d + c.kv_s * n * d * d / 2
+                        comp = (c.seq_s * n + c.attn_s * k) * d + c.attn_s * n * d * d / 2
+                        dt = c.step_overhead_s * d + (mem + comp if c.additive else (comp if comp > mem else mem))
                         if t + dt > now + tol:
                             if now > t:  # (none fit in no time: steps_in would give 0.0 and leave step as it is)
                                 x = step + c.steps_in(n, base + n * step, now - t)
@@ -361,11 +367,11 @@ class SimServer:
 
     def _versions_of(self, g: SimGroup) -> dict[int, int]:
         """Tokens of the group by the version that sampled them (the server's version changes at step bounds)."""
-        bounds = self.boundaries
+        steps, versions = self.bound_steps, self.bound_versions
         # the last bound at or before the group's start (bound_steps[0] is -inf, so i >= 0)
-        i = bisect.bisect_right(self.bound_steps, g.start_step) - 1
-        if i == len(bounds) - 1:  # one version all along: the common case
-            return {bounds[i][1]: g.total}
+        i = bisect.bisect_right(steps, g.start_step) - 1
+        if i == len(steps) - 1:  # one version all along: the common case
+            return {versions[i]: g.total}
         out: dict[int, int] = {}
         # tokens the samples made in their first x steps: the sum of min(length, x), i.e. the sum of the k lengths
         # at most x plus (m - k) x; taken at each version bound, differences give each version's share
@@ -373,20 +379,20 @@ class SimServer:
         m = len(lengths)
         start = g.start_step
         done_before = 0.0
-        last = len(bounds) - 1
-        for j in range(i, len(bounds)):
-            if j < last:
-                hi = bounds[j + 1][0] - start
-                k = bisect.bisect_right(lengths, hi)
-                upto = sum(lengths[:k]) + (m - k) * hi if hi > 0 else 0.0
-            else:
-                upto = g.total
+        v = versions[i]
+        for j in range(i + 1, len(steps)):
+            hi = steps[j] - start
+            k = bisect.bisect_right(lengths, hi)
+            upto = sum(lengths[:k]) + (m - k) * hi if hi > 0 else 0.0
             tokens = upto - done_before
             if upto > done_before:
                 done_before = upto
             if tokens > 0:
-                v = bounds[j][1]
                 out[v] = out.get(v, 0) + round(tokens)
+            v = versions[j]
+        tokens = g.total - done_before  # the last version: up to the whole group
+        if tokens > 0:
+            out[v] = out.get(v, 0) + round(tokens)
         return out
 
     def _admit(self) -> None:
@@ -432,15 +438,20 @@ class SimServer:
             lengths = g.lengths  # ascending, so each insert starts its search after the one before
             g.finish_step = step + lengths[-1]
             kv_term = g.kv_term = g.prompt - step  # each answer's KV: prompt + (step - start_step)
-            # after every entry of an equal step: earlier groups first, as they were admitted
+            ends = [step + length for length in lengths]
+            # each after every entry of an equal step (earlier groups first, as they were admitted): those finishing
+            # at or after the last running one go at the end as they are, the others are inserted
+            tail = bisect.bisect_left(ends, fin[-1]) if len(fin) > head else 0
             lo = head
-            for length in lengths:
-                f = step + length
+            for f in ends[:tail]:
                 lo = bisect_right(fin, f, lo)
                 fin.insert(lo, f)
                 grp.insert(lo, g)
                 lo += 1
-                n += 1
+            fin += ends[tail:]
+            grp += [g] * (len(ends) - tail)
+            n += len(ends)
+            for _ in ends:
                 base += kv_term
             self._unstarted -= len(lengths)
         self.n, self.kv_base = n, base

@@ -24,7 +24,13 @@ __all__ = ["bring_servers_to", "connect_trainers", "connect_weights"]
 
 async def connect_trainers(cluster: Cluster, cfg: RunConfig) -> TrainerGroup:
     tr = cluster.trainers
-    return await TrainerGroup.connect(tr.rendezvous_dir, tr.world_size, tr.secret, timeout=cfg.train.connect_timeout_s)
+    return await TrainerGroup.connect(
+        tr.rendezvous_dir,
+        tr.world_size,
+        tr.secret,
+        timeout=cfg.train.connect_timeout_s,
+        unreachable_s=cfg.recovery.trainer_unreachable_s,
+    )
 
 
 async def connect_weights(

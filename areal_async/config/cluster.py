@@ -120,6 +120,11 @@ class RecoveryConfig(Section):
     max_trainer_restarts: int = 2
     """Restarts of the trainer job per run, each rolling the run back to the last checkpoint; when they are spent
     the run stops and its last checkpoint resumes it."""
+    trainer_unreachable_s: float = 120.0
+    """A trainer rank whose host answers nothing on the controller's connection for this long (a link cut, a host
+    powered off) counts as a dead trainer: the call waiting on it fails, naming the rank and its host. A cut of less
+    than about half of it rides through (TCP's retransmissions back off, so the link's return can take as long again
+    to be noticed); a rank that is only busy or stopped never trips it (its kernel still answers)."""
     keep_checkpoints: int = 2
     """Resumable checkpoints kept in run_dir/checkpoints (older ones go once a newer one is complete); 0: all."""
     journal: bool = True
@@ -130,7 +135,13 @@ class RecoveryConfig(Section):
     def validate(self, prefix: str = "") -> None:
         for name in ("max_server_restarts", "max_trainer_restarts", "keep_checkpoints"):
             check(getattr(self, name) >= 0, key_of(prefix, name), "must be >= 0")
-        for name in ("server_restart_window_s", "health_interval_s", "health_timeout_s", "no_server_timeout_s"):
+        for name in (
+            "server_restart_window_s",
+            "health_interval_s",
+            "health_timeout_s",
+            "no_server_timeout_s",
+            "trainer_unreachable_s",
+        ):
             check(getattr(self, name) > 0, key_of(prefix, name), "must be > 0")
         for name in ("restart_backoff_s", "unhealthy_restart_s"):
             check(getattr(self, name) >= 0, key_of(prefix, name), "must be >= 0")

@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import shlex
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -143,14 +144,13 @@ class LocalCluster:
         """Replace the trainer job: the old one is stopped (SIGTERM, then SIGKILL), its rank files removed, and a new
         job starts from the trainer checkpoint `resume` (None: the base model), with a new RPC secret and registry.
         Returns how to reach it (the ranks may still be loading). Agents started by hand elsewhere
-        (train.rdzv.local_agents) cannot be restarted from here: NotImplementedError."""
+        (train.rdzv.local_agents) cannot be restarted from here: NotImplementedError, naming the hosts their ranks
+        reported from and what the operator runs to resume."""
         if self._cfg is None or self._model_path is None:
             raise NotImplementedError("this cluster cannot restart its trainers")
         t = self._cfg.train
         if (t.rdzv.local_agents or t.nnodes) < t.nnodes:
-            raise NotImplementedError(
-                "trainer agents started by hand elsewhere (train.rdzv.local_agents) cannot be restarted by this run"
-            )
+            raise NotImplementedError(self._agents_by_hand())
         for old in [c for c in self.processes.children if c.role == "trainer"]:
             await asyncio.to_thread(self.processes.stop, old, 10.0)
         if self.registry is not None:
@@ -166,6 +166,26 @@ class LocalCluster:
             self.processes, self._cfg, self._model_path, resume, self.trainers.master_address
         )
         return self.trainers
+
+    def _agents_by_hand(self) -> str:
+        """Why the trainer job cannot be restarted from here (agents started by hand elsewhere), naming the hosts
+        their ranks reported from and what the operator does to go on."""
+        assert self._cfg is not None
+        t, here = self._cfg.train, socket.gethostname()
+        ranks = [r for r in (self.registry.entries.values() if self.registry else []) if r.kind == "rank"]
+        away = sorted(
+            {
+                f"{r.node} ({r.address.removeprefix('tcp://').rpartition(':')[0].strip('[]')})"
+                for r in ranks
+                if r.node != here
+            }
+        )
+        where = f" on {', '.join(away)}" if away else " on the other node(s)"
+        return (
+            f"agents started by hand (train.rdzv.local_agents={t.rdzv.local_agents} of train.nnodes={t.nnodes}): run "
+            f"the same command again, then start the agent{where} with the command it logs (stop any agent still "
+            "running there first)"
+        )
 
 
 def _exit_event(child: Child) -> ClusterEvent:

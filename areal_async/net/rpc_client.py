@@ -10,11 +10,12 @@ import itertools
 import logging
 import mmap
 import os
+import socket
 from typing import Any
 
 import msgspec
 
-from areal_async.net.rpc_connection import CLOSE_FLUSH_S, Connection
+from areal_async.net.rpc_connection import CLOSE_FLUSH_S, Connection, drop_when_unreachable
 from areal_async.net.rpc_wire import (
     AUTH,
     AUTH_FAIL,
@@ -225,6 +226,19 @@ class RpcClient:
             raise msgspec.ValidationError(
                 f"reply to {method!r} from {self.address} is not a valid {expected}: {e}"
             ) from None
+
+    def drop_when_unreachable(self, seconds: float) -> bool:
+        """Fail the pending calls (ConnectionError) once the server's host has answered nothing at the TCP level for
+        `seconds` (net/rpc_connection.py): a call with no timeout to a server whose host was cut off then ends after
+        that long, not after the default keepalive's two minutes (or, with a request still unacknowledged, the
+        kernel's fifteen). False where it cannot be set."""
+        conn = self._conn
+        sock = None if conn is None or conn.transport is None else conn.transport.get_extra_info("socket")
+        return (
+            sock is not None
+            and sock.family in (socket.AF_INET, socket.AF_INET6)
+            and drop_when_unreachable(sock, seconds)
+        )
 
     async def close(self) -> None:
         """Close the connection; calls still pending fail with ConnectionError."""

@@ -19,7 +19,7 @@ import msgspec
 
 from areal_async.net.rpc_wire import HANDSHAKE_MAX_FRAME, HEADER, Envelope, ProtocolViolation
 
-__all__ = ["CLOSE_FLUSH_S", "Connection", "ConnectionOwner"]
+__all__ = ["CLOSE_FLUSH_S", "Connection", "ConnectionOwner", "drop_when_unreachable"]
 
 log = logging.getLogger("areal_async.net.rpc")  # one logger for the whole channel, whichever module logs
 
@@ -44,6 +44,26 @@ def _tune_tcp(sock: socket.socket) -> None:
             sock.setsockopt(level, opt, value)
         except OSError:
             pass
+
+
+def drop_when_unreachable(sock: Any, seconds: float) -> bool:
+    """Make the kernel drop this TCP connection once the peer's host has acknowledged nothing for `seconds`: data
+    sent and not acknowledged (TCP_USER_TIMEOUT), or, on an idle connection, keepalive probes unanswered (probing
+    starts after a quarter of it). A peer that is alive but busy or stopped (SIGSTOP) still has its kernel answer, so
+    only a host that went away trips it: its link cut, its power lost. A cut of less than about half of `seconds`
+    rides through (retransmissions back off, so the link's return is noticed up to the cut's length again later).
+    The pending calls then fail with ConnectionError, as for a closed connection. Linux; returns False where the
+    options do not exist (the default keepalive stays)."""
+    if not all(hasattr(socket, n) for n in ("TCP_USER_TIMEOUT", "TCP_KEEPIDLE", "TCP_KEEPINTVL")):
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(seconds / 4)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(seconds / 8)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000)))
+    except OSError:
+        return False
+    return True
 
 
 class ConnectionOwner(Protocol):

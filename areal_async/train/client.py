@@ -75,20 +75,26 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _ERROR_GRACE_S = 10.0  # after one rank fails, how long the others get to report their own error
+# ... and after contact with a rank was lost: the others wait for it in a collective and have nothing to add (a
+# moment still collects ranks lost at the same time, as when one torchrun agent stops all of its workers)
+_LOST_GRACE_S = 1.0
 _ABORT_TIMEOUT_S = 30.0  # an abort is served on rank 0's event loop, beside any running call: it answers at once
 # the baseline weight travels as float32: outside its normal range it would arrive as 0, a subnormal or inf
 _WEIGHT_MIN, _WEIGHT_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 
 
 class TrainerError(RuntimeError):
-    """A trainer call failed; `rank` says where, `cause` is the RpcError / ConnectionError / TimeoutError, and
-    `kind` the trainer's error type (train/errors.py) when the rank raised one of ours, else None."""
+    """A trainer call failed; `rank` says where, `host` on which host that rank ran ("name (address)", as it
+    registered; "" when unknown), `cause` is the RpcError / ConnectionError / TimeoutError, and `kind` the
+    trainer's error type (train/errors.py) when the rank raised one of ours, else None. The message names the host,
+    so a run that loses a rank on another node says which node went away."""
 
-    def __init__(self, method: str, rank: int, cause: BaseException) -> None:
+    def __init__(self, method: str, rank: int, cause: BaseException, host: str = "") -> None:
         what = f"{cause.remote_type}: {cause.remote_message}" if isinstance(cause, RpcError) else repr(cause)
-        super().__init__(f"trainer rank {rank}: {method} failed: {what}")
+        super().__init__(f"trainer rank {rank}{f' on {host}' if host else ''}: {method} failed: {what}")
         self.method = method
         self.rank = rank
+        self.host = host
         self.cause = cause
         self.kind: type[TrainerFailure] | None = _kind(cause)
         # ranks that had not answered when the call gave up on them (busy, perhaps stuck in a collective)
@@ -102,6 +108,11 @@ class TrainerError(RuntimeError):
 
 def _kind(exc: BaseException) -> type[TrainerFailure] | None:
     return kind_of(exc.remote_type) if isinstance(exc, RpcError) else None
+
+
+def _lost(exc: BaseException) -> bool:
+    """Contact with the rank was lost (its process died, or its host went away): not an error it answered with."""
+    return isinstance(exc, ConnectionError)
 
 
 def _secondhand(exc: BaseException) -> bool:
@@ -158,9 +169,11 @@ def split_by_rank(trajs: list[Trajectory], world_size: int) -> list[list[Traject
 class TrainerGroup:
     """Connected clients of all trainer ranks. Create with `await TrainerGroup.connect(...)`."""
 
-    def __init__(self, clients: list[RpcClient], infos: list[TrainerInfo]) -> None:
+    def __init__(self, clients: list[RpcClient], infos: list[TrainerInfo], hosts: list[str] | None = None) -> None:
         self.clients = clients
         self.infos = infos
+        # where each rank runs, "node (address)" from its rank file: what a failure names
+        self.hosts = hosts if hosts is not None else [""] * len(clients)
         self._lock = asyncio.Lock()
         self._broadcast_plan: dict[tuple[str, int], WeightPlan] = {}
         # a call the caller gave up on (cancelled: Ctrl-C, a failed run) that the ranks may still be running: they
@@ -182,16 +195,31 @@ class TrainerGroup:
     # ---- connecting ----
 
     @classmethod
-    async def connect(cls, run_dir: str, world_size: int, secret: bytes, timeout: float = 600.0) -> TrainerGroup:
+    async def connect(
+        cls,
+        run_dir: str,
+        world_size: int,
+        secret: bytes,
+        timeout: float = 600.0,
+        *,
+        unreachable_s: float | None = None,
+    ) -> TrainerGroup:
         """Wait for every `{run_dir}/trainer/rank{r}.json`, connect and authenticate, and check each rank's
         identity. `timeout` covers model loading on the ranks. A rank file left by an earlier job is retried
-        until the new one replaces it."""
+        until the new one replaces it. `unreachable_s`: a rank whose host answers nothing at the TCP level for that
+        long (cut off, powered off) fails the call in progress with a ConnectionError naming the rank and its host
+        (net/rpc_connection.py, `drop_when_unreachable`); a rank that is only busy or stopped never does."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         clients: list[RpcClient] = []
+        hosts: list[str] = []
         try:
             for rank in range(world_size):
-                clients.append(await _connect_rank(run_dir, rank, world_size, secret, deadline))
+                client, host = await _connect_rank(run_dir, rank, world_size, secret, deadline)
+                clients.append(client)
+                hosts.append(host)
+                if unreachable_s is not None:
+                    client.drop_when_unreachable(unreachable_s)
             infos = await asyncio.gather(*(c.call("info", Empty(), TrainerInfo, timeout=30.0) for c in clients))
         except BaseException:
             await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
@@ -203,7 +231,7 @@ class TrainerGroup:
                     f"{run_dir}: rank file {rank} leads to rank {info.rank} of {info.world_size}"
                     f" (expected {rank} of {world_size}); a stale job?"
                 )
-        return cls(clients, list(infos))
+        return cls(clients, list(infos), hosts)
 
     # ---- fan-out ----
 
@@ -236,7 +264,8 @@ class TrainerGroup:
             raise
         unanswered: list[int] = []
         if pending:  # a rank failed: the others usually fail too (they agree on errors); give them a moment
-            _, pending = await asyncio.wait(pending, timeout=_ERROR_GRACE_S)
+            lost = any(_lost(t.exception()) for t in done if not t.cancelled() and t.exception() is not None)
+            _, pending = await asyncio.wait(pending, timeout=_LOST_GRACE_S if lost else _ERROR_GRACE_S)
             unanswered = [r for r, t in zip(ranks, tasks) if t in pending]
             for t in pending:
                 t.cancel()
@@ -246,10 +275,11 @@ class TrainerGroup:
             if t.done() and not t.cancelled() and t.exception() is not None
         ]
         if failures:
-            # the rank that found the problem rather than one that only heard about it
-            primary = [f for f in failures if not _secondhand(f[1])] or failures
+            # a rank we lost contact with (the others only saw it leave a collective), else the rank that found the
+            # problem rather than one that only heard about it
+            primary = [f for f in failures if _lost(f[1])] or [f for f in failures if not _secondhand(f[1])] or failures
             rank, exc = primary[0]
-            error = TrainerError(method, rank, exc)
+            error = TrainerError(method, rank, exc, self.hosts[rank] if rank < len(self.hosts) else "")
             error.unanswered = unanswered
             raise error from exc
         return [t.result() for t in tasks]
@@ -510,7 +540,18 @@ class TrainerGroup:
         await self.close()
 
 
-async def _connect_rank(run_dir: str, rank: int, world_size: int, secret: bytes, deadline: float) -> RpcClient:
+def _host_of(meta: dict[str, Any]) -> str:
+    """Where a rank runs, from its rank file: "node (address)", either alone when the other is missing."""
+    node = str(meta.get("node") or "")
+    address = str(meta.get("address") or "").removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if node and address and node != address:
+        return f"{node} ({address})"
+    return node or address
+
+
+async def _connect_rank(
+    run_dir: str, rank: int, world_size: int, secret: bytes, deadline: float
+) -> tuple[RpcClient, str]:
     loop = asyncio.get_running_loop()
     path = rank_file(run_dir, rank)
     last_error: BaseException | None = None
@@ -523,7 +564,8 @@ async def _connect_rank(run_dir: str, rank: int, world_size: int, secret: bytes,
                 meta = json.load(f)
             if meta.get("world_size") != world_size:
                 raise ConnectionError(f"world_size {meta.get('world_size')} in the rank file, expected {world_size}")
-            return await RpcClient.connect(meta["address"], secret, timeout=min(remaining, 5.0))
+            client = await RpcClient.connect(meta["address"], secret, timeout=min(remaining, 5.0))
+            return client, _host_of(meta)
         except RpcAuthError:  # the rank is up and refused our secret: retrying will not help
             raise
         except (FileNotFoundError, json.JSONDecodeError, KeyError, ConnectionError, OSError) as e:

@@ -2,7 +2,7 @@
 run time (an extra `x A^T B^T * scale` per adapted projection in every forward). Merging costs once per version,
 run-time application costs every step: which is cheaper depends on how many tokens a version serves.
 
-    python benchmarks/lora_apply.py --out benchmarks/out/lora_apply.json [--quick] [--models tiny,smollm2-135m-instruct]
+    python benchmarks/lora_apply.py --out benchmarks/out/lora_apply.json [--quick] [--clock cpu] [--threads 1,2]
 
 Rank, alpha and target modules come from configs/smollm2-lora.yaml (`--config`); the adapters are random (their
 values do not change the speed of either path). On each model, with a real `AsyncEngine` (not started: this process

@@ -7,11 +7,17 @@ from the previous merge, so a thousand versions do not drift; a layer the new ad
 back. A full (or delta) load replaces the base: the engine drops its copy, and the next adapter merges into
 those weights.
 
-Why merged rather than applied at run time (an extra x A^T B^T per adapted layer in every forward): merging costs
-one pass over the adapted weights per version, off the decode path; the run-time product costs every decoded
-token two thin matmuls per adapted layer and keeps the fused kernels from running as they are. The requests of an
-update pause then see the new merge as a weight swap like any other, so per-token versions stay exact with no
-extra bookkeeping (docs/weights.md, "LoRA").
+Why merged rather than applied at run time (an extra (alpha / r) x A^T B^T per adapted layer in every forward):
+measured, and merging costs 3.6-4.3x less per version in the LoRA run at 32-256 decode rows (`python
+benchmarks/lora_apply.py --clock cpu`, AMD EPYC Zen 5 with 2 cores, load average 3-8 from other jobs, process CPU
+time, medians of 5 interleaved repeats; docs/weights.md, "LoRA", has the figures). On SmolLM2-135M in fp32 with one
+engine thread, as configs/smollm2-lora.yaml serves it, a version's merge and swap cost 0.44 s of CPU (off the decode
+path), while the adapters at run time, in the fastest layout tried (A's concatenated where projections share their
+input), add 3-4% to every decode step: 0.15-0.26 ms per token at 8-256 rows, so they cost more than the merge past
+about 1,700-2,900 tokens per version. A version of that run serves about 11k (its 64 trained samples, the groups
+generated and dropped as uniform, its share of the evals, the prompts). The requests of an update pause then see the
+new merge as a weight swap like any other, so per-token versions stay exact with no extra bookkeeping
+(docs/weights.md, "LoRA").
 
 The load is two-phase like every other: the merged tensors are computed first, and nothing changes until the
 engine's swap; a bad adapter (unreadable, wrong shapes, a module the model lacks) is an `AdapterError` naming the

@@ -88,8 +88,9 @@ class SimFleet:
     async def pause(self, mode: str = "abort") -> dict[str, Any]:
         self.paused = True
         self.pauses += 1
+        abort = mode == "abort"
         for s in self.servers:
-            s.pause(abort=mode == "abort")
+            s.pause(abort)
         await self._admin_call(self.costs.pause_s)
         return {}
 

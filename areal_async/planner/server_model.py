@@ -63,12 +63,26 @@ class ServerCosts:
 
     def steps_in(self, n: int, k: float, seconds: float) -> float:
         """How many decode steps fit in `seconds` from (n, k) (the inverse of `time_for_steps`)."""
+        if seconds <= 0:
+            return 0.0  # what _solve gives
         a_mem, b_mem = self.weights_s + self.kv_s * k, self.kv_s * n / 2
         a_cmp, b_cmp = self.seq_s * n + self.attn_s * k, self.attn_s * n / 2
         o = self.step_overhead_s
         if self.additive:
             return _solve(b_mem + b_cmp, o + a_mem + a_cmp, seconds)
-        return min(_solve(b_mem, o + a_mem, seconds), _solve(b_cmp, o + a_cmp, seconds))
+        # min(_solve(b_mem, o + a_mem, seconds), _solve(b_cmp, o + a_cmp, seconds)), the solves inline (a pause
+        # asks every server this)
+        a = o + a_mem
+        if b_mem <= 0:
+            x = seconds / a if a > 0 else math.inf
+        else:
+            x = 2 * seconds / (a + math.sqrt(a * a + 4 * b_mem * seconds))
+        a = o + a_cmp
+        if b_cmp <= 0:
+            y = seconds / a if a > 0 else math.inf
+        else:
+            y = 2 * seconds / (a + math.sqrt(a * a + 4 * b_cmp * seconds))
+        return y if y < x else x
 
     def prefill_time(self, tokens: float, context: float = 0.0) -> float:
         """Prefill of `tokens` new tokens whose average earlier context is `context` tokens."""
@@ -158,7 +172,7 @@ class SimServer:
     # ---- the outside ------------------------------------------------------------------------------------------
 
     def submit(self, lengths: list[int], prompt: int) -> asyncio.Future:
-        fut = self.loop.create_future()
+        fut = asyncio.Future(loop=self.loop)  # loop.create_future(), less its frame
         self._advance()
         self.waiting.append(SimGroup(lengths, prompt, fut))
         self._unstarted += len(lengths)
@@ -176,7 +190,8 @@ class SimServer:
             k = self.kv_base + self.n * self.step
             self.recomputed_tokens += k
             # sum of c^2 over running contexts approximated by K^2 / n (equal contexts)
-            self._pending_prefill_s += self.c.prefill_time(k, k / self.n / 2)
+            c = self.c  # c.prefill_time(k, k / n / 2), inline
+            self._pending_prefill_s += k * (c.prefill_token_s + c.prefill_attn_s * (k / self.n / 2))
         self.paused = True
         # what `_schedule` does once paused: no timer
         if self._timer is not None:
@@ -516,14 +531,22 @@ class SimServer:
         o, ws, kvs, sq, at, additive = c.step_overhead_s, c.weights_s, c.kv_s, c.seq_s, c.attn_s, c.additive
         nf = float(n)
         head = self._head
+        # memory-bound all along: with weights_s > 2 seq_s n (n only falls during the walk) and kv_s > 2 attn_s, every
+        # term of `comp` is at most half the matching term of `mem` (for K >= 0), so comp <= mem / 2 and, all terms
+        # being sums and products of non-negative numbers (a relative error of a few ulps each), the computed comp
+        # is below the computed mem too: max(mem, comp) is mem, and comp need not be computed
+        roof = not additive and sq >= 0.0 and at >= 0.0 and ws > 2.0 * sq * nf and kvs > 2.0 * at
         for i in range(head, len(fin)):
             f = fin[i]
             if f > step:
                 k = base + nf * step
                 d = f - step
                 mem = (ws + kvs * k) * d + kvs * nf * d * d * 0.5
-                comp = (sq * nf + at * k) * d + at * nf * d * d * 0.5
-                t += o * d + (mem + comp if additive else (comp if comp > mem else mem))  # max(mem, comp)
+                if roof and k >= 0.0:
+                    t += o * d + mem
+                else:
+                    comp = (sq * nf + at * k) * d + at * nf * d * d * 0.5
+                    t += o * d + (mem + comp if additive else (comp if comp > mem else mem))  # max(mem, comp)
                 step = f
             nf -= 1.0
             g = grp[i]

@@ -160,8 +160,7 @@ class SimServer:
         self._drained: asyncio.Future | None = None
         self._pending_prefill_s = 0.0  # a prefill cut by a pause, resumed after it
         self._timer: asyncio.TimerHandle | None = None
-        # the last walk: [state it started from, seconds to its event, event index, n, kv_base, step after it,
-        # seconds from its start to each earlier sequence's finish, how many of those were consumed, and when]
+        # the last walk (_next_event_time says what it holds)
         self._walk: list | None = None
         self.busy_s = 0.0
         self.load_busy_s = 0.0
@@ -297,14 +296,15 @@ class SimServer:
                         lo = w[7]
                         m = bisect.bisect_right(w[6], elapsed + tol, lo)
                         if m > lo:
-                            # their state changes, replayed as the walk made them (so the same floats)
-                            for i in range(head, head + m - lo):
-                                f = fin[i]
-                                if f > step:
-                                    step = f
-                                base -= grp[i].kv_term
+                            # the state after the last of them, as the walk made it (so the same floats): the step
+                            # is the larger of today's and that sequence's finish, K's base the walk's
+                            e = head + m - lo - 1
+                            f = fin[e]
+                            if f > step:
+                                step = f
+                            base = w[9][m - 1]
                             n -= m - lo
-                            head += m - lo
+                            head = e + 1
                             e_m = w[6][m - 1]
                             t += e_m - w[8]
                             busy += e_m - w[8]
@@ -322,7 +322,7 @@ class SimServer:
                         self._walk = w
                         return False
                     # the walk that set the timer already knows the state at its event: take it whole
-                    _, dt, j, n, base, step, _, _, _ = w
+                    _, dt, j, n, base, step, _, _, _, _ = w
                     t += dt
                     busy += dt
                     f, g = fin[j], grp[j]
@@ -505,8 +505,8 @@ class SimServer:
         whole groups). Walks the sorted running sequences without changing anything: the sequences finishing
         before then change only the batch, which `_advance` replays when the timer fires. The walk is kept in
         `_walk`: [the state it started from, seconds to its event, the event's index, n, kv_base and step after
-        it, seconds from its start to each earlier sequence's finish, how many of those are consumed, and the
-        seconds consumed]."""
+        it, seconds from its start to each earlier sequence's finish, how many of those are consumed, the seconds
+        consumed, and kv_base after each earlier sequence's finish]."""
         c = self.c
         t, step, n, base = self.t, self.step, self.n, self.kv_base
         key = (self._head, len(self.fin), n, step, len(self.waiting), self.draining)
@@ -522,8 +522,9 @@ class SimServer:
             if self.reserved + need <= c.kv_capacity_tokens and n + m > c.max_running:
                 want = c.max_running - m
         t0 = t
-        # seconds from now to each earlier sequence's finish (the rest of its state `_decode_until` replays)
+        # seconds from now to each earlier sequence's finish, and K's base after it
         states: list[float] = []
+        bases: list[float] = []
         # ServerCosts.time_for_steps inlined (the same expression, term by term, so the same floats): this loop
         # runs about once per answer, and the call and its attribute reads were most of its cost. The running
         # count as a float (`nf`) gives the same products as the int (a float times an int converts it exactly,
@@ -552,9 +553,10 @@ class SimServer:
             g = grp[i]
             base -= g.kv_term
             if nf <= want or (f == g.finish_step and not g.done_members):
-                self._walk = [key, t - t0, i, n - (i - head + 1), base, step, states, 0, 0.0]
+                self._walk = [key, t - t0, i, n - (i - head + 1), base, step, states, 0, 0.0, bases]
                 return t
             states.append(t - t0)
+            bases.append(base)
         self._walk = None
         return t
 

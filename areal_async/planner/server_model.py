@@ -198,7 +198,10 @@ class SimServer:
             self._timer = None
 
     def resume(self) -> None:
-        self.t = self.loop.time()  # `_advance` while paused: nothing runs, the clock moves
+        if self.paused:
+            self.t = self.loop.time()  # `_advance` while paused: nothing runs, the clock moves
+        else:
+            self._advance()
         self.paused = False
         if self._pending_prefill_s > 0 and self.prefill_end is None:
             self.prefill_end = self.t + self._pending_prefill_s

@@ -20,6 +20,7 @@ import pytest
 from areal_async.testing.faults import (
     RunProcess,
     accounting,
+    assert_exact_accounting,
     metrics,
     pid_alive,
     run_children,
@@ -54,13 +55,8 @@ def args_for(tiny_ckpt: str, run_dir: str, *extra: str) -> list[str]:
 
 def assert_nothing_lost(run_dir: str, steps: int) -> dict:
     """Every step exactly once, every draw exactly once (trained, dropped or unfinished), B groups a step."""
-    acc = accounting(run_dir)
-    assert acc["versions"] == list(range(1, steps + 1)), acc["versions"]
-    assert acc["ended"] and not acc["lost"] and not acc["twice"], acc
-    assert acc["trained"] == steps * B
+    s = assert_exact_accounting(run_dir, steps, B, N)
     assert [r["version"] for r in metrics(run_dir, "train")] == list(range(1, steps + 1))
-    s = summary(run_dir)
-    assert s["completed"] and s["steps"] == steps and s["trained_samples"] == steps * B * N
     return s
 
 

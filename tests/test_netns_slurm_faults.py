@@ -23,7 +23,7 @@ import time
 import pytest
 
 from areal_async.testing import hosts as nshosts
-from areal_async.testing.faults import RunProcess, accounting, summary
+from areal_async.testing.faults import RunProcess, assert_exact_accounting, summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SESSION = os.environ.get("AREAL_TEST_SESSION", "nosession")
@@ -101,12 +101,7 @@ def run_args(model: str, run_dir: str) -> list[str]:
 
 
 def check_ledger(run_dir: str) -> None:
-    acc = accounting(run_dir)
-    assert acc["versions"] == list(range(1, STEPS + 1)), acc["versions"]
-    assert acc["ended"] and not acc["lost"] and not acc["twice"], acc
-    assert acc["trained"] == STEPS * B
-    s = summary(run_dir)
-    assert s["completed"] and s["steps"] == STEPS and s["trained_samples"] == STEPS * B * N, s
+    assert_exact_accounting(run_dir, STEPS, B, N)
 
 
 def test_a_killed_rank_is_replaced_then_a_lost_node_stops_the_run_resumably_naming_it(cluster, tiny_ckpt, tmp_path):

@@ -33,7 +33,7 @@ from test_netns_faults import HostRun, agent_command
 
 from areal_async.launch.processes import thread_env
 from areal_async.testing import hosts as nshosts
-from areal_async.testing.faults import accounting, signal_pid, summary
+from areal_async.testing.faults import assert_exact_accounting, signal_pid, summary
 
 WHY = nshosts.skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.skipif(WHY is not None, reason=str(WHY))]
@@ -135,12 +135,7 @@ def resume_to_the_end(h0: nshosts.Host, h1: nshosts.Host, tiny_ckpt: str, run_di
     finally:
         rerun.kill()
     assert "resuming from" in rerun.output()
-    acc = accounting(run_dir)
-    assert acc["versions"] == list(range(1, STEPS + 1)), acc["versions"]
-    assert acc["ended"] and not acc["lost"] and not acc["twice"], acc
-    assert acc["trained"] == STEPS * B
-    s = summary(run_dir)
-    assert s["completed"] and s["steps"] == STEPS and s["trained_samples"] == STEPS * B * N, s
+    assert_exact_accounting(run_dir, STEPS, B, N)
 
 
 def test_a_trainer_host_cut_off_briefly_rides_through_and_for_long_stops_the_run_resumably(tiny_ckpt, tmp_path):

@@ -215,6 +215,19 @@ def accounting(run_dir: str) -> dict[str, Any]:
     }
 
 
+def assert_exact_accounting(run_dir: str, steps: int, groups: int, samples: int) -> dict[str, Any]:
+    """The run's ledger after a fault: every step 1..`steps` exactly once, ended, no draw lost or trained twice,
+    `groups` prompt groups of `samples` samples trained per step, and summary.json agreeing. Returns the summary.
+    Why one helper: every fault test asserts the same invariant, and a copy that drifts checks less."""
+    acc = accounting(run_dir)
+    assert acc["versions"] == list(range(1, steps + 1)), acc["versions"]
+    assert acc["ended"] and not acc["lost"] and not acc["twice"], acc
+    assert acc["trained"] == steps * groups
+    s = summary(run_dir)
+    assert s["completed"] and s["steps"] == steps and s["trained_samples"] == steps * groups * samples, s
+    return s
+
+
 def summary(run_dir: str) -> dict[str, Any]:
     with open(os.path.join(run_dir, "summary.json")) as f:
         return json.load(f)

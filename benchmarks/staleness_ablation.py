@@ -23,14 +23,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--etas", nargs="*", default=["0", "1", "2", "4", "8", "16", "none"])
+    ap.add_argument("--etas", nargs="*", help="default: 0 1 2 4 8 16 none (with --quick: 0 none)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     extra = list(args.overrides)
-    etas = args.etas
+    etas = args.etas or (["0", "none"] if args.quick else ["0", "1", "2", "4", "8", "16", "none"])
     if args.quick:
-        etas = ["0", "none"]
         args.steps = 2
         extra = [
             "schedule.batch_size=2",

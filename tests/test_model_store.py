@@ -107,11 +107,20 @@ def _tmp_dirs(models: str) -> list[str]:
     return [e for e in os.listdir(models) if ".tmp-" in e] if os.path.isdir(models) else []
 
 
-def test_a_killed_conversion_leaves_no_usable_cache_and_the_next_one_is_identical(tmp_path, smollm2):
+def test_a_killed_conversion_leaves_no_usable_cache_and_the_next_one_is_identical(tmp_path):
+    """SIGKILL while the weights are being written, then the same conversion again: byte-identical to one that was
+    never disturbed. The file is SmolLM2 cut to 16 of its 30 blocks and its first 2,048 tokens (shrink_gguf): about
+    0.23 GB of fp32 weights to write, a window the 10 ms poll below cannot miss, at half a full conversion's time
+    (which grows with the blocks dequantized and written)."""
+    from areal_async.testing.gguf_files import shrink_gguf
+
+    src = shrink_gguf(smollm2_gguf(), str(tmp_path / "cut.gguf"), 16, 2048)
+    undisturbed = resolve_model_path(src, str(tmp_path / "reference"))
     cache_root = str(tmp_path / "cache")
     models = os.path.join(cache_root, "models")
-    final = model_store.converted_path(smollm2_gguf(), cache_root, SMOLLM2)
-    code = f"from areal_async.model_store import resolve_model_path; resolve_model_path({SMOLLM2!r})"
+    final = model_store.converted_path(src, cache_root)
+    assert os.path.basename(final) == os.path.basename(undisturbed)  # the name comes from the file and the code
+    code = f"from areal_async.model_store import resolve_model_path; resolve_model_path({src!r})"
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env={**os.environ, "AREAL_CACHE": cache_root},
@@ -138,12 +147,15 @@ def test_a_killed_conversion_leaves_no_usable_cache_and_the_next_one_is_identica
     assert sorted(set(os.listdir(models)) - set(leftovers)) == [os.path.basename(final) + ".lock"]
 
     try:
-        again = resolve_model_path(SMOLLM2, cache_root)
+        again = resolve_model_path(src, cache_root)
         assert again == final and model_store.is_converted(final)
         assert not _tmp_dirs(models)  # the dead converter's directory was removed
-        assert _files(final) == _files(smollm2)  # deterministic: byte-identical to the conversion in the user cache
+        assert _files(final) == _files(undisturbed)  # deterministic: byte-identical to the undisturbed conversion
     finally:
-        shutil.rmtree(cache_root, ignore_errors=True)  # 540 MB that pytest would otherwise keep
+        # about 1 GB that pytest would otherwise keep
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+        shutil.rmtree(tmp_path / "reference", ignore_errors=True)
+        os.remove(src)
 
 
 def test_any_gguf_file_converts_and_is_cached_by_content(tmp_path):

@@ -95,6 +95,36 @@ def test_controller_side_imports_no_torch(tiny_ckpt, tmp_path):
     assert heavy == [], heavy
 
 
+SERVER_PROBE = """
+import asyncio, json, sys
+from areal_async.protocol.engine_api import EngineRequest, EngineSampling
+from areal_async.server.engine import AsyncEngine
+
+async def main():
+    engine = AsyncEngine(sys.argv[1], device="cpu")
+    await engine.start()
+    ids = engine.encode("What is 2 + 3?")
+    req = EngineRequest(rid="r", input_ids=ids, sampling=EngineSampling(max_new_tokens=4, stop=["."]))
+    async for _ in engine.generate(req):
+        pass
+    engine.decode(ids)
+    await engine.shutdown()
+
+asyncio.run(main())
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "transformers")))
+"""
+
+
+def test_the_embedded_server_never_imports_transformers(tiny_ckpt):
+    """The server reads tokenizer files with areal_async.tokenizer: importing transformers and loading its
+    tokenizer took 1.7 s of a SmolLM2 server's start (of 5.6 s), and a weight-hot-swapping server restarts often."""
+    p = subprocess.run(
+        [sys.executable, "-c", SERVER_PROBE, tiny_ckpt], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == []
+
+
 def _modules() -> dict[str, str]:
     mods = {}
     for d, _, files in os.walk(PKG):

@@ -140,20 +140,6 @@ def check_tensors(
             raise WeightError(f"{where}: {name} contains NaN or Inf")
 
 
-def eos_token_ids(model_path: str, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer (a model may have several)."""
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        p = os.path.join(model_path, name)
-        if os.path.exists(p):
-            with open(p) as f:
-                value = json.load(f).get("eos_token_id")
-            ids.extend(value if isinstance(value, list) else [value] if value is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(int(i) for i in ids))
-
-
 # ---- receiving weights by broadcast (the server side of SGLang's distributed weight update) -------------------
 
 

@@ -9,11 +9,15 @@ but with the tiny model. This test process is the login node: it submits the run
   keeps listing h1's part of the trainer step (no scancel ends it, so no new step fits), and the run stops with its
   checkpoint and a message naming h1 (`NodeLost`). Once h1 is back, the same command resumes the run, which then
   finishes with no sample lost or trained twice.
+- With the trainers on h0 alone, h1 (running server1) loses power: server1's step cannot end there, so the run
+  starts server1 again on h0, which has room (launch/slurm.py `restart_server`), records that h1 went away, and
+  finishes every step with server1 holding the current weights and no sample lost.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -145,4 +149,43 @@ def test_a_killed_rank_is_replaced_then_a_lost_node_stops_the_run_resumably_nami
         rerun.kill()
     assert [r for r in rerun.recoveries() if r["event"] == "controller_resumed"] or "resum" in rerun.output()
     check_ledger(run_dir)
+    assert not slurm.jobs()
+
+
+def test_a_server_step_whose_node_went_away_starts_again_on_the_other_node(cluster, tiny_ckpt, tmp_path):
+    """The trainer step on h0 with server0, server1 alone on h1; h1 loses power mid-run (its slurmd with it)."""
+    hs, slurm = cluster
+    h0, h1 = hs[0], hs[1]
+    steps = 5
+    run_dir = str(tmp_path / f"t{SESSION}-s-{secrets.token_hex(3)}")
+    drop = ("train.nnodes=", "total_steps=", "slurm.sbatch_args=", "slurm.node_timeout_s=")
+    args = [a for a in run_args(tiny_ckpt, run_dir) if not a.startswith(drop)]
+    args += [
+        "train.nnodes=1",
+        f"total_steps={steps}",
+        "slurm.sbatch_args=[--mem-per-cpu=200M,--exclusive]",  # whole nodes: h0 has room for a second server
+        "server.max_total_tokens=16384",
+        "slurm.node_timeout_s=20",  # how long a SIGKILLed step may stay listed before its node counts as gone
+        "recovery.restart_backoff_s=0.2",
+        "recovery.unhealthy_restart_s=5",
+    ]
+    run = SlurmRun(args, run_dir, slurm.env).start()
+    try:
+        run.wait_version(2, timeout=240)
+        with open(os.path.join(run_dir, "run.log")) as f:
+            pid = int(re.findall(r"registered server1 at \S+ \(node \S+, pid (\d+)", f.read())[-1])
+        assert pid in h1.pids()  # server1 runs on h1
+        with run.training_frozen():  # no step ends until server1 is back: the run cannot finish first
+            assert h1.kill_all()
+            back = run.wait_recovery("server_recovered", timeout=180)[0]
+        slurm.start_slurmd(1)  # power is back: Slurm can end h1's part of the old step, and the job can end
+        assert run.wait(180) == 0, run.output()[-4000:]
+    finally:
+        run.kill()
+    assert back["name"] == "server1" and back["server_version"] == back["current_version"] > 0, back
+    assert back["where"].startswith(f"on node {h0.name} (Slurm step "), back
+    # h1 named either way: flagged by slurmctld ("node h1 went away (...NOT_RESPONDING...)") or, before its next ping
+    # of h1, found by the step that outlives its scancel by slurm.node_timeout_s ("node h1 does not end it")
+    assert f"moved from {h1.name}: " in back["where"] and f"node {h1.name} " in back["where"], back
+    assert_exact_accounting(run_dir, steps, B, N)
     assert not slurm.jobs()

@@ -34,6 +34,7 @@ from areal_async.config import ConfigError, load_config
 from areal_async.launch.sbatch import classify_reason, render_sbatch
 from areal_async.launch.slurm import Allocation, check_allocation, expand_counts, job_nodes, place
 from areal_async.net.rank_registry import route_address
+from areal_async.testing.faults import RunProcess, assert_exact_accounting, pid_alive, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the job-name token of this pytest session (conftest.py exports it before any test runs)
@@ -404,6 +405,93 @@ def test_ctrl_c_of_the_following_command_cancels_the_job(slurm, tmp_path):
     assert_nothing_left(run_dir, job, name)
 
 
+# ---- a server step replaced mid-run -------------------------------------------------------------------------------
+
+
+class FollowedRun(RunProcess):
+    """`python -m areal_async.run launcher=slurm ...` from outside any allocation: it submits the batch job and
+    follows it (the run's files appear in its run directory, as the controller in the job writes them)."""
+
+    def start(self) -> FollowedRun:
+        with open(self.out_path, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "areal_async.run", *self.args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=clean_env(),
+                cwd=REPO,
+            )
+        self.started = time.monotonic()
+        return self
+
+    def registered_pid(self, name: str) -> int:
+        """The newest process that reported as `name` (a server step reports, then becomes the server: same pid)."""
+        with open(os.path.join(self.run_dir, "run.log")) as f:
+            pids = re.findall(rf"registered {re.escape(name)} at \S+ \(node \S+, pid (\d+)", f.read())
+        assert pids, f"{name} never registered"
+        return int(pids[-1])
+
+
+@pytest.mark.slow
+def test_dead_and_hung_server_steps_are_replaced_with_the_current_weights(slurm, tmp_path):
+    """Two server steps. server1's process is SIGKILLed mid-run: its step ends, the run goes on with server0, and
+    the controller starts a new server1 step on the node (launch/slurm.py `restart_server`) that serves only once it
+    holds the current weights. Then server0's process is SIGSTOPped: the watchdog kills its step (scancel
+    --signal=KILL) after recovery.unhealthy_restart_s and replaces it the same way. Every step is trained exactly
+    once and no sample is lost; nothing is left. (While a recovery is awaited the trainer rank is frozen, so the run
+    cannot finish first on a fast day.)"""
+    steps, b, n = 6, 4, 4
+    run_dir, name = run_dir_and_name(tmp_path, "srvrestart")
+    run = FollowedRun(
+        [
+            "launcher=slurm",
+            f"run_dir={run_dir}",
+            f"total_steps={steps}",
+            *SMALL,
+            "eval.num_prompts=0",
+            "server.num_servers=2",
+            "server.torch_threads=1",
+            "rollout.max_new_tokens=48",
+            "recovery.restart_backoff_s=0.2",
+            "recovery.health_interval_s=0.5",
+            "recovery.health_timeout_s=1",
+            "recovery.unhealthy_restart_s=3",
+        ],
+        run_dir,
+    ).start()
+    try:
+        run.wait_version(2, timeout=HANG_S)
+        killed = run.registered_pid("server1")
+        os.kill(killed, signal.SIGKILL)
+        with run.training_frozen():
+            back = run.wait_recovery("server_recovered", timeout=HANG_S)[0]
+        assert back["name"] == "server1" and back["server_version"] == back["current_version"] > 0, back
+        assert back["where"].startswith(f"on node {socket.gethostname().split('.')[0]} (Slurm step "), back
+        assert run.registered_pid("server1") != killed and not pid_alive(killed)
+        stopped = run.registered_pid("server0")
+        os.kill(stopped, signal.SIGSTOP)
+        with run.training_frozen():
+            hung = run.wait_recovery("server_unhealthy", timeout=HANG_S)[0]
+            assert hung["name"] == "server0" and "silent on /health" in hung["what"], hung
+            back = [r for r in run.wait_recovery("server_recovered", 2, timeout=HANG_S) if r["name"] == "server0"][0]
+        assert back["server_version"] == back["current_version"] > 0, back
+        assert run.wait(HANG_S) == 0, run.output()[-4000:]
+    finally:
+        run.kill()
+    assert wait_gone([stopped], 30) == []  # killed through Slurm (SIGKILL reaches a stopped process)
+    s = assert_exact_accounting(run_dir, steps, b, n)
+    rec = s["recovery"]
+    assert rec["by_event"] == {"server_exited": 1, "server_unhealthy": 1} and rec["recovered"] == 2, rec
+    with open(os.path.join(run_dir, "run.log")) as f:
+        run_log = f.read()
+    for server in ("server0", "server1"):  # each ran as two steps of the job, one after the other
+        ids = re.findall(rf"{server} runs as Slurm step (\S+)", run_log)
+        assert len(ids) == 2 and ids[0] != ids[1], (server, ids)
+    job = re.search(r"submitted batch job (\d+)", run.output()).group(1)
+    assert_nothing_left(run_dir, job, name)
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------------
 
 
@@ -581,6 +669,49 @@ def test_servers_apart_keeps_servers_off_the_trainer_nodes():
         )
 
 
+def test_a_server_whose_node_went_away_moves_to_a_node_with_room():
+    from areal_async.launch.node_assignment import node_for_server
+
+    common = ("server.host=0.0.0.0", "server.api_key=k", "server.torch_threads=2", "train.torch_threads=2")
+    # two nodes, one server each, the trainers on the first: 3 CPUs a server, 3 the trainer rank
+    c = cfg(*common, "server.num_servers=2", "slurm.servers_per_node=1")
+    p = place(c, ["a", "b"], controller_node="a")
+    assert p.server_nodes == ["a", "b"] and p.cpus_per_server == 3 and p.cpus_per_trainer_node == 3
+
+    def room(cpus: dict[str, int], index: int, nodes: list[str], lost: set[str], **kw) -> str | None:
+        kw = {"gpus_per_node": 0, "servers_apart": False, **kw}
+        return node_for_server(p, Allocation("7", ["a", "b"], cpus, "a"), index, nodes, lost, **kw)
+
+    assert room({"a": 9, "b": 3}, 1, ["a", "b"], {"b"}) == "a"  # 3 + 3 used on a, 3 left
+    assert room({"a": 8, "b": 3}, 1, ["a", "b"], {"b"}) is None  # 2 left on a
+    assert room({"a": 9, "b": 9}, 0, ["a", "b"], {"a"}) == "b"
+    assert room({"a": 9, "b": 9}, 0, ["a", "b"], {"a", "b"}) is None  # nowhere left
+    assert room({"a": 16, "b": 16}, 1, ["a", "b"], {"b"}, gpus_per_node=0) == "a"
+    # servers apart: never onto a trainer node, even with room there
+    apart = cfg(*common, "server.num_servers=2", "slurm.servers_per_node=1", "slurm.servers_apart=true")
+    p = place(apart, ["a", "b", "c"], controller_node="a")
+    assert p.server_nodes == ["b", "c"]
+    cpus = {"a": 16, "b": 16, "c": 16}
+    assert (
+        node_for_server(
+            p, Allocation("7", ["a", "b", "c"], cpus, "a"), 0, ["b", "c"], {"b"}, gpus_per_node=0, servers_apart=True
+        )
+        == "c"
+    )
+    assert (
+        node_for_server(
+            p,
+            Allocation("7", ["a", "b", "c"], cpus, "a"),
+            0,
+            ["b", "c"],
+            {"b", "c"},
+            gpus_per_node=0,
+            servers_apart=True,
+        )
+        is None
+    )
+
+
 @pytest.mark.parametrize(
     "overrides,nodes,key",
     [
@@ -701,6 +832,7 @@ def test_slurm_helpers():
 def test_launch_modules_import_no_torch():
     mods = [
         "areal_async.launch.slurm",
+        "areal_async.launch.slurm_steps",
         "areal_async.launch.sbatch",
         "areal_async.net.rank_registry",
         "areal_async.launch.step",

@@ -154,3 +154,32 @@ def check_allocation(p: NodeAssignment, alloc: Allocation) -> None:
                 f"job {alloc.job_id} holds {alloc.cpus.get(node, 0)} there "
                 f"(or lower slurm.cpus_per_trainer)"
             )
+
+
+def node_for_server(
+    p: NodeAssignment,
+    alloc: Allocation,
+    index: int,
+    server_nodes: list[str],
+    exclude: set[str],
+    *,
+    gpus_per_node: int,
+    servers_apart: bool,
+) -> str | None:
+    """Where server `index` can start again now that its node (in `exclude`, with any other lost node) went away:
+    a node of the run whose CPUs (those the job holds there) and GPUs (`gpus_per_node`) still fit one more server
+    step beside what runs there (`server_nodes`: each server's node now; the trainers' nodes as laid out), the one
+    with the most CPUs left first; None when no node has room. With `servers_apart`, trainer nodes are never
+    chosen, as at launch. Why a function of the layout rather than Slurm's word: Slurm would only say "busy" after
+    `slurm.node_timeout_s`, while the layout says at once which node can take the step."""
+    others = [n for i, n in enumerate(server_nodes) if i != index]
+    pool = [n for n in p.nodes if n not in exclude and not (servers_apart and n in p.trainer_nodes)]
+    room: list[tuple[int, int, str]] = []
+    for order, node in enumerate(pool):
+        trainer = int(node in p.trainer_nodes)
+        cpus = others.count(node) * p.cpus_per_server + trainer * p.cpus_per_trainer_node
+        gpus = others.count(node) * p.gpus_per_server + trainer * p.gpus_per_trainer_node
+        left = alloc.cpus.get(node, 0) - cpus
+        if left >= p.cpus_per_server and gpus_per_node - gpus >= p.gpus_per_server:
+            room.append((-left, order, node))
+    return min(room)[2] if room else None

@@ -490,16 +490,19 @@ class RunRecovery:
             target = self.client.weight_target
             held = self.client.stats()["servers"].get(handle.url, {}).get("version")
             current = target.version if target is not None else 0
+            where = getattr(self.cluster, "server_where", None)
+            where = where(name) if callable(where) else ""
             self.log.record(
                 "recovered",
                 "server_recovered",
                 name,
-                f"{handle.url} serving again",
+                f"{handle.url} serving again{f' {where}' if where else ''}",
                 f"restarted and loaded weight version {held if held is not None else 0} (current {current})",
                 recover_s=time.monotonic() - lost_at,
                 restarts=len(w.restarts),
                 server_version=held if held is not None else 0,
                 current_version=current,
+                **({"where": where} if where else {}),
             )
         finally:
             w.busy = False

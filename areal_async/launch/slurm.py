@@ -25,6 +25,11 @@ tail. Teardown (normal exit, error, Ctrl-C, SIGTERM) scancels every step this co
 to report them gone, and kills what is left of the srun processes; the allocation itself belongs to whoever made it
 (the batch job ends when the controller does). No torch here.
 
+Replacing steps mid-run (the recovery policy's side, launch/recovery.py): a failed trainer step is cancelled and
+started again on the same nodes (`restart_trainers`); a dead or hung server step is cancelled and started again on
+its node (`restart_server`), or, when that node went away, on another node of the allocation with room for it
+(launch/node_assignment.py `node_for_server`). The command lines of the steps are launch/slurm_steps.py's.
+
 The allocation itself and the Slurm client commands are in launch/slurm_allocation.py; their names, and those of
 launch/node_assignment.py, are re-exported here (`__all__`), where launch/sbatch.py and the tests import them.
 """
@@ -36,32 +41,23 @@ import contextlib
 import functools
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
-import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
-import msgspec
-
-from areal_async.launch.api import EventHandler, ProcessExited, ServerHandle, TrainerHandle
+from areal_async.launch.api import EventHandler, ProcessExited, ServerHandle, ServerJoined, TrainerHandle
 from areal_async.launch.membership import JoinFile, join_file
-from areal_async.launch.node_assignment import NodeAssignment, check_allocation, job_nodes, place
-from areal_async.launch.processes import (
-    Child,
-    ChildFailed,
-    Processes,
-    c10d_args,
-    embedded_server_cmd,
-    free_port,
-    sglang_server_cmd,
-    tail,
-    thread_env,
-    trainer_cmd,
+from areal_async.launch.node_assignment import (
+    NodeAssignment,
+    check_allocation,
+    job_nodes,
+    node_for_server,
+    place,
 )
+from areal_async.launch.processes import Child, ChildFailed, Processes, tail
 from areal_async.launch.slurm_allocation import (
     Allocation,
     NodeHealth,
@@ -76,13 +72,14 @@ from areal_async.launch.slurm_allocation import (
     slurm_cmd,
     steps_or_none,
 )
+from areal_async.launch.slurm_steps import SRUN_UNSET, rdzv_port, srun_cmd, start_server_step, start_trainer_step
 from areal_async.net.rank_registry import Registry, rank_file, route_address
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
 
-# re-exported from launch/slurm_allocation.py and launch/node_assignment.py: launch/sbatch.py and the tests import them
-# from here
+# re-exported from launch/slurm_allocation.py, launch/node_assignment.py and launch/slurm_steps.py: launch/sbatch.py
+# and the tests import them from here
 __all__ = [
     "Allocation",
     "NodeAssignment",
@@ -105,78 +102,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-# ---- steps --------------------------------------------------------------------------------------------------------
-
-
-# What a batch job or salloc exports about its own request (or a site's defaults, such as DefMemPerCPU) and srun would
-# read as options of our steps; some combinations are fatal to srun ("SLURM_MEM_PER_CPU, SLURM_MEM_PER_GPU, and
-# SLURM_MEM_PER_NODE are mutually exclusive"). Every step gives its own, so srun runs without them.
-SRUN_UNSET = frozenset(
-    {
-        "SLURM_CPUS_PER_TASK",
-        "SLURM_TRES_PER_TASK",
-        "SLURM_CPUS_PER_GPU",
-        "SLURM_MEM_PER_CPU",
-        "SLURM_MEM_PER_GPU",
-        "SLURM_MEM_PER_NODE",
-        "SLURM_NTASKS",
-        "SLURM_NPROCS",
-        "SLURM_NTASKS_PER_CORE",
-        "SLURM_NTASKS_PER_GPU",
-        "SLURM_NTASKS_PER_NODE",
-        "SLURM_NTASKS_PER_SOCKET",
-        "SLURM_GPUS",
-        "SLURM_GPUS_PER_NODE",
-        "SLURM_GPUS_PER_TASK",
-        "SLURM_GRES",
-        "SLURM_DISTRIBUTION",
-        "SLURM_EXCLUSIVE",
-        "SLURM_OVERLAP",
-        "SLURM_NNODES",
-        "SLURM_JOB_NUM_NODES",
-    }
-)
-
-
-def srun_cmd(
-    job_id: str,
-    step_name: str,
-    nodes: list[str],
-    *,
-    cpus_per_task: int,
-    gpus_per_node: int,
-    extra: list[str],
-    label: bool = False,
-) -> list[str]:
-    """One task per node with exactly these CPUs and GPUs; the step dies whole when one task fails."""
-    cmd = [
-        "srun",
-        f"--jobid={job_id}",
-        f"--job-name={step_name}",
-        f"--nodes={len(nodes)}",
-        f"--ntasks={len(nodes)}",
-        "--ntasks-per-node=1",
-        f"--nodelist={','.join(nodes)}",
-        f"--cpus-per-task={cpus_per_task}",
-        "--exact",
-        "--mem=0",
-        "--kill-on-bad-exit=1",
-        "--input=none",
-    ]
-    if gpus_per_node:
-        cmd.append(f"--gres=gpu:{gpus_per_node}")
-    if label:
-        cmd.append("--label")
-    return cmd + list(extra)
-
-
-def rdzv_port(job_id: str, controller_node: str | None, first_trainer: str) -> int:
-    """A port for the c10d store on the first trainer node: a free one when that is this node, else one derived
-    from the job id (two jobs sharing a node then pick different ports)."""
-    if controller_node == first_trainer:
-        return free_port("0.0.0.0")
-    return 29500 + int(re.sub(r"\D", "", job_id) or 0) % 20000
+_RECANCEL_S = 10.0  # a step still listed after scancel is sent it again this often (see SlurmCluster._end_step)
 
 
 class NodeLost(NotImplementedError):
@@ -188,7 +116,9 @@ class NodeLost(NotImplementedError):
 
 class SlurmCluster:
     """srun children of this controller, one per step; watched by polling like LocalCluster. A failed trainer step
-    is replaced in place (`restart_trainers`, on the same nodes), unless one of its nodes went away (`NodeLost`)."""
+    is replaced in place (`restart_trainers`, on the same nodes), unless one of its nodes went away (`NodeLost`); a
+    dead or hung server step is replaced on its node, or on another with room when its node went away
+    (`restart_server`, announced by `watch` as `ServerJoined` under its old name)."""
 
     def __init__(
         self,
@@ -213,10 +143,20 @@ class SlurmCluster:
         self.join: JoinFile | None = None  # run_dir/servers.txt (launch/membership.py), set once the servers are up
         self._closed = False
         self.start_trainers: Callable[[str | None, int], Child] | None = None  # (resume, generation): set by launch
+        self.start_server: Callable[[int, str], Child] | None = None  # (index, node); None: servers not ours
+        self.room_for_server: Callable[[int, list[str], set[str]], str | None] | None = None  # (index, nodes, lost)
         self.trainer_nodes: list[str] = []
+        self.server_nodes: list[str] = []  # the node each launched server's step runs on now
         self.node_timeout_s = 120.0
-        self.nodes_at_start: dict[str, NodeHealth] = {}  # the trainer nodes as they were when the run launched
+        self.startup_timeout_s = 120.0  # server.startup_timeout_s
+        self.api_key: str | None = None  # server.api_key, for /health
+        self.nodes_at_start: dict[str, NodeHealth] = {}  # the run's nodes as they were when it launched
         self._generation = 0  # trainer steps started so far, minus one
+        self._joined: list[ServerJoined] = []  # restarted servers, announced by the watch
+        self._where: dict[str, str] = {}  # server -> where its last restart put it, and why there
+        self._step_gen: dict[str, int] = {}  # server -> how often its step was replaced
+        self._cancelled: dict[str, float] = {}  # step id -> when it was last sent scancel (monotonic)
+        self._abandoned: set[str] = set()  # step ids left behind on nodes that went away
 
     @property
     def trainers(self) -> TrainerHandle:
@@ -228,9 +168,52 @@ class SlurmCluster:
         return TrainerHandle(world_size=world_size, rendezvous_dir=rank_dir, secret=secret, master_address=master)
 
     def step_name(self, name: str) -> str:
-        return f"areal.{self.tag}.{name}"
+        """The Slurm step name of part `name` now: a replaced server's new step is `<name>.<k>`, so that it is never
+        mistaken for an old one Slurm still lists (on a node that went away)."""
+        k = self._step_gen.get(name, 0)
+        return f"areal.{self.tag}.{name}{f'.{k}' if k else ''}"
+
+    def _child(self, name: str) -> Child | None:
+        return next((c for c in reversed(self.processes.children) if c.name == name), None)
+
+    # ---- ending a step (both restarts) ---------------------------------------------------------------------------
+
+    async def _end_step(self, name: str, nodes: list[str], flags: list[str]) -> tuple[str | None, dict[str, str]]:
+        """Cancel step `name` (scancel `flags`) and wait until Slurm no longer lists it, so that its CPUs are free
+        again. Returns (None, {}) once it is gone; (its id, {node: why}) when one of `nodes` went away meanwhile
+        (Slurm keeps that node's part of the step, which no scancel ends); (its id, {}) when it is still listed
+        after `slurm.node_timeout_s`."""
+        step = self.step_name(name)
+        deadline = time.monotonic() + self.node_timeout_s
+        while True:
+            listed = await asyncio.to_thread(steps_or_none, self.alloc.job_id)
+            sid = None if listed is None else listed.get(step)
+            if listed is not None and sid is None:
+                return None, {}
+            # again every _RECANCEL_S while it is listed: slurmctld flags a node that went away when a message to it
+            # fails, not at once (measured on two nodes: one scancel, no flag within 60 s; two, flagged in 24 s)
+            if sid is not None and time.monotonic() - self._cancelled.get(sid, -_RECANCEL_S) >= _RECANCEL_S:
+                await self._scancel(flags, [sid])
+                self._cancelled[sid] = time.monotonic()
+            lost = await asyncio.to_thread(self._lost, nodes) if sid is not None else {}
+            if lost or time.monotonic() > deadline:
+                return sid or step, lost
+            await asyncio.sleep(1.0)
+
+    def _lost(self, nodes: list[str]) -> dict[str, str]:
+        """Which of `nodes` went away since the launch (node -> why; see slurm_allocation.lost_nodes)."""
+        return lost_nodes(self.nodes_at_start, node_health(nodes))
 
     # ---- replacing the trainer step (the recovery policy's side, launch/recovery.py) ----------------------------
+
+    @property
+    def can_restart_trainers(self) -> bool:
+        """Whether a failed trainer step is replaced (it is when this cluster started it): a restart is tried, and
+        may still end in `NodeLost`."""
+        return self.start_trainers is not None
+
+    def why_trainers_cannot_restart(self) -> str:
+        return "this cluster did not start the trainer step, so it cannot start it again"
 
     def trainer_pids(self) -> set[int]:
         """The srun process of the current trainer step."""
@@ -238,7 +221,7 @@ class SlurmCluster:
 
     def lost_trainer_nodes(self) -> dict[str, str]:
         """Trainer nodes that went away since the launch (node -> why; see slurm_allocation.lost_nodes)."""
-        return lost_nodes(self.nodes_at_start, node_health(self.trainer_nodes))
+        return self._lost(self.trainer_nodes)
 
     async def restart_trainers(self, resume: str | None) -> TrainerHandle:
         """Replace the trainer step: cancel the old one and wait until Slurm no longer lists it (its CPUs are then
@@ -247,25 +230,13 @@ class SlurmCluster:
         away (its part of the old step cannot end), `ChildFailed` when the new step is not created in
         `slurm.node_timeout_s`."""
         if self.start_trainers is None:
-            raise NotImplementedError("this cluster cannot restart its trainers")
-        step = self.step_name("trainer")
+            raise NotImplementedError(self.why_trainers_cannot_restart())
         for old in self.processes.children:
             if old.role == "trainer":
                 old.expected_exit = True  # its srun ends on the scancel below: no event for that
-        deadline = time.monotonic() + self.node_timeout_s
-        cancelled = False
-        while True:
-            listed = await asyncio.to_thread(steps_or_none, self.alloc.job_id)
-            sid = None if listed is None else listed.get(step)
-            if listed is not None and sid is None:
-                break
-            if sid is not None and not cancelled:
-                await self._scancel([], [sid])
-                cancelled = True
-            lost = await asyncio.to_thread(self.lost_trainer_nodes) if sid is not None else {}
-            if lost or time.monotonic() > deadline:
-                raise NodeLost(node_lost_message(sid or step, lost, self.trainer_nodes, self.node_timeout_s))
-            await asyncio.sleep(1.0)
+        sid, lost = await self._end_step("trainer", self.trainer_nodes, [])
+        if sid is not None:
+            raise NodeLost(node_lost_message(sid, lost, self.trainer_nodes, self.node_timeout_s))
         for old in [c for c in self.processes.children if c.role == "trainer"]:
             await asyncio.to_thread(self.processes.stop, old, 5.0)
         for name in [n for n, reg in self.registry.entries.items() if reg.kind == "rank"]:
@@ -274,8 +245,112 @@ class SlurmCluster:
                 os.remove(rank_file(self.registry.rank_dir, int(name.removeprefix("rank"))))
         self._generation += 1
         child = self.start_trainers(resume, self._generation)
-        await SlurmLauncher._wait_created(self, [child], self.node_timeout_s, only=True)
+        await _wait_created(self, [child], self.node_timeout_s, only=True)
         return self.trainers
+
+    # ---- replacing a server step ---------------------------------------------------------------------------------
+
+    @property
+    def can_restart_servers(self) -> bool:
+        return self.start_server is not None
+
+    def server_alive(self, name: str) -> bool:
+        """Its srun still runs (a hung server's does; a lost node's may, until Slurm gives up on the node)."""
+        child = self._child(name)
+        return child is not None and child.proc.poll() is None
+
+    def server_where(self, name: str) -> str:
+        """Where server `name`'s current step runs, and, after a move, which node went away: for the record."""
+        return self._where.get(name, "")
+
+    async def stop_server(self, name: str) -> None:
+        """Kill a server step that is alive but unwell (scancel --signal=KILL: a hung one may be SIGSTOPped); its
+        srun's exit is no event. `restart_server` then waits until Slurm no longer lists the step."""
+        child = self._child(name)
+        if child is not None:
+            child.expected_exit = True
+        with contextlib.suppress(SlurmError):
+            sid = (await asyncio.to_thread(list_steps, self.alloc.job_id)).get(self.step_name(name))
+            if sid is not None:
+                await self._scancel(["--signal=KILL"], [sid])
+                self._cancelled[sid] = time.monotonic()
+
+    async def restart_server(self, name: str) -> ServerHandle:
+        """Replace server `name`'s step: cancel the old one (if Slurm still lists it) and wait until it is gone,
+        then start a new step on the same node, or, when that node went away (its slurmd silent or restarted),
+        on another node of the allocation with room for it, and return once the new server answers /health
+        (`ServerJoined` follows from `watch`; the recovery policy loads the current weights into it before it
+        serves). Raises `ChildFailed`, naming the node, when the old step cannot end and no node has room, or
+        when the new step is not created in `slurm.node_timeout_s` or not healthy in `server.startup_timeout_s`:
+        the policy tries again within `recovery.max_server_restarts`."""
+        if self.start_server is None:
+            raise NotImplementedError(f"{name} was not started by this cluster: it cannot be restarted")
+        index = next((i for i, s in enumerate(self.servers) if s.name == name), None)
+        if index is None:
+            raise KeyError(f"unknown server {name!r}")
+        node = self.server_nodes[index]
+        old = self._child(name)
+        if old is not None:
+            old.expected_exit = True  # its srun ends with its step: no event for that
+        sid, lost = await self._end_step(name, [node], ["--signal=KILL"])
+        if old is not None:
+            await asyncio.to_thread(self.processes.stop, old, 0)
+        if sid is None:  # the step ended; its node may still be gone (a node that lost power takes its steps along)
+            lost = await asyncio.to_thread(self._lost, [node])
+        moved = ""
+        if sid is not None or lost:
+            why = "; ".join(f"node {n} went away ({w})" for n, w in lost.items()) or (
+                f"its step {sid} is still listed {self.node_timeout_s:.0f}s after scancel (slurm.node_timeout_s): "
+                f"node {node} does not end it (slurmctld flags a silent node only at its next ping of it)"
+            )
+            rest = [n for n in self.nodes_at_start if n != node]  # the run's other nodes
+            others = await asyncio.to_thread(self._lost, rest) if rest else {}
+            target = (
+                None
+                if self.room_for_server is None
+                else self.room_for_server(index, self.server_nodes, {node, *others})
+            )
+            if target is None:
+                raise ChildFailed(
+                    f"{name} cannot start again in job {self.alloc.job_id}: {why}, and no other node of the job has "
+                    f"room for a server step (CPUs and GPUs beside the steps there); resubmit the run once the node "
+                    f"is back, or leave it to the other servers"
+                )
+            if sid is not None:
+                self._abandoned.add(sid)
+            moved = f", moved from {node}: {why}"
+            log.warning("%s moves from node %s to node %s: %s", name, node, target, why)
+            node = target
+        self.registry.entries.pop(name, None)
+        self._step_gen[name] = self._step_gen.get(name, 0) + 1
+        child = self.start_server(index, node)
+        try:
+            await _wait_created(self, [child], self.node_timeout_s, only=True)
+            reg = await _wait_or_fail(
+                self.registry.wait_for(name),
+                self.node_timeout_s,
+                f"{name} did not report its address",
+                child,
+                exited=lambda: [child] if child.proc.poll() is not None else [],
+            )
+            child.url = "http://" + reg.address.removeprefix("tcp://")
+            await self.processes.wait_healthy([child], self.startup_timeout_s, self.api_key, only=True)
+        except BaseException:
+            child.expected_exit = True
+            with contextlib.suppress(SlurmError):
+                sid = (await asyncio.to_thread(list_steps, self.alloc.job_id)).get(self.step_name(name))
+                if sid is not None:
+                    await self._scancel(["--signal=KILL"], [sid])
+            await asyncio.to_thread(self.processes.stop, child, 0)
+            raise
+        self.server_nodes[index] = node
+        handle = ServerHandle(name, child.url or "")
+        self.servers[index] = handle
+        self._where[name] = f"on node {node} (Slurm step {reg.slurm_step or '?'}){moved}"
+        self._joined.append(ServerJoined(name, handle.url))
+        return handle
+
+    # ---- watching and teardown -----------------------------------------------------------------------------------
 
     async def watch(self, on_event: EventHandler) -> None:
         while True:
@@ -291,14 +366,19 @@ class SlurmCluster:
                         pid=child.proc.pid,
                     )
                 )
+            while self._joined:
+                await on_event(self._joined.pop(0))
             if self.join is not None:
                 for event in await self.join.poll():
                     await on_event(event)
             await asyncio.sleep(self.poll_s)
 
     def _our_steps(self) -> dict[str, str]:
+        """Our steps Slurm lists, less those left on nodes that went away (no scancel ends them: waiting on them
+        would only hold up the teardown)."""
         prefix = self.step_name("")
-        return {name: sid for name, sid in list_steps(self.alloc.job_id).items() if name.startswith(prefix)}
+        listed = list_steps(self.alloc.job_id).items()
+        return {name: sid for name, sid in listed if name.startswith(prefix) and sid not in self._abandoned}
 
     async def shutdown(self, grace_s: float = 15.0) -> None:
         """SIGTERM every step we created (scancel --signal=TERM: servers and trainers shut down cleanly) and every
@@ -307,6 +387,11 @@ class SlurmCluster:
         if self._closed:
             return
         self._closed = True
+        if self._abandoned:
+            log.warning(
+                "steps left on nodes that went away: %s (Slurm ends them once the node answers or is marked down)",
+                " ".join(sorted(self._abandoned)),
+            )
         children = self.processes.children
         for child in children:
             child.expected_exit = True
@@ -381,24 +466,25 @@ class SlurmLauncher:
             cluster = SlurmCluster(
                 alloc, procs, registry, tag, [], world, secret, cfg.run_dir, _node_address(assignment.trainer_nodes[0])
             )
-            trainer = self._start_trainers(
+            trainer = start_trainer_step(
                 cluster, cfg, assignment, model_path, trainer_resume, secret=secret, remote=remote
             )
             cluster.start_trainers = functools.partial(
-                self._start_trainers, cluster, cfg, assignment, model_path, secret=secret, remote=remote
+                start_trainer_step, cluster, cfg, assignment, model_path, secret=secret, remote=remote
             )
             cluster.trainer_nodes = list(assignment.trainer_nodes)
             cluster.node_timeout_s = cfg.slurm.node_timeout_s
-            cluster.nodes_at_start = await asyncio.to_thread(node_health, cluster.trainer_nodes)
+            cluster.startup_timeout_s, cluster.api_key = cfg.server.startup_timeout_s, cfg.server.api_key
+            cluster.nodes_at_start = await asyncio.to_thread(node_health, assignment.nodes)
             servers = self._start_servers(cluster, cfg, assignment, model_path, secret)
-            await self._wait_created(cluster, [trainer, *servers], cfg.slurm.node_timeout_s)
+            await _wait_created(cluster, [trainer, *servers], cfg.slurm.node_timeout_s)
             for child in servers:
                 reg = await _wait_or_fail(
-                    procs,
                     registry.wait_for(child.name),
                     cfg.slurm.node_timeout_s,
                     f"{child.name} did not report its address",
                     child,
+                    exited=procs.exited,
                 )
                 child.url = "http://" + reg.address.removeprefix("tcp://")
             if cfg.server.backend == "external":
@@ -407,6 +493,17 @@ class SlurmLauncher:
             else:
                 await procs.wait_healthy(servers, cfg.server.startup_timeout_s, cfg.server.api_key)
                 cluster.servers = [ServerHandle(c.name, c.url or "") for c in servers]
+                cluster.server_nodes = list(assignment.server_nodes)
+                cluster.start_server = functools.partial(
+                    start_server_step, cluster, cfg, assignment, model_path, secret
+                )
+                cluster.room_for_server = functools.partial(
+                    node_for_server,
+                    assignment,
+                    alloc,
+                    gpus_per_node=cfg.slurm.gpus_per_node,
+                    servers_apart=cfg.slurm.servers_apart,
+                )
             cluster.join = JoinFile(
                 join_file(cfg.run_dir),
                 api_key=cfg.server.api_key,
@@ -422,141 +519,53 @@ class SlurmLauncher:
         return cluster
 
     @staticmethod
-    def _start_trainers(
-        cluster: SlurmCluster,
-        cfg: RunConfig,
-        p: NodeAssignment,
-        model_path: str,
-        resume: str | None,
-        generation: int = 0,
-        *,
-        secret: bytes,
-        remote: bool,
-    ) -> Child:
-        t, alloc = cfg.train, cluster.alloc
-        rdzv: list[str] = []
-        if t.nnodes > 1:
-            endpoint = t.rdzv.endpoint or (
-                f"{p.trainer_nodes[0]}:{rdzv_port(alloc.job_id, alloc.controller_node, p.trainer_nodes[0])}"
-            )
-            run_id = f"{alloc.job_id}-{cluster.tag}-{generation}"
-            rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=run_id, timeout_s=t.rdzv.timeout_s)
-        cmd = trainer_cmd(
-            model=model_path,
-            nproc=t.nproc,
-            config_json=msgspec.json.encode(t).decode(),
-            seed=cfg.seed,
-            run_dir=cfg.run_dir,
-            resume=resume,
-            torchrun_args=rdzv,
-            rpc_host="0.0.0.0" if remote else "127.0.0.1",
-        )
-        env = {**thread_env(t.torch_threads), "AREAL_RPC_SECRET": secret.hex()}
-        if t.rdzv.discovery == "registry":
-            env.update(cluster.registry.env())
-        srun = srun_cmd(
-            alloc.job_id,
-            cluster.step_name("trainer"),
-            p.trainer_nodes,
-            cpus_per_task=p.cpus_per_trainer_node,
-            gpus_per_node=p.gpus_per_trainer_node,
-            extra=cfg.slurm.srun_args,
-            label=t.nnodes > 1,
-        )
-        return cluster.processes.spawn("trainer", srun + cmd, env, role="trainer", unset=SRUN_UNSET)
-
-    @staticmethod
     def _start_servers(
         cluster: SlurmCluster, cfg: RunConfig, p: NodeAssignment, model_path: str, secret: bytes
     ) -> list[Child]:
-        srv, out = cfg.server, []
-        for i, node in enumerate(p.server_nodes):
-            port = str(srv.port + i) if srv.port else "{port}"
-            if srv.backend == "embedded":
-                cmd = embedded_server_cmd(
-                    model_path,
-                    host=srv.host,
-                    port=port,
-                    device=srv.device,
-                    max_total_tokens=srv.max_total_tokens,
-                    max_running_requests=srv.max_running_requests,
-                    api_key=srv.api_key,
-                    prefix_cache=srv.prefix_cache,
-                    dtype=cfg.model.dtype,
-                )
-            else:
-                cmd = sglang_server_cmd(
-                    model_path,
-                    host=srv.host,
-                    port=port,
-                    api_key=srv.api_key,
-                    extra_args=srv.extra_args,
-                    base_gpu_id=0,
-                    tp_size=srv.gpus_per_server,
-                    dtype=cfg.model.dtype,
-                )
-            step = [
-                sys.executable,
-                "-m",
-                "areal_async.launch.step",
-                "--name",
-                f"server{i}",
-                "--host",
-                srv.host,
-                "--port",
-                str(srv.port + i if srv.port else 0),
-                "--",
-            ]
-            env = {**thread_env(srv.torch_threads), "AREAL_RPC_SECRET": secret.hex(), **cluster.registry.env()}
-            srun = srun_cmd(
-                cluster.alloc.job_id,
-                cluster.step_name(f"server{i}"),
-                [node],
-                cpus_per_task=p.cpus_per_server,
-                gpus_per_node=p.gpus_per_server,
-                extra=cfg.slurm.srun_args,
+        return [
+            start_server_step(cluster, cfg, p, model_path, secret, i, node) for i, node in enumerate(p.server_nodes)
+        ]
+
+
+async def _wait_created(cluster: SlurmCluster, children: list[Child], timeout_s: float, *, only: bool = False) -> None:
+    """Until Slurm lists a step for every child; a child that exits first, or a step not created in time (srun
+    keeps retrying while the step's nodes are busy, down or unreachable), fails with srun's log. With `only` (a
+    step replaced while the run goes on), other children's exits stay for the watch."""
+    deadline = time.monotonic() + timeout_s
+    pending = {cluster.step_name(c.name): c for c in children}
+    while True:
+        for child in [c for c in children if c.proc.poll() is not None] if only else cluster.processes.exited():
+            child.reported = True
+            raise ChildFailed(child.describe_exit())
+        with contextlib.suppress(SlurmError):
+            listed = await asyncio.to_thread(list_steps, cluster.alloc.job_id)
+            for name in list(pending):
+                if name in listed:
+                    log.info("%s runs as Slurm step %s", pending.pop(name).name, listed[name])
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            child = next(iter(pending.values()))
+            why = await asyncio.to_thread(describe_steps, cluster.alloc)
+            raise ChildFailed(
+                f"{child.name}: Slurm did not create its step within {timeout_s:.0f}s "
+                f"(slurm.node_timeout_s): its nodes are busy, down or not answering; {why}; "
+                f"srun's log ({child.log_path}):\n{tail(child.log_path)}"
             )
-            out.append(cluster.processes.spawn(f"server{i}", srun + step + cmd, env, role="server", unset=SRUN_UNSET))
-        return out
-
-    @staticmethod
-    async def _wait_created(
-        cluster: SlurmCluster, children: list[Child], timeout_s: float, *, only: bool = False
-    ) -> None:
-        """Until Slurm lists a step for every child; a child that exits first, or a step not created in time (srun
-        keeps retrying while the step's nodes are busy, down or unreachable), fails with srun's log. With `only` (a
-        step replaced while the run goes on), other children's exits stay for the watch."""
-        deadline = time.monotonic() + timeout_s
-        pending = {cluster.step_name(c.name): c for c in children}
-        while True:
-            for child in [c for c in children if c.proc.poll() is not None] if only else cluster.processes.exited():
-                child.reported = True
-                raise ChildFailed(child.describe_exit())
-            with contextlib.suppress(SlurmError):
-                listed = await asyncio.to_thread(list_steps, cluster.alloc.job_id)
-                for name in list(pending):
-                    if name in listed:
-                        log.info("%s runs as Slurm step %s", pending.pop(name).name, listed[name])
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                child = next(iter(pending.values()))
-                why = await asyncio.to_thread(describe_steps, cluster.alloc)
-                raise ChildFailed(
-                    f"{child.name}: Slurm did not create its step within {timeout_s:.0f}s "
-                    f"(slurm.node_timeout_s): its nodes are busy, down or not answering; {why}; "
-                    f"srun's log ({child.log_path}):\n{tail(child.log_path)}"
-                )
-            await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)
 
 
-async def _wait_or_fail(procs: Processes, awaitable, timeout_s: float, what: str, child: Child):
-    """`awaitable` within `timeout_s`, failing fast (with the log tail) when any child exits meanwhile."""
+async def _wait_or_fail(
+    awaitable: Awaitable[T], timeout_s: float, what: str, child: Child, *, exited: Callable[[], list[Child]]
+) -> T:
+    """`awaitable` within `timeout_s`, failing fast (with the log tail) when a child `exited()` names ends
+    meanwhile (any child at launch; only the new step's srun when one is replaced mid-run)."""
     task = asyncio.ensure_future(awaitable)
     deadline = time.monotonic() + timeout_s
     try:
         while not task.done():
-            for c in procs.exited():
+            for c in exited():
+                c.reported = True
                 raise ChildFailed(c.describe_exit())
             if time.monotonic() > deadline:
                 raise ChildFailed(

@@ -66,6 +66,12 @@ async def restart_trainers(
     restart) and connect to it; returns the target and its checkpoint directory (None: the base model)."""
     cfg, rec, rlog = plan.cfg, session.recovery, session.recovery_log
     assert rec is not None and rlog is not None
+    refusal = rec.trainer_restart_refusal()
+    if refusal is not None:  # no restart is announced that will not be tried
+        rlog.record(
+            "fault", "trainer_failed", "trainer", str(lost), "not restartable: the run stops", version=failed_at
+        )
+        raise _not_restartable(rlog, lost, refusal, failed_at)
     while True:
         target, ckpt = rollback_target(cfg.run_dir, launch_state)
         delay = rec.trainer_restart_delay()
@@ -89,14 +95,20 @@ async def restart_trainers(
             await rec.guard(cluster.restart_trainers(os.path.join(ckpt, "trainer") if ckpt else None))
             session.trainers = await rec.guard(connect_trainers(cluster, cfg))
             return target, ckpt
-        except NotImplementedError as e:  # e.g. agents started by hand on other nodes
-            rlog.record("gave_up", "trainer_not_restartable", "trainer", str(e), "the run stops", version=failed_at)
-            raise RunStopped(
-                f"the trainer job failed ({str(lost).splitlines()[0]}) and cannot be restarted by "
-                f"this run ({e}); the last checkpoint resumes it"
-            ) from e
+        except NotImplementedError as e:  # found out by trying: a Slurm trainer node that went away (NodeLost)
+            raise _not_restartable(rlog, lost, str(e), failed_at) from e
         except (TrainerLost, TrainerError, ConnectionError, TimeoutError, ChildFailed) as e:
             lost = e  # the new job failed too: counts as another restart
+
+
+def _not_restartable(rlog: RecoveryLog, lost: BaseException, why: str, failed_at: int) -> RunStopped:
+    """Record that the trainer job cannot be restarted (`why`: the cluster's reason, naming the host or node and
+    what to do); the error that stops the run."""
+    rlog.record("gave_up", "trainer_not_restartable", "trainer", why, "the run stops", version=failed_at)
+    return RunStopped(
+        f"the trainer job failed ({str(lost).splitlines()[0]}) and cannot be restarted by this run ({why}); "
+        "the last checkpoint resumes it"
+    )
 
 
 def _where(target: RunState, ckpt: str | None) -> str:

@@ -98,6 +98,20 @@ class LocalCluster:
     def can_restart_servers(self) -> bool:
         return self._start_server is not None
 
+    @property
+    def can_restart_trainers(self) -> bool:
+        """Whether `restart_trainers` will try: this cluster started every agent of the trainer job."""
+        if self._cfg is None or self._model_path is None:
+            return False
+        t = self._cfg.train
+        return (t.rdzv.local_agents or t.nnodes) >= t.nnodes
+
+    def why_trainers_cannot_restart(self) -> str:
+        """Why not, and what the operator does instead (when `can_restart_trainers` is false)."""
+        if self._cfg is None or self._model_path is None:
+            return "this cluster cannot restart its trainers"
+        return self._agents_by_hand()
+
     def server_alive(self, name: str) -> bool:
         child = self._child(name)
         return child is not None and child.proc.poll() is None
@@ -146,11 +160,9 @@ class LocalCluster:
         Returns how to reach it (the ranks may still be loading). Agents started by hand elsewhere
         (train.rdzv.local_agents) cannot be restarted from here: NotImplementedError, naming the hosts their ranks
         reported from and what the operator runs to resume."""
-        if self._cfg is None or self._model_path is None:
-            raise NotImplementedError("this cluster cannot restart its trainers")
-        t = self._cfg.train
-        if (t.rdzv.local_agents or t.nnodes) < t.nnodes:
-            raise NotImplementedError(self._agents_by_hand())
+        if not self.can_restart_trainers:
+            raise NotImplementedError(self.why_trainers_cannot_restart())
+        assert self._cfg is not None and self._model_path is not None
         for old in [c for c in self.processes.children if c.role == "trainer"]:
             await asyncio.to_thread(self.processes.stop, old, 10.0)
         if self.registry is not None:

@@ -62,10 +62,17 @@ LOCK_FILE = "controller.lock"
 
 
 class RestartableCluster(Cluster, Protocol):
-    """What recovery needs of a cluster beyond `Cluster` (LocalCluster has it; a launcher that lacks a method
-    leaves that kind of failure unrecovered). `restart_server` announces the server with `ServerJoined`."""
+    """What recovery needs of a cluster beyond `Cluster` (LocalCluster and SlurmCluster have it; a launcher that
+    lacks a method leaves that kind of failure unrecovered). `restart_server` announces the server with
+    `ServerJoined`. `can_restart_servers` and `can_restart_trainers` say whether a restart will be tried at all
+    (servers or trainers the cluster did not start, agents started by hand elsewhere: no), so that the record never
+    announces a restart that cannot happen; `why_trainers_cannot_restart` says why not, and what the operator does.
+    `server_where` (optional) says where a restarted server runs, and why there when it moved."""
 
     can_restart_servers: bool
+    can_restart_trainers: bool
+
+    def why_trainers_cannot_restart(self) -> str: ...
 
     def server_alive(self, name: str) -> bool: ...
 
@@ -254,8 +261,20 @@ class RunRecovery:
         return bool(getattr(self.cluster, "can_restart_servers", False))
 
     @property
-    def can_restart_trainers(self) -> bool:
+    def rolls_back_trainers(self) -> bool:
+        """A trainer failure ends the segment with `TrainerLost` for run_rollback.py (which restarts the job or, when
+        the cluster cannot, stops the run with a resumable checkpoint), rather than ending the run at once."""
         return hasattr(self.cluster, "restart_trainers") and hasattr(self.cluster, "trainer_pids")
+
+    def trainer_restart_refusal(self) -> str | None:
+        """Why the trainer job will not be restarted however many restarts are left (None: a restart will be
+        tried). Asked before a restart is announced, so that the record does not promise one."""
+        if not self.rolls_back_trainers:
+            return "this cluster cannot restart its trainers"
+        if getattr(self.cluster, "can_restart_trainers", True):
+            return None
+        why = getattr(self.cluster, "why_trainers_cannot_restart", None)
+        return why() if callable(why) else "this cluster cannot restart its trainers"
 
     def _watch(self, name: str) -> _ServerWatch:
         return self._servers.setdefault(name, _ServerWatch())
@@ -268,7 +287,7 @@ class RunRecovery:
         elif isinstance(event, ProcessExited) and event.role == "server" and event.name in self._urls:
             self._spawn(self._recover_server(event.name, "server_exited", event.describe(), time.monotonic()))
         elif (
-            isinstance(event, ProcessExited) and event.role == "trainer" and self.can_restart_trainers and self.guarded
+            isinstance(event, ProcessExited) and event.role == "trainer" and self.rolls_back_trainers and self.guarded
         ):  # before anything ran under the guard, a trainer exit is a failed launch (below)
             if event.pid is not None and event.pid not in self.cluster.trainer_pids():
                 return  # a job that was already replaced
@@ -340,7 +359,7 @@ class RunRecovery:
                 task.cancel()
 
     def _stale(self, failure: BaseException | None) -> bool:
-        if not isinstance(failure, TrainerLost) or failure.pid is None or not self.can_restart_trainers:
+        if not isinstance(failure, TrainerLost) or failure.pid is None or not self.rolls_back_trainers:
             return False
         return failure.pid not in self.cluster.trainer_pids()  # replaced, or being replaced (no job right now)
 
@@ -351,7 +370,7 @@ class RunRecovery:
 
     def trainer_restart_delay(self) -> float | None:
         """Count one trainer restart and return the wait before it; None when `max_trainer_restarts` are spent."""
-        if self.trainer_restarts >= self.cfg.max_trainer_restarts or not self.can_restart_trainers:
+        if self.trainer_restarts >= self.cfg.max_trainer_restarts or not self.rolls_back_trainers:
             return None
         self.trainer_restarts += 1
         return backoff_s(self.cfg, self.trainer_restarts - 1)

@@ -1,7 +1,8 @@
 """launcher=slurm on a real Slurm: a short default-task run submitted from outside an allocation, Ctrl-C and SIGTERM
-of a run inside one (salloc) and of the command following a batch job, and the bad inputs (a partition that does
-not exist, a drained node, a step that cannot be created); each must end with nothing left: no job, no step, no
-process. Plus the placement and batch-script rules, which need no Slurm.
+of a run inside one (salloc) and of the command following a batch job, server steps killed and hung mid-run (each
+replaced by a new step holding the current weights), and the bad inputs (a partition that does not exist, a drained
+node, a step that cannot be created); each must end with nothing left: no job, no step, no process. Plus the
+placement and batch-script rules, which need no Slurm.
 
 The cluster is the single-node Slurm of .ci/start_slurm.sh (slurmctld + slurmd, this host the only node). When it
 is not running and we are root, the fixture starts it; a machine where that is impossible skips, loudly, and fails

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from areal_async.train.attention import trainer_attention
+
 __all__ = ["LoadedModel", "load_sharded", "clip_grad_norm", "rng_state", "set_rng_state"]
 
 
@@ -73,7 +75,9 @@ def load_sharded(
             )
         full_sd = loaded.state_dict()
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=trainer_attention(device, compute_dtype)
+        )
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)

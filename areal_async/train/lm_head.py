@@ -28,13 +28,15 @@ backward; an empty micro-batch still gives the weight a (zero) gradient, so ever
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from areal_async.train import head_kernel
 from areal_async.train.losses import entropy_from_logits
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_TOKENS = 1024
+PACK_ROWS = 128  # below this many rows, and with no packed weight at hand, the head's product stays on torch
 DEFAULT_KEEP_BYTES = 1 << 30  # forward keeps the [M, V] fp32 log-probabilities for backward up to this size
 # config attributes that change logits after the head's matmul (a value other than these disables the hidden path)
 _LOGIT_TRANSFORMS = {
@@ -61,6 +64,9 @@ _LOGIT_TRANSFORMS = {
 class LMHead:
     weight: Tensor  # [V, H]
     bias: Tensor | None  # [V]
+    # what the head's product prepares once per weight (train/head_kernel.py's packed layout): an LMHead lives for
+    # one model forward and its backward, while the weight stays the same
+    prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def _head_module(model: nn.Module) -> nn.Linear | None:
@@ -178,6 +184,7 @@ def logprobs_from_hidden(
         bool(compute_entropy),
         bool(entropy_grad),
         keep,
+        head.prepared,
     )
     return lp, (ent if compute_entropy else None)
 
@@ -187,17 +194,78 @@ def _fp32(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.float()
 
 
-def _chunk_z(hidden: Tensor, weight32: Tensor, bias32: Tensor | None, temperature: float) -> Tensor:
-    """(h W^T + b) / T for one chunk, as a fresh fp32 tensor the caller may overwrite. [C, V]
+_kernel_state: dict[str, object] = {}
+_kernel_lock = threading.Lock()
 
-    The matmul runs in fp32 (`weight32` is the head's weight already in fp32): with a bf16 matmul the logits carry
-    bf16 rounding (about 1e-2 on the log-probabilities), which lands in the importance ratios of the loss. The
-    inference side keeps its bf16 head, so this removes the trainer's half of that noise."""
-    with torch.autocast(hidden.device.type, enabled=False):  # an autocast caller would make it bf16 again
-        z = F.linear(hidden.float(), weight32, bias32)
+
+def _head_kernel() -> head_kernel.Kernel | None:
+    with _kernel_lock:
+        if "kernel" not in _kernel_state:
+            _kernel_state["kernel"] = head_kernel.load()
+        return _kernel_state["kernel"]  # type: ignore[return-value]
+
+
+def _head_product(hidden: Tensor, weight: Tensor, bias: Tensor | None, prepared: dict) -> Callable[[Tensor], Tensor]:
+    """h [C, H] -> h W^T + b [C, V] as a fresh fp32 tensor, for the chunks of `hidden` [M, H].
+
+    The product is fp32: with a bf16 matmul the logits carry bf16 rounding (about 1e-2 on the log-probabilities),
+    which lands in the importance ratios of the loss. The inference side keeps its bf16 head, so this removes the
+    trainer's half of that noise. With bf16 operands on a CPU with AVX512-BF16 the product runs in
+    train/head_kernel.py (exact bf16 products, fp32 sums: the same fp32 logits at the bf16 rate); otherwise both
+    operands are upcast once and torch multiplies in fp32. `prepared` keeps the kernel's packed weight for the
+    head's later calls in the same forward; a first call of few rows (a pack costs about as much as the product of
+    PACK_ROWS rows) takes torch's product."""
+    kernel = _head_kernel() if hidden.device.type == "cpu" else None
+    if kernel is not None and kernel.applies(hidden, weight) and ("packed" in prepared or hidden.shape[0] >= PACK_ROWS):
+        if "packed" not in prepared:
+            prepared["packed"] = kernel.pack(weight)  # [V / 32, H / 2, 32]: the weight changes every step
+        packed = prepared["packed"]
+        b32, n = _fp32(bias), weight.shape[0]
+        return lambda h: kernel.forward(h, packed, n, b32)
+    w32, b32 = weight.float(), _fp32(bias)  # [V, H] fp32, one cast per call (none for fp32 weights)
+
+    def product(h: Tensor) -> Tensor:
+        with torch.autocast(h.device.type, enabled=False):  # an autocast caller would make it bf16 again
+            return F.linear(h.float(), w32, b32)
+
+    return product
+
+
+def _chunk_z(product: Callable[[Tensor], Tensor], hidden: Tensor, temperature: float) -> Tensor:
+    """(h W^T + b) / T for one chunk, as a fresh fp32 tensor the caller may overwrite. [C, V]"""
+    z = product(hidden)
     if temperature != 1.0:
         z.div_(temperature)
     return z
+
+
+def _fused_softmax(hidden: Tensor, weight: Tensor) -> head_kernel.Kernel | None:
+    """train/head_kernel.py's log-softmax passes where they apply: bf16 weights on CPU (a bf16 trainer; the fp32
+    path keeps torch's ops), else None."""
+    if hidden.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    return _head_kernel()
+
+
+def _torch_dz(kept, i, product, h, g, lse, ent, g_ent, targets, s, chunk, t, use_ent, dtype) -> Tensor:
+    """dz [C, V] of one chunk with torch's ops, in place on the kept (or recomputed) log-probabilities."""
+    if kept is not None:
+        logp = kept[i]  # [C, V]
+        kept[i] = None  # freed as soon as its chunk is done
+    else:
+        logp = _chunk_z(product, h, t).sub_(lse[s : s + chunk, None])  # [C, V]
+    if use_ent:
+        # dlogp/dz = onehot - p; dH/dz = -p (z - E_p[z]) = -p (logp + H). Together:
+        # dz = onehot g - p (g + g_ent (logp + H))
+        p = torch.exp(logp)
+        coef = logp.add_(ent[s : s + chunk, None]).mul_(g_ent[s : s + chunk, None].float()).add_(g)
+        dz = p.mul_(coef).neg_()
+    else:
+        dz = logp.exp_().mul_(-g)  # -p g
+    dz.scatter_add_(1, targets[s : s + chunk, None], g)
+    if t != 1.0:
+        dz.div_(t)  # through z = logits / T
+    return dz.to(dtype)
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -216,6 +284,7 @@ class _ChunkedHead(torch.autograd.Function):
         want_entropy: bool,
         entropy_grad: bool,
         keep: bool,
+        prepared: dict,
     ) -> tuple[Tensor, Tensor]:
         m = hidden.shape[0]
         b = bias if bias.numel() else None
@@ -223,9 +292,21 @@ class _ChunkedHead(torch.autograd.Function):
         lse = torch.empty_like(lp)  # [M], kept for backward
         ent = torch.empty_like(lp) if want_entropy else lp.new_zeros(0)
         kept: list[Tensor | None] = []  # [C, V] log-probabilities per chunk, when backward is to reuse them
-        w32, b32 = weight.float(), _fp32(b)  # [V, H] fp32, one cast per call (none for fp32 weights)
+        product = _head_product(hidden, weight, b, prepared)
+        ctx.prepared = prepared
+        fused = _fused_softmax(hidden, weight)
+        ctx.fused = fused
         for s in range(0, m, chunk):
-            z = _chunk_z(hidden[s : s + chunk], w32, b32, temperature)  # [C, V]
+            if fused is not None:  # the kernel's two passes per row; keeps the scaled logits instead of logp
+                z = product(hidden[s : s + chunk])  # [C, V]
+                lp_c, lse_c, ent_c = fused.softmax_forward(z, targets[s : s + chunk], temperature, want_entropy)
+                lp[s : s + chunk], lse[s : s + chunk] = lp_c, lse_c
+                if ent_c is not None:
+                    ent[s : s + chunk] = ent_c
+                if keep:
+                    kept.append(z)
+                continue
+            z = _chunk_z(product, hidden[s : s + chunk], temperature)  # [C, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [C]
             lse[s : s + chunk] = lse_c
             lp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse_c
@@ -256,27 +337,33 @@ class _ChunkedHead(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # [V, H]
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and b is not None else None
         kept, ctx.kept = ctx.kept, None  # used up in place below: a second backward recomputes
-        w32, b32 = (weight.float(), _fp32(b)) if kept is None else (None, None)  # for the recompute, as forward
+        product = (
+            _head_product(hidden, weight, b, ctx.prepared) if kept is None else None
+        )  # for the recompute, as forward
+        fused = ctx.fused
         for i, s in enumerate(range(0, m, chunk)):
             h = hidden[s : s + chunk]  # [C, H]
             g = g_lp[s : s + chunk, None].float()  # [C, 1]
-            if kept is not None:
-                logp = kept[i]  # [C, V]
-                kept[i] = None  # freed as soon as its chunk is done
+            if fused is not None:
+                if kept is not None:
+                    z = kept[i]  # [C, V] scaled logits
+                    kept[i] = None
+                else:  # the same product and scaling as forward
+                    z = product(h)
+                    fused.softmax_forward(z, targets[s : s + chunk], t, False)
+                dz = fused.softmax_backward(
+                    z,
+                    lse[s : s + chunk],
+                    targets[s : s + chunk],
+                    g_lp[s : s + chunk],
+                    t,
+                    weight.dtype,
+                    ent[s : s + chunk] if use_ent else None,
+                    g_ent[s : s + chunk] if use_ent else None,
+                )  # [C, V]
+                del z
             else:
-                logp = _chunk_z(h, w32, b32, t).sub_(lse[s : s + chunk, None])  # [C, V]
-            if use_ent:
-                # dlogp/dz = onehot - p; dH/dz = -p (z - E_p[z]) = -p (logp + H). Together:
-                # dz = onehot g - p (g + g_ent (logp + H))
-                p = torch.exp(logp)
-                coef = logp.add_(ent[s : s + chunk, None]).mul_(g_ent[s : s + chunk, None].float()).add_(g)
-                dz = p.mul_(coef).neg_()
-            else:
-                dz = logp.exp_().mul_(-g)  # -p g
-            dz.scatter_add_(1, targets[s : s + chunk, None], g)
-            if t != 1.0:
-                dz.div_(t)  # through z = logits / T
-            dz = dz.to(weight.dtype)
+                dz = _torch_dz(kept, i, product, h, g, lse, ent, g_ent, targets, s, chunk, t, use_ent, weight.dtype)
             if grad_h is not None:
                 torch.mm(dz, weight, out=grad_h[s : s + chunk])
             if grad_w is not None:
@@ -290,6 +377,7 @@ class _ChunkedHead(torch.autograd.Function):
             grad_h,
             grad_w.to(weight.dtype) if grad_w is not None else None,
             grad_b.to(bias.dtype) if grad_b is not None else None,
+            None,
             None,
             None,
             None,

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from areal_async.train.attention import sdpa_like
 from areal_async.train.lm_head import DEFAULT_CHUNK_TOKENS, forward_features, logprobs_from_logits, token_logprobs
 
 __all__ = [
@@ -106,7 +107,7 @@ def _transformers_detects_packing() -> bool:
 def _explicit_attention_mask(model: torch.nn.Module, seq_lens: Tensor, device: torch.device) -> Tensor:
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     allowed = block_causal_mask(seq_lens, device)  # [1, 1, N, N] bool
-    if impl == "sdpa":
+    if sdpa_like(impl):
         return allowed
     if impl == "eager":  # eager attention adds the mask to the scores
         dtype = next(model.parameters()).dtype
@@ -175,7 +176,7 @@ def needs_dense_packing_mask(model: torch.nn.Module) -> bool:
     """True when packed sequences would need a dense [N, N] block mask with this model's attention (sdpa, eager):
     then `rows_forward_logprobs` is the cheaper exact layout. False for varlen kernels (flash attention)."""
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    return impl in ("sdpa", "eager")
+    return sdpa_like(impl) or impl == "eager"
 
 
 def rows_forward_logprobs(

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from areal_async.train.attention import sdpa_like
 from areal_async.train.lm_head import DEFAULT_CHUNK_TOKENS, forward_features, token_logprobs
 from areal_async.train.logprobs import model_device
 
@@ -103,7 +104,8 @@ def supports_shared_prefix(model: torch.nn.Module) -> bool:
     cfg = getattr(model, "config", None)
     if cfg is None:
         return False
-    if (getattr(cfg, "_attn_implementation", None) or "sdpa") not in ("sdpa", "eager"):
+    impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
+    if not (sdpa_like(impl) or impl == "eager"):
         return False
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):

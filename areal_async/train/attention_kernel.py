@@ -63,19 +63,39 @@ static inline float bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; 
 static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch's .to(bfloat16) */
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t r = u + 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)((((u & 0x7fffffffu) > 0x7f800000u) ? (u | 0x400000u) : r) >> 16);  /* NaN stays NaN */
 }
 
 static inline float ld(const void* p, int64_t i, int bf16) {
     return bf16 ? bf2f(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
 
-static inline void st(void* p, int64_t i, float x, int bf16) {
-    if (bf16) ((uint16_t*)p)[i] = f2bf(x);
-    else ((float*)p)[i] = x;
+/* dst[i] = src[i] * mul (n values, bf16 or fp32) as fp32, and back: the branch outside the loops, so they vectorise */
+static inline void load_vec(const void* src, int64_t off, int64_t n, int bf16, float mul, float* dst) {
+    if (bf16) {
+        const uint16_t* s = (const uint16_t*)src + off;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = mul * bf2f(s[i]);
+    } else {
+        const float* s = (const float*)src + off;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = mul * s[i];
+    }
 }
+
+static inline void store_vec(void* dst, int64_t off, int64_t n, int bf16, float mul, const float* src) {
+    if (bf16) {
+        uint16_t* d = (uint16_t*)dst + off;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = f2bf(mul * src[i]);
+    } else {
+        float* d = (float*)dst + off;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = mul * src[i];
+    }
+}
+
 
 /* Keys visible to the block's rows i0..i0+nr-1 lie below the returned bound (the last visible key + 1). */
 static int64_t key_end(const uint8_t* mrow0, int64_t sml, int64_t i0, int64_t nr, int64_t Lk, int causal) {
@@ -183,10 +203,7 @@ static void load_kv(const void* src, int64_t base, int64_t sl, int64_t Lk, int64
 /* One block's query rows as fp32 times `mul` [RB, D]; rows past nr repeat the last (computed, never used). */
 static void load_rows(const void* src, int64_t base, int64_t sl, int64_t nr, int64_t D, int bf16, float mul,
                       float* out) {
-    for (int r = 0; r < RB; r++) {
-        const int64_t rr = r < nr ? r : nr - 1;
-        for (int64_t d = 0; d < D; d++) out[r * D + d] = mul * ld(src, base + rr * sl + d, bf16);
-    }
+    for (int r = 0; r < RB; r++) load_vec(src, base + (r < nr ? r : nr - 1) * sl, D, bf16, mul, out + r * D);
 }
 
 /* out [B, L, H, D] = softmax(scale q k^T + mask) v per (b, h) with kv head h / (H / Hkv); lse [B, H, L] fp32 (the
@@ -242,7 +259,7 @@ void attn_fwd(const void* q, const void* k, const void* v, const uint8_t* mask, 
                 }
                 block_combine(s, ldt, vr, D, jend, ob);
                 for (int64_t r = 0; r < nr; r++)
-                    for (int64_t d = 0; d < D; d++) st(out, ((b * L + i0 + r) * H + h) * D + d, ob[r * D + d], bf16);
+                    store_vec(out, ((b * L + i0 + r) * H + h) * D, D, bf16, 1.f, ob + r * D);
             }
         }
         free(kt);
@@ -295,7 +312,9 @@ void attn_bwd(const void* q, const void* k, const void* v, const uint8_t* mask, 
                         continue;
                     }
                     float di = 0.f;  /* sum_d dout * out: the softmax backward's row term */
-                    for (int64_t d = 0; d < D; d++) di += gb[r * D + d] * ld(out, ((b * L + i) * H + h) * D + d, bf16);
+                    load_vec(out, ((b * L + i) * H + h) * D, D, bf16, 1.f, ob);
+                    #pragma omp simd reduction(+:di)
+                    for (int64_t d = 0; d < D; d++) di += gb[r * D + d] * ob[d];
                     mask_row(sr, mb ? mb + i * p[P_ML] : NULL, i, jend, causal);
                     #pragma omp simd
                     for (int64_t j = 0; j < jend; j++) {
@@ -305,18 +324,13 @@ void attn_bwd(const void* q, const void* k, const void* v, const uint8_t* mask, 
                     }
                 }
                 block_combine(dp, ldt, kr, D, jend, ob);  /* dq = scale dS K */
-                for (int64_t r = 0; r < nr; r++)
-                    for (int64_t d = 0; d < D; d++)
-                        st(dq, ((b * L + i0 + r) * H + h) * D + d, scale * ob[r * D + d], bf16);
+                for (int64_t r = 0; r < nr; r++) store_vec(dq, ((b * L + i0 + r) * H + h) * D, D, bf16, scale, ob + r * D);
                 block_accumulate(dp, ldt, qb, D, jend, dka);  /* dk += dS^T (scale q) */
                 block_accumulate(s, ldt, gb, D, jend, dva);   /* dv += P^T dout */
             }
         }
-        for (int64_t j = 0; j < Lk; j++)
-            for (int64_t d = 0; d < D; d++) {
-                st(dk, ((b * Hkv + g) * Lk + j) * D + d, dka[j * D + d], bf16);
-                st(dv, ((b * Hkv + g) * Lk + j) * D + d, dva[j * D + d], bf16);
-            }
+        store_vec(dk, (b * Hkv + g) * Lk * D, Lk * D, bf16, 1.f, dka);
+        store_vec(dv, (b * Hkv + g) * Lk * D, Lk * D, bf16, 1.f, dva);
         free(kt);
     }
 }

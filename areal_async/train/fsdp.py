@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from areal_async.train.attention import trainer_attention
+from areal_async.train.rms_norm import install as install_rms_norm
 
 __all__ = ["LoadedModel", "load_sharded", "clip_grad_norm", "rng_state", "set_rng_state"]
 
@@ -78,6 +79,7 @@ def load_sharded(
         model = transformers.AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=trainer_attention(device, compute_dtype)
         )
+    install_rms_norm(model, device, compute_dtype)  # bf16 on CPU: one-pass RMSNorm (train/rms_norm.py)
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)

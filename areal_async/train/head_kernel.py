@@ -40,9 +40,8 @@ _SOURCE = (
 static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch's .to(bfloat16) */
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t r = u + 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)((((u & 0x7fffffffu) > 0x7f800000u) ? (u | 0x400000u) : r) >> 16);  /* NaN stays NaN */
 }
 
 /* Per row of logits z [C, V] (fp32, scaled in place by inv_t): lse = log sum exp z, lp = z[target] - lse, and the

@@ -324,7 +324,8 @@ void attn_bwd(const void* q, const void* k, const void* v, const uint8_t* mask, 
                     }
                 }
                 block_combine(dp, ldt, kr, D, jend, ob);  /* dq = scale dS K */
-                for (int64_t r = 0; r < nr; r++) store_vec(dq, ((b * L + i0 + r) * H + h) * D, D, bf16, scale, ob + r * D);
+                for (int64_t r = 0; r < nr; r++)
+                    store_vec(dq, ((b * L + i0 + r) * H + h) * D, D, bf16, scale, ob + r * D);
                 block_accumulate(dp, ldt, qb, D, jend, dka);  /* dk += dS^T (scale q) */
                 block_accumulate(s, ldt, gb, D, jend, dva);   /* dv += P^T dout */
             }

@@ -46,8 +46,14 @@ _SOURCE = (
 #else
 #define VL 8
 #endif
-#define RB 4          /* query rows per block */
-#define DC (4 * VL)   /* head-dim floats per register block: head_dim must be a multiple */
+/* Register blocking: RB query rows x NV vectors of accumulators (16 of AVX-512's 32 registers, 8 of AVX2's 16) */
+#if VL == 16
+#define RB 8
+#else
+#define RB 4
+#endif
+#define NV 2
+#define DC (NV * VL)  /* head-dim floats per register block: head_dim must be a multiple */
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
 #define LD(p) (*(const vfu*)(p))
@@ -145,45 +151,37 @@ static void block_scores(const float* A, const float* Bt, int64_t ldb, int64_t D
 /* Out[r, :] = sum_{j < jend} W[r, j] Rows[j, :] for r < RB, head dim D (a multiple of DC). */
 static void block_combine(const float* W, int64_t ldw, const float* Rows, int64_t D, int64_t jend, float* Out) {
     for (int64_t dc = 0; dc < D; dc += DC) {
-        vf acc[RB][4];
+        vf acc[RB][NV];
         for (int r = 0; r < RB; r++)
-            for (int c = 0; c < 4; c++) acc[r][c] = (vf){0};
+            for (int c = 0; c < NV; c++) acc[r][c] = (vf){0};
         for (int64_t j = 0; j < jend; j++) {
-            const float* row = Rows + j * D + dc;
-            const vf x0 = LD(row), x1 = LD(row + VL), x2 = LD(row + 2 * VL), x3 = LD(row + 3 * VL);
+            vf x[NV];
+            for (int c = 0; c < NV; c++) x[c] = LD(Rows + j * D + dc + c * VL);
             for (int r = 0; r < RB; r++) {
                 const float w = W[r * ldw + j];
-                acc[r][0] += w * x0;
-                acc[r][1] += w * x1;
-                acc[r][2] += w * x2;
-                acc[r][3] += w * x3;
+                for (int c = 0; c < NV; c++) acc[r][c] += w * x[c];
             }
         }
         for (int r = 0; r < RB; r++)
-            for (int c = 0; c < 4; c++) ST(Out + r * D + dc + c * VL, acc[r][c]);
+            for (int c = 0; c < NV; c++) ST(Out + r * D + dc + c * VL, acc[r][c]);
     }
 }
 
 /* Acc[j, :] += sum_r W[r, j] X[r, :] for j < jend: the transposed product, into fp32 rows. */
 static void block_accumulate(const float* W, int64_t ldw, const float* X, int64_t D, int64_t jend, float* Acc) {
     for (int64_t dc = 0; dc < D; dc += DC) {
-        vf x[RB][4];
+        vf x[RB][NV];
         for (int r = 0; r < RB; r++)
-            for (int c = 0; c < 4; c++) x[r][c] = LD(X + r * D + dc + c * VL);
+            for (int c = 0; c < NV; c++) x[r][c] = LD(X + r * D + dc + c * VL);
         for (int64_t j = 0; j < jend; j++) {
             float* a = Acc + j * D + dc;
-            vf a0 = LD(a), a1 = LD(a + VL), a2 = LD(a + 2 * VL), a3 = LD(a + 3 * VL);
+            vf acc[NV];
+            for (int c = 0; c < NV; c++) acc[c] = LD(a + c * VL);
             for (int r = 0; r < RB; r++) {
                 const float w = W[r * ldw + j];
-                a0 += w * x[r][0];
-                a1 += w * x[r][1];
-                a2 += w * x[r][2];
-                a3 += w * x[r][3];
+                for (int c = 0; c < NV; c++) acc[c] += w * x[r][c];
             }
-            ST(a, a0);
-            ST(a + VL, a1);
-            ST(a + 2 * VL, a2);
-            ST(a + 3 * VL, a3);
+            for (int c = 0; c < NV; c++) ST(a + c * VL, acc[c]);
         }
     }
 }
@@ -350,9 +348,9 @@ class Kernel:
     vector_width: int  # floats per vector: 16 with AVX-512, 8 on the AVX2 baseline
 
     def supports(self, head_dim: int, keys: int, dtype: torch.dtype) -> bool:
-        """Shapes and dtypes this build computes: head dims in whole register blocks (4 vectors), rows up to
+        """Shapes and dtypes this build computes: head dims in whole register blocks (2 vectors), rows up to
         MAX_KEYS keys, bf16 or fp32."""
-        return head_dim % (4 * self.vector_width) == 0 and 0 < keys <= MAX_KEYS and dtype in _DTYPES
+        return head_dim % (2 * self.vector_width) == 0 and 0 < keys <= MAX_KEYS and dtype in _DTYPES
 
 
 _DTYPES = (torch.bfloat16, torch.float32)

@@ -135,3 +135,17 @@ def test_softmax_passes_match_float64_on_every_target(any_target, temp):
         u_out = 2.0**-8 if out_dtype == torch.bfloat16 else U32
         bound = bound * (1 + u_out) + u_out * want.abs() + 1e-45
         assert bool(((dz.double() - want).abs() <= bound).all()), out_dtype
+
+
+def test_scratch_buffers_are_recycled_by_capacity_and_never_shared():
+    pool = lm_head._Scratch(keep=1)
+    a = pool.take(3, 5, 4, torch.float32)  # [3, 5] view of a 4 x 5 buffer
+    b = pool.take(4, 5, 4, torch.float32)
+    assert a.shape == (3, 5) and a.is_contiguous() and a.data_ptr() != b.data_ptr()
+    pool.give(a)
+    c = pool.take(2, 5, 4, torch.float32)  # the same capacity: a's buffer again
+    assert c.data_ptr() == a.data_ptr()
+    pool.give(b)
+    pool.give(c)  # the pool keeps one free buffer per key; the other is left to the garbage collector
+    assert len(pool._free[(torch.float32, 20)]) == 1
+    assert pool.take(9, 5, 4, torch.float32).shape == (9, 5)  # more rows than the capacity: a buffer of its own

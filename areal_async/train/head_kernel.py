@@ -238,12 +238,15 @@ class Kernel:
         self.pack_fn(w.data_ptr(), packed.data_ptr(), n, k, w.stride(0), torch.get_num_threads())
         return packed
 
-    def forward(self, hidden: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
-        """hidden [M, K] bf16 @ W^T (+ bias [N] fp32) -> [M, N] fp32, W as packed by `pack` with N rows."""
+    def forward(self, hidden: Tensor, packed: Tensor, n: int, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+        """hidden [M, K] bf16 @ W^T (+ bias [N] fp32) -> [M, N] fp32 (into `out`, contiguous, when given), W as
+        packed by `pack` with N rows."""
         assert self.forward_fn is not None
         h = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
         m, k = h.shape
-        out = torch.empty(m, n, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
         b = None if bias is None else bias.float().contiguous()
         self.forward_fn(
             h.data_ptr(),
@@ -293,12 +296,15 @@ class Kernel:
         out_dtype: torch.dtype,
         ent: Tensor | None = None,
         g_ent: Tensor | None = None,
+        out: Tensor | None = None,
     ) -> Tensor:
         """d(sum g_lp lp + sum g_ent H) / d logits [C, V] in `out_dtype` (bf16 or fp32), from `softmax_forward`'s
-        scaled z [C, V] and lse [C]; the entropy term where `ent` and `g_ent` [C] are given."""
+        scaled z [C, V] and lse [C]; the entropy term where `ent` and `g_ent` [C] are given; into `out` [C, V]
+        (contiguous) when given."""
         c, v = z.shape
         use_ent = ent is not None and g_ent is not None
-        dz = torch.empty(c, v, dtype=out_dtype)
+        dz = torch.empty(c, v, dtype=out_dtype) if out is None else out
+        assert dz.shape == (c, v) and dz.dtype == out_dtype and dz.is_contiguous()
         vecs = [t.float().contiguous() for t in (lse, g_lp)]
         extra = [t.float().contiguous() for t in (ent, g_ent)] if use_ent else [None, None]
         tg = targets.to(torch.int64).contiguous()

@@ -205,6 +205,45 @@ def _head_kernel() -> head_kernel.Kernel | None:
         return _kernel_state["kernel"]  # type: ignore[return-value]
 
 
+class _Scratch:
+    """Reused [chunk, V] buffers for the kernel path's per-chunk temporaries (the logits, fp32, and their
+    gradient, bf16: 200 and 100 MB at 1,024 x 49,152).
+
+    Why: allocations this large come back from the C library as fresh pages each time (measured in the train step:
+    ~250k page faults a step, each page zeroed by the kernel), which cost the head's product and backward pass more
+    than their arithmetic (1.8 s and 0.7 s of a 18.4 s SmolLM2 step against ~0.9 and ~0.1 s alone). Buffers are
+    keyed by dtype and capacity (whole chunks), handed out as row-prefix views and returned after their last use;
+    at most `keep` free ones per key are held, so the process keeps about the step's peak of them between steps."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self._free: dict[tuple[torch.dtype, int], list[Tensor]] = {}
+        self._lock = threading.Lock()
+        self._keep = keep
+
+    def take(self, rows: int, cols: int, capacity_rows: int, dtype: torch.dtype) -> Tensor:
+        """A [rows, cols] contiguous view of a buffer of max(rows, capacity_rows) x cols elements (contents
+        undefined)."""
+        key = (dtype, max(rows, capacity_rows) * cols)
+        with self._lock:
+            pool = self._free.get(key)
+            flat = pool.pop() if pool else None
+        if flat is None:
+            flat = torch.empty(key[1], dtype=dtype)
+        return flat[: rows * cols].view(rows, cols)
+
+    def give(self, t: Tensor) -> None:
+        """Return a tensor from `take` (no view of it may be used afterwards)."""
+        flat = t._base if t._base is not None else t
+        key = (flat.dtype, flat.numel())
+        with self._lock:
+            pool = self._free.setdefault(key, [])
+            if len(pool) < self._keep:
+                pool.append(flat)
+
+
+_scratch = _Scratch()
+
+
 def _head_product(hidden: Tensor, weight: Tensor, bias: Tensor | None, prepared: dict) -> Callable[[Tensor], Tensor]:
     """h [C, H] -> h W^T + b [C, V] as a fresh fp32 tensor, for the chunks of `hidden` [M, H].
 
@@ -221,7 +260,9 @@ def _head_product(hidden: Tensor, weight: Tensor, bias: Tensor | None, prepared:
             prepared["packed"] = kernel.pack(weight)  # [V / 32, H / 2, 32]: the weight changes every step
         packed = prepared["packed"]
         b32, n = _fp32(bias), weight.shape[0]
-        return lambda h: kernel.forward(h, packed, n, b32)
+        chunk = int(prepared.get("chunk", DEFAULT_CHUNK_TOKENS))
+        # into a reused buffer (the caller gives it back to _scratch)
+        return lambda h: kernel.forward(h, packed, n, b32, out=_scratch.take(h.shape[0], n, chunk, torch.float32))
     w32, b32 = weight.float(), _fp32(bias)  # [V, H] fp32, one cast per call (none for fp32 weights)
 
     def product(h: Tensor) -> Tensor:
@@ -292,6 +333,7 @@ class _ChunkedHead(torch.autograd.Function):
         lse = torch.empty_like(lp)  # [M], kept for backward
         ent = torch.empty_like(lp) if want_entropy else lp.new_zeros(0)
         kept: list[Tensor | None] = []  # [C, V] log-probabilities per chunk, when backward is to reuse them
+        prepared["chunk"] = chunk  # the scratch buffers' capacity in rows
         product = _head_product(hidden, weight, b, prepared)
         ctx.prepared = prepared
         fused = _fused_softmax(hidden, weight)
@@ -305,6 +347,8 @@ class _ChunkedHead(torch.autograd.Function):
                     ent[s : s + chunk] = ent_c
                 if keep:
                     kept.append(z)
+                else:
+                    _scratch.give(z)
                 continue
             z = _chunk_z(product, hidden[s : s + chunk], temperature)  # [C, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [C]
@@ -334,7 +378,13 @@ class _ChunkedHead(torch.autograd.Function):
             g_lp = lse.new_zeros(m)
         use_ent = ctx.entropy_grad and g_ent is not None
         grad_h = torch.empty_like(hidden) if need_h else None  # [M, H]
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # [V, H]
+        grad_w = None  # [V, H] fp32 accumulator; a reused buffer on the kernel path
+        if need_w:
+            grad_w = (
+                _scratch.take(weight.shape[0], weight.shape[1], 0, torch.float32).zero_()
+                if ctx.fused is not None
+                else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            )
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and b is not None else None
         kept, ctx.kept = ctx.kept, None  # used up in place below: a second backward recomputes
         product = (
@@ -360,7 +410,9 @@ class _ChunkedHead(torch.autograd.Function):
                     weight.dtype,
                     ent[s : s + chunk] if use_ent else None,
                     g_ent[s : s + chunk] if use_ent else None,
+                    out=_scratch.take(z.shape[0], z.shape[1], chunk, weight.dtype),
                 )  # [C, V]
+                _scratch.give(z)
                 del z
             else:
                 dz = _torch_dz(kept, i, product, h, g, lse, ent, g_ent, targets, s, chunk, t, use_ent, weight.dtype)
@@ -369,13 +421,19 @@ class _ChunkedHead(torch.autograd.Function):
             if grad_w is not None:
                 if weight.dtype == torch.float32:
                     grad_w.addmm_(dz.t(), h)
-                else:
-                    grad_w += (dz.t() @ h).float()
+                else:  # the bf16 product added into fp32 (the same values as .float() first, one temporary less)
+                    grad_w.add_(dz.t() @ h)
             if grad_b is not None:
                 grad_b += dz.float().sum(0)
+            if fused is not None:
+                _scratch.give(dz)  # its products above are done (CPU ops run synchronously)
+            del dz
+        grad_w_out = grad_w.to(weight.dtype) if grad_w is not None else None
+        if grad_w is not None and fused is not None:
+            _scratch.give(grad_w)
         return (
             grad_h,
-            grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_w_out,
             grad_b.to(bias.dtype) if grad_b is not None else None,
             None,
             None,

@@ -152,7 +152,7 @@ def test_a_killed_conversion_leaves_no_usable_cache_and_the_next_one_is_identica
         assert not _tmp_dirs(models)  # the dead converter's directory was removed
         assert _files(final) == _files(undisturbed)  # deterministic: byte-identical to the undisturbed conversion
     finally:
-        # about 1 GB that pytest would otherwise keep
+        # about 0.5 GB that pytest would otherwise keep
         shutil.rmtree(tmp_path / "cache", ignore_errors=True)
         shutil.rmtree(tmp_path / "reference", ignore_errors=True)
         os.remove(src)

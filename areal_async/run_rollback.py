@@ -45,7 +45,8 @@ async def roll_back(
     rewind(session, plan.cfg.run_dir, target.version)
     weights = await connect_weights(plan, session.trainers, session.client, cluster, previous=weights)
     await bring_servers_to(weights, target.version)
-    _record_rolled_back(session, failed_at, target, ckpt, time.monotonic() - t_lost)
+    layout = cluster.trainer_layout().record() if hasattr(cluster, "trainer_layout") else None
+    _record_rolled_back(session, failed_at, target, ckpt, time.monotonic() - t_lost, layout)
     return target, weights, ckpt is not None
 
 
@@ -93,12 +94,32 @@ async def restart_trainers(
         await asyncio.sleep(delay)
         try:
             await rec.guard(cluster.restart_trainers(os.path.join(ckpt, "trainer") if ckpt else None))
+            _record_shrink(rlog, cluster, failed_at)
             session.trainers = await rec.guard(connect_trainers(cluster, cfg))
             return target, ckpt
         except NotImplementedError as e:  # found out by trying: a Slurm trainer node that went away (NodeLost)
             raise _not_restartable(rlog, lost, str(e), failed_at) from e
         except (TrainerLost, TrainerError, ConnectionError, TimeoutError, ChildFailed) as e:
             lost = e  # the new job failed too: counts as another restart
+
+
+def _record_shrink(rlog: RecoveryLog, cluster: Cluster, failed_at: int) -> None:
+    """When the restart just done shrank the trainer job to the hosts left (launch/shrink.py), record which hosts
+    it left out and why, and the new layout (`trainer_shrunk`; `trainer_recovered` follows once the run is back)."""
+    shrink = getattr(cluster, "last_shrink", None)
+    if shrink is None:
+        return
+    rlog.record(
+        "info",
+        "trainer_shrunk",
+        "trainer",
+        "; ".join(f"{host}: {why}" for host, why in shrink.lost.items()),
+        f"the new trainer job runs on the hosts left: {shrink.after.describe()} (was {shrink.before.describe()})",
+        version=failed_at,
+        lost_hosts=sorted(shrink.lost),
+        trainer_layout=shrink.after.record(),
+        previous_layout=shrink.before.record(),
+    )
 
 
 def _not_restartable(rlog: RecoveryLog, lost: BaseException, why: str, failed_at: int) -> RunStopped:
@@ -156,7 +177,14 @@ def rewind(session: Session, run_dir: str, version: int) -> None:
     session.logger = MetricsLogger(run_dir, sinks=sinks)
 
 
-def _record_rolled_back(session: Session, failed_at: int, target: RunState, ckpt: str | None, recover_s: float) -> None:
+def _record_rolled_back(
+    session: Session,
+    failed_at: int,
+    target: RunState,
+    ckpt: str | None,
+    recover_s: float,
+    layout: dict[str, object] | None = None,
+) -> None:
     assert session.client is not None and session.recovery_log is not None
     held = {u: st["version"] for u, st in session.client.stats()["servers"].items() if st["state"] == "serving"}
     session.recovery_log.record(
@@ -170,4 +198,5 @@ def _record_rolled_back(session: Session, failed_at: int, target: RunState, ckpt
         steps_redone=failed_at - target.version,
         version=target.version,
         server_versions=held,
+        **({"trainer_layout": layout} if layout is not None else {}),
     )

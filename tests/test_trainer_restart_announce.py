@@ -1,5 +1,6 @@
 """A trainer restart is announced ("restart 1 of 2 in 1.0s") only when one will be tried: a cluster that cannot
-restart its trainers (agents started by hand elsewhere, a trainer job this cluster did not start) says so through
+restart its trainers (agents started by hand elsewhere with recovery.shrink_trainers=false, a trainer job this
+cluster did not start) says so through
 `can_restart_trainers`, and run_rollback.py records the failure and stops the run without counting a restart. A
 restart that is tried and then turns out impossible (a Slurm trainer node that went away: `NodeLost`) is still
 announced, because it was attempted. No processes: the clusters' own queries, and run_rollback on fakes."""
@@ -61,8 +62,11 @@ def test_clusters_say_whether_they_can_restart_their_trainers(tmp_path):
     cfg = load_config(None, [f"run_dir={tmp_path}"])
     assert _local(cfg).can_restart_trainers
     assert not _local(cfg, ours=False).can_restart_trainers  # external servers and trainers it was not given
-    by_hand = load_config(None, [f"run_dir={tmp_path}", "train.nnodes=2", "train.rdzv.local_agents=1"])
-    cluster = _local(by_hand)
+    by_hand = [f"run_dir={tmp_path}", "train.nnodes=2", "train.rdzv.local_agents=1"]
+    assert _local(
+        load_config(None, by_hand)
+    ).can_restart_trainers  # it shrinks to the agents here (test_trainer_shrink)
+    cluster = _local(load_config(None, [*by_hand, "recovery.shrink_trainers=false"]))
     assert not cluster.can_restart_trainers
     assert "start the agent on the other node(s) with the command it logs" in cluster.why_trainers_cannot_restart()
     alloc = SimpleNamespace(job_id="7", nodes=["n1"], cpus={"n1": 16}, controller_node="n1")
@@ -73,9 +77,8 @@ def test_clusters_say_whether_they_can_restart_their_trainers(tmp_path):
 
 
 def test_agents_by_hand_stop_the_run_without_announcing_a_restart(tmp_path):
-    cfg = load_config(
-        None, [f"run_dir={tmp_path}", "train.nnodes=2", "train.rdzv.local_agents=1", "recovery.restart_backoff_s=0"]
-    )
+    by_hand = [f"run_dir={tmp_path}", "train.nnodes=2", "train.rdzv.local_agents=1", "recovery.restart_backoff_s=0"]
+    cfg = load_config(None, [*by_hand, "recovery.shrink_trainers=false"])  # on: the job shrinks instead
     stopped, records = _roll_back(cfg, _local(cfg))
     assert [(r["outcome"], r["event"]) for r in records] == [
         ("fault", "trainer_failed"),

@@ -120,6 +120,12 @@ class RecoveryConfig(Section):
     max_trainer_restarts: int = 2
     """Restarts of the trainer job per run, each rolling the run back to the last checkpoint; when they are spent
     the run stops and its last checkpoint resumes it."""
+    shrink_trainers: bool = True
+    """A trainer host lost (a Slurm node gone away, or the host of an agent started by hand with
+    train.rdzv.local_agents) while other trainer hosts remain that this run can start trainers on: start the trainer
+    job again on those hosts only (fewer nodes, train.nproc ranks each) from the last checkpoint, and go on. It
+    counts as a trainer restart (max_trainer_restarts) and does not grow back when the host returns. false: the run
+    stops with its last checkpoint instead, naming the host."""
     trainer_unreachable_s: float = 120.0
     """A trainer rank whose host answers nothing on the controller's connection for this long (a link cut, a host
     powered off) counts as a dead trainer: the call waiting on it fails, naming the rank and its host. A cut of less

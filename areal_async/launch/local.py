@@ -29,6 +29,7 @@ from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
 from areal_async.launch.sglang_lora import sglang_lora_args
+from areal_async.launch.shrink import Shrink, TrainerLayout
 from areal_async.launch.slurm import SlurmLauncher
 from areal_async.net.address import advertised, host_address, rendezvous_host
 from areal_async.net.rank_registry import Registry, rank_files_dir, read_secret
@@ -70,6 +71,7 @@ class LocalCluster:
         self._joined: list[ServerJoined] = []  # restarted servers, announced by the watch
         self._fresh_port: set[str] = set()  # servers whose old port failed them: the next start takes a free one
         self._closed = False
+        self.last_shrink: Shrink | None = None  # what the last restart_trainers shrank, for the record
 
     async def watch(self, on_event: EventHandler) -> None:
         while True:
@@ -100,11 +102,22 @@ class LocalCluster:
 
     @property
     def can_restart_trainers(self) -> bool:
-        """Whether `restart_trainers` will try: this cluster started every agent of the trainer job."""
+        """Whether `restart_trainers` will try: this cluster started every agent of the trainer job, or it started
+        some and the job may shrink to them (recovery.shrink_trainers, launch/shrink.py)."""
         if self._cfg is None or self._model_path is None:
             return False
         t = self._cfg.train
-        return (t.rdzv.local_agents or t.nnodes) >= t.nnodes
+        return (t.rdzv.local_agents or t.nnodes) >= t.nnodes or self._cfg.recovery.shrink_trainers
+
+    def trainer_layout(self) -> TrainerLayout:
+        """The agents' hosts: this one for each agent started here, then those started by hand (where their ranks
+        reported from, once they have)."""
+        assert self._cfg is not None
+        t = self._cfg.train
+        here = t.rdzv.local_agents or t.nnodes
+        away = self._hosts_by_hand()[: t.nnodes - here]
+        away += [f"agent {k} (by hand)" for k in range(here + len(away), t.nnodes)]
+        return TrainerLayout((socket.gethostname(),) * here + tuple(away), t.nproc)
 
     def why_trainers_cannot_restart(self) -> str:
         """Why not, and what the operator does instead (when `can_restart_trainers` is false)."""
@@ -163,6 +176,16 @@ class LocalCluster:
         if not self.can_restart_trainers:
             raise NotImplementedError(self.why_trainers_cannot_restart())
         assert self._cfg is not None and self._model_path is not None
+        self.last_shrink = None
+        t = self._cfg.train
+        here = t.rdzv.local_agents or t.nnodes
+        if here < t.nnodes:  # agents started by hand: the job shrinks to the agents here (can_restart_trainers)
+            before = self.trainer_layout()
+            why = "its agent was started by hand (train.rdzv.local_agents): this run cannot start it again"
+            rdzv = msgspec.structs.replace(t.rdzv, local_agents=None)
+            self._cfg = msgspec.structs.replace(self._cfg, train=msgspec.structs.replace(t, nnodes=here, rdzv=rdzv))
+            self.last_shrink = Shrink(before, self.trainer_layout(), {h: why for h in before.nodes[here:]})
+            log.warning("%s; stop any agent still running there by hand", self.last_shrink.describe())
         for old in [c for c in self.processes.children if c.role == "trainer"]:
             await asyncio.to_thread(self.processes.stop, old, 10.0)
         if self.registry is not None:
@@ -183,20 +206,25 @@ class LocalCluster:
         """Why the trainer job cannot be restarted from here (agents started by hand elsewhere), naming the hosts
         their ranks reported from and what the operator does to go on."""
         assert self._cfg is not None
-        t, here = self._cfg.train, socket.gethostname()
+        t, away = self._cfg.train, self._hosts_by_hand()
+        where = f" on {', '.join(away)}" if away else " on the other node(s)"
+        return (
+            f"agents started by hand (train.rdzv.local_agents={t.rdzv.local_agents} of train.nnodes={t.nnodes}), and "
+            "recovery.shrink_trainers=false keeps the job from shrinking to the agents here: run "
+            f"the same command again, then start the agent{where} with the command it logs (stop any agent still "
+            "running there first)"
+        )
+
+    def _hosts_by_hand(self) -> list[str]:
+        """The hosts the ranks of agents started by hand reported from, as `node (address)`."""
+        here = socket.gethostname()
         ranks = [r for r in (self.registry.entries.values() if self.registry else []) if r.kind == "rank"]
-        away = sorted(
+        return sorted(
             {
                 f"{r.node} ({r.address.removeprefix('tcp://').rpartition(':')[0].strip('[]')})"
                 for r in ranks
                 if r.node != here
             }
-        )
-        where = f" on {', '.join(away)}" if away else " on the other node(s)"
-        return (
-            f"agents started by hand (train.rdzv.local_agents={t.rdzv.local_agents} of train.nnodes={t.nnodes}): run "
-            f"the same command again, then start the agent{where} with the command it logs (stop any agent still "
-            "running there first)"
         )
 
 

@@ -58,6 +58,7 @@ from areal_async.launch.node_assignment import (
     place,
 )
 from areal_async.launch.processes import Child, ChildFailed, Processes, tail
+from areal_async.launch.shrink import Shrink, TrainerLayout, hosts_left, not_shrinking_why
 from areal_async.launch.slurm_allocation import (
     Allocation,
     NodeHealth,
@@ -109,9 +110,11 @@ _RECANCEL_S = 10.0  # a step still listed after scancel is sent it again this of
 
 class NodeLost(NotImplementedError):
     """A node of the trainer step went away (power, network, a reboot): Slurm keeps listing that node's part of the
-    step, holding its CPUs, and no scancel ends it, so no new trainer step fits in this allocation. The run stops
-    with its last checkpoint (run_rollback.py treats a restart that cannot be done as final); resubmitting it once
-    the node is back, or on other nodes, resumes it. The message names the node."""
+    step, holding its CPUs, and no scancel ends it, so no new trainer step on the same nodes fits in this
+    allocation. Raised only when the job cannot shrink to the nodes left instead (recovery.shrink_trainers=false,
+    no node left, or the lost node not known): the run stops with its last checkpoint (run_rollback.py treats a
+    restart that cannot be done as final); resubmitting it once the node is back, or on other nodes, resumes it.
+    The message names the node."""
 
 
 class SlurmCluster:
@@ -142,7 +145,11 @@ class SlurmCluster:
         self.poll_s = poll_s
         self.join: JoinFile | None = None  # run_dir/servers.txt (launch/membership.py), set once the servers are up
         self._closed = False
-        self.start_trainers: Callable[[str | None, int], Child] | None = None  # (resume, generation): set by launch
+        self.start_trainers: Callable[..., Child] | None = None  # (resume, generation, nodes=, overlap=): by launch
+        self.shrink_trainers = True  # recovery.shrink_trainers: a lost trainer node shrinks the job (launch/shrink.py)
+        self.trainer_nproc = 1  # train.nproc
+        self.last_shrink: Shrink | None = None  # what the last restart_trainers shrank, for the record
+        self._overlap_trainers = False  # a trainer step was left on a lost node: later ones need srun --overlap
         self.start_server: Callable[[int, str], Child] | None = None  # (index, node); None: servers not ours
         self.room_for_server: Callable[[int, list[str], set[str]], str | None] | None = None  # (index, nodes, lost)
         self.trainer_nodes: list[str] = []
@@ -223,28 +230,53 @@ class SlurmCluster:
         """Trainer nodes that went away since the launch (node -> why; see slurm_allocation.lost_nodes)."""
         return self._lost(self.trainer_nodes)
 
+    def trainer_layout(self) -> TrainerLayout:
+        return TrainerLayout(tuple(self.trainer_nodes), self.trainer_nproc)
+
     async def restart_trainers(self, resume: str | None) -> TrainerHandle:
         """Replace the trainer step: cancel the old one and wait until Slurm no longer lists it (its CPUs are then
         free again), forget its ranks, and start a new step on the same nodes from the trainer checkpoint `resume`
-        (None: the base model) with a fresh rendezvous. Raises `NodeLost` naming the node when a trainer node went
-        away (its part of the old step cannot end), `ChildFailed` when the new step is not created in
-        `slurm.node_timeout_s`."""
+        (None: the base model) with a fresh rendezvous. When a trainer node went away (its part of the old step
+        cannot end, or the step ended with it), the new step runs on the trainer nodes left instead
+        (recovery.shrink_trainers; `last_shrink` says so), with srun --overlap: Slurm keeps counting the old step's
+        CPUs on every node of it while it lists the step (measured on the namespace cluster: a step needing them is
+        not created, 30 s after the scancel and the lost node flagged NOT_RESPONDING, while --overlap starts at
+        once). Raises `NodeLost` naming the node when it cannot shrink (launch/shrink.py `hosts_left`),
+        `ChildFailed` when the new step is not created in `slurm.node_timeout_s`."""
         if self.start_trainers is None:
             raise NotImplementedError(self.why_trainers_cannot_restart())
+        self.last_shrink = None
         for old in self.processes.children:
             if old.role == "trainer":
                 old.expected_exit = True  # its srun ends on the scancel below: no event for that
+        before = self.trainer_layout()
         sid, lost = await self._end_step("trainer", self.trainer_nodes, [])
-        if sid is not None:
-            raise NodeLost(node_lost_message(sid, lost, self.trainer_nodes, self.node_timeout_s))
+        if sid is None:  # ended, yet a node that lost power takes its part of the step along
+            lost = await asyncio.to_thread(self.lost_trainer_nodes)
+        left = hosts_left(self.trainer_nodes, lost, enabled=self.shrink_trainers)
+        if sid is not None and left is None:
+            why = not_shrinking_why(self.trainer_nodes, lost, enabled=self.shrink_trainers)
+            raise NodeLost(f"{node_lost_message(sid, lost, self.trainer_nodes, self.node_timeout_s)} ({why})")
         for old in [c for c in self.processes.children if c.role == "trainer"]:
             await asyncio.to_thread(self.processes.stop, old, 5.0)
         for name in [n for n, reg in self.registry.entries.items() if reg.kind == "rank"]:
             self.registry.entries.pop(name)
             with contextlib.suppress(OSError):
                 os.remove(rank_file(self.registry.rank_dir, int(name.removeprefix("rank"))))
+        if left is not None:
+            if sid is not None:
+                self._abandoned.add(sid)
+                self._overlap_trainers = True
+            self._step_gen["trainer"] = self._step_gen.get("trainer", 0) + 1  # never the old step's name
+            self.trainer_nodes = left
+            world_size, secret, rank_dir, master = self._trainers
+            self._trainers = (len(left) * self.trainer_nproc, secret, rank_dir, master)
+            self.last_shrink = Shrink(before, self.trainer_layout(), {n: lost[n] for n in before.nodes if n in lost})
+            log.warning("%s", self.last_shrink.describe())
         self._generation += 1
-        child = self.start_trainers(resume, self._generation)
+        child = self.start_trainers(
+            resume, self._generation, nodes=list(self.trainer_nodes), overlap=self._overlap_trainers
+        )
         await _wait_created(self, [child], self.node_timeout_s, only=True)
         return self.trainers
 
@@ -473,6 +505,7 @@ class SlurmLauncher:
                 start_trainer_step, cluster, cfg, assignment, model_path, secret=secret, remote=remote
             )
             cluster.trainer_nodes = list(assignment.trainer_nodes)
+            cluster.shrink_trainers, cluster.trainer_nproc = cfg.recovery.shrink_trainers, cfg.train.nproc
             cluster.node_timeout_s = cfg.slurm.node_timeout_s
             cluster.startup_timeout_s, cluster.api_key = cfg.server.startup_timeout_s, cfg.server.api_key
             cluster.nodes_at_start = await asyncio.to_thread(node_health, assignment.nodes)

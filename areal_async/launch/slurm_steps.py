@@ -125,17 +125,24 @@ def start_trainer_step(
     *,
     secret: bytes,
     remote: bool,
+    nodes: list[str] | None = None,
+    overlap: bool = False,
 ) -> Child:
-    """The trainer step: one torchrun agent on each of `p.trainer_nodes`, from checkpoint `resume` (None: the base
-    model); `generation` counts the steps started before it, so a replacement meets in a rendezvous of its own."""
+    """The trainer step: one torchrun agent on each of `p.trainer_nodes` (or `nodes`: the nodes left to a job that
+    shrank, launch/shrink.py), from checkpoint `resume` (None: the base model); `generation` counts the steps
+    started before it, so a replacement meets in a rendezvous of its own. `overlap` (srun --overlap): the step may
+    use CPUs Slurm still counts as another step's, which it does for the old step's part on a node that went away
+    (until that node answers again) and, measured on the namespace cluster, for the surviving nodes' part too."""
     t, alloc = cfg.train, owner.alloc
+    nodes = list(p.trainer_nodes) if nodes is None else nodes
+    nnodes = len(nodes)
     rdzv: list[str] = []
-    if t.nnodes > 1:
-        endpoint = t.rdzv.endpoint or (
-            f"{p.trainer_nodes[0]}:{rdzv_port(alloc.job_id, alloc.controller_node, p.trainer_nodes[0])}"
+    if nnodes > 1:
+        endpoint = (t.rdzv.endpoint if nnodes == t.nnodes else None) or (
+            f"{nodes[0]}:{rdzv_port(alloc.job_id, alloc.controller_node, nodes[0])}"
         )
         run_id = f"{alloc.job_id}-{owner.tag}-{generation}"
-        rdzv = c10d_args(nnodes=t.nnodes, endpoint=endpoint, run_id=run_id, timeout_s=t.rdzv.timeout_s)
+        rdzv = c10d_args(nnodes=nnodes, endpoint=endpoint, run_id=run_id, timeout_s=t.rdzv.timeout_s)
     cmd = trainer_cmd(
         model=model_path,
         nproc=t.nproc,
@@ -152,11 +159,11 @@ def start_trainer_step(
     srun = srun_cmd(
         alloc.job_id,
         owner.step_name("trainer"),
-        p.trainer_nodes,
+        nodes,
         cpus_per_task=p.cpus_per_trainer_node,
         gpus_per_node=p.gpus_per_trainer_node,
-        extra=cfg.slurm.srun_args,
-        label=t.nnodes > 1,
+        extra=[*cfg.slurm.srun_args, *(["--overlap"] if overlap else [])],
+        label=nnodes > 1,
     )
     return owner.processes.spawn("trainer", srun + cmd, env, role="trainer", unset=SRUN_UNSET)
 

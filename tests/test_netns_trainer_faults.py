@@ -6,13 +6,14 @@ process is not on their network.
 - h1's link cut for a few seconds in the middle of a train step (`ip link set ... down`: packets vanish, nothing is
   reset) rides through: gloo and the controller's connection retransmit once the link is back, the step ends, and
   no fault is recorded.
-- h1's link cut for longer than `recovery.trainer_unreachable_s` in the middle of a step: the controller's connection
-  to rank 1 is dropped (net/rpc_connection.py), the step fails naming rank 1's host, and since an agent started by
-  hand cannot be restarted by the run, the run stops with its checkpoint, naming h1 and what to run again.
-- Every process on h1 killed mid-step (the hand-started agent and its rank): the run stops the same way at once.
-
-Each time the same command, with the agent on h1 started again as the stop message says, resumes the run, which then
-finishes every step with no sample lost or trained twice.
+- h1's link cut for longer than `recovery.trainer_unreachable_s` in the middle of a step, with
+  `recovery.shrink_trainers=false`: the controller's connection to rank 1 is dropped (net/rpc_connection.py), the
+  step fails naming rank 1's host, and since an agent started by hand cannot be restarted by the run, the run stops
+  with its checkpoint, naming h1 and what to run again. The same command, with the agent on h1 started again as the
+  stop message says, resumes the run, which then finishes every step with no sample lost or trained twice.
+- Every process on h1 killed mid-step (the hand-started agent and its rank), shrinking on (the default): the trainer
+  job shrinks to the agent on h0 (world size 2 -> 1), which loads the last checkpoint (written by two ranks), the run
+  rolls back to it and finishes every step with no sample lost or trained twice, recoveries.jsonl naming h1.
 
 A step is provably in progress when a fault is injected: trainer rank 0 (on h0) is stopped (SIGSTOP) as the
 controller logs a step, so that step cannot end before the fault, and continued right after it.
@@ -40,6 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.skipif(WHY
 
 B, N, STEPS = 4, 4, 6  # prompt groups per step, samples per group, steps; a checkpoint every 2
 UNREACHABLE_S = 10.0  # recovery.trainer_unreachable_s
+NO_SHRINK = "recovery.shrink_trainers=false"  # the run stops instead of shrinking to h0
 SHORT_CUT_S = 3.0  # well inside it, TCP's retransmission backoff (up to twice the cut) included
 ARGS = [
     f"schedule.batch_size={B}",
@@ -91,8 +93,9 @@ def held_in_a_step(run: HostRun, h0: nshosts.Host) -> Iterator[int]:
         signal_pid(pid, signal.SIGCONT)
 
 
-def start_run(h0: nshosts.Host, tiny_ckpt: str, run_dir: str, secret: str) -> HostRun:
-    return HostRun(h0, [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", *ARGS], run_dir, {"AREAL_RPC_SECRET": secret})
+def start_run(h0: nshosts.Host, tiny_ckpt: str, run_dir: str, secret: str, *extra: str) -> HostRun:
+    args = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", *ARGS, *extra]
+    return HostRun(h0, args, run_dir, {"AREAL_RPC_SECRET": secret})
 
 
 def start_agent(h1: nshosts.Host, run: HostRun, secret: str, log_path: str) -> None:
@@ -128,7 +131,7 @@ def assert_stopped_naming(run: HostRun, run_dir: str, h1: nshosts.Host, rank: in
 def resume_to_the_end(h0: nshosts.Host, h1: nshosts.Host, tiny_ckpt: str, run_dir: str, secret: str, logs) -> None:
     """What the stop message says: the old agent on h1 stopped, the same command, the agent started again."""
     h1.kill_all()
-    rerun = start_run(h0, tiny_ckpt, run_dir, secret).start()
+    rerun = start_run(h0, tiny_ckpt, run_dir, secret, NO_SHRINK).start()
     try:
         start_agent(h1, rerun, secret, str(logs / "agent1-rerun.log"))
         assert rerun.wait(240) == 0, rerun.output()[-4000:]
@@ -144,7 +147,7 @@ def test_a_trainer_host_cut_off_briefly_rides_through_and_for_long_stops_the_run
     secret = os.urandom(32).hex()
     with nshosts.Hosts(2, gateway=False) as hs:
         h0, h1 = hs.hosts
-        run = start_run(h0, tiny_ckpt, run_dir, secret).start()
+        run = start_run(h0, tiny_ckpt, run_dir, secret, NO_SHRINK).start()
         try:
             start_agent(h1, run, secret, str(logs / "agent1.log"))
             run.wait_version(1)
@@ -187,7 +190,7 @@ def test_a_trainer_host_cut_off_briefly_rides_through_and_for_long_stops_the_run
         resume_to_the_end(h0, h1, tiny_ckpt, run_dir, secret, logs)
 
 
-def test_a_trainer_host_that_loses_its_processes_stops_the_run_naming_it(tiny_ckpt, tmp_path):
+def test_a_trainer_host_that_loses_its_processes_shrinks_the_job_to_the_host_left(tiny_ckpt, tmp_path):
     run_dir, logs = str(tmp_path / "run"), tmp_path / "logs"
     logs.mkdir()
     secret = os.urandom(32).hex()
@@ -197,15 +200,31 @@ def test_a_trainer_host_that_loses_its_processes_stops_the_run_naming_it(tiny_ck
         try:
             start_agent(h1, run, secret, str(logs / "agent1.log"))
             run.wait_version(2)  # past the first checkpoint
-            away = rank_on(run, h1)
-            with held_in_a_step(run, h0):
+            with held_in_a_step(run, h0) as step:
                 assert h1.kill_all()  # agent 1 and rank 1, as when h1 loses power
                 killed = time.monotonic()
-            rc = run.wait(120)
-            stopped_s = time.monotonic() - killed
+            back = run.wait_recovery("trainer_recovered", timeout=180)[-1]
+            back_s = time.monotonic() - killed
+            run.wait_version(step, 120)  # training again, on h0 alone
+            training_s = time.monotonic() - killed
+            rc = run.wait(240)
         finally:
             run.kill()
-        assert rc != 0, run.output()[-4000:]
-        assert_stopped_naming(run, run_dir, h1, away)
-        print(f"h1's processes killed: the run stopped {stopped_s:.1f}s later")
-        resume_to_the_end(h0, h1, tiny_ckpt, run_dir, secret, logs)
+        assert rc == 0, run.output()[-4000:]
+    assert summary(run_dir)["completed"]
+    events = {r["event"]: r for r in run.recoveries()}
+    assert h1.name in events["trainer_failed"]["what"], events  # the rank that went away, and where
+    shrunk = events["trainer_shrunk"]
+    assert [h.split(" ")[0] for h in shrunk["lost_hosts"]] == [h1.name], shrunk
+    assert shrunk["previous_layout"]["world_size"] == 2 and shrunk["trainer_layout"] == {
+        "nodes": [h0.name],
+        "nproc": 1,
+        "world_size": 1,
+    }, shrunk
+    assert back["trainer_layout"]["world_size"] == 1 and back["version"] == 2, back  # from the 2-rank checkpoint
+    assert "the trainer job shrinks from 2 to 1 node(s)" in run.output()
+    assert_exact_accounting(run_dir, STEPS, B, N)
+    print(
+        f"h1's processes killed: trainers back on h0 alone {back_s:.1f}s later (recover_s {back['recover_s']:.1f}), "
+        f"step {step} trained again {training_s:.1f}s after the kill"
+    )

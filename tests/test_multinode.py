@@ -246,6 +246,40 @@ async def test_broadcast_from_the_two_node_job_equals_disk_load(runs, trained):
     assert gap(got, want) < 1e-6
 
 
+@ON_LOOP
+async def test_a_checkpoint_of_two_nodes_resumes_in_a_world_of_one_and_trains_the_same_step(runs, trained, tiny_ckpt):
+    """What a trainer job that shrank to the hosts left relies on (recovery.shrink_trainers, launch/shrink.py): the
+    two-node job's checkpoint loads in a world of one (DCP reshards model and AdamW state), and the next step on the
+    same batch gives the same stats and weights (each rank divides its loss by the global token count, so the split
+    of a batch over fewer ranks does not change the step)."""
+    from areal_async.launch import local
+
+    two, root = runs["two_nodes"], runs["root"]
+    version = two.group.version
+    ckpt = (await two.group.save_checkpoint(str(root / "ckpt_two_nodes"))).path
+    cfg = load_config(
+        None, [f"model.path={tiny_ckpt}", f"run_dir={root / 'shrunk'}", "train.nnodes=1", "train.nproc=1", *TRAIN]
+    )
+    procs = local.Processes(cfg.run_dir)
+    handle, registry = await local._start_trainers(procs, cfg, tiny_ckpt, ckpt, "127.0.0.1")
+    try:
+        one = await TrainerGroup.connect(handle.rendezvous_dir, handle.world_size, handle.secret, timeout=180)
+        assert (one.world_size, one.version) == (1, version)
+        batch = make_batch(random.Random(23), version)
+        a = await two.group.train_step(batch, version)
+        b = await one.train_step(batch, version)
+        for key in STATS:
+            assert a.stats[key] == pytest.approx(b.stats[key], abs=1e-6), key
+        wa = load_weights((await two.group.publish(version + 1, str(root / "pub_two_after"))).path)
+        wb = load_weights((await one.publish(version + 1, str(root / "pub_shrunk"))).path)
+        assert max(float(np.abs(wa[k] - wb[k]).max()) for k in wa) < 1e-6
+        await asyncio.wait_for(one.shutdown(), 60)
+    finally:
+        await asyncio.to_thread(procs.shutdown)
+        if registry is not None:
+            await registry.close()
+
+
 def test_missing_node_ends_the_run_at_the_rendezvous_timeout(tiny_ckpt, tmp_path):
     """train.nnodes=2 with one agent here: the other never comes, torchrun's rendezvous gives up, the run ends."""
     run_dir = str(tmp_path / "missing")

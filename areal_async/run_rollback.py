@@ -1,7 +1,9 @@
 """When the trainer job fails (docs/recovery.md): `roll_back` restarts it from the last checkpoint (or the base
 model when there is none yet), with backoff, and brings the controller state, the sample ledger, metrics.jsonl and
 the servers' weights back to that version; once `recovery.max_trainer_restarts` are spent it raises the
-`RunStopped` that says what resumes the run. Every step is written to the recovery log.
+`RunStopped` that says what resumes the run. A cluster that restarts the job on fewer hosts than before (a trainer
+host lost, recovery.shrink_trainers, launch/shrink.py) says so in `last_shrink`, recorded as `trainer_shrunk`.
+Every step is written to the recovery log.
 
 Apart from run.py because it is the one path of a run that goes backwards; `train` in run.py calls `roll_back` when
 a segment ends with `TrainerLost`, and run.py re-exports these names.

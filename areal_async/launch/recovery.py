@@ -65,9 +65,11 @@ class RestartableCluster(Cluster, Protocol):
     """What recovery needs of a cluster beyond `Cluster` (LocalCluster and SlurmCluster have it; a launcher that
     lacks a method leaves that kind of failure unrecovered). `restart_server` announces the server with
     `ServerJoined`. `can_restart_servers` and `can_restart_trainers` say whether a restart will be tried at all
-    (servers or trainers the cluster did not start, agents started by hand elsewhere: no), so that the record never
-    announces a restart that cannot happen; `why_trainers_cannot_restart` says why not, and what the operator does.
-    `server_where` (optional) says where a restarted server runs, and why there when it moved."""
+    (servers or trainers the cluster did not start, agents started by hand elsewhere with recovery.shrink_trainers
+    off: no), so that the record never announces a restart that cannot happen; `why_trainers_cannot_restart` says
+    why not, and what the operator does. `server_where` (optional) says where a restarted server runs, and why there
+    when it moved; `trainer_layout` and `last_shrink` (optional) where the trainer job runs, and what the last
+    `restart_trainers` left out when it shrank the job to the hosts left (launch/shrink.py)."""
 
     can_restart_servers: bool
     can_restart_trainers: bool

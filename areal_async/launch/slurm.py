@@ -26,9 +26,10 @@ to report them gone, and kills what is left of the srun processes; the allocatio
 (the batch job ends when the controller does). No torch here.
 
 Replacing steps mid-run (the recovery policy's side, launch/recovery.py): a failed trainer step is cancelled and
-started again on the same nodes (`restart_trainers`); a dead or hung server step is cancelled and started again on
-its node (`restart_server`), or, when that node went away, on another node of the allocation with room for it
-(launch/node_assignment.py `node_for_server`). The command lines of the steps are launch/slurm_steps.py's.
+started again on the same nodes, or on the nodes left when one went away (`restart_trainers`); a dead or hung server
+step is cancelled and started again on its node (`restart_server`), or, when that node went away, on another node of
+the allocation with room for it (launch/node_assignment.py `node_for_server`). The command lines of the steps are
+launch/slurm_steps.py's.
 
 The allocation itself and the Slurm client commands are in launch/slurm_allocation.py; their names, and those of
 launch/node_assignment.py, are re-exported here (`__all__`), where launch/sbatch.py and the tests import them.
@@ -109,19 +110,16 @@ _RECANCEL_S = 10.0  # a step still listed after scancel is sent it again this of
 
 
 class NodeLost(NotImplementedError):
-    """A node of the trainer step went away (power, network, a reboot): Slurm keeps listing that node's part of the
-    step, holding its CPUs, and no scancel ends it, so no new trainer step on the same nodes fits in this
-    allocation. Raised only when the job cannot shrink to the nodes left instead (recovery.shrink_trainers=false,
-    no node left, or the lost node not known): the run stops with its last checkpoint (run_rollback.py treats a
-    restart that cannot be done as final); resubmitting it once the node is back, or on other nodes, resumes it.
-    The message names the node."""
+    """A trainer node went away and the job cannot shrink to the nodes left (recovery.shrink_trainers=false, none
+    left, or the lost node not known): no new step on the same nodes fits (Slurm keeps the node's part of the old
+    one), so the run stops with its last checkpoint (run_rollback.py). The message names the node."""
 
 
 class SlurmCluster:
     """srun children of this controller, one per step; watched by polling like LocalCluster. A failed trainer step
-    is replaced in place (`restart_trainers`, on the same nodes), unless one of its nodes went away (`NodeLost`); a
-    dead or hung server step is replaced on its node, or on another with room when its node went away
-    (`restart_server`, announced by `watch` as `ServerJoined` under its old name)."""
+    is replaced (`restart_trainers`: on the same nodes, or on the nodes left when one went away); a dead or hung
+    server step is replaced on its node, or on another with room when its node went away (`restart_server`,
+    announced by `watch` as `ServerJoined` under its old name)."""
 
     def __init__(
         self,
@@ -234,15 +232,12 @@ class SlurmCluster:
         return TrainerLayout(tuple(self.trainer_nodes), self.trainer_nproc)
 
     async def restart_trainers(self, resume: str | None) -> TrainerHandle:
-        """Replace the trainer step: cancel the old one and wait until Slurm no longer lists it (its CPUs are then
-        free again), forget its ranks, and start a new step on the same nodes from the trainer checkpoint `resume`
-        (None: the base model) with a fresh rendezvous. When a trainer node went away (its part of the old step
-        cannot end, or the step ended with it), the new step runs on the trainer nodes left instead
-        (recovery.shrink_trainers; `last_shrink` says so), with srun --overlap: Slurm keeps counting the old step's
-        CPUs on every node of it while it lists the step (measured on the namespace cluster: a step needing them is
-        not created, 30 s after the scancel and the lost node flagged NOT_RESPONDING, while --overlap starts at
-        once). Raises `NodeLost` naming the node when it cannot shrink (launch/shrink.py `hosts_left`),
-        `ChildFailed` when the new step is not created in `slurm.node_timeout_s`."""
+        """Replace the trainer step: cancel the old one, wait until Slurm no longer lists it (its CPUs are then free
+        again), forget its ranks, start a new step on the same nodes from trainer checkpoint `resume` (None: the base
+        model). When a trainer node went away, the new step runs on the nodes left instead (launch/shrink.py;
+        `last_shrink` says so), with srun --overlap: while Slurm lists the old step it counts its CPUs on the nodes
+        left too (docs/cluster.md, measured). Raises `NodeLost` when it cannot shrink, `ChildFailed` when the new
+        step is not created in `slurm.node_timeout_s`."""
         if self.start_trainers is None:
             raise NotImplementedError(self.why_trainers_cannot_restart())
         self.last_shrink = None

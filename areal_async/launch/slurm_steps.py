@@ -8,20 +8,26 @@ step started again after a fault, on its old node or another one, is built here 
 
 from __future__ import annotations
 
+import asyncio
 import re
+import socket
 import sys
-from typing import TYPE_CHECKING, Protocol
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import msgspec
 
 from areal_async.launch.node_assignment import NodeAssignment
 from areal_async.launch.processes import (
     Child,
+    ChildFailed,
     Processes,
     c10d_args,
     embedded_server_cmd,
     free_port,
     sglang_server_cmd,
+    tail,
     thread_env,
     trainer_cmd,
 )
@@ -31,7 +37,18 @@ from areal_async.net.rank_registry import Registry
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
 
-__all__ = ["SRUN_UNSET", "StepOwner", "rdzv_port", "srun_cmd", "start_server_step", "start_trainer_step"]
+__all__ = [
+    "SRUN_UNSET",
+    "StepOwner",
+    "node_address",
+    "rdzv_port",
+    "srun_cmd",
+    "start_server_step",
+    "start_trainer_step",
+    "wait_or_fail",
+]
+
+T = TypeVar("T")
 
 
 # What a batch job or salloc exports about its own request (or a site's defaults, such as DefMemPerCPU) and srun would
@@ -221,3 +238,33 @@ def start_server_step(
         extra=cfg.slurm.srun_args,
     )
     return owner.processes.spawn(name, srun + step + cmd, env, role="server", unset=SRUN_UNSET)
+
+
+async def wait_or_fail(
+    awaitable: Awaitable[T], timeout_s: float, what: str, child: Child, *, exited: Callable[[], list[Child]]
+) -> T:
+    """`awaitable` within `timeout_s`, failing fast (with the log tail) when a child `exited()` names ends
+    meanwhile (any child at launch; only the new step's srun when one is replaced mid-run)."""
+    task = asyncio.ensure_future(awaitable)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not task.done():
+            for c in exited():
+                c.reported = True
+                raise ChildFailed(c.describe_exit())
+            if time.monotonic() > deadline:
+                raise ChildFailed(
+                    f"{what} within {timeout_s:.0f}s; log tail ({child.log_path}):\n{tail(child.log_path)}"
+                )
+            await asyncio.wait({task}, timeout=0.2)
+        return task.result()
+    finally:
+        task.cancel()
+
+
+def node_address(node: str) -> str:
+    """`node`'s address as this host resolves it (the name itself when it does not)."""
+    try:
+        return socket.gethostbyname(node)
+    except OSError:
+        return node

@@ -228,6 +228,13 @@ async def test_interrupted_call_spans_versions(stack, tiny_ckpt_b):
             model="m", prompt=[5, 6, 7, 8], max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
         )
     )
+    # the swap's own probe must not reach its 20 tokens before this call reaches the server (a busy machine let it:
+    # the call then started at version 1), so the swap starts once the engine runs the call
+    for _ in range(2000):
+        if server.engine.num_running() >= 1 or task.done():
+            break
+        await asyncio.sleep(0.005)
+    assert server.engine.num_running() >= 1, "the call never started on the server"
     await swap_weights_mid_generation(server.url, client, tiny_ckpt_b, 1, max_new_tokens=300)
     resp = await task
     assert resp.usage.completion_tokens == 300

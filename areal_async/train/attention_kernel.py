@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from areal_async.server.kernels.build import EXP_POLY_C, bind, load_library
+from areal_async.server.kernels.build import BF16_C, EXP_POLY_C, bind, load_library
 
 __all__ = ["Kernel", "load", "MAX_KEYS"]
 
@@ -37,6 +37,7 @@ MAX_KEYS = 2048  # scratch per (row, kv head) is ~6 x keys x head_dim floats; lo
 
 _SOURCE = (
     EXP_POLY_C
+    + BF16_C
     + r"""
 #include <stdlib.h>
 #include <math.h>
@@ -64,14 +65,6 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
 enum { P_B, P_H, P_HKV, P_L, P_LK, P_D, P_QB, P_QH, P_QL, P_KB, P_KH, P_KL, P_VB, P_VH, P_VL, P_MB, P_ML,
        P_CAUSAL, P_BF16, P_THREADS, P_N };
 
-static inline float bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
-static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch's .to(bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t r = u + 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)((((u & 0x7fffffffu) > 0x7f800000u) ? (u | 0x400000u) : r) >> 16);  /* NaN stays NaN */
-}
 
 static inline float ld(const void* p, int64_t i, int bf16) {
     return bf16 ? bf2f(((const uint16_t*)p)[i]) : ((const float*)p)[i];

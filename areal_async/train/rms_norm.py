@@ -31,14 +31,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from areal_async.server.kernels.build import bind, load_library
+from areal_async.server.kernels.build import BF16_C, bind, load_library
 
 __all__ = ["Kernels", "load", "rms_norm", "install"]
 
 _NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
 MAX_THREADS = 256
 
-_SOURCE = r"""
+_SOURCE = (
+    BF16_C
+    + r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -47,14 +49,6 @@ _SOURCE = r"""
 #include <omp.h>
 #endif
 
-static inline float bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
-static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch's .to(bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t r = u + 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)((((u & 0x7fffffffu) > 0x7f800000u) ? (u | 0x400000u) : r) >> 16);  /* NaN stays NaN */
-}
 
 static inline float rbf(float f) { return bf2f(f2bf(f)); }  /* f rounded to bf16, as a float */
 
@@ -118,6 +112,7 @@ void rms_bwd(const uint16_t* x, const uint16_t* w, const float* rstd, const uint
 }
 
 """
+)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,23 @@ static inline float exp_poly(float x) {
 }
 """
 
+# bf16 <-> fp32 for the trainer's kernels, bit-exact with torch: a bf16 is the top half of an fp32, and the
+# conversion down rounds to nearest even as `.to(torch.bfloat16)` does (a NaN stays a NaN instead of rounding into
+# an infinity). Sources that use it include this text first.
+BF16_C = r"""
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t r = u + 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)((((u & 0x7fffffffu) > 0x7f800000u) ? (u | 0x400000u) : r) >> 16);
+}
+"""
+
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], ctypes.CDLL | None] = {}
 

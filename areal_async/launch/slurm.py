@@ -50,13 +50,7 @@ from typing import TYPE_CHECKING
 
 from areal_async.launch.api import EventHandler, ProcessExited, ServerHandle, ServerJoined, TrainerHandle
 from areal_async.launch.membership import JoinFile, join_file
-from areal_async.launch.node_assignment import (
-    NodeAssignment,
-    check_allocation,
-    job_nodes,
-    node_for_server,
-    place,
-)
+from areal_async.launch.node_assignment import NodeAssignment, check_allocation, job_nodes, node_for_server, place
 from areal_async.launch.processes import Child, ChildFailed, Processes, tail
 from areal_async.launch.shrink import Shrink, TrainerLayout, hosts_left, not_shrinking_why
 from areal_async.launch.slurm_allocation import (

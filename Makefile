@@ -23,11 +23,11 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m areal_async.run $(ARGS)
 
-# two pytest-xdist workers: most tests wait on the processes they start, so two at a time keep two cores busy (81%
-# in a 775 s run on a 2-core Zen 5). Three were faster (624-732 s) but two of three CI runs then failed a test whose
-# timing assumption the busier machine broke (tests/conftest.py keeps a module's tests on one worker and the SmolLM2
-# and Slurm modules apart); TEST_WORKERS=0 runs the suite in this one process
-TEST_WORKERS ?= 2
+# three pytest-xdist workers: most tests wait on the processes they start, so more tests than cores at a time keep
+# the cores busy (two kept a 2-core Zen 5 81% busy). On an emulated slower machine (AVX2, 1.25 CPUs) three ran the
+# suite in 865 s, two in 924 s (benchmarks/README.md). tests/conftest.py keeps a module's tests on one worker and the
+# SmolLM2 and Slurm modules apart; TEST_WORKERS=0 runs the suite in this one process
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 

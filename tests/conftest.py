@@ -121,11 +121,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # ---- running in parallel ---------------------------------------------------------------------------------------
-# `make test` runs the suite on three pytest-xdist workers (the Makefile says why): most tests wait on processes they started (a server
-# loading, a trainer's rendezvous), so more tests than cores at a time keep both cores busy. A module's tests stay
-# on one worker, in order (they share module fixtures); the groups below never run beside each other: the SmolLM2
-# modules (a trainer and a server of the real model hold 6-9 GB each), and the modules that share the one-node
-# Slurm cluster.
+# `make test` runs the suite on three pytest-xdist workers (the Makefile says why): most tests wait on processes
+# they started (a server loading, a trainer's rendezvous), so more tests than cores at a time keep both cores busy.
+# A module's tests stay on one worker, in order (they share module fixtures); the groups below never run beside each
+# other: the SmolLM2 modules (a trainer and a server of the real model hold 6-9 GB each), and the modules that share
+# the one-node Slurm cluster.
 _GROUPS = {"test_real_model.py": "smollm2", "test_model_store.py": "smollm2", "test_slurm.py": "slurm"}
 # the longest groups go out first, so that the workers finish together; the rest keep their (random) order
 _LONG_FIRST = (

@@ -77,7 +77,9 @@ async def test_adapter_updates_mid_generation_record_exact_versions(tiny_ckpt, t
         await observer
         await client.update_weights_from_disk(v1.path, 1)
         await client.resume()
-        observer = await _under_way(server.url, PROMPTS[1], tokens=100)
+        # 30 more tokens under v1, as before v1: the responses (200 tokens) must still be running when paused in
+        # place (waiting for 100 here let every one of them end first on a slow, busy machine: no span into v2)
+        observer = await _under_way(server.url, PROMPTS[1], tokens=30)
         await client.pause(mode="in_place")
         await client.update_weights_from_disk(v2.path, 2, flush_cache=False)  # in place: the KV stays
         await client.resume()

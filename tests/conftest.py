@@ -121,7 +121,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # ---- running in parallel ---------------------------------------------------------------------------------------
-# `make test` runs the suite on three pytest-xdist workers (the Makefile says why): most tests wait on processes
+# `make test` runs the suite on two pytest-xdist workers (the Makefile says why): most tests wait on processes
 # they started (a server loading, a trainer's rendezvous), so more tests than cores at a time keep both cores busy.
 # A module's tests stay on one worker, in order (they share module fixtures); the groups below never run beside each
 # other: the SmolLM2 modules (a trainer and a server of the real model hold 6-9 GB each), and the modules that share

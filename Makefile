@@ -24,9 +24,9 @@ run: $(STAMP)
 	$(BIN)/python -m areal_async.run $(ARGS)
 
 # two pytest-xdist workers: most tests wait on the processes they start, so two at a time keep two cores busy (81%
-# on a 2-core Zen 5). Three are faster (637 s against about 675) but in session 15 a fresh-clone CI on three failed
-# a two-node Slurm test whose trainer ranks never came up within 120 s, as an emulated three-worker run had once
-# before (benchmarks/README.md); two have the green record. tests/conftest.py keeps a module's tests on one worker
+# on a 2-core Zen 5). Three were no faster in fresh-clone CI here (595-674 s against 644 s on two), and one such run
+# failed a two-node Slurm test whose trainer ranks never came up within 120 s, as an emulated three-worker run had
+# once before (benchmarks/README.md); two have the green record. tests/conftest.py keeps a module's tests on one worker
 # and the SmolLM2 and Slurm modules apart; TEST_WORKERS=0 runs the suite in this one process
 TEST_WORKERS ?= 2
 test: $(STAMP)

@@ -35,7 +35,7 @@ from areal_async.net.address import advertised, host_address, rendezvous_host
 from areal_async.net.rank_registry import Registry, rank_files_dir, read_secret
 
 if TYPE_CHECKING:
-    from areal_async.config import RunConfig
+    from areal_async.config import RunConfig, TrainConfig
     from areal_async.launch.api import Launcher
 
 log = logging.getLogger(__name__)
@@ -107,14 +107,14 @@ class LocalCluster:
         if self._cfg is None or self._model_path is None:
             return False
         t = self._cfg.train
-        return (t.rdzv.local_agents or t.nnodes) >= t.nnodes or self._cfg.recovery.shrink_trainers
+        return agents_here(t) >= t.nnodes or self._cfg.recovery.shrink_trainers
 
     def trainer_layout(self) -> TrainerLayout:
         """The agents' hosts: this one for each agent started here, then those started by hand (where their ranks
         reported from, once they have)."""
         assert self._cfg is not None
         t = self._cfg.train
-        here = t.rdzv.local_agents or t.nnodes
+        here = agents_here(t)
         away = self._hosts_by_hand()[: t.nnodes - here]
         away += [f"agent {k} (by hand)" for k in range(here + len(away), t.nnodes)]
         return TrainerLayout((socket.gethostname(),) * here + tuple(away), t.nproc)
@@ -178,7 +178,7 @@ class LocalCluster:
         assert self._cfg is not None and self._model_path is not None
         self.last_shrink = None
         t = self._cfg.train
-        here = t.rdzv.local_agents or t.nnodes
+        here = agents_here(t)
         if here < t.nnodes:  # agents started by hand: the job shrinks to the agents here (can_restart_trainers)
             before = self.trainer_layout()
             why = "its agent was started by hand (train.rdzv.local_agents): this run cannot start it again"
@@ -352,11 +352,17 @@ async def _stop(procs: Processes, registry: Registry | None) -> None:
         await registry.close()
 
 
+def agents_here(t: TrainConfig) -> int:
+    """How many of the trainer job's torchrun agents this host starts: every one, or the node ranks below
+    train.rdzv.local_agents (the others are started by hand elsewhere)."""
+    return t.rdzv.local_agents or t.nnodes
+
+
 def run_secret(cfg: RunConfig) -> bytes:
     """The RPC secret of a run: fresh, unless agents are started by hand elsewhere (train.rdzv.local_agents):
     they need it too, so it comes from AREAL_RPC_SECRET in this environment and theirs."""
     t = cfg.train
-    if t.nnodes > 1 and (t.rdzv.local_agents or t.nnodes) < t.nnodes:
+    if t.nnodes > 1 and agents_here(t) < t.nnodes:
         try:
             return read_secret()
         except ValueError as e:
@@ -375,7 +381,7 @@ async def _start_trainers(
     t = cfg.train
     gpus = plan_placement(cfg).trainer_visible  # per agent here: its GPUs (launch/placement.py)
     secret = run_secret(cfg)
-    here = t.rdzv.local_agents or t.nnodes
+    here = agents_here(t)
     remote = here < t.nnodes  # ranks elsewhere must reach the registry and the rendezvous
     registry = None
     env: dict[str, str] = {}

@@ -1,9 +1,10 @@
 """A trainer job that shrinks to the hosts left (recovery.shrink_trainers, docs/recovery.md): when a trainer host
 goes away and the run cannot start trainers there again (a Slurm node whose part of the old step Slurm keeps
 listing, or an agent started by hand on another host), the cluster starts the new trainer job on the hosts it can
-still use, with fewer nodes and the same `train.nproc` each, instead of the run stopping. The rules are here, apart
-from the two clusters (launch/local.py, launch/slurm.py) that apply them, so that they are one rule and tested
-without processes; run_rollback.py records the result. No torch here.
+still use, with fewer nodes and the same `train.nproc` each, instead of the run stopping. The layouts and the Slurm
+rule (`hosts_left`: the nodes less the lost ones) are here, apart from launch/slurm.py, so that they are tested
+without processes; launch/local.py has a simpler rule (the agents started here are the hosts left) and uses the
+same layouts; run_rollback.py records the result. No torch here.
 
 What a smaller job changes, and why the run is still the same run: the trainer checkpoint is torch.distributed
 .checkpoint (train/checkpoint.py), which reshards to any world size on load; the controller splits each batch over

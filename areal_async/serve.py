@@ -3,9 +3,7 @@ lives in `areal_async.server` (`python -m areal_async.server` is the same comman
 
 from __future__ import annotations
 
-import sys
-
 if __name__ == "__main__":
-    from areal_async.server.cli import main
+    from areal_async.server.cli import run_and_exit
 
-    sys.exit(main())
+    run_and_exit()

@@ -1,7 +1,5 @@
 """`python -m areal_async.server --model DIR`: the embedded inference server as a process (see cli.py)."""
 
-import sys
+from areal_async.server.cli import run_and_exit
 
-from areal_async.server.cli import main
-
-sys.exit(main())
+run_and_exit()

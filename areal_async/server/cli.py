@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from areal_async.server.app import start_server
 from areal_async.torch_threads import one_thread_until_set
@@ -129,5 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_and_exit(argv: list[str] | None = None) -> NoReturn:
+    """`main`, then exit without the interpreter's finalisation, as the trainer worker does: the engine is shut
+    down and the logs flushed by then, and after a gloo weight-update group a finalising interpreter can abort
+    (torch's gloo threads drop tensors that hold Python references once the interpreter is going away:
+    "terminate called without an active exception", SIGABRT, seen in a torchrun job of the test suite)."""
+    code = main(argv)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

@@ -194,7 +194,9 @@ def test_chat_completions_answer_as_transformers(server, reference):
 @pytest.mark.timeout(420)
 def test_a_short_rl_run_on_the_real_model(smollm2, tmp_path):
     """The whole pipeline on SmolLM2: chat-templated word problems, math reward, embedded server, torchrun
-    trainer, two async steps, evals before and after, published weights that differ from the base model's."""
+    trainer, one step, evals before and after, published weights that differ from the base model's. One step, not
+    two: on this VM a second one cost 10-16 s more (its first touch of 1.2 GB more trainer memory, a publish and a
+    server load), and what a second step adds (stale samples, the decoupled loss) runs on the tiny model's tests."""
     run_dir = str(tmp_path / "run")
     args = [
         f"model.path={smollm2}",
@@ -206,7 +208,7 @@ def test_a_short_rl_run_on_the_real_model(smollm2, tmp_path):
         "data.num_eval=4",
         "mode=async",
         "eta=1",
-        "total_steps=2",
+        "total_steps=1",
         "schedule.batch_size=1",  # one group of 4 per step: the pipeline, not the learning, is under test
         "rollout.group_size=4",
         "rollout.max_new_tokens=32",
@@ -216,6 +218,9 @@ def test_a_short_rl_run_on_the_real_model(smollm2, tmp_path):
         "eval.max_new_tokens=24",
         "train.micro_batch_tokens=2048",
         "train.optim.lr=1e-5",
+        # one group of 4 often earns one reward (all 0: no group-relative signal); the entropy bonus always gives
+        # a gradient, so the published weights differ from the base model's whatever the rewards
+        "train.loss.entropy_coef=0.01",
         "server.max_total_tokens=16384",
     ]
     try:
@@ -233,10 +238,10 @@ def _check_short_run(run_dir: str, smollm2: str, args: list[str]) -> None:
         recs = [json.loads(line) for line in f]
     train = [r for r in recs if r["kind"] == "train"]
     evals = [r for r in recs if r["kind"] == "eval"]
-    assert [r["version"] for r in train] == [1, 2] and [r["version"] for r in evals] == [0, 2]
+    assert [r["version"] for r in train] == [1] and [r["version"] for r in evals] == [0, 1]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in evals)
     with open(os.path.join(run_dir, "summary.json")) as f:
-        assert json.load(f)["trained_samples"] == 2 * 1 * 4
+        assert json.load(f)["trained_samples"] == 1 * 1 * 4
     final = os.path.join(run_dir, "final")
     for name in (
         "config.json",

@@ -463,7 +463,7 @@ def pyproject() -> dict:
 
 def test_console_scripts_name_functions_that_return_exit_codes():
     scripts = pyproject()["project"]["scripts"]
-    assert scripts == {"areal-run": "areal_async.run:main", "areal-serve": "areal_async.server.cli:run_and_exit"}
+    assert scripts == {"areal-run": "areal_async.run:main", "areal-serve": "areal_async.server.cli:main"}
     from areal_async.run import main
 
     assert main(["--print-config", "steps=3"]) == 0

@@ -274,9 +274,9 @@ def test_published_adapters_load_with_peft_and_the_merged_model_with_transformer
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _job(sys.argv[1], sys.argv[2])
-    # as the trainer worker and tests/train_speedpaths_job.py do: skip the interpreter's finalisation, whose C++
-    # destructors after a gloo job can abort a rank ("terminate called without an active exception", SIGABRT: rank 1
-    # of this job once in a full-suite run after its results were written)
+    # as the trainer worker and tests/train_speedpaths_job.py do: skip the interpreter's finalisation. A rank of this
+    # job aborted there once in 24 runs ("terminate called without an active exception", SIGABRT): its core shows a
+    # gloo thread dropping a finished allgather's tensors, whose Python references need the GIL, during Py_FinalizeEx
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

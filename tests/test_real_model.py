@@ -195,8 +195,8 @@ def test_chat_completions_answer_as_transformers(server, reference):
 def test_a_short_rl_run_on_the_real_model(smollm2, tmp_path):
     """The whole pipeline on SmolLM2: chat-templated word problems, math reward, embedded server, torchrun
     trainer, one step, evals before and after, published weights that differ from the base model's. One step, not
-    two: on this VM a second one cost 10-16 s more (its first touch of 1.2 GB more trainer memory, a publish and a
-    server load), and what a second step adds (stale samples, the decoupled loss) runs on the tiny model's tests."""
+    two: on this VM a second one cost about 19 s more (its first touch of 1.2 GB more trainer memory, a publish and
+    a server load), and what a second step adds (stale samples, the decoupled loss) runs on the tiny model's tests."""
     run_dir = str(tmp_path / "run")
     args = [
         f"model.path={smollm2}",
@@ -218,8 +218,8 @@ def test_a_short_rl_run_on_the_real_model(smollm2, tmp_path):
         "eval.max_new_tokens=24",
         "train.micro_batch_tokens=2048",
         "train.optim.lr=1e-5",
-        # one group of 4 often earns one reward (all 0: no group-relative signal); the entropy bonus always gives
-        # a gradient, so the published weights differ from the base model's whatever the rewards
+        # one group of 4 often earns the same reward four times (no group-relative signal, no gradient); the
+        # entropy bonus always gives one, so the published weights differ from the base model's whatever the rewards
         "train.loss.entropy_coef=0.01",
         "server.max_total_tokens=16384",
     ]

@@ -134,7 +134,8 @@ def run_and_exit(argv: list[str] | None = None) -> NoReturn:
     """`main`, then exit without the interpreter's finalisation, as the trainer worker does: the engine is shut
     down and the logs flushed by then, and after a gloo weight-update group a finalising interpreter can abort
     (torch's gloo threads drop tensors that hold Python references once the interpreter is going away:
-    "terminate called without an active exception", SIGABRT, seen in a torchrun job of the test suite)."""
+    "terminate called without an active exception", SIGABRT, seen in a torchrun job of the test suite). The
+    `areal-serve` script keeps `main`, which returns its exit code as the project's console scripts do."""
     code = main(argv)
     logging.shutdown()
     sys.stdout.flush()

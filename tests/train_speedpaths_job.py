@@ -113,10 +113,10 @@ def main(model: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    # as the trainer worker does (areal_async/train/worker.py): skip the interpreter's finalisation, whose C++
-    # destructors after a gloo job can abort a rank. Rank 1 of this job aborted once in a fresh-clone CI run
-    # ("terminate called without an active exception", SIGABRT), where in the job is not known; not reproduced in
-    # 13 runs since
+    # as the trainer worker does (areal_async/train/worker.py): skip the interpreter's finalisation, where a gloo
+    # thread dropping a finished collective's tensors (their Python references need the GIL) can abort a rank.
+    # Rank 1 of this job aborted once in a fresh-clone CI run ("terminate called without an active exception",
+    # SIGABRT); a core of the same abort in tests/test_lora_train.py's job showed where
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

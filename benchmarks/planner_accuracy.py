@@ -1,9 +1,16 @@
 """The capacity planner checked against reality on this machine: profile the real stack, predict
 benchmarks/sync_vs_async.py's speedups from the profile alone, then run that benchmark and compare.
 
-    python benchmarks/planner_accuracy.py --out benchmarks/out/planner_accuracy.json [--steps 40]
+    python benchmarks/planner_accuracy.py --out benchmarks/out/planner_accuracy.json [--steps 40] [--repeats 3]
+    python benchmarks/planner_accuracy.py --out X.json --warm-steps 40   # from a converged policy (see below)
     python benchmarks/planner_accuracy.py --out X.json --measured benchmarks/out/pa_sync_vs_async.json  # no rerun
 
+0. Optional warm start (`--warm-steps N`): a synchronous run of N steps from the base model; the profile and every
+   measured run start from its final weights. Why: on this small task the policy converges within a 40-step run
+   (rewards 0.4 -> 0.9), and as it does a group's answers share ever longer prefixes, which the trainer runs once,
+   so a train step's cost falls within the run. A profile of a run's first steps sees only the start of that; from
+   a converged policy it sees the regime the measured runs are in, as a short pilot of a long run does at scale.
+   Without it (the default) the measured runs are sync_vs_async.py's own, from the base model.
 1. Profile (areal_async/planner/calibrate.py says what and why): the embedded server started as a run starts it
    (the config's model, KV budget, running cap, one torch thread), driven by the real InferenceClient: decode
    seconds per step at batch 16, 64, 128 and 256 (n requests generating 72 and 8 tokens, ignore_eos: the
@@ -14,7 +21,9 @@ benchmarks/sync_vs_async.py's speedups from the profile alone, then run that ben
 2. Predict: the planner (the real controller in virtual time) at the benchmark's setting (configs/default.yaml:
    16 prompts x 8 samples, max_concurrent_groups 64, abort-and-resume) for sync and eta 1, 2, 4, `--steps` steps.
 3. Measure: benchmarks/sync_vs_async.py with those four modes, the same steps, no periodic evals (`--eval-every 0`:
-   held-out evals are not part of what the planner models; the base and final evals lie outside wall time anyway).
+   held-out evals are not part of what the planner models; the base and final evals lie outside wall time anyway),
+   `--repeats` rounds of all four: each mode's speedup is the median of its rounds' speedups over the sync run of
+   the same round (this machine's speed drifts by 10% within minutes).
 
 Writes JSON: `modes` (each with `mode`, `measured_speedup`, `predicted_speedup`, their ratio, and both wall times),
 `profile` (every measured number and the cost terms derived from it), the CPU and the load average.
@@ -104,7 +113,7 @@ def profile(args: argparse.Namespace, work: str) -> dict[str, Any]:
     from areal_async.rollout.prompts import prompt_ids
     from areal_async.run_plan import prepare
 
-    cfg = load_config(None, [f"run_dir={os.path.join(work, 'prep')}", "resume=false"])
+    cfg = load_config(None, [f"run_dir={os.path.join(work, 'prep')}", "resume=false", *args.overrides])
     plan = prepare(cfg)
     chat = bool(getattr(cfg.data, "apply_chat_template", False))
     prompts = [prompt_ids(plan.tokenizer, s, chat) for s in plan.train_samples[:256]]
@@ -141,6 +150,7 @@ def profile(args: argparse.Namespace, work: str) -> dict[str, Any]:
             "schedule.eval_every=0",
             "eval.num_prompts=8",
             "schedule.max_wall_s=null",
+            *args.overrides,
         ],
     )
     p["trainer_profile_s"] = time.perf_counter() - t0
@@ -159,6 +169,34 @@ def profile(args: argparse.Namespace, work: str) -> dict[str, Any]:
     p["max_concurrent_groups"] = cfg.schedule.max_concurrent_groups
     p["interrupt_mode"] = cfg.schedule.interrupt_mode
     return p
+
+
+def warm_start(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    """Train `--warm-steps` synchronous steps from the base model; the profile and the measured runs start from the
+    result (the module docstring says why)."""
+    from runs import run_one
+
+    t0 = time.perf_counter()
+    s = run_one(
+        "warm start (sync)",
+        os.path.join(work, "warm"),
+        [
+            "mode=sync",
+            f"total_steps={args.warm_steps}",
+            "schedule.eval_every=0",
+            "eval.num_prompts=8",
+            "schedule.max_wall_s=null",
+            *args.overrides,
+        ],
+    )
+    recs = s["train_records"]
+    tail = recs[len(recs) // 2 :]
+    return {
+        "model_path": os.path.join(work, "warm", "final"),
+        "steps": args.warm_steps,
+        "seconds": time.perf_counter() - t0,
+        "reward_mean_last_half": statistics.fmean(r["reward_mean"] for r in tail) if tail else None,
+    }
 
 
 def predict(p: dict[str, Any], steps: int) -> dict[str, dict[str, float]]:
@@ -215,8 +253,12 @@ def measure(args: argparse.Namespace, work: str) -> dict[str, Any]:
         str(args.steps),
         "--eval-every",
         "0",
+        "--repeats",
+        str(args.repeats),
         "--modes",
         *MODES,
+        "--",
+        *args.overrides,
     ]
     subprocess.run(cmd, cwd=ROOT, check=True)
     with open(out) as f:
@@ -227,13 +269,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=40, help="train steps of each measured and predicted run")
-    ap.add_argument("--profile-steps", type=int, default=6, help="steps of the profiling sync run")
+    ap.add_argument("--profile-steps", type=int, default=12, help="steps of the profiling sync run")
     ap.add_argument("--profile", default=None, help="reuse a profile (the `profile` of an earlier output)")
     ap.add_argument("--measured", default=None, help="reuse a sync_vs_async.py JSON instead of running it")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the measured modes (paired speedups, medians)")
+    ap.add_argument(
+        "--warm-steps",
+        type=int,
+        default=0,
+        help="first train this many synchronous steps from the base model and start the profile and every measured "
+        "run from the result (0: start from the base model)",
+    )
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for the profile and every measured run")
     args = ap.parse_args()
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="planner_accuracy_") as work:
+        warm = warm_start(args, work) if args.warm_steps > 0 else None
+        if warm is not None:
+            args.overrides = [f"model.path={warm['model_path']}", *args.overrides]
         if args.profile:
             with open(args.profile) as f:
                 prof = json.load(f)["profile"]
@@ -252,6 +306,7 @@ def main() -> None:
             {
                 "mode": name,
                 "measured_speedup": r["speedup_vs_sync"],
+                "measured_speedup_rounds": r.get("speedup_vs_sync_rounds"),
                 "predicted_speedup": ps,
                 "predicted_over_measured": ps / r["speedup_vs_sync"],
                 "measured_wall_s": r["wall_s"],
@@ -269,6 +324,9 @@ def main() -> None:
         "modes": modes,
         "steps": args.steps,
         "profile": prof,
+        "warm_start": warm,
+        "overrides": args.overrides,
+        "repeats": args.repeats,
         "profile_s": t_prof,
         "total_s": time.perf_counter() - t0,
         "cpu": cpu_name(),

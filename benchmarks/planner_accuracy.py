@@ -285,9 +285,10 @@ def main() -> None:
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="planner_accuracy_") as work:
-        warm = warm_start(args, work) if args.warm_steps > 0 else None
-        if warm is not None:
-            args.overrides = [f"model.path={warm['model_path']}", *args.overrides]
+        reuse = bool(args.profile and args.measured)  # nothing runs: nothing to start from
+        warm = warm_start(args, work) if args.warm_steps > 0 and not reuse else None
+        if warm is not None:  # last, so that it wins over a model.path the warm start itself started from
+            args.overrides = [*args.overrides, f"model.path={warm['model_path']}"]
         if args.profile:
             with open(args.profile) as f:
                 prof = json.load(f)["profile"]

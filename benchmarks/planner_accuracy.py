@@ -107,7 +107,6 @@ async def profile_server(url: str, prompts: list[list[int]], workflow, samples, 
 
 def profile(args: argparse.Namespace, work: str) -> dict[str, Any]:
     from inference_throughput import start_server
-    from runs import run_one
 
     from areal_async.config import load_config
     from areal_async.rollout.prompts import prompt_ids
@@ -141,18 +140,7 @@ def profile(args: argparse.Namespace, work: str) -> dict[str, Any]:
                 asyncio.run(r)
     steps = args.profile_steps
     t0 = time.perf_counter()
-    s = run_one(
-        "profile (sync)",
-        os.path.join(work, "profile_sync"),
-        [
-            "mode=sync",
-            f"total_steps={steps}",
-            "schedule.eval_every=0",
-            "eval.num_prompts=8",
-            "schedule.max_wall_s=null",
-            *args.overrides,
-        ],
-    )
+    s = sync_run("profile (sync)", os.path.join(work, "profile_sync"), steps, args.overrides)
     p["trainer_profile_s"] = time.perf_counter() - t0
     b, g = cfg.schedule.batch_size, cfg.rollout.group_size
     prompt_mean = statistics.fmean(len(x) for x in prompts)
@@ -171,24 +159,29 @@ def profile(args: argparse.Namespace, work: str) -> dict[str, Any]:
     return p
 
 
-def warm_start(args: argparse.Namespace, work: str) -> dict[str, Any]:
-    """Train `--warm-steps` synchronous steps from the base model; the profile and the measured runs start from the
-    result (the module docstring says why)."""
+def sync_run(name: str, run_dir: str, steps: int, overrides: list[str]) -> dict[str, Any]:
+    """A synchronous run of `steps` steps without periodic evals (the profile's and the warm start's)."""
     from runs import run_one
 
-    t0 = time.perf_counter()
-    s = run_one(
-        "warm start (sync)",
-        os.path.join(work, "warm"),
+    return run_one(
+        name,
+        run_dir,
         [
             "mode=sync",
-            f"total_steps={args.warm_steps}",
+            f"total_steps={steps}",
             "schedule.eval_every=0",
             "eval.num_prompts=8",
             "schedule.max_wall_s=null",
-            *args.overrides,
+            *overrides,
         ],
     )
+
+
+def warm_start(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    """Train `--warm-steps` synchronous steps from the base model; the profile and the measured runs start from the
+    result (the module docstring says why)."""
+    t0 = time.perf_counter()
+    s = sync_run("warm start (sync)", os.path.join(work, "warm"), args.warm_steps, args.overrides)
     recs = s["train_records"]
     tail = recs[len(recs) // 2 :]
     return {

@@ -92,16 +92,19 @@ def keep_aside(path: str) -> str | None:
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
-    """Reward (train) and held-out accuracy against wall time, from metrics.jsonl."""
-    import matplotlib
+    """Reward (train) and held-out accuracy against wall time, from metrics.jsonl.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn on a figure of its own with the Agg canvas, not through pyplot: a program that embeds the run (a
+    notebook) keeps its backend and its current figure, and pyplot's import is not paid."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    fig, ax1 = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax1 = fig.add_subplot()
     if train:
         ax1.plot(
             [r["wall_s"] for r in train],
@@ -127,5 +130,4 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     fig.tight_layout()
     out = out or os.path.join(run_dir, "progress.png")
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out

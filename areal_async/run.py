@@ -438,11 +438,9 @@ async def _copy_final(ctrl: AsyncRLController, run_dir: str) -> str | None:
     src = await ctrl.publish_final()
     if not src:
         return None
-    final_dir = os.path.join(run_dir, "final")
-    if os.path.isdir(final_dir):
-        shutil.rmtree(final_dir)
-    shutil.copytree(src, final_dir)
-    return final_dir
+    # hard links, not a copy: a published version's files are never written again (a new version is a new
+    # directory), and a copy would write the whole model once more at the end of every run
+    return await asyncio.to_thread(link_checkpoint, src, os.path.join(run_dir, "final"))
 
 
 # ---- the command line -------------------------------------------------------------------------------------------

@@ -373,3 +373,14 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(skip)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_finish(session):
+    """Everything the test modules imported (torch, transformers, the package, hypothesis) is frozen out of the
+    cyclic collector's scans: a worker process holds a few million such objects, and every full collection a test
+    set off (a planner run, a controller in this process, a property test's thousands of examples) scanned them
+    all, finding nothing: whole seconds per test in some modules. Cycles the tests make are still collected."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

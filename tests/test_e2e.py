@@ -167,6 +167,12 @@ def test_async_run_outputs_and_staleness_bound(async_run):
     ):
         assert os.path.exists(os.path.join(async_run, path)), path
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(os.path.join(async_run, "tensorboard")))
+    # the final checkpoint is the last published version, linked rather than written a second time
+    assert s["final_checkpoint"] == os.path.join(async_run, "final")
+    assert os.path.samefile(
+        os.path.join(async_run, "final", "model.safetensors"),
+        os.path.join(async_run, "weights", "v4", "model.safetensors"),
+    )
     # the accounting: one line per step with its B groups, an end line, every draw exactly once
     lines = index_lines(async_run)
     assert [r.get("version") for r in lines[:-1]] == [1, 2, 3, 4] and lines[-1]["end"]

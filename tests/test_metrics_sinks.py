@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
@@ -295,6 +296,30 @@ def test_a_user_sink_gets_every_record_of_a_real_run_and_a_raising_one_stops_not
     assert len(raised) == 1 and f"{sink_module}:make_raising" in raised[0] and "this sink is broken" in raised[0]
     assert any("make_raising failed to close" in r.message for r in caplog.records)
     assert os.path.isfile(run_dir / "progress.png") and os.path.isfile(run_dir / "summary.json")
+
+
+def test_the_progress_plot_leaves_an_embedding_programs_matplotlib_alone(tmp_path):
+    """progress.png is drawn on a figure of its own: a program that embeds the run (a notebook with its own
+    backend) keeps its backend and its current figure, and pyplot is never imported for it."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in (1, 2):
+            f.write(json.dumps({"kind": "train", "wall_s": float(step), "reward_mean": 0.5 * step}) + "\n")
+        f.write(json.dumps({"kind": "eval", "wall_s": 2.0, "accuracy": 0.25}) + "\n")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import matplotlib
+        matplotlib.use("svg")
+        from areal_async.metrics import plot_run
+        out = plot_run({str(tmp_path)!r})
+        with open(out, "rb") as f:
+            assert f.read(8) == b"\\x89PNG\\r\\n\\x1a\\n"
+        print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["svg", "False"]
 
 
 # ---- wandb ------------------------------------------------------------------------------------------------------

@@ -227,15 +227,13 @@ def simulate(setting: Setting, mode: str = "async", eta: int | None = 1) -> RunR
     t0 = time.perf_counter()
     logging.getLogger("areal_async.rollout.controller").setLevel(logging.WARNING)
     # the collector off while it runs: a large plan holds millions of live objects (groups, ledger entries,
-    # timers) and CPython's full collections, which find nothing here, would cost a third of the run or more
+    # timers) and CPython's full collections, which find nothing here, would cost a third of the run or more. Off
+    # is enough (no collection, so nothing to freeze out of one); the caller's own freeze, if any, is left alone
     was_enabled = gc.isenabled()
-    gc.collect()
-    gc.freeze()
     gc.disable()
     try:
         result = run_virtual(_run(setting, eta, mode))
     finally:
-        gc.unfreeze()
         if was_enabled:
             gc.enable()
     result.sim_seconds = time.perf_counter() - t0

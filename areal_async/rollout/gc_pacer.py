@@ -22,11 +22,15 @@ class GCPacer:
     to reclaim long-lived cycles; and everything that existed before the start (dataset, tokenizer, modules) is
     frozen out of every scan. `stop()` restores the collector. Process-wide, so starts are counted: the last
     `stop()` restores. Young cycles (exceptions with tracebacks, say) are still freed within `young_every_s`.
+
+    A process that has frozen objects itself (`gc.freeze()`: a server that forks, a test runner) keeps its freeze:
+    the pacer then neither freezes nor unfreezes, since `gc.unfreeze()` cannot tell its objects from the owner's.
     """
 
     _users = 0
     _task: asyncio.Task | None = None
     _was_enabled = True
+    _froze = False  # this pacer made the freeze in force, so its last stop undoes it
 
     def __init__(self, young_every_s: float = 0.05, full_every_s: float = 600.0) -> None:
         self.young_every_s = young_every_s
@@ -42,8 +46,10 @@ class GCPacer:
         cls._users += 1
         if cls._users == 1:
             cls._was_enabled = gc.isenabled()
-            gc.collect()  # before the rollout starts, a full collection stalls nothing; garbage is not frozen
-            gc.freeze()
+            cls._froze = gc.get_freeze_count() == 0
+            if cls._froze:
+                gc.collect()  # before the rollout starts, a full collection stalls nothing; garbage is not frozen
+                gc.freeze()
             gc.disable()
         loop = asyncio.get_running_loop()
         # one pacer task, on the loop of the latest start (a loop that died without stop() leaves a dead task)
@@ -71,6 +77,8 @@ class GCPacer:
             if cls._task is not None:
                 cls._task.cancel()
                 cls._task = None
-            gc.unfreeze()
+            if cls._froze:
+                gc.unfreeze()
+                cls._froze = False
             if cls._was_enabled:
                 gc.enable()

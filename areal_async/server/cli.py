@@ -20,6 +20,7 @@ import sys
 from typing import NoReturn
 
 from areal_async.server.app import start_server
+from areal_async.startup_gc import collector_paused
 from areal_async.torch_threads import one_thread_until_set
 
 READY_PREFIX = "areal_async server ready at "
@@ -61,21 +62,22 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = await start_server(
-        args.model,
-        args.host,
-        args.port,
-        args.api_key,
-        served_model_name=args.served_model_name,
-        device=args.device,
-        dtype=args.dtype,
-        max_total_tokens=args.max_total_tokens,
-        max_running_requests=args.max_running_requests,
-        weight_version=str(args.weight_version),
-        seed=args.seed,
-        prefix_cache=not args.disable_radix_cache,
-        threads=args.threads,
-    )
+    with collector_paused():  # torch and the model load here: no full collections meanwhile
+        server = await start_server(
+            args.model,
+            args.host,
+            args.port,
+            args.api_key,
+            served_model_name=args.served_model_name,
+            device=args.device,
+            dtype=args.dtype,
+            max_total_tokens=args.max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            weight_version=str(args.weight_version),
+            seed=args.seed,
+            prefix_cache=not args.disable_radix_cache,
+            threads=args.threads,
+        )
     try:
         print(f"{READY_PREFIX}{server.url}", flush=True)
         await stop.wait()

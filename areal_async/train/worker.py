@@ -45,6 +45,7 @@ from areal_async.net.address import ADDRESS_ENV, host_address
 # rank_file is not used here: re-exported because tests/test_clean_runs.py reads worker.rank_file
 from areal_async.net.rank_registry import announce_rank, rank_file, read_secret  # noqa: F401
 from areal_async.net.rpc import RpcServer
+from areal_async.startup_gc import collector_paused
 from areal_async.torch_threads import one_thread_until_set
 from areal_async.train.messages import (
     AbortBroadcastRequest,
@@ -463,19 +464,20 @@ def main(argv: list[str] | None = None) -> int:
     # sets the rank's count (ranks share the host's cores) and is then the only one holding OpenMP workers
     # (areal_async/torch_threads.py: a second thread with a team slows every op of the first).
     one_thread_until_set()
-    from areal_async.train.engine import TrainEngine, init_distributed  # lazy: torch loads here, after the line above
+    with collector_paused():  # torch, transformers and the model: no full collections while they load
+        from areal_async.train.engine import TrainEngine, init_distributed  # lazy: torch loads here, after the above
 
-    nccl_environment(cfg, os.environ)  # before the first communicator: NCCL reads it then
-    log.info(
-        "NCCL_CUMEM_ENABLE=%s TORCH_NCCL_ASYNC_ERROR_HANDLING=%s",
-        os.environ.get("NCCL_CUMEM_ENABLE", "<unset>"),
-        os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "<unset>"),
-    )
-    device = init_distributed(cfg.device)
-    engine = TrainEngine(args.model, cfg, seed=args.seed, device=device, broadcast_timeout_s=args.broadcast_timeout)
-    if args.resume:
-        engine.load_checkpoint(args.resume)
-        log.info("resumed from %s at version %d", args.resume, engine.version)
+        nccl_environment(cfg, os.environ)  # before the first communicator: NCCL reads it then
+        log.info(
+            "NCCL_CUMEM_ENABLE=%s TORCH_NCCL_ASYNC_ERROR_HANDLING=%s",
+            os.environ.get("NCCL_CUMEM_ENABLE", "<unset>"),
+            os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "<unset>"),
+        )
+        device = init_distributed(cfg.device)
+        engine = TrainEngine(args.model, cfg, seed=args.seed, device=device, broadcast_timeout_s=args.broadcast_timeout)
+        if args.resume:
+            engine.load_checkpoint(args.resume)
+            log.info("resumed from %s at version %d", args.resume, engine.version)
     code, unrequested = asyncio.run(_serve(engine, args, secret, parent))
     # stopped unasked, the peers are stopping too (torchrun signals every rank) or gone: do not wait long for them
     _teardown(engine, _STOP_TEARDOWN_S if unrequested else _TEARDOWN_TIMEOUT_S)

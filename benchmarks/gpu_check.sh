@@ -263,7 +263,8 @@ cumem_watch() {
         for p in $(tagged "$1"); do
             grep -q "^$p"$'\t' "$2" 2>/dev/null && continue
             role=""
-            case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
+            # a process gone since `tagged` listed it: the redirection's own error is silenced too (braces)
+            case "$({ tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null)" in
                 *areal_async.serve*|*sglang.launch_server*) role=server ;;
                 *areal_async.train.worker*) role=trainer ;;
             esac

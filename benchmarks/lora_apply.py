@@ -56,13 +56,13 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from areal_async.lora_adapter import adapter_config, peft_key, read_adapter, write_adapter  # noqa: E402
+from areal_async.host.torch_threads import single_torch_thread  # noqa: E402
 from areal_async.protocol.engine_api import EngineRequest, EngineSampling  # noqa: E402
 from areal_async.server.engine import PAGE_SIZE, AsyncEngine  # noqa: E402
 from areal_async.server.lora_load import merge_adapter  # noqa: E402
 from areal_async.server.model import DecoderModel, ModelSpec  # noqa: E402
 from areal_async.server.scheduler import Request, abort_reason  # noqa: E402
-from areal_async.torch_threads import single_torch_thread  # noqa: E402
+from areal_async.weights.lora_adapter import adapter_config, peft_key, read_adapter, write_adapter  # noqa: E402
 
 Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A [r, in], B [out, r])
 # the model's fused weights and the HF modules stored in them, in storage order

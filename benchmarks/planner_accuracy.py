@@ -110,7 +110,7 @@ def profile(args: argparse.Namespace, work: str) -> dict[str, Any]:
 
     from areal_async.config import load_config
     from areal_async.rollout.prompts import prompt_ids
-    from areal_async.run_plan import prepare
+    from areal_async.session.prepare import prepare
 
     cfg = load_config(None, [f"run_dir={os.path.join(work, 'prep')}", "resume=false", *args.overrides])
     plan = prepare(cfg)

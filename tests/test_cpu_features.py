@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from areal_async.cpu_features import CpuInfo, cpu_bf16_choice, model_hidden_size, read_cpu_info, resolve_mixed_precision
+from areal_async.host.cpu_features import (
+    CpuInfo,
+    cpu_bf16_choice,
+    model_hidden_size,
+    read_cpu_info,
+    resolve_mixed_precision,
+)
 
 AMX = CpuInfo("Intel Xeon", "x86_64", frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
 ZEN5 = CpuInfo("AMD EPYC", "x86_64", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))

@@ -18,9 +18,9 @@ import tomllib
 import pytest
 import yaml
 
-from areal_async import run_plan
 from areal_async.config import ConfigError, load_config, to_dict
 from areal_async.config.help import describe
+from areal_async.session import prepare as run_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_WEIGHTS = os.path.join(ROOT, "areal_async", "tasks", "base_weights")

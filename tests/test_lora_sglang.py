@@ -273,7 +273,7 @@ async def test_a_server_that_recovers_during_a_load_takes_the_version_being_load
 
 
 async def test_external_servers_that_are_not_ours_get_adapters_per_request(fakes, tmp_path):
-    from areal_async.run_connect import _sglang_fleet
+    from areal_async.session.connect import _sglang_fleet
 
     [s] = await fakes(1)
     cfg = from_dict({"server": {"backend": "external", "urls": [s.url]}, "train": {"lora": {"rank": 4}}}, RunConfig)

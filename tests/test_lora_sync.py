@@ -130,7 +130,7 @@ async def load(url: str, path: str, version: int) -> dict:
 async def test_adapters_merge_bit_exact_over_many_versions_and_after_a_restart(tiny_ckpt, servers, tmp_path, served):
     """Only the adapter files travel, each version is merged from the kept base (a server that took all ten and
     a fresh one that took only the last hold the same bits), and the identity names what differs otherwise."""
-    from areal_async.lora_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from areal_async.weights.lora_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     trainer = LoRATrainer(tiny_ckpt)
     root = str(tmp_path / "weights")

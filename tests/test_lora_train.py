@@ -239,7 +239,7 @@ def test_published_adapters_load_with_peft_and_the_merged_model_with_transformer
     import torch
     import transformers
 
-    from areal_async.lora_adapter import peft_key
+    from areal_async.weights.lora_adapter import peft_key
 
     peft = pytest.importorskip("peft")
     results, weights = lora_steps

@@ -121,7 +121,7 @@ async def test_adapters_by_disk_and_by_broadcast_from_torchrun_trainers(tiny_ckp
 
         model = transformers.AutoModelForCausalLM.from_pretrained(merged.path, dtype=torch.float32)
         assert not any("lora" in n for n in model.state_dict())
-        from areal_async.weight_digest import tensor_digest
+        from areal_async.weights.digest import tensor_digest
 
         for name, t in model.state_dict().items():
             if name in held and name.endswith(("q_proj.weight", "v_proj.weight", "gate_proj.weight")):

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from areal_async.startup_gc import collector_paused
+from areal_async.host.startup_gc import collector_paused
 
 
 class _Node:

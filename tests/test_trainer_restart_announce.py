@@ -20,7 +20,7 @@ from areal_async.launch.processes import Processes
 from areal_async.launch.recovery import RecoveryLog, RunRecovery
 from areal_async.launch.slurm import NodeLost, SlurmCluster
 from areal_async.rollout.checkpoints import RunState
-from areal_async.run_rollback import restart_trainers
+from areal_async.session.rollback import restart_trainers
 
 TRAINERS = TrainerHandle(2, "/nowhere", b"s" * 32, "127.0.0.1")
 

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_async import run_rollback
 from areal_async.config import ConfigError, load_config
 from areal_async.launch import local as local_launch
 from areal_async.launch import slurm
@@ -26,7 +25,8 @@ from areal_async.launch.shrink import hosts_left, not_shrinking_why
 from areal_async.launch.slurm_allocation import Allocation, NodeHealth
 from areal_async.net.rank_registry import Registration
 from areal_async.rollout.checkpoints import RunState
-from areal_async.run_rollback import restart_trainers
+from areal_async.session import rollback as run_rollback
+from areal_async.session.rollback import restart_trainers
 
 
 @pytest.fixture(autouse=True)

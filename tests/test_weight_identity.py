@@ -28,7 +28,7 @@ def trainer_identity(path: str, dtype: str, version: int):
     import torch
 
     from areal_async.server.weights import load_checkpoint
-    from areal_async.weight_digest import identity_of
+    from areal_async.weights.digest import identity_of
 
     _, tensors = load_checkpoint(path)
     return identity_of(sorted(tensors.items()), getattr(torch, dtype), version)

@@ -19,9 +19,9 @@ import signal
 import sys
 from typing import NoReturn
 
+from areal_async.host.startup_gc import collector_paused
+from areal_async.host.torch_threads import one_thread_until_set
 from areal_async.server.app import start_server
-from areal_async.startup_gc import collector_paused
-from areal_async.torch_threads import one_thread_until_set
 
 READY_PREFIX = "areal_async server ready at "
 

@@ -3,7 +3,7 @@
 Identity (protocol/weight_identity.py): the digests of the parameters as the model holds them, in its own dtype
 (the served bits). Computed on demand and cached until the next weight change.
 
-A delta directory (areal_async/weight_delta.py) is loaded in one of two ways, both producing new tensors first and
+A delta directory (areal_async/weights/delta.py) is loaded in one of two ways, both producing new tensors first and
 changing nothing until the engine's swap, so a refused delta leaves the previous weights serving:
 
 - **on top of what the server holds**, when its identity is the delta's base (the usual case: it took the
@@ -25,8 +25,8 @@ import torch
 from areal_async.protocol.weight_identity import Identity, combine, probe_names
 from areal_async.server.model import ModelSpec
 from areal_async.server.weights import load_checkpoint
-from areal_async.weight_delta import DeltaError, apply_delta, is_delta_dir, read_delta, read_manifest
-from areal_async.weight_digest import dtype_name, identity_of, probe_row, tensor_digest
+from areal_async.weights.delta import DeltaError, apply_delta, is_delta_dir, read_delta, read_manifest
+from areal_async.weights.digest import dtype_name, identity_of, probe_row, tensor_digest
 
 __all__ = ["served_tensors", "served_identity", "load_delta", "apply_broadcast_delta", "DeltaError", "is_delta_dir"]
 

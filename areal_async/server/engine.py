@@ -41,7 +41,8 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from areal_async.host_memory import keep_freed_memory
+from areal_async.host.memory import keep_freed_memory
+from areal_async.host.torch_threads import single_torch_thread
 from areal_async.net.custom_group import bind_cuda, device_uuid
 from areal_async.protocol.engine_api import EngineChunk, EngineRequest, PauseMode
 from areal_async.server.device import resolve_dtype, resolve_visible_device
@@ -50,7 +51,6 @@ from areal_async.server.scheduler import Request, Scheduler, abort_reason, valid
 from areal_async.server.weight_updates import WeightUpdates, destroy_update_group
 from areal_async.server.weights import load_checkpoint
 from areal_async.tokenizer import Tokenizer
-from areal_async.torch_threads import single_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class AsyncEngine(WeightUpdates):
         self.chunked_prefill_size = chunked_prefill_size
         self.prefix_cache = prefix_cache  # share full prompt pages between requests (scheduler.py)
         self.seed = seed
-        self.threads = threads or torch.get_num_threads()  # the engine thread's count (areal_async/torch_threads.py)
+        self.threads = threads or torch.get_num_threads()  # the engine thread's count (host/torch_threads.py)
         with single_torch_thread():  # built here, stepped in the engine thread: only that one runs an OpenMP team
             spec, tensors = load_checkpoint(model_path)
             self.spec: ModelSpec = spec

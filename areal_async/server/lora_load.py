@@ -1,7 +1,7 @@
 """The embedded server's side of adapter sync (train.lora): loading a peft adapter directory by merging it.
 
 A server serves one adapter version at a time, merged into its weights: `W = W0 + (alpha / r) * B @ A` for every
-adapted linear layer (areal_async/lora_adapter.py's bit-reproducible `merge_weight`), computed from a copy of the
+adapted linear layer (weights/lora_adapter.py's bit-reproducible `merge_weight`), computed from a copy of the
 base weights W0 that the engine keeps from its first adapter load on (`base`). Every version merges from W0, never
 from the previous merge, so a thousand versions do not drift; a layer the new adapter no longer adapts gets W0
 back. A full (or delta) load replaces the base: the engine drops its copy, and the next adapter merges into
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from areal_async.lora_adapter import AdapterError, is_adapter_dir, merge_weight, module_of_key, read_adapter
 from areal_async.server.delta_load import served_tensors
 from areal_async.server.model import ModelSpec
+from areal_async.weights.lora_adapter import AdapterError, is_adapter_dir, merge_weight, module_of_key, read_adapter
 
 __all__ = ["load_adapter", "adapter_pairs", "merge_adapter", "AdapterError", "is_adapter_dir"]
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from areal_async.host.torch_threads import single_torch_thread, to_side_thread
 from areal_async.protocol.weight_identity import Identity
 from areal_async.server.delta_load import (
     DeltaError,
@@ -37,7 +38,6 @@ from areal_async.server.weights import (
     load_checkpoint,
     receive_tensors,
 )
-from areal_async.torch_threads import single_torch_thread, to_side_thread
 
 log = logging.getLogger("areal_async.server.engine")  # the engine's log, as before this part had a module
 

@@ -43,7 +43,7 @@ from areal_async.train.dist import agree
 from areal_async.train.errors import BroadcastError
 from areal_async.train.publish import iter_full_tensors
 from areal_async.types import BroadcastResult, InitBroadcastRequest, WeightSpec
-from areal_async.weight_digest import IdentityBuilder
+from areal_async.weights.digest import IdentityBuilder
 
 __all__ = ["WeightBroadcaster", "plan_buckets", "spec_bytes", "dtype_name"]
 

@@ -3,7 +3,7 @@
 A broadcast announces every tensor's shape before it is sent (the servers allocate from the announcement), and a
 delta's size is known only once the new version is gathered and diffed. So a delta broadcast is two calls:
 `prepare` (collective: gather every parameter, cast to the served dtype, XOR against the version prepared before,
-deflate, as weight_delta.py does for disk; rank 0 keeps the payloads) returns the plan, one uint8 payload per
+deflate, as weights/delta.py does for disk; rank 0 keeps the payloads) returns the plan, one uint8 payload per
 changed parameter; the controller announces it to the servers (one bucket: a delta is small) while `send`
 broadcasts the payloads from rank 0, no gather. Each server checks the base (its identity must be the plan's
 `base_combined`) and the result (its digests after the XOR must be the trainer's) before it swaps anything in;
@@ -25,8 +25,8 @@ from torch import nn
 from areal_async.train.messages import DeltaBroadcastPlan
 from areal_async.train.publish import iter_full_tensors
 from areal_async.types import WeightSpec
-from areal_async.weight_delta import diff_tensor
-from areal_async.weight_digest import IdentityBuilder, served_dtype
+from areal_async.weights.delta import diff_tensor
+from areal_async.weights.digest import IdentityBuilder, served_dtype
 
 __all__ = ["DeltaSender"]
 

@@ -2,7 +2,7 @@
 
 Trainer rank 0 keeps the bits of the last version it published, in the dtype the servers serve (one copy of the
 model in that dtype, in host memory). The next version, if it follows that one directly, is published as a delta
-(areal_async/weight_delta.py): only the elements whose served bits changed. A full snapshot (the ordinary HF
+(areal_async/weights/delta.py): only the elements whose served bits changed. A full snapshot (the ordinary HF
 checkpoint of publish.py) is written instead
 
 - every `full_every` versions (so a chain never grows past it),
@@ -40,8 +40,8 @@ from areal_async.train.publish import (
     settle_publish,
     version_dir,
 )
-from areal_async.weight_delta import FORMAT, Manifest, diff_tensor, write_delta
-from areal_async.weight_digest import IdentityBuilder, served_dtype
+from areal_async.weights.delta import FORMAT, Manifest, diff_tensor, write_delta
+from areal_async.weights.digest import IdentityBuilder, served_dtype
 
 __all__ = ["DeltaPublisher"]
 

@@ -50,8 +50,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from areal_async.config import OptimConfig, TrainConfig, logprob_temperature
-from areal_async.cpu_features import model_hidden_size, resolve_mixed_precision
-from areal_async.host_memory import keep_freed_memory
+from areal_async.host.cpu_features import model_hidden_size, resolve_mixed_precision
+from areal_async.host.memory import keep_freed_memory
 from areal_async.net.custom_group import device_uuid
 from areal_async.train import checkpoint
 from areal_async.train.advantages import (
@@ -149,7 +149,7 @@ class TrainEngine:
         self._broadcast_timeout_s = broadcast_timeout_s
         self._broadcaster = None  # train/broadcast.py's WeightBroadcaster, made on first use
         self.bind_device()
-        if self.device.type == "cpu":  # steps allocate and free the same large host tensors (host_memory.py)
+        if self.device.type == "cpu":  # steps allocate and free the same large host tensors (host/memory.py)
             keep_freed_memory(single_arena=True)
         self._gpu_uuid = device_uuid(self.device)
         torch.manual_seed(seed + self.rank)

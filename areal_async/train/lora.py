@@ -8,7 +8,7 @@ two new children, `lora_A` [r, in] and `lora_B` [out, r], so that
 
 The class swap keeps every base name where transformers and the checkpoint put it, so rank 0's full state dict fills
 the base as before (train/fsdp.py), and the adapters' names are peft's (`<module>.lora_A.weight`) once peft's
-`base_model.model.` prefix is added (areal_async/lora_adapter.py). Own wrapper, not peft's: peft wraps the base
+`base_model.model.` prefix is added (areal_async/weights/lora_adapter.py). Own wrapper, not peft's: peft wraps the base
 layer in a child (`base_layer`), which renames every base parameter and would break rank 0's load into the
 FSDP2 shards and every tensor name that leaves the trainer; the few lines here keep the names.
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from areal_async.lora_adapter import merge_weight, peft_key
+from areal_async.weights.lora_adapter import merge_weight, peft_key
 
 __all__ = [
     "LoRALinear",
@@ -124,7 +124,7 @@ def merged_tensors(
     adapters, as a module's own parameters come before its children's) with each adapted weight replaced by its
     merge W0 + scale * B @ A under the base name, no adapter names, every float tensor in `dtype`. `modules`:
     adapted module -> scale. Ranks other than 0 get (name, None) for every base name, as from `full`. The merge is
-    lora_adapter.py's."""
+    weights/lora_adapter.py's."""
     held: dict[str, dict[str, Tensor | None]] = {}
     for name, tensor in full:
         module, _, leaf = name.rpartition(".")

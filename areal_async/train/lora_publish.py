@@ -1,7 +1,7 @@
 """Adapter-only disk sync (train.lora): each version is published as its adapters alone, with the identity of the
 merged weights the servers must then serve.
 
-`root/v<k>` is a peft adapter directory (areal_async/lora_adapter.py: `adapter_config.json`,
+`root/v<k>` is a peft adapter directory (areal_async/weights/lora_adapter.py: `adapter_config.json`,
 `adapter_model.safetensors`), written into `root/.tmp-v<k>` and renamed into place like a full checkpoint (readers
 never see half of one); all but the newest `keep` versions are pruned. Only the adapters leave FSDP (an all-gather
 of the A and B shards, some MB), never the frozen base. By broadcast (`prepare_broadcast`, then `take` for rank 0's
@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from areal_async.lora_adapter import adapter_config, merge_weight, write_adapter
 from areal_async.protocol.weight_identity import Identity, combine, probe_names
 from areal_async.train.lora import adapter_tensors, lora_param_names
 from areal_async.train.messages import DeltaBroadcastPlan, DeltaPublishResult
 from areal_async.train.publish import _fsync_dir, _prune, iter_full_tensors, settle_publish, version_dir
 from areal_async.types import WeightSpec
-from areal_async.weight_digest import dtype_name, probe_row, served_dtype, tensor_digest
+from areal_async.weights.digest import dtype_name, probe_row, served_dtype, tensor_digest
+from areal_async.weights.lora_adapter import adapter_config, merge_weight, write_adapter
 
 __all__ = ["AdapterPublisher"]
 
@@ -189,7 +189,7 @@ class AdapterPublisher:
 
     def _identity(self, tensors: dict[str, Tensor], lora: dict[str, float], version: int, dtype: torch.dtype):
         """Rank 0: the identity of the base with every adapted weight merged (lora_adapter.merge_weight)."""
-        from areal_async.lora_adapter import peft_key
+        from areal_async.weights.lora_adapter import peft_key
 
         digests = dict(self.digests)
         rows = dict(self.rows)

@@ -40,13 +40,13 @@ from collections.abc import MutableMapping
 import msgspec
 
 from areal_async.config import ConfigError, TrainConfig, from_dict
+from areal_async.host.startup_gc import collector_paused
+from areal_async.host.torch_threads import one_thread_until_set
 from areal_async.net.address import ADDRESS_ENV, host_address
 
 # rank_file is not used here: re-exported because tests/test_clean_runs.py reads worker.rank_file
 from areal_async.net.rank_registry import announce_rank, rank_file, read_secret  # noqa: F401
 from areal_async.net.rpc import RpcServer
-from areal_async.startup_gc import collector_paused
-from areal_async.torch_threads import one_thread_until_set
 from areal_async.train.messages import (
     AbortBroadcastRequest,
     AbortBroadcastResult,
@@ -259,7 +259,7 @@ class TrainerService:
         took of what it sent when it sent this version in that dtype, else a gather (collective) of every
         parameter."""
         from areal_async.train.publish import iter_full_tensors  # lazy: torch
-        from areal_async.weight_digest import IdentityBuilder, served_dtype
+        from areal_async.weights.digest import IdentityBuilder, served_dtype
 
         e = self.engine
         dtype = served_dtype(req.served_dtype)
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Before torch loads: every thread starts with one torch thread; the RPC worker thread that runs the train steps
     # sets the rank's count (ranks share the host's cores) and is then the only one holding OpenMP workers
-    # (areal_async/torch_threads.py: a second thread with a team slows every op of the first).
+    # (areal_async/host/torch_threads.py: a second thread with a team slows every op of the first).
     one_thread_until_set()
     with collector_paused():  # torch, transformers and the model: no full collections while they load
         from areal_async.train.engine import TrainEngine, init_distributed  # lazy: torch loads here, after the above

@@ -3,7 +3,7 @@ transport between them and the servers (`connect_weights`, docs/weights.md), and
 (`bring_servers_to`).
 
 Apart from run.py because both the run's start (`train`) and its rollback after a trainer failure
-(run_rollback.py) connect the same way; run.py re-exports these names.
+(rollback.py) connect the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from areal_async.launch import Cluster, ElasticBroadcastSync
 from areal_async.launch.sglang_lora import adapter_window
 from areal_async.rollout.lora_sync import AdapterSync
 from areal_async.rollout.weight_sync import DiskSync, WeightSync
-from areal_async.run_plan import RunPlan
+from areal_async.session.prepare import RunPlan
 from areal_async.train.client import TrainerGroup
 
 __all__ = ["bring_servers_to", "connect_trainers", "connect_weights"]

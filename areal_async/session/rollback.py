@@ -6,7 +6,7 @@ host lost, recovery.shrink_trainers, launch/shrink.py) says so in `last_shrink`,
 Every step is written to the recovery log.
 
 Apart from run.py because it is the one path of a run that goes backwards; `train` in run.py calls `roll_back` when
-a segment ends with `TrainerLost`, and run.py re-exports these names.
+a segment ends with `TrainerLost`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from areal_async.launch.outcomes import RunStopped, TrainerLost
 from areal_async.metrics import MetricsLogger
 from areal_async.rollout.checkpoints import RunState, rewind_records, rollback_target
 from areal_async.rollout.weight_sync import WeightSync
-from areal_async.run_connect import bring_servers_to, connect_trainers, connect_weights
-from areal_async.run_plan import RunPlan
+from areal_async.session.connect import bring_servers_to, connect_trainers, connect_weights
+from areal_async.session.prepare import RunPlan
 from areal_async.train.client import TrainerError
 
 if TYPE_CHECKING:
-    from areal_async.run import Session
+    from areal_async.session.run import Session
 
 __all__ = ["restart_trainers", "retire_controller", "rewind", "roll_back"]
 

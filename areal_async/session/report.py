@@ -10,7 +10,7 @@ from areal_async.metrics import plot_run
 from areal_async.rollout.controller import AsyncRLController, RunState
 
 if TYPE_CHECKING:
-    from areal_async.run_plan import RunPlan
+    from areal_async.session.prepare import RunPlan
 
 __all__ = ["summarize", "write_outputs", "server_busy_s", "print_summary"]
 

@@ -36,7 +36,7 @@ import zlib
 import msgspec
 import torch
 
-from areal_async.weight_digest import as_bits, dtype_name
+from areal_async.weights.digest import as_bits, dtype_name
 
 __all__ = [
     "DeltaError",

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from areal_async.config import RESERVED_REWARD_ARGS, ConfigError, RunConfig
-from areal_async.cpu_features import describe, model_hidden_size, resolve_mixed_precision
+from areal_async.host.cpu_features import describe, model_hidden_size, resolve_mixed_precision
 from areal_async.launch.placement import plan_placement
 from areal_async.metrics_sinks import build_sinks
 from areal_async.model_store import ModelPathError, resolve_model_path

@@ -19,12 +19,12 @@ from areal_async.launch.api import (
 )
 from areal_async.launch.local import ExternalLauncher, LocalCluster, LocalLauncher, launcher_for
 from areal_async.launch.membership import FleetPolicy, JoinFile, failure_policy
-from areal_async.launch.outcomes import NoServerServing, RunStopped, TrainerLost
 from areal_async.launch.processes import Child, ChildFailed, Processes, free_port, interrupt_on_sigterm, tail
 from areal_async.launch.recovery import RecoveryLog, RunRecovery
 
 # the transport lives with the weight syncs (rollout/broadcast_sync.py); importable from here as before
 from areal_async.rollout.broadcast_sync import ElasticBroadcastSync
+from areal_async.rollout.outcomes import NoServerServing, RunStopped, TrainerLost
 
 __all__ = [
     "Child",

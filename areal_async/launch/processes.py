@@ -27,6 +27,7 @@ from typing import Literal
 import aiohttp
 
 from areal_async.launch.placement import sglang_flag
+from areal_async.protocol.ready_line import READY_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,8 @@ def tail(path: str, lines: int = 40) -> str:
 
 
 def _url_from_log(procs: Processes, name: str) -> str:
-    """The URL a child started on port 0 printed in its ready line (server/cli.py's READY_PREFIX); "" until then.
+    """The URL a child started on port 0 printed in its ready line (protocol/ready_line.py); "" until then.
     Found, it becomes the child's `url`."""
-    from areal_async.server.cli import READY_PREFIX  # lazy: the embedded server's package, only for its children
-
     child = next((c for c in procs.children if c.name == name), None)
     if child is None:
         return ""

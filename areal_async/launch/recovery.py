@@ -33,8 +33,8 @@ from areal_async.launch.api import (
     TrainerHandle,
     end_run_on_failure,
 )
-from areal_async.launch.outcomes import NoServerServing, RunStopped, TrainerLost
 from areal_async.launch.processes import ChildFailed
+from areal_async.rollout.outcomes import NoServerServing, RunStopped, TrainerLost
 from areal_async.train.client import TrainerError
 
 if TYPE_CHECKING:

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from areal_async.rollout.broadcast_group import plan_group
+from areal_async.rollout.outcomes import TrainerLost
 from areal_async.train.client import BroadcastIncomplete, TrainerError
 from areal_async.train.errors import BroadcastError
 
@@ -197,9 +198,6 @@ class ElasticBroadcastSync:
         del version
 
     async def apply(self, version: int, *, flush_cache: bool) -> None:
-        # lazy: launch/__init__.py re-exports this class, so a top-level import of the launch package is a cycle
-        from areal_async.launch.outcomes import TrainerLost
-
         for attempt in range(1, self.max_attempts + 1):
             if self._targets(newcomers_down=True) != self.members:  # a version boundary after the fleet changed
                 await self._members_settled()

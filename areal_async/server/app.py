@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -39,7 +41,6 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from areal_async import __version__
 from areal_async.protocol import openai_requests, openai_responses
 from areal_async.protocol import sglang as sglang_protocol
 from areal_async.protocol.engine_api import Engine, EngineRequest, EngineSampling
@@ -57,6 +58,16 @@ _json_enc = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 MAX_BODY_BYTES = 256 << 20  # a batch of long token-id prompts is large; aiohttp's default is 1 MiB
+
+
+@functools.cache
+def package_version() -> str:
+    """The installed package's version (pyproject.toml's), from its metadata rather than `areal_async.__version__`:
+    the root package re-exports the embedding API, the top of the import order, which a server never imports."""
+    try:
+        return importlib.metadata.version("areal_async")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
 
 
 def sse_event(obj: Any) -> bytes:
@@ -375,7 +386,7 @@ class SGLangServer:
             {
                 "served_model_name": self.served_model_name,
                 "url": self.url,
-                "version": __version__,
+                "version": package_version(),
                 "weight_version": e.weight_version,
                 "status": self.status,
                 "paused": e.paused,

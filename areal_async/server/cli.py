@@ -21,9 +21,8 @@ from typing import NoReturn
 
 from areal_async.host.startup_gc import collector_paused
 from areal_async.host.torch_threads import one_thread_until_set
+from areal_async.protocol.ready_line import READY_PREFIX
 from areal_async.server.app import start_server
-
-READY_PREFIX = "areal_async server ready at "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

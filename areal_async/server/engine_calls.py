@@ -8,15 +8,26 @@ disconnect. The handlers (app.py) only decide what to do with the progress (a JS
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Protocol
 
 from areal_async.protocol import sglang as sglang_protocol
-
-if TYPE_CHECKING:
-    from areal_async.server.app import SGLangServer
+from areal_async.protocol.engine_api import Engine
 
 _END = object()  # a driver task finished (queue sentinel)
+
+
+class CallOwner(Protocol):
+    """What a call uses of the server that started it (app.py's SGLangServer): named here, so that app.py imports
+    this module and not the other way round."""
+
+    engine: Engine
+
+    async def shielded(self, coro: Awaitable[Any]) -> Any: ...
+
+    async def abort_exact(self, rid: str) -> None: ...
+
+    def release(self, rids: list[str]) -> None: ...
 
 
 class EngineCall:
@@ -27,7 +38,7 @@ class EngineCall:
     even when the handler itself is being cancelled by a client disconnect.
     """
 
-    def __init__(self, server: SGLangServer, accs: list[sglang_protocol.Accumulator]):
+    def __init__(self, server: CallOwner, accs: list[sglang_protocol.Accumulator]):
         self.server = server
         self.engine = server.engine
         self.accs = accs

@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
 
 from areal_async.protocol import sglang as sglang_protocol
-
-if TYPE_CHECKING:
-    from areal_async.server.app import SGLangServer
 
 log = logging.getLogger("areal_async.server.app")  # the server's log, as before these guards had a module
 
@@ -40,7 +37,14 @@ ALWAYS_OPEN = frozenset(
 )
 
 
-def ready_middleware(srv: SGLangServer):
+class HasStatus(Protocol):
+    """What the readiness guard reads of the server (app.py's SGLangServer): named here, so that app.py imports this
+    module and not the other way round."""
+
+    status: str  # starting | ready | stopping
+
+
+def ready_middleware(srv: HasStatus):
     """503 for generation and control while the engine is starting or stopping (it cannot act on them)."""
 
     @web.middleware

@@ -15,19 +15,16 @@ import asyncio
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING
 
 from areal_async.launch import ChildFailed, Cluster, RecoveryLog, RunRecovery
-from areal_async.launch.outcomes import RunStopped, TrainerLost
 from areal_async.metrics import MetricsLogger
 from areal_async.rollout.checkpoints import RunState, rewind_records, rollback_target
+from areal_async.rollout.outcomes import RunStopped, TrainerLost
 from areal_async.rollout.weight_sync import WeightSync
 from areal_async.session.connect import bring_servers_to, connect_trainers, connect_weights
 from areal_async.session.prepare import RunPlan
+from areal_async.session.resources import Session
 from areal_async.train.client import TrainerError
-
-if TYPE_CHECKING:
-    from areal_async.session.run import Session
 
 __all__ = ["restart_trainers", "retire_controller", "rewind", "roll_back"]
 

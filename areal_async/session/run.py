@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import copy
 import json
 import logging
@@ -26,8 +25,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -45,7 +43,6 @@ from areal_async.launch import (
     supervise,
 )
 from areal_async.launch.eval_server import EvalServerProcess
-from areal_async.launch.outcomes import NoServerServing, RunStopped, TrainerLost
 from areal_async.launch.processes import Processes
 from areal_async.launch.recovery import LOG_FILE as RECOVERY_LOG_FILE
 from areal_async.launch.recovery import RunLock
@@ -57,22 +54,20 @@ from areal_async.rollout.controller import AsyncRLController
 from areal_async.rollout.evaluate import evaluate
 from areal_async.rollout.ledger import FILE_NAME as LEDGER_FILE
 from areal_async.rollout.ledger import SampleLedger
+from areal_async.rollout.outcomes import NoServerServing, RunStopped, TrainerLost
 from areal_async.rollout.pinned_eval import PinnedEvals, link_checkpoint
 from areal_async.rollout.samples import SampleStream
 from areal_async.rollout.weight_sync import WeightSync
 from areal_async.session.connect import bring_servers_to, connect_trainers, connect_weights
 from areal_async.session.prepare import RunPlan, make_score, prepare, resolve_model  # noqa: F401 (public here too)
 from areal_async.session.report import print_summary, server_busy_s, summarize, write_outputs  # noqa: F401
+from areal_async.session.resources import Session
 from areal_async.session.rollback import restart_trainers, retire_controller, rewind, roll_back  # noqa: F401
-from areal_async.train.client import TrainerGroup
 
 try:
     import uvloop  # optional: a faster event loop where it is installed
 except ImportError:
     uvloop = None
-
-if TYPE_CHECKING:
-    from areal_async.rewards.runner import RewardRunner
 
 log = logging.getLogger("areal_async.run")
 
@@ -120,59 +115,6 @@ def open_run_dir(plan: RunPlan) -> RunState:
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Session:
-    """What a run holds open, for teardown, the fleet handler (it reads `client`) and the recovery policy."""
-
-    rewards: RewardRunner | None
-    logger: MetricsLogger | None = None
-    client: InferenceClient | None = None
-    trainers: TrainerGroup | None = None
-    controller: AsyncRLController | None = None
-    recovery: RunRecovery | None = None  # the recovery policy, when recovery.enabled (run() keeps failure_policy's)
-    recovery_log: RecoveryLog | None = None  # every fault and what was done
-    trainers_stopped: bool = False  # every rank took the shutdown RPC: the trainer job is exiting by itself
-    pinned_evals: PinnedEvals | None = None  # eval.mode=pinned
-    eval_server: EvalServerProcess | None = None  # the server eval.mode=pinned started (no eval.server_url)
-
-    def log_metrics(self, kind: str, step: int, values: dict[str, Any]) -> None:
-        if self.logger is not None:
-            self.logger.log(kind, step, values)
-
-    async def close(self) -> None:
-        """Close what is open, trainers first (they exit on request); each part once."""
-        ctrl, trainers, client, rewards, logger = (
-            self.controller,
-            self.trainers,
-            self.client,
-            self.rewards,
-            self.logger,
-        )
-        self.controller = self.trainers = self.client = self.rewards = self.logger = None
-        if self.recovery is not None:
-            await self.recovery.close()
-        if ctrl is not None:
-            ctrl.finish(completed=False)  # closes the ledger file (its end line was written by a normal finish)
-        if trainers is not None:
-            with contextlib.suppress(Exception):
-                busy = getattr(trainers, "abandoned", None) is not None  # then shutdown only closes connections
-                await asyncio.wait_for(trainers.shutdown(), 30)
-                self.trainers_stopped = not busy
-        for part in (client, rewards):
-            if part is not None:
-                with contextlib.suppress(Exception):
-                    await part.close()
-        if logger is not None:
-            logger.close()
-        pinned, self.pinned_evals = self.pinned_evals, None
-        if pinned is not None:
-            with contextlib.suppress(Exception):
-                await pinned.close()
-        server, self.eval_server = self.eval_server, None
-        if server is not None:
-            await asyncio.to_thread(server.stop)
 
 
 async def run(cfg: RunConfig, workflow: Any = None, launcher: Launcher | None = None) -> dict[str, Any]:

@@ -12,18 +12,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from areal_async.train.messages import WeightPlan
 from areal_async.types import BroadcastRequest, BroadcastResult
 
-if TYPE_CHECKING:
-    from areal_async.train.client import TrainerGroup
-
-__all__ = ["BroadcastIncomplete", "WeightReceivers", "both", "broadcast_to_members", "receive_all"]
+__all__ = ["BroadcastIncomplete", "BroadcastSender", "WeightReceivers", "both", "broadcast_to_members", "receive_all"]
 
 # the broadcast's log lines keep the name they had when this was part of train/client.py
 log = logging.getLogger("areal_async.train.client")
+
+
+class BroadcastSender(Protocol):
+    """What the broadcast uses of the trainer side (train/client.py's `TrainerGroup`): named here, so that client.py
+    imports this module and not the other way round."""
+
+    broadcast_failures: dict[str, str]  # url -> why, the members the last broadcast left part-way
+
+    async def broadcast(self, req: BroadcastRequest) -> BroadcastResult: ...
+
+    async def abort_broadcast(self, group_name: str, reason: str = "") -> bool: ...
 
 
 class WeightReceivers(Protocol):
@@ -85,7 +93,7 @@ async def receive_all(
 
 
 async def broadcast_to_members(
-    group: TrainerGroup,
+    group: BroadcastSender,
     servers: WeightReceivers,
     members: list[str],
     plan: WeightPlan,

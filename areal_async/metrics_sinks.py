@@ -16,7 +16,7 @@ A sink never stops the run or costs it a record: the configured sinks run in one
 so a slow sink never holds up the controller's event loop, and a sink that raises is reported once (a warning naming
 it) and handed the next records all the same; one whose open() fails is dropped with a warning. At the end of the
 run the thread gets `close_timeout_s` to finish the queue and close the sinks. The sinks of a run outlive one
-metrics writer: a trainer rollback (run_rollback.py) closes metrics.jsonl, cuts it back and opens a new writer, which
+metrics writer: a trainer rollback (`roll_back`) closes metrics.jsonl, cuts it back and opens a new writer, which
 is handed the same sinks; records of the steps a rollback redoes reach the sinks a
 second time (metrics.jsonl keeps only the new ones).
 

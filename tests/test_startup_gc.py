@@ -1,4 +1,4 @@
-"""The collector during a process's start-up (areal_async/startup_gc.py, used by the trainer rank's and the
+"""The collector during a process's start-up (areal_async/host/startup_gc.py, used by the trainer rank's and the
 embedded server's `main`): off inside the block; on leaving it, start-up garbage is freed, not frozen, the survivors
 are frozen out of later scans, and the collector is back as it was, also when the start-up fails."""
 

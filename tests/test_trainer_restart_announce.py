@@ -1,7 +1,7 @@
 """A trainer restart is announced ("restart 1 of 2 in 1.0s") only when one will be tried: a cluster that cannot
 restart its trainers (agents started by hand elsewhere with recovery.shrink_trainers=false, a trainer job this
 cluster did not start) says so through
-`can_restart_trainers`, and run_rollback.py records the failure and stops the run without counting a restart. A
+`can_restart_trainers`, and session/rollback.py records the failure and stops the run without counting a restart. A
 restart that is tried and then turns out impossible (a Slurm trainer node that went away: `NodeLost`) is still
 announced, because it was attempted. No processes: the clusters' own queries, and run_rollback on fakes."""
 

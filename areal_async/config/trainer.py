@@ -195,7 +195,7 @@ class TrainConfig(Section):
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """FSDP2 compute dtype (master weights stay fp32); auto: bf16 on CUDA, and on a CPU with a bf16 dot product
     (amx_bf16 or avx512_bf16, not capped by ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY) for models of hidden size
-    512 and up; else fp32 (areal_async/cpu_features.py)."""
+    512 and up; else fp32 (areal_async/host/cpu_features.py)."""
     weight_sync: Literal["disk", "broadcast"] = "disk"
     """disk: publish an HF checkpoint that the servers load; broadcast: torch.distributed from trainer rank 0."""
     keep_versions: int = 2

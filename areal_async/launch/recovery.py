@@ -3,7 +3,7 @@
 `RunRecovery` is the run's event handler when `recovery.enabled` (launch/membership.py's `failure_policy` builds
 it, run.py keeps it): it restarts dead and hung servers (with a watchdog over /health and the client's view), and
 its `guard` around the training loop turns a trainer failure into `TrainerLost` and a fleet with no server serving
-into `NoServerServing` (launch/outcomes.py); run.py's `roll_back` does the rest. `RunLock` keeps one controller per
+into `NoServerServing` (rollout/outcomes.py); `roll_back` (session/) does the rest. `RunLock` keeps one controller per
 run directory and tells a rerun that the last one was killed; `RecoveryLog` records every fault and what was done.
 The whole story, with the config keys: docs/recovery.md. No torch here.
 """
@@ -264,7 +264,7 @@ class RunRecovery:
 
     @property
     def rolls_back_trainers(self) -> bool:
-        """A trainer failure ends the segment with `TrainerLost` for run_rollback.py (which restarts the job or, when
+        """A trainer failure ends the segment with `TrainerLost` for `roll_back` (which restarts the job or, when
         the cluster cannot, stops the run with a resumable checkpoint), rather than ending the run at once."""
         return hasattr(self.cluster, "restart_trainers") and hasattr(self.cluster, "trainer_pids")
 

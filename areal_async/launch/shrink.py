@@ -4,7 +4,7 @@ listing, or an agent started by hand on another host), the cluster starts the ne
 still use, with fewer nodes and the same `train.nproc` each, instead of the run stopping. The layouts and the Slurm
 rule (`hosts_left`: the nodes less the lost ones) are here, apart from launch/slurm.py, so that they are tested
 without processes; launch/local.py has a simpler rule (the agents started here are the hosts left) and uses the
-same layouts; run_rollback.py records the result. No torch here.
+same layouts; session/rollback.py records the result. No torch here.
 
 What a smaller job changes, and why the run is still the same run: the trainer checkpoint is torch.distributed
 .checkpoint (train/checkpoint.py), which reshards to any world size on load; the controller splits each batch over

@@ -111,7 +111,7 @@ _RECANCEL_S = 10.0  # a step still listed after scancel is sent it again this of
 class NodeLost(NotImplementedError):
     """A trainer node went away and the job cannot shrink to the nodes left (recovery.shrink_trainers=false, none
     left, or the lost node not known): no new step on the same nodes fits (Slurm keeps the node's part of the old
-    one), so the run stops with its last checkpoint (run_rollback.py). The message names the node."""
+    one), so the run stops with its last checkpoint (session/rollback.py). The message names the node."""
 
 
 class SlurmCluster:

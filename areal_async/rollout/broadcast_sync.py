@@ -1,5 +1,5 @@
 """Broadcast weight sync whose torch.distributed group follows the fleet: `ElasticBroadcastSync`, the transport
-`train.weight_sync=broadcast` uses (run.py `connect_weights`). A process group cannot grow or shrink, so when the
+`train.weight_sync=broadcast` uses (`connect_weights`). A process group cannot grow or shrink, so when the
 servers that should receive the weights change (one joins, leaves, dies, hangs or comes back) the next update forms
 a new group under a new name; broadcast_group.py plans each group's ranks and backend. How it fits with disk sync,
 the interrupt modes and versions: docs/weights.md. No torch here (the trainer ranks and the servers hold the group).

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from areal_async.config import ScheduleConfig
 from areal_async.rollout.buffer import StalenessBuffer
 
-# the state on disk lives in checkpoints.py; its names stay importable from here (run_plan.py, embedders)
+# the state on disk lives in checkpoints.py; its names stay importable from here (session/prepare.py, embedders)
 from areal_async.rollout.checkpoints import (
     RunState,
     checkpoint_dir,

@@ -25,6 +25,7 @@ CONTROLLER_SIDE = [
     "areal_async.launch.api",
     "areal_async.launch.local",
     "areal_async.launch.processes",
+    "areal_async.launch.vllm_server",
     "areal_async.launch.recovery",
     "areal_async.testing.faults",
     "areal_async.rollout.controller",

@@ -209,18 +209,12 @@ def test_cpu_devices_pass_the_device_check(no_gpus):
 
 
 def test_sglang_backend_without_sglang(monkeypatch, model_loads, tmp_path):
-    real = importlib.util.find_spec
-    asked: list[str] = []
-
-    def find_spec(name, *args, **kwargs):
-        asked.append(name)
-        return None if name.split(".")[0] == "sglang" else real(name, *args, **kwargs)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    """The release is read from the engine's interpreter (server.python, else this one) without importing SGLang;
+    an interpreter without it is a config error naming the key and how to build one."""
     monkeypatch.setitem(os.environ, "CUDA_VISIBLE_DEVICES", "0")  # a GPU host, so only SGLang is missing
-    msg = prepare_error(["server.backend=sglang", "train.device=cpu"], tmp_path)
-    assert msg.startswith("server.backend: sglang is not installed") and "areal_async[sglang]" in msg
-    assert "sglang" in asked and "sglang" not in sys.modules  # found, never imported
+    msg = prepare_error(["server.backend=sglang", "train.device=cpu", f"server.python={sys.executable}"], tmp_path)
+    assert msg.startswith("server.python: sglang is not installed in") and "make sglang" in msg
+    assert "sglang" not in sys.modules  # asked of the interpreter's metadata, never imported
     assert model_loads == []
 
 
@@ -344,7 +338,9 @@ def test_model_dtype_reaches_sglang_unless_given():
 
     cmd = sglang_server_cmd("/m", host="h", port="1", api_key=None, extra_args=[], dtype="float16")
     assert cmd[cmd.index("--dtype") + 1] == "float16"
-    assert "--dtype" not in sglang_server_cmd("/m", host="h", port="1", api_key=None, extra_args=[])
+    # never SGLang's auto (an fp32 checkpoint would be served as float16 behind the identity check's back)
+    auto = sglang_server_cmd("/m", host="h", port="1", api_key=None, extra_args=[])
+    assert auto[auto.index("--dtype") + 1] == "bfloat16"
     given = sglang_server_cmd("/m", host="h", port="1", api_key=None, extra_args=["--dtype=half"], dtype="float16")
     assert given.count("--dtype=half") == 1 and "--dtype" not in given
 

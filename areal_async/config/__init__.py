@@ -3,7 +3,7 @@ surface; the trainer's sections are in `trainer`, the sections of where processe
 pieces in `base`, `files`, `types`."""
 
 from areal_async.config.base import ConfigError
-from areal_async.config.cluster import RecoveryConfig, RendezvousConfig, SlurmConfig
+from areal_async.config.cluster import RayConfig, RecoveryConfig, RendezvousConfig, SlurmConfig
 from areal_async.config.run_config import (
     GREEDY_TEMPERATURE,
     RESERVED_REWARD_ARGS,
@@ -37,6 +37,7 @@ __all__ = [
     "MultiTurnConfig",
     "LoRAConfig",
     "OptimConfig",
+    "RayConfig",
     "RecoveryConfig",
     "RendezvousConfig",
     "RolloutConfig",

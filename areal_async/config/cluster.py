@@ -1,6 +1,6 @@
 """Config sections of where a run's processes live and what happens when they die: the multi-node trainer
-rendezvous, the Slurm launcher, the recovery policy. Split from run_config.py (which composes them into RunConfig) by
-concept; every field is documented by the string literal under it, as there. Never torch."""
+rendezvous, the Slurm and Ray launchers, the recovery policy. Split from run_config.py (which composes them into
+RunConfig) by concept; every field is documented by the string literal under it, as there. Never torch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Literal
 
 from areal_async.config.base import Section, check, is_host_port, key_of
 
-__all__ = ["RendezvousConfig", "SlurmConfig", "RecoveryConfig"]
+__all__ = ["RendezvousConfig", "SlurmConfig", "RayConfig", "RecoveryConfig"]
 
 
 class RendezvousConfig(Section):
@@ -91,6 +91,67 @@ class SlurmConfig(Section):
             "must be > 0 or null",
         )
         check(self.node_timeout_s > 0, key_of(prefix, "node_timeout_s"), "must be > 0")
+
+
+class RayConfig(Section):
+    """launcher=ray: servers and the torchrun trainer job placed on a Ray cluster's nodes by placement groups, each
+    process started and watched by a Ray actor on its node (launch/ray_launcher.py, docs/cluster.md). Needs the
+    `ray` extra (pip install areal_async[ray])."""
+
+    address: str = "auto"
+    """The cluster's GCS address (host:port, as `ray start --head` prints it); auto: the one RAY_ADDRESS names or
+    one running on this machine, else a head started for this run alone; local: always a head for this run."""
+    num_cpus: int | None = None
+    """A head started for this run: the CPUs it offers; null: this machine's."""
+    num_gpus: int | None = None
+    """A head started for this run: the GPUs it offers; null: this machine's."""
+    cpus_per_server: int | None = None
+    """CPUs each server's bundle reserves; null: server.torch_threads + 1."""
+    cpus_per_trainer: int | None = None
+    """CPUs each trainer rank reserves (a trainer node's bundle: train.nproc of them); null: train.torch_threads + 1."""
+    gpus_per_server: int | None = None
+    """GPUs each server's bundle reserves; null: server.gpus_per_server for sglang, 1 for an embedded server on
+    cuda (or on auto when the cluster has GPUs), else 0."""
+    gpus_per_trainer: int | None = None
+    """GPUs each trainer rank reserves; null: 1 on cuda (or on auto when the cluster has GPUs), else 0."""
+    server_resources: dict[str, float] = {}
+    """Custom node resources each server's bundle asks for (`ray start --resources`): which nodes may serve."""
+    trainer_resources: dict[str, float] = {}
+    """Custom node resources each trainer node's bundle asks for: which nodes may train."""
+    env_vars: dict[str, str] = {}
+    """Environment of the started processes on top of the node's (Ray's workers do not see the controller's;
+    AREAL_*, HF_*, TRANSFORMERS_*, TOKENIZERS_*, NCCL_* and GLOO_* are passed on from it)."""
+    placement_timeout_s: float = 120.0
+    """How long the run waits for Ray to place its bundles (at launch, and a restarted part's) before it fails,
+    naming what did not fit."""
+    node_timeout_s: float = 30.0
+    """How long a node's actor may stay silent before the node counts as lost (Ray marks a dead node within about
+    its health-check period times its failure threshold)."""
+    regrow_timeout_s: float = 10.0
+    """A trainer node lost: how long the new trainer job waits for Ray to find another node for its whole size
+    before it shrinks to the nodes left (recovery.shrink_trainers)."""
+
+    def validate(self, prefix: str = "") -> None:
+        check(
+            self.address in ("auto", "local") or is_host_port(self.address),
+            key_of(prefix, "address"),
+            f"must be auto, local or the head's host:port (GCS), not {self.address!r}",
+        )
+        for name in ("num_cpus", "num_gpus", "cpus_per_server", "cpus_per_trainer", "gpus_per_server"):
+            value = getattr(self, name)
+            check(value is None or value >= 0, key_of(prefix, name), "must be >= 0")
+        check(
+            self.gpus_per_trainer is None or self.gpus_per_trainer >= 0,
+            key_of(prefix, "gpus_per_trainer"),
+            "must be >= 0",
+        )
+        for name in ("server_resources", "trainer_resources"):
+            for res, amount in getattr(self, name).items():
+                check(amount > 0, f"{key_of(prefix, name)}.{res}", "must be > 0")
+                check(res not in ("CPU", "GPU"), f"{key_of(prefix, name)}.{res}", "CPU and GPU have keys of their own")
+        for name in ("placement_timeout_s", "node_timeout_s"):
+            check(getattr(self, name) > 0, key_of(prefix, name), "must be > 0")
+        check(self.regrow_timeout_s >= 0, key_of(prefix, "regrow_timeout_s"), "must be >= 0")
 
 
 class RecoveryConfig(Section):

@@ -35,8 +35,9 @@ from typing import Any, Literal
 import msgspec
 
 from areal_async.config.base import ConfigError, Section, check, key_of
-from areal_async.config.cluster import RecoveryConfig, RendezvousConfig, SlurmConfig
+from areal_async.config.cluster import RayConfig, RecoveryConfig, RendezvousConfig, SlurmConfig
 from areal_async.config.files import ALIASES, TextKind, apply_overrides, lookup, read_yaml
+from areal_async.config.server import ServerConfig
 from areal_async.config.trainer import AdvantageConfig, LossConfig, OptimConfig, TrainConfig
 from areal_async.config.types import field_info, format_validation_error, text_kind_of
 
@@ -147,57 +148,6 @@ class DataConfig(Section):
             check(bool(self.system_prompt.strip()), key_of(prefix, "system_prompt"), "must not be empty (or null)")
         clash = sorted(set(self.reward_options) & RESERVED_REWARD_ARGS)
         check(not clash, key_of(prefix, "reward_options"), f"{clash} are the reward call's own arguments")
-
-
-class ServerConfig(Section):
-    """Inference servers: embedded (our CPU/GPU server), sglang (launched), or external URLs."""
-
-    backend: Literal["embedded", "sglang", "external"] = "embedded"
-    """embedded: `python -m areal_async.serve` children; sglang: `sglang.launch_server` children; external: `urls`."""
-    num_servers: int = 1
-    """Servers to launch (embedded, sglang)."""
-    urls: list[str] = []
-    """Base URLs of running servers (backend=external)."""
-    host: str = "127.0.0.1"
-    """Interface launched servers bind to (anything else should come with api_key)."""
-    port: int = 0
-    """First port of launched servers (server i takes port + i); 0 picks free ports."""
-    device: str = "auto"
-    """Embedded servers' device ("cpu", "cuda", "cuda:1"); auto: cuda when available."""
-    max_running_requests: int = 256
-    """Embedded: requests decoded together."""
-    max_total_tokens: int = 65536
-    """Embedded: KV-cache token budget per server."""
-    api_key: str | None = None
-    """Bearer token the servers require (and the client sends)."""
-    extra_args: list[str] = []
-    """Passed through to sglang.launch_server (e.g. ["--mem-fraction-static", "0.8"])."""
-    base_gpu_id: int = 0
-    """sglang: server i uses --base-gpu-id base_gpu_id + i * gpus_per_server."""
-    gpus_per_server: int = 1
-    """sglang and external: GPUs each server takes (its tensor-parallel size; every one joins a weight broadcast)."""
-    startup_timeout_s: float = 300.0
-    """How long servers (launched or external) get to answer /health before the launch fails."""
-    torch_threads: int = 1
-    """Intra-op threads per embedded server process."""
-    prefix_cache: bool = True
-    """Embedded: samples of one prompt share the KV of its full prompt pages (SGLang's radix cache; for sglang
-    servers pass --disable-radix-cache in extra_args instead)."""
-
-    def validate(self, prefix: str = "") -> None:
-        check(self.num_servers >= 1, key_of(prefix, "num_servers"), "must be >= 1")
-        check(self.backend != "external" or bool(self.urls), key_of(prefix, "urls"), "required when backend=external")
-        check(
-            all(u.startswith(("http://", "https://")) for u in self.urls),
-            key_of(prefix, "urls"),
-            "every URL must start with http:// or https://",
-        )
-        check(0 <= self.port <= 65535, key_of(prefix, "port"), "must be in 0..65535")
-        check(self.max_total_tokens > 0, key_of(prefix, "max_total_tokens"), "must be > 0")
-        check(self.max_running_requests >= 1, key_of(prefix, "max_running_requests"), "must be >= 1")
-        check(self.gpus_per_server >= 1, key_of(prefix, "gpus_per_server"), "must be >= 1")
-        check(self.startup_timeout_s > 0, key_of(prefix, "startup_timeout_s"), "must be > 0")
-        check(self.torch_threads >= 1, key_of(prefix, "torch_threads"), "must be >= 1")
 
 
 class ScheduleConfig(Section):
@@ -439,11 +389,13 @@ class RunConfig(Section):
     """Held-out evaluation."""
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     """Extra metrics loggers (wandb, your own)."""
-    launcher: Literal["local", "slurm"] = "local"
+    launcher: Literal["local", "slurm", "ray"] = "local"
     """local: servers and trainers start on this host (server.backend=external: servers at server.urls);
-    slurm: as srun steps of a Slurm job (the slurm section)."""
+    slurm: as srun steps of a Slurm job (the slurm section); ray: on a Ray cluster's nodes (the ray section)."""
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
     """launcher=slurm."""
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    """launcher=ray."""
     recovery: RecoveryConfig = msgspec.field(default_factory=RecoveryConfig)
     """Fault recovery: restarting servers and trainers, rolling back to checkpoints."""
 
@@ -456,7 +408,7 @@ class RunConfig(Section):
 
     def validate(self, prefix: str = "") -> None:
         check(bool(self.run_dir), key_of(prefix, "run_dir"), "must not be empty")
-        for name in ("data", "server", "schedule", "rollout", "train", "eval", "metrics", "slurm", "recovery"):
+        for name in ("data", "server", "schedule", "rollout", "train", "eval", "metrics", "slurm", "ray", "recovery"):
             getattr(self, name).validate(key_of(prefix, name))
         # SGLang takes its writer lock per /update_weights_from_distributed call: unpaused, requests queued behind
         # one bucket run between buckets on a mix of old and new weights labelled old, and the first bucket waits

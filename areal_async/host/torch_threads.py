@@ -58,3 +58,14 @@ def _call_single(fn: Callable[..., T], *args: Any) -> T:
 async def to_side_thread(fn: Callable[..., T], *args: Any) -> T:
     """`asyncio.to_thread` for torch work that is not the compute thread's: one torch thread in the helper."""
     return await asyncio.to_thread(_call_single, fn, *args)
+
+
+def thread_env(n: int) -> dict[str, str]:
+    """Environment that pins a child's intra-op thread pools to n threads (children share the host's cores)."""
+    n = max(1, n)
+    return {
+        "OMP_NUM_THREADS": str(n),
+        "MKL_NUM_THREADS": str(n),
+        "AREAL_TORCH_THREADS": str(n),
+        "TOKENIZERS_PARALLELISM": "false",
+    }

@@ -120,7 +120,6 @@ class InferenceClient(WeightGroups, LoRAAdapters):
         # tokens: received from servers; failover_kept_tokens: received in an attempt that then failed and kept
         # for its resubmission (only streaming can keep them: see docs/inference.md)
         self._counts = {"tokens": 0, "interruptions": 0, "failover_kept_tokens": 0}
-        self._asking: set[str] = set()  # servers whose streaming mode is being asked
         self._groups: dict[str, list[str]] = {}  # weight-update groups this client formed -> the servers in them
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -262,29 +261,12 @@ class InferenceClient(WeightGroups, LoRAAdapters):
         return result
 
     def _streams_to(self, url: str) -> bool:
-        """Stream to this server? With "auto", only once it said its events are incremental (asked in the
-        background the first time; JSON until the answer is in)."""
+        """Stream to this server? With "auto", only once its dialect (detected at the first exchange, from
+        /get_server_info) says its events are incremental; JSON until then."""
         if isinstance(self.stream, bool):
             return self.stream
         server = self._pool.router.servers.get(url)
-        if server is None:
-            return False
-        if server.incremental_stream is None and url not in self._asking:
-            self._asking.add(url)
-            self._pool.spawn(self._ask_stream_mode(server))
-        return bool(server.incremental_stream)
-
-    async def _ask_stream_mode(self, server: ServerState) -> None:
-        try:
-            status, body = await self._pool.send(
-                server, "GET", "/get_server_info", None, timeout=self._pool.probe_timeout(), probe=True
-            )
-            info = msgspec.json.decode(body) if status == 200 else None
-            server.incremental_stream = bool(isinstance(info, dict) and info.get("incremental_streaming_output"))
-        except (ConnectionFailed, InferenceError, msgspec.DecodeError):
-            pass  # asked again on a later request
-        finally:
-            self._asking.discard(server.url)
+        return bool(server is not None and server.incremental_stream)
 
     async def _abort_everywhere(self, rid: str) -> None:
         await self._pool.fanout("POST", "/abort_request", {"rid": rid, "abort_all": False}, servers=self._reachable())
@@ -499,6 +481,12 @@ class InferenceClient(WeightGroups, LoRAAdapters):
             if server is not None and not out[url] and server.state == "serving":
                 self._pool.server_failed(server, str(r))  # recovery goes through the probe, which syncs weights
         return out
+
+    def liveness(self, url: str) -> tuple[str, float | None]:
+        """(path, patience or None) of the liveness probe of `url`'s engine (dialect.py), for launch/recovery.py."""
+        server = self._pool.router.servers.get(url.rstrip("/"))
+        d = server.dialect if server is not None else None
+        return (d.liveness_path, (d.hang_timeouts or 1) * self._pool.health_timeout_s) if d else ("/health", None)
 
     async def model_info(self) -> dict[str, Any]:
         """GET /model_info (or the older /get_model_info) from every server."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,6 +20,13 @@ from areal_async.inference.errors import DOWN_STATUS, ConnectionFailed, Inferenc
 from areal_async.inference.routing import Router, ServerState
 
 log = logging.getLogger("areal_async.inference.transport")  # the pool's log: one logger for its server states
+
+
+def _liveness_path(server: ServerState) -> str:
+    """What the heartbeat asks a busy server: its dialect's cheap liveness path (inference/dialect.py), /health
+    until the dialect is known. Recovery and admission ask /health itself, which on SGLang proves that the
+    scheduler generates, and take their time over it."""
+    return server.dialect.liveness_path if server.dialect is not None else "/health"
 
 
 class HealthWatch:
@@ -121,18 +129,37 @@ class HealthWatch:
                     self.spawn(self._heartbeat_probe(s))
 
     async def _heartbeat_probe(self, server: ServerState) -> None:
-        """One /health probe of a busy server; enough unanswered ones in a row mean it hangs."""
+        """One liveness probe of a busy server; enough unanswered ones in a row mean it hangs.
+
+        Slow is not hung:
+        - a probe that goes unanswered while the server sent us other bytes since it went out (a streamed token, a
+          finished generation) does not count;
+        - a dialect with `hang_timeouts` (a real engine, whose HTTP front shares the host's cores with its
+          scheduler and, on a small machine, with the trainers) gives one probe that many `health_timeout_s` to
+          answer, and that probe is the whole verdict. SGLang's own /health allows its scheduler 20 s likewise.
+        A SIGSTOPped or wedged server answers nothing at all, and is still found: the embedded server after
+        `max_health_failures` probes of `health_timeout_s`, a real engine after its `hang_timeouts` of them."""
+        sent_at = time.monotonic()
+        grace = server.dialect.hang_timeouts if server.dialect is not None else None
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s * (grace or 1))
         try:
-            status, _ = await self.send(server, "GET", "/health", None, timeout=self.probe_timeout(), probe=True)
+            status, _ = await self.send(server, "GET", _liveness_path(server), None, timeout=timeout, probe=True)
         except ConnectionFailed as e:
             if server.state in ("serving", "draining"):
                 self.server_failed(server, f"health probe: {e}")
             return
-        except InferenceError:  # no answer within health_timeout_s
+        except InferenceError:  # no answer within the probe's deadline
+            if server.last_answer >= sent_at:
+                server.health_failures = 0  # slow, and working
+                return
             server.health_failures += 1
-            if server.health_failures >= self.max_health_failures and server.state in ("serving", "draining"):
+            waited = timeout.total or 0.0
+            if (grace or server.health_failures >= self.max_health_failures) and server.state in (
+                "serving",
+                "draining",
+            ):
                 self.server_failed(
-                    server, f"hung: {server.health_failures} health probes unanswered within {self.health_timeout_s:g}s"
+                    server, f"hung: {server.health_failures} health probes unanswered within {waited:g}s"
                 )
             return
         finally:

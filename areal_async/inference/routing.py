@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 ServerStatus = Literal["serving", "down", "syncing", "draining"]
 
@@ -38,6 +38,8 @@ class ServerState:
         "admin_ops",
         "version",
         "incremental_stream",
+        "dialect",
+        "last_answer",
     )
 
     def __init__(self, url: str, state: ServerStatus = "serving"):
@@ -51,6 +53,8 @@ class ServerState:
         self.admin_ops = 0  # weight loads in flight (a loading server may be slow to answer /health)
         self.version: int | None = None  # the weight version it was last seen or made to hold; None: unknown
         self.incremental_stream: bool | None = None  # its streams carry only new tokens; None: not asked yet
+        self.dialect: Any = None  # its engine's Dialect (inference/dialect.py), detected on first contact
+        self.last_answer = 0.0  # time.monotonic() of the last bytes it sent us: a slow server still answers
 
     @property
     def healthy(self) -> bool:

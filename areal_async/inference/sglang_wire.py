@@ -31,6 +31,8 @@ class MetaInfo(msgspec.Struct):
     finish_reason: FinishReason | None = None
     weight_version: Any = None
     weight_version_spans: list[tuple[int, Any]] | None = None
+    # SGLang 0.5.19+: [{"version", "start", "end"}] over the output tokens, on the answer that finishes a request
+    weight_versions: list[dict[str, Any]] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # [logprob, token_id, token_text]; orjson (SGLang's encoder) writes -inf as null
@@ -151,10 +153,28 @@ class SegmentReader:
             self.state.add_tokens(ids, lps, versions, texts)
             self.received += n - start
             self.counts["tokens"] += n - start
+        if meta.weight_versions and self.pinned is None and self.received:
+            self._exact_versions(meta.weight_versions, n if cumulative else self.received)
         if resp.text is not None:
             self.state.set_segment_text(resp.text, cumulative)
         if meta.finish_reason is not None:
             self.finish = meta.finish_reason
+
+    def _exact_versions(self, spans: list[dict[str, Any]], n: int) -> None:
+        """SGLang 0.5.19+ says which version made each token only when the request finishes (its streamed events
+        carry the label of the moment): the finishing answer's spans overwrite the segment's versions."""
+        try:
+            pairs = [(int(sp["start"]), sp["version"]) for sp in spans]
+        except (KeyError, TypeError, ValueError) as e:
+            raise InferenceError(f"{self.where}: malformed weight_versions {spans!r}") from e
+        versions = span_versions(pairs, n, 0, self.where)
+        first = self.state.segment_starts[-1] if self.state.segment_starts else 0
+        if len(versions) != len(self.state.out_versions) - first:
+            raise InferenceError(
+                f"{self.where}: weight_versions cover {len(versions)} tokens, the segment has "
+                f"{len(self.state.out_versions) - first}"
+            )
+        self.state.out_versions[first:] = versions
 
     def end(self) -> SegmentEnd:
         fr = self.finish

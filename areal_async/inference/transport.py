@@ -32,6 +32,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from areal_async.inference.dialect import Dialect, EventSink
+from areal_async.inference.engines import detect
 from areal_async.inference.errors import (
     DOWN_STATUS,
     RETRY_STATUS,
@@ -64,7 +66,6 @@ _JSON = {"Content-Type": "application/json"}
 # swallowed cancellation there is the owner's only when it cancels in the same instant
 _UNCANCEL = hasattr(asyncio.Task, "uncancel")
 
-EventSink = Callable[[bytes], None]  # one SSE `data:` payload (JSON bytes)
 BodyFn = Callable[[int, str], "bytes | None"]  # (attempt, server url) -> body; None: nothing left to ask
 
 
@@ -127,6 +128,7 @@ class ServerPool(HealthWatch):
         self._lost_cancels: dict[asyncio.Task, str] = {}  # tasks we cancelled because their server left, and why
         self._recovery: dict[str, asyncio.Task] = {}
         self._probing: set[str] = set()  # heartbeat probes in flight
+        self._detecting: dict[str, asyncio.Future] = {}  # url -> its dialect detection in flight
         self._heartbeat: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -219,7 +221,12 @@ class ServerPool(HealthWatch):
         registry = self._exchanges.setdefault(server.url, set())
         registry.add(task)
         try:
-            return await self._exchange(session, server, method, path, body, timeout, on_event)
+            dialect = server.dialect or await self._detect(session, server)
+
+            def raw(m: str, p: str, b: bytes | None, ev: EventSink | None) -> Awaitable[tuple[int, bytes]]:
+                return self._exchange(session, server, m, p, b, timeout, ev)
+
+            return await dialect.call(raw, method, path, body, on_event)
         except asyncio.CancelledError:
             why = self._lost_cancels.pop(task, None)
             if why is None or (_UNCANCEL and task.uncancel() > 0):  # not ours, or its owner cancelled it too
@@ -232,6 +239,31 @@ class ServerPool(HealthWatch):
                 server.outstanding -= 1
             if not probe:
                 server.exchanges -= 1
+
+    async def _detect(self, session: aiohttp.ClientSession, server: ServerState) -> Dialect:
+        """The server's dialect, asked once per server process (engines.py); concurrent first requests share one
+        detection. A server that cannot say yet (starting, unreachable) is spoken to as it is for this exchange and
+        asked again at the next one."""
+        pending = self._detecting.get(server.url)
+        if pending is None:
+
+            def raw(m: str, p: str, b: bytes | None, ev: EventSink | None) -> Awaitable[tuple[int, bytes]]:
+                return self._exchange(session, server, m, p, b, self.probe_timeout(), ev)
+
+            pending = self._detecting[server.url] = asyncio.ensure_future(detect(raw))
+            pending.add_done_callback(lambda _f, url=server.url: self._detecting.pop(url, None))
+        try:
+            found = await asyncio.shield(pending)
+        except (ConnectionFailed, InferenceError):
+            found = None
+        if found is None:
+            return Dialect()
+        if server.dialect is None:
+            server.dialect = found
+            said = bool(found.info.get("incremental_streaming_output"))
+            server.incremental_stream = said if found.incremental_stream is None else found.incremental_stream
+            log.info("inference server %s speaks %r", server.url, found)
+        return server.dialect
 
     def _end_exchanges(self, url: str, why: str) -> None:
         """End every exchange in flight with `url` (see `send`)."""
@@ -258,13 +290,16 @@ class ServerPool(HealthWatch):
             kw["timeout"] = timeout
         try:
             async with session.request(method, server.url + path, **kw) as resp:
+                server.last_answer = time.monotonic()
                 if (
                     on_event is None
                     or resp.status != 200
                     or not resp.headers.get("Content-Type", "").startswith("text/event-stream")
                 ):
-                    return resp.status, await resp.read()
-                return await _read_events(resp, on_event, server.url + path)
+                    data = await resp.read()
+                    server.last_answer = time.monotonic()
+                    return resp.status, data
+                return await _read_events(resp, on_event, server)
         except aiohttp.ClientError as e:  # includes connect timeouts: the server is unreachable
             raise ConnectionFailed(f"{server.url}{path}: {e!r}") from e
         except TimeoutError as e:
@@ -280,6 +315,7 @@ class ServerPool(HealthWatch):
         server.num_failures += 1
         server.health_failures = 0
         server.incremental_stream = None  # it may come back as another process, with other settings
+        server.dialect = None  # ... or another engine release
         if server.url not in self.router.servers:
             return
         if server.state == "serving":
@@ -523,7 +559,7 @@ class ServerPool(HealthWatch):
         return {s.url: r for s, r in zip(targets, results)}
 
 
-async def _read_events(resp: aiohttp.ClientResponse, on_event: EventSink, where: str) -> tuple[int, bytes]:
+async def _read_events(resp: aiohttp.ClientResponse, on_event: EventSink, server: ServerState) -> tuple[int, bytes]:
     """Feed the `data:` payloads of a server-sent-event stream to `on_event` until `[DONE]`.
 
     Events are split by hand rather than with aiohttp's line reader: SGLang's default streams are cumulative, so one
@@ -531,6 +567,7 @@ async def _read_events(resp: aiohttp.ClientResponse, on_event: EventSink, where:
     """
     buf = bytearray()
     async for chunk in resp.content.iter_any():
+        server.last_answer = time.monotonic()  # a working server, however slow its /health (health.py)
         buf += chunk
         start = 0
         while True:
@@ -548,4 +585,4 @@ async def _read_events(resp: aiohttp.ClientResponse, on_event: EventSink, where:
             start = end + 2
         if start:
             del buf[:start]
-    raise ConnectionFailed(f"{where}: the event stream ended before [DONE]")
+    raise ConnectionFailed(f"{resp.url}: the event stream ended before [DONE]")

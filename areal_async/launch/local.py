@@ -29,6 +29,7 @@ from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
 from areal_async.launch.sglang_lora import sglang_lora_args
+from areal_async.launch.sglang_server import sglang_radix_cache
 from areal_async.launch.shrink import Shrink, TrainerLayout
 from areal_async.launch.slurm import SlurmLauncher
 from areal_async.net.address import advertised, host_address, rendezvous_host
@@ -312,6 +313,10 @@ def _start_server(
         gpus_per_server=srv.gpus_per_server,
         dtype=cfg.model.dtype,
         lora_args=sglang_lora_args(cfg, list(srv.extra_args)),
+        python=srv.python,
+        device=srv.device,
+        radix_cache=sglang_radix_cache(cfg),
+        threads=srv.torch_threads,
     )
 
 
@@ -441,4 +446,8 @@ def launcher_for(cfg: RunConfig) -> Launcher:
     """The launcher `launcher` and `server.backend` ask for."""
     if cfg.launcher == "slurm":
         return SlurmLauncher()
+    if cfg.launcher == "ray":  # imported here: it is the only launcher with an optional dependency (ray, lazily)
+        from areal_async.launch.ray_launcher import RayLauncher
+
+        return RayLauncher()
     return ExternalLauncher() if cfg.server.backend == "external" else LocalLauncher()

@@ -26,7 +26,10 @@ from typing import Literal
 
 import aiohttp
 
-from areal_async.launch.placement import sglang_flag
+from areal_async.host.torch_threads import thread_env
+from areal_async.launch.sglang_server import sglang_server_cmd
+
+__all__ = ["sglang_server_cmd", "thread_env"]  # where launchers imported them from before
 from areal_async.protocol.ready_line import READY_PREFIX
 
 log = logging.getLogger(__name__)
@@ -156,17 +159,6 @@ def interrupt_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-def thread_env(n: int) -> dict[str, str]:
-    """Environment that pins a child's intra-op thread pools to n threads (children share the host's cores)."""
-    n = max(1, n)
-    return {
-        "OMP_NUM_THREADS": str(n),
-        "MKL_NUM_THREADS": str(n),
-        "AREAL_TORCH_THREADS": str(n),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
 # ---- commands (shared by the launchers: a Slurm step runs the same command under srun) ----------------------------
 
 
@@ -210,47 +202,6 @@ def embedded_server_cmd(
         cmd += ["--api-key", api_key]
     if not prefix_cache:
         cmd.append("--disable-radix-cache")
-    return cmd
-
-
-def sglang_server_cmd(
-    model: str,
-    *,
-    host: str,
-    port: str,
-    api_key: str | None,
-    extra_args: list[str],
-    base_gpu_id: int = 0,
-    tp_size: int = 1,
-    dtype: str = "auto",
-    lora_args: list[str] | None = None,
-) -> list[str]:
-    """`tp_size` (server.gpus_per_server) becomes --tp-size: without it SGLang runs tp 1 on the first of the
-    server's GPUs, and the weight broadcast would count ranks the server does not have. `dtype` (model.dtype)
-    becomes --dtype unless `extra_args` has one (SGLang's own default is auto, so auto adds nothing). `lora_args`:
-    the LoRA flags of a train.lora run (launch/sglang_lora.py)."""
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model,
-        "--host",
-        host,
-        "--port",
-        port,
-        *extra_args,
-        *(lora_args or []),
-    ]
-    if sglang_flag(extra_args, "--base-gpu-id") is None:
-        cmd += ["--base-gpu-id", str(base_gpu_id)]
-    if tp_size > 1 and sglang_flag(extra_args, "--tp-size", "--tp", "--tensor-parallel-size") is None:
-        cmd += ["--tp-size", str(tp_size)]
-    if dtype != "auto" and sglang_flag(extra_args, "--dtype") is None:
-        cmd += ["--dtype", dtype]
-    if api_key:
-        cmd += ["--api-key", api_key]
     return cmd
 
 
@@ -404,6 +355,10 @@ class Processes:
         gpus_per_server: int = 1,
         dtype: str = "auto",
         lora_args: list[str] | None = None,
+        python: str | None = None,
+        device: str = "auto",
+        radix_cache: bool = True,
+        threads: int = 1,
     ) -> Child:
         port = port or free_port(host)  # SGLang needs its port on the command line
         cmd = sglang_server_cmd(
@@ -416,6 +371,10 @@ class Processes:
             tp_size=gpus_per_server,
             dtype=dtype,
             lora_args=lora_args,
+            python=python,
+            device=device,
+            radix_cache=radix_cache,
+            threads=threads,
         )
         return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 

@@ -409,8 +409,12 @@ class RunRecovery:
                 await self.check(http)
 
     async def _probe(self, http: aiohttp.ClientSession, url: str) -> bool:
+        """The server's liveness path as the client probes it (a real SGLang's /health is a generation that waits
+        out pauses and a busy scheduler: inference/dialect.py), with the dialect's patience for a slow answer."""
+        path, grace = self.client.liveness(url) if self.client is not None else ("/health", None)
+        timeout = aiohttp.ClientTimeout(total=max(grace or 0.0, self.cfg.health_timeout_s))
         try:
-            async with http.get(url + "/health") as r:
+            async with http.get(url + path, timeout=timeout) as r:
                 return r.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False

@@ -31,6 +31,7 @@ from areal_async.launch.processes import (
     thread_env,
     trainer_cmd,
 )
+from areal_async.launch.sglang_server import sglang_radix_cache
 from areal_async.launch.slurm_allocation import Allocation
 from areal_async.net.rank_registry import Registry
 
@@ -214,6 +215,10 @@ def start_server_step(
             base_gpu_id=0,
             tp_size=srv.gpus_per_server,
             dtype=cfg.model.dtype,
+            python=srv.python,
+            device=srv.device,
+            radix_cache=sglang_radix_cache(cfg),
+            threads=srv.torch_threads,
         )
     name = f"server{index}"
     step = [

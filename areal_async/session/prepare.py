@@ -21,7 +21,9 @@ import msgspec
 
 from areal_async.config import RESERVED_REWARD_ARGS, ConfigError, RunConfig
 from areal_async.host.cpu_features import describe, model_hidden_size, resolve_mixed_precision
+from areal_async.inference.dialect import parse_release
 from areal_async.launch.placement import plan_placement
+from areal_async.launch.sglang_server import SGLANG_NEWEST, SGLANG_OLDEST, installed_release
 from areal_async.metrics_sinks import build_sinks
 from areal_async.model_store import ModelPathError, resolve_model_path
 from areal_async.rewards.registry import resolve as resolve_reward
@@ -47,7 +49,7 @@ __all__ = [
     "SGLANG_TESTED",
 ]
 
-SGLANG_TESTED = ">=0.5.6,<0.5.11"  # the releases the sglang extra allows (pyproject.toml says what each pins)
+SGLANG_TESTED = f"{'.'.join(map(str, SGLANG_OLDEST))} to {'.'.join(map(str, SGLANG_NEWEST))}"
 
 
 @dataclass
@@ -165,20 +167,27 @@ def check_devices(cfg: RunConfig, gpus: tuple[str, ...]) -> None:
 
 
 def check_backend_installed(cfg: RunConfig) -> None:
-    """`server.backend=sglang` needs SGLang in this Python (servers start as `python -m sglang.launch_server`,
-    here or in Slurm steps with the same interpreter). Found, not imported: SGLang imports torch and CUDA."""
+    """`server.backend=sglang` needs SGLang in the interpreter that runs it (`server.python`, else this one; in
+    Slurm steps and Ray actors the same path). Its release is read from that interpreter's package metadata, without
+    importing SGLang (which imports torch and CUDA), and must lie in the tested window."""
     if cfg.server.backend != "sglang":
         return
-    try:
-        found = importlib.util.find_spec("sglang") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    python = os.path.expanduser(cfg.server.python) if cfg.server.python else sys.executable
+    key = "server.python" if cfg.server.python else "server.backend"
+    release = installed_release(python, "sglang")
+    if release is None:
         raise ConfigError(
-            f"server.backend: sglang is not installed in {sys.executable}; pip install "
-            f"'areal_async[sglang]' (SGLang {SGLANG_TESTED}, on a CUDA host), or use "
-            "server.backend=embedded"
+            f"{key}: sglang is not installed in {python}; `make sglang` builds a venv of SGLang "
+            f"{SGLANG_TESTED} and prints its server.python (docs/inference.md), or use server.backend=embedded"
         )
+    version = parse_release(release)
+    if version is None or version < SGLANG_OLDEST:
+        raise ConfigError(
+            f"{key}: SGLang {release} in {python} is older than the oldest release the client supports "
+            f"({'.'.join(map(str, SGLANG_OLDEST))}); tested: {SGLANG_TESTED}"
+        )
+    if version > SGLANG_NEWEST:
+        log.warning("SGLang %s is newer than the newest release tested (%s)", release, SGLANG_TESTED)
 
 
 def _port_taken(host: str, port: int) -> str | None:

@@ -1,0 +1,158 @@
+"""SGLang's releases 0.5.6 to 0.5.23 as one dialect: what changed in its HTTP protocol, mapped in one place.
+
+The client writes SGLang's protocol as 0.5.6-0.5.18 speak it. What later releases changed, and how it is met here
+(each read from the released wheels and checked against real servers in CI: tests/test_sglang_real.py):
+
+- 0.5.19: /generate answers carry exact per-token `meta_info.weight_versions` spans (read by sglang_wire.py).
+- 0.5.20: GET /ready answers 503 while paused (`ready_path`).
+- 0.5.21: /update_weights_from_distributed and _from_tensor run only between POST /begin_weight_update and
+  POST /end_weight_update (`weight_update_sessions`): each call is wrapped, and a session left open by a crash is
+  closed first.
+- 0.5.22: /generate refuses unknown sampling_params keys and integers written as floats (`strict_json`): only
+  SGLang's keys are sent, integers as integers.
+- 0.5.22: a cache flush refused after an update answers 400 "Weights were updated, but the cache was not flushed"
+  (up to 0.5.21 an assertion ended the scheduler): read as a successful load.
+
+Liveness: a real SGLang's /health is a one-token generation queued behind the running batch (on a busy CPU it takes
+seconds, and while paused it waits for /continue_generation), so the heartbeat asks /model_info (/get_model_info
+before it existed) instead, which the HTTP front answers at once. A hung front (SIGSTOP) answers neither. Recovery
+still asks /health, which proves the scheduler generates. No torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from areal_async.inference.dialect import Dialect, EventSink, RawSend, json_answer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SGLangDialect", "FLUSH_REFUSED"]
+
+# the 400 message of 0.5.22+ when /update_weights_from_* loaded the weights but could not flush the radix cache
+FLUSH_REFUSED = "cache was not flushed"
+
+# sampling_params keys SGLang has had throughout the window (the client sends a subset of these)
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "n",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "logit_bias",
+        "sampling_seed",
+        "custom_params",
+    }
+)
+OLDEST = (0, 5, 6)  # the oldest release the client supports
+# the release that added GET /model_info (/get_model_info logs a deprecation warning at every call from then on)
+MODEL_INFO_SINCE = (0, 5, 6)
+INT_KEYS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_SESSION_PATHS = ("/update_weights_from_distributed", "/update_weights_from_tensor")
+
+
+class SGLangDialect(Dialect):
+    """One SGLang server of a release (None: it gave no release string; read as the oldest of the window, whose
+    protocol every later release still answers but for the changes above)."""
+
+    engine = "sglang"
+    liveness_path = "/model_info"
+    # its HTTP front shares the host's cores with the scheduler (and, on a small machine, with the trainers): on a
+    # loaded host it can take seconds to answer. 6 x health_timeout_s: 30 s at the default, SGLang's own /health
+    # gives its scheduler 20 s
+    hang_timeouts = 6
+
+    def __init__(self, version: tuple[int, ...] | None = None, info: dict[str, Any] | None = None):
+        super().__init__(version, info)
+        v = version or OLDEST
+        if v < MODEL_INFO_SINCE:
+            self.liveness_path = "/get_model_info"
+        self.version_spans = v >= (0, 5, 19)
+        self.ready_path = "/ready" if v >= (0, 5, 20) else None
+        self.weight_update_sessions = v >= (0, 5, 21)
+        self.strict_json = v >= (0, 5, 22)
+        # radix cache on: KV computed under old weights can be reused by new requests after an in-place update
+        self.radix_cache = not bool(self.info.get("disable_radix_cache", False))
+
+    async def call(
+        self, raw: RawSend, method: str, path: str, body: bytes | None, on_event: EventSink | None
+    ) -> tuple[int, bytes]:
+        if path == "/generate" and self.strict_json and body is not None:
+            body = _strict_generate(body)
+        if path in _SESSION_PATHS and self.weight_update_sessions:
+            return await self._in_session(raw, method, path, body, on_event)
+        status, data = await raw(method, path, body, on_event)
+        if status == 400 and path.startswith("/update_weights_from") and FLUSH_REFUSED.encode() in data:
+            return _loaded_without_flush(data)
+        return status, data
+
+    async def _in_session(
+        self, raw: RawSend, method: str, path: str, body: bytes | None, on_event: EventSink | None
+    ) -> tuple[int, bytes]:
+        """begin -> the update -> end. A begin refused because a session is open (a crash mid-update left it)
+        closes that one first and begins again; end is sent whatever the update answered, so no session stays
+        open behind a failed bucket."""
+        status, data = await raw("POST", "/begin_weight_update", b"{}", None)
+        if status != 200:
+            await raw("POST", "/end_weight_update", b"{}", None)
+            status, data = await raw("POST", "/begin_weight_update", b"{}", None)
+            if status != 200:
+                return status, data
+        try:
+            status, data = await raw(method, path, body, on_event)
+        finally:
+            end_status, end_data = await raw("POST", "/end_weight_update", b"{}", None)
+        if status == 400 and FLUSH_REFUSED.encode() in data:
+            status, data = _loaded_without_flush(data)
+        if status == 200 and end_status != 200:
+            return end_status, end_data
+        return status, data
+
+
+def _strict_generate(body: bytes) -> bytes:
+    """Only SGLang's sampling_params keys, integers as JSON integers (0.5.22 answers 400 otherwise)."""
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body  # the server's 400 says what is wrong
+    sp = payload.get("sampling_params") if isinstance(payload, dict) else None
+    if not isinstance(sp, dict):
+        return body
+    clean = {k: v for k, v in sp.items() if k in SAMPLING_KEYS}
+    for k in INT_KEYS:
+        v = clean.get(k)
+        if isinstance(v, float) and v.is_integer():
+            clean[k] = int(v)
+    if clean == sp:
+        return body
+    payload["sampling_params"] = clean
+    return msgspec.json.encode(payload)
+
+
+def _loaded_without_flush(data: bytes) -> tuple[int, bytes]:
+    """0.5.22+: the weights were loaded but the radix cache was not flushed (requests were running). The load
+    succeeded; the client never asks for a flush with requests running (in-place updates), so this is logged."""
+    try:
+        message = str(msgspec.json.decode(data))
+    except msgspec.DecodeError:
+        message = data[:200].decode("utf-8", "replace")
+    log.warning("SGLang loaded the weights without flushing its cache: %s", message)
+    return json_answer(200, {"success": True, "message": message, "flushed": False})

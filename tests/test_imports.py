@@ -27,6 +27,7 @@ CONTROLLER_SIDE = [
     "areal_async.launch.processes",
     "areal_async.launch.vllm_server",
     "areal_async.launch.recovery",
+    "areal_async.launch.ray_launcher",
     "areal_async.testing.faults",
     "areal_async.rollout.controller",
     "areal_async.rollout.buffer",

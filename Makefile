@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint clean clean-runs
+.PHONY: setup run test lint clean clean-runs sglang vllm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,15 @@ run: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# real engines, each in a venv of its own cached in ~/.cache/areal_async/engines (docs/inference.md); each prints the
+# interpreter to give as server.python
+SGLANG_RELEASES ?= 0.5.23
+sglang:
+	bash scripts/install_sglang.sh $(SGLANG_RELEASES)
+
+vllm:
+	bash scripts/install_vllm.sh
 
 # ruff: lint and format (configured in pyproject.toml); .ci/run runs it before the tests
 lint: $(STAMP)

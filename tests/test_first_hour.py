@@ -483,5 +483,10 @@ def test_typed_package_and_optional_extras():
     dev = " ".join(extras["dev"])
     for extra in ("gguf", "math", "parquet", "tensorboard"):  # make setup installs .[dev]: the tests need them
         assert extra in dev.split("[", 1)[1].split("]")[0].split(",")
-    assert extras["sglang"] == ["sglang>=0.5.6,<0.5.11"]
-    assert run_plan.SGLANG_TESTED == extras["sglang"][0].removeprefix("sglang")
+    from areal_async.launch.sglang_server import SGLANG_NEWEST, SGLANG_OLDEST
+
+    # the extra opens exactly the window the launcher accepts and CI runs for real (.ci/sglang_leg.sh)
+    newest = (*SGLANG_NEWEST[:2], SGLANG_NEWEST[2] + 1)
+    assert extras["sglang"] == [f"sglang>={'.'.join(map(str, SGLANG_OLDEST))},<{'.'.join(map(str, newest))}"]
+    leg = open(os.path.join(ROOT, ".ci", "sglang_leg.sh")).read()
+    assert f"RELEASES=({run_plan.SGLANG_TESTED.replace(' to ', ' ')})" in leg

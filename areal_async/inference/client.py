@@ -552,8 +552,21 @@ class InferenceClient(WeightGroups, LoRAAdapters):
 
     @property
     def weight_target(self) -> WeightTarget | None:
-        """The weights every serving server holds (None: the launch weights, never updated)."""
+        """The weights every serving server holds (None: the launch weights, never updated). Set it before the
+        first request to servers that were running before the run (an external fleet): one whose label is not
+        the target's version loads the target's checkpoint before it serves."""
         return self._fleet.target
+
+    @weight_target.setter
+    def weight_target(self, target: WeightTarget | None) -> None:
+        self._fleet.target = target
+
+    async def bring_to_target(self) -> None:
+        """Every reachable server to `weight_target` now (relabelled or reloaded); one that cannot leaves rotation
+        until it can. For servers that were running before the run."""
+        for server in self._reachable():
+            if not await self._fleet.ready(server):
+                self._pool.needs_sync(server, "not on the run's weights")
 
     # ---- observability ------------------------------------------------------------------------------------------
 

@@ -85,8 +85,9 @@ class DiskSync:
         }
 
     async def _served(self) -> str:
-        """The dtype the servers serve (asked once): an embedded server says it (/get_server_info `dtype`); an
-        SGLang server says "auto" unless launched with --dtype, and auto is bf16 for the models it serves here.
+        """The dtype the servers serve (asked once): an embedded server says it (/get_server_info `dtype`), and so
+        does an SGLang server launched with --dtype (the launcher always gives one); "auto" is refused, since SGLang's
+        auto depends on the checkpoint (an fp32 one is served as float16).
         Deltas go only to a fleet whose every server says it takes them (`weights_delta`, the embedded server)."""
         if self._served_dtype is not None:
             return self._served_dtype
@@ -100,7 +101,12 @@ class DiskSync:
                     log.warning("%s cannot load a delta (SGLang): every version goes as a full checkpoint", url)
                 self._full_only = True
             d = info.get("dtype")
-            dtypes.add("bfloat16" if d in (None, "auto") else str(d))
+            if d == "auto":  # SGLang started without --dtype: what it serves depends on the model (never guessed)
+                raise RuntimeError(
+                    f"{url} serves dtype 'auto': start it with an explicit --dtype (e.g. bfloat16) so that the weights "
+                    "it serves can be checked against the trainer's after every update"
+                )
+            dtypes.add("bfloat16" if d is None else str(d))
         if len(dtypes) > 1:
             log.warning("the servers serve different dtypes %s: full checkpoints only", sorted(dtypes))
             self._full_only = True

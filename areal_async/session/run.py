@@ -31,7 +31,7 @@ import yaml
 
 from areal_async.config import ConfigError, RunConfig, load_config, to_dict
 from areal_async.config.help import describe
-from areal_async.inference.client import InferenceClient
+from areal_async.inference.client import InferenceClient, WeightTarget
 from areal_async.launch import (
     Cluster,
     Launcher,
@@ -223,6 +223,9 @@ async def train(plan: RunPlan, state: RunState, cluster: Cluster, session: Sessi
         session.pinned_evals = make_pinned_evals(plan, session, trainers, weights)
     if plan.resumed:  # the servers start from the base model: bring them to the resumed version
         await bring_servers_to(weights, state.version)
+    elif cfg.server.backend == "external":  # servers used before may hold other weights under another label
+        client.weight_target = WeightTarget(state.version, plan.model_path)
+        await client.bring_to_target()
     log.info(
         "servers %s and %d trainer rank(s) ready in %.1fs", urls, cluster.trainers.world_size, time.monotonic() - t0
     )

@@ -45,6 +45,14 @@ def lora_logprob(name: str | None) -> float:
     return -0.001 * int(rest) if rest.isdigit() else 0.0
 
 
+# SGLang's sampling_params keys (0.5.22 refuses others)
+_SAMPLING_KEYS = frozenset(
+    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty presence_penalty "
+    "repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag ignore_eos skip_special_tokens "
+    "spaces_between_special_tokens no_stop_trim stream_interval logit_bias sampling_seed custom_params".split()
+)
+
+
 class FakeSGLang:
     def __init__(self, port: int = 0, *, token_delay: float = 0.0, version: str = "default"):
         self.port = port
@@ -78,6 +86,15 @@ class FakeSGLang:
         self.exact_abort = False
         self.model_info_path = "/model_info"
         self.sglang_version: str | None = None
+        # what later releases changed (FakeSGLang.like sets them for a release; tests/test_sglang_conformance.py
+        # runs the same checks against this and a real server of the release):
+        # - version_spans (0.5.19): the finishing answer carries meta_info.weight_versions [{version, start, end}]
+        # - update_sessions (0.5.21): /update_weights_from_distributed only between /begin_ and /end_weight_update
+        # - strict_json (0.5.22): unknown sampling_params keys are a 400
+        self.version_spans = False
+        self.update_sessions = False
+        self.strict_json = False
+        self.in_session = False
         self.health_calls = 0
         # a real member of the trainer's weight-update group (gloo, CPU), as SGLang is one with nccl: it joins at
         # /init_weights_update_group and receives every tensor of a bucket by broadcast. Opt-in (it loads torch):
@@ -111,6 +128,19 @@ class FakeSGLang:
         self._resumed.set()
         self._inflight: dict[str, dict] = {}
         self._runner: web.AppRunner | None = None
+
+    @classmethod
+    def like(cls, release: str, **kw: Any) -> FakeSGLang:
+        """A stand-in that answers as SGLang `release` does where the client can tell (the checks that hold it to
+        the real server are in tests/test_sglang_conformance.py)."""
+        fake = cls(**kw)
+        v = tuple(int(p) for p in release.split(".")[:3])
+        fake.sglang_version = release
+        fake.sglang_health = fake.exact_abort = True
+        fake.version_spans = v >= (0, 5, 19)
+        fake.update_sessions = v >= (0, 5, 21)
+        fake.strict_json = v >= (0, 5, 22)
+        return fake
 
     @property
     def url(self) -> str:
@@ -149,6 +179,8 @@ class FakeSGLang:
         app.router.add_post("/init_weights_update_group", self._init_group)
         app.router.add_post("/destroy_weights_update_group", self._destroy_group)
         app.router.add_post("/flush_cache", self._record_ok)
+        app.router.add_post("/begin_weight_update", self._session)
+        app.router.add_post("/end_weight_update", self._session)
         app.router.add_post("/update_weights_from_distributed", self._distributed)
         app.router.add_route("GET", "/get_weights_by_name", self._weights_by_name)
         app.router.add_post("/get_weights_by_name", self._weights_by_name)
@@ -187,6 +219,9 @@ class FakeSGLang:
             status = self.fail_statuses.pop(0)
             return self._json({"error": {"message": f"injected {status}"}}, status)
         sp = body["sampling_params"]
+        unknown = sorted(set(sp) - _SAMPLING_KEYS) if self.strict_json else []
+        if unknown:
+            return self._json({"error": f"unknown field `{unknown[0]}`, expected one of ..."}, 400)
         if sp["max_new_tokens"] > 10_000:
             return self._json({"error": {"message": "max_new_tokens is too large"}}, 400)
         rid = body["rid"]
@@ -234,6 +269,10 @@ class FakeSGLang:
                         for t, v in zip(out[lo:], vers[lo:])
                     ],
                 }
+                if final and self.version_spans and out:
+                    starts = [k for k in range(len(vers)) if k == 0 or vers[k] != vers[k - 1]]
+                    ends = [*starts[1:], len(vers)]
+                    meta["weight_versions"] = [{"version": vers[a], "start": a, "end": b} for a, b in zip(starts, ends)]
                 if self.spans:
                     vs = vers[lo:]  # offsets into this answer's output_ids
                     meta["weight_version_spans"] = [[k, v] for k, v in enumerate(vs) if k == 0 or v != vs[k - 1]]
@@ -362,6 +401,16 @@ class FakeSGLang:
             return self._json({"error": {"message": "Get parameter by name failed"}}, 400)
         return self._json(self.weights[name][:size])
 
+    async def _session(self, request: web.Request) -> web.Response:
+        if not self.update_sessions:
+            return self._json({"detail": "Not Found"}, 404)
+        self.admin.append((request.path, {}))
+        opening = request.path == "/begin_weight_update"
+        if opening and self.in_session:
+            return self._json({"success": False, "message": "a weight-update session is already open"}, 400)
+        self.in_session = opening
+        return self._json({"success": True, "message": "ok"})
+
     async def _record_ok(self, request: web.Request) -> web.Response:
         raw = await request.read()
         self.admin.append((request.path, msgspec.json.decode(raw) if raw else {}))
@@ -447,6 +496,9 @@ class FakeSGLang:
     async def _distributed(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
         self.admin.append((request.path, body))
+        if self.update_sessions and not self.in_session:
+            why = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            return self._json({"success": False, "message": why}, 400)
         if not self.dist_ok:
             return self._json({"success": False, "message": "broadcast failed"}, 400)
         if self.gloo_member:

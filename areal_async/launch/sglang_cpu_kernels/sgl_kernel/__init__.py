@@ -13,6 +13,10 @@ SGLang on the CPU. It runs inside SGLang's own interpreter only: nothing in area
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
+import types
 from typing import Any
 
 import torch
@@ -41,18 +45,53 @@ def assign_req_to_token_pool_cpu(
         pos += n
 
 
-def _missing(qualname: str) -> Any:
-    def missing(*args: Any, **kwargs: Any) -> Any:
+class _Missing:
+    """A name the stand-in does not implement. Some releases touch such names at import (0.5.10 reads
+    `scalar_types.uint4b8` from a quantization table at module load): attribute access gives further stand-ins,
+    and only a call raises, naming the op."""
+
+    def __init__(self, qualname: str) -> None:
+        self._qualname = qualname
+
+    def __getattr__(self, name: str) -> _Missing:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Missing(f"{self._qualname}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
-            f"{qualname}: not in areal_async's CPU stand-in of sgl_kernel (only assign_req_to_token_pool_cpu is); "
-            "this SGLang code path needs the real CPU build of sgl-kernel"
+            f"{self._qualname}: not in areal_async's CPU stand-in of sgl_kernel (only assign_req_to_token_pool_cpu "
+            "is); this SGLang code path needs the real CPU build of sgl-kernel"
         )
 
-    missing.__name__ = qualname.rsplit(".", 1)[-1]
-    return missing
+
+def _stand_in(module: str, name: str) -> _Missing:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Missing(f"{module}.{name}")
 
 
 def __getattr__(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return _missing(f"sgl_kernel.{name}")
+    return _stand_in(__name__, name)
+
+
+class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Releases before 0.5.11 import submodules (sgl_kernel.kvcacheio, .flash_attn, ...) at module load whatever the
+    device: each is found here as a module whose every name is a `_Missing`."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.startswith(__name__ + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []  # type: ignore[attr-defined]
+        module.__getattr__ = lambda name: _stand_in(spec.name, name)  # type: ignore[attr-defined]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+sys.meta_path.append(_Submodules())

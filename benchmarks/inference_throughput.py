@@ -185,6 +185,59 @@ async def embedded_run(client, prompts: list[list[int]], lengths: list[int]) -> 
     return wall, results
 
 
+def real_engine_run(
+    python: str, model_dir: str, threads: int, prompts: list[list[int]], lengths: list[int], repeats: int, dtype: str
+) -> dict[str, Any]:
+    """The same workload through a real SGLang server started as `server.backend=sglang` starts one (its own
+    interpreter, the CPU engine, `threads` threads), driven by the same client: useful tokens/s, best of `repeats`."""
+    import urllib.request
+
+    from areal_async.inference.client import InferenceClient
+    from areal_async.launch.processes import free_port
+    from areal_async.launch.sglang_server import installed_release, sglang_server_cmd
+    from areal_async.types import SamplingParams
+
+    port = free_port()
+    cmd = sglang_server_cmd(
+        model_dir, host="127.0.0.1", port=str(port), api_key=None, extra_args=[], dtype=dtype, python=python,
+        device="cpu", threads=threads,
+    )  # fmt: skip
+    log = tempfile.NamedTemporaryFile(prefix="sglang_bench_", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"SGLang did not come up; log: {log.name}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1.0)
+
+        async def run() -> float:
+            async with InferenceClient([url], probe_interval_s=0.2) as client:
+                warm = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+                await asyncio.gather(*(client.agenerate(p, warm) for p in prompts))
+                return min([(await embedded_run(client, prompts, lengths))[0] for _ in range(repeats)])
+
+        wall = asyncio.run(run())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {
+        "sglang_release": installed_release(python, "sglang"),
+        "sglang_dtype": dtype,
+        "sglang_tokens_per_s": sum(lengths) / wall,
+        "sglang_wall_s": wall,
+    }
+
+
 async def raw_generate(client, prompt: list[int], n: int, logprobs: bool = False) -> dict:
     return await client.acompletion_raw(
         "/generate",
@@ -431,6 +484,8 @@ def main() -> None:
     ap.add_argument("--pause-new", type=int, default=None, help="max_new_tokens of the pause-latency requests")
     ap.add_argument("--skip-hf", action="store_true", help="embedded side only (for A/B runs of engine changes)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for areal_async.serve")
+    ap.add_argument("--sglang-python", default=None, help="also run the workload on real SGLang from this interpreter")
+    ap.add_argument("--sglang-dtype", default="bfloat16", help="SGLang's --dtype (bfloat16: its fastest on a CPU)")
     args = ap.parse_args()
     if args.quick:
         n_req, median, sigma, max_new = args.requests or 8, 12.0, 0.5, 32
@@ -471,6 +526,13 @@ def main() -> None:
                 proc.kill()
                 proc.wait()
 
+        if args.sglang_python:  # after the embedded server stopped: the two never share the cores
+            res.update(
+                real_engine_run(
+                    args.sglang_python, model_dir, threads, prompts, lengths, args.repeats, args.sglang_dtype
+                )
+            )
+            res["embedded_over_sglang"] = res["embedded_tokens_per_s"] / res["sglang_tokens_per_s"]
     if "hf_tokens_per_s" in res:
         res["ratio"] = res["embedded_tokens_per_s"] / res["hf_tokens_per_s"]
     result = {
@@ -506,6 +568,13 @@ def main() -> None:
             ),
             ("ratio to useful (target >= 4)", f"{res['ratio']:.2f}"),
         ]
+    if "sglang_tokens_per_s" in res:
+        rows.append(
+            (
+                f"SGLang {res['sglang_release']} ({res['sglang_dtype']}) tokens/s, embedded / SGLang",
+                f"{res['sglang_tokens_per_s']:.0f}, {res['embedded_over_sglang']:.2f}x",
+            )
+        )
     rows += [
         (f"decode tokens/s at batch {res['decode_batch']}", f"{res['decode_tokens_per_s']:.0f}"),
         ("GEMM roofline GFLOP/s (same rows, threads)", f"{res['gemm_roofline_gflops']:.0f}"),

@@ -102,6 +102,7 @@ def connect(r: RayConfig) -> Callable[[], None]:
         )
         with _without("RAY_ADDRESS"):
             os.environ.update(auth)
+            _reload_auth()
             try:
                 ray.init(num_cpus=r.num_cpus, num_gpus=r.num_gpus, **quiet)
             except BaseException:
@@ -128,6 +129,18 @@ def connect(r: RayConfig) -> Callable[[], None]:
 def _restore(variables: dict[str, str]) -> None:
     for name in variables:
         os.environ.pop(name, None)
+    if variables:
+        _reload_auth()
+
+
+def _reload_auth() -> None:
+    """Ray reads its auth mode and token once per process (at import): make it read them again from the
+    environment, as Ray does itself when it turns token authentication on (private names, hence the guard)."""
+    with contextlib.suppress(Exception):
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _running_here(ray: Any) -> bool:

@@ -112,7 +112,8 @@ def test_servers_on_other_nodes_must_be_reachable():
 
 def test_config_rejects_bad_ray_keys():
     for kw, key in (
-        ({"ray__address": "nowhere"}, "ray.address"),
+        ({"ray__address": "nowhere"}, "ray.address: must be auto, local or the head's host:port"),
+        ({"ray__address": "ray://head:10001"}, "ray.address: 'ray://head:10001': Ray Client addresses"),
         ({"ray__placement_timeout_s": 0}, "ray.placement_timeout_s"),
         ({"ray__trainer_resources": {"GPU": 1}}, "ray.trainer_resources.GPU"),
     ):
@@ -266,6 +267,7 @@ print("RESULT " + json.dumps({"nodes": nodes, "started": started, "left": descen
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(RAY_WHY is not None, reason=str(RAY_WHY))
 @pytest.mark.timeout(120)
 def test_a_head_started_for_the_run_leaves_nothing_behind(tmp_path):
@@ -508,9 +510,10 @@ def test_a_run_over_two_ray_nodes_survives_a_dead_rank_and_a_lost_node(ray_hosts
 
 @cluster_test
 def test_ctrl_c_leaves_nothing_behind(ray_hosts, tiny_ckpt, tmp_path):
-    """Ctrl-C mid-run: the controller stops every process through its actor, kills the actors and removes the
-    placement groups before it exits; the cluster's resources are all free again and no process of the run is
-    left on any host."""
+    """SIGTERM mid-run, which the run turns into its Ctrl-C (ray.init's own SIGTERM handler, a bare exit, must not
+    stay in its place): the controller stops every process through its actor, kills the actors and removes the
+    placement groups before it exits; the cluster's resources are all free again and no process of the run is left
+    on any host."""
     hs, cluster = ray_hosts
     _ensure_nodes(hs, cluster)
     run_dir = str(tmp_path / f"t{SESSION}-rayc-{secrets.token_hex(3)}")
@@ -518,7 +521,7 @@ def test_ctrl_c_leaves_nothing_behind(ray_hosts, tiny_ckpt, tmp_path):
     run = RayRun(args, run_dir, cluster.address).start()
     try:
         run.wait_version(1, timeout=300)
-        run.kill(signal.SIGINT)
+        run.kill(signal.SIGTERM)
         t0 = time.monotonic()
         rc = run.wait(120)
     finally:

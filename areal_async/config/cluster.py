@@ -133,6 +133,12 @@ class RayConfig(Section):
 
     def validate(self, prefix: str = "") -> None:
         check(
+            "://" not in self.address,
+            key_of(prefix, "address"),
+            f"{self.address!r}: Ray Client addresses are not supported (the controller must reach the nodes "
+            "itself); give the head's GCS address, host:port",
+        )
+        check(
             self.address in ("auto", "local") or is_host_port(self.address),
             key_of(prefix, "address"),
             f"must be auto, local or the head's host:port (GCS), not {self.address!r}",

@@ -27,7 +27,9 @@ import functools
 import logging
 import os
 import secrets
+import signal
 import socket
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -104,7 +106,8 @@ def connect(r: RayConfig) -> Callable[[], None]:
             os.environ.update(auth)
             _reload_auth()
             try:
-                ray.init(num_cpus=r.num_cpus, num_gpus=r.num_gpus, **quiet)
+                with _keep_sigterm():
+                    ray.init(num_cpus=r.num_cpus, num_gpus=r.num_gpus, **quiet)
             except BaseException:
                 _restore(auth)
                 raise
@@ -120,7 +123,8 @@ def connect(r: RayConfig) -> Callable[[], None]:
             key = "ray.address" if r.address != "auto" else "ray.address (auto, from RAY_ADDRESS)"
             raise ConfigError(f"{key}: cannot reach the Ray cluster's head at {address}: {why}")
     try:
-        ray.init(address=address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
+        with _keep_sigterm():
+            ray.init(address=address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ConfigError(f"ray.address: cannot connect to the Ray cluster at {address}: {e}") from None
     return ray.shutdown  # disconnects this driver; the cluster stays
@@ -150,6 +154,18 @@ def _running_here(ray: Any) -> bool:
 
         return bool(find_bootstrap_address(None))
     return False
+
+
+@contextlib.contextmanager
+def _keep_sigterm():
+    """ray.init replaces this process's SIGTERM handler with a bare sys.exit; the run's own (launch/processes.py
+    `interrupt_on_sigterm`: a teardown like Ctrl-C's, which stops what the run started) is put back."""
+    ours = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    finally:
+        if callable(ours):
+            signal.signal(signal.SIGTERM, ours)
 
 
 @contextlib.contextmanager

@@ -18,9 +18,11 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -276,9 +278,13 @@ def test_a_head_started_for_the_run_leaves_nothing_behind(tmp_path):
     `ray start --head` of the user), and nothing of it left once the run disconnects."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["HOME"] = str(tmp_path)
-    p = subprocess.run(
-        [sys.executable, "-c", _LOCAL_HEAD, "local"], capture_output=True, text=True, timeout=100, env=env
-    )
+    env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="arh", dir="/tmp")  # short: Ray's socket paths
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", _LOCAL_HEAD, "local"], capture_output=True, text=True, timeout=100, env=env
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)  # the head's session logs
     m = re.search(r"^RESULT (.*)$", p.stdout, re.M)
     assert m, p.stderr[-3000:]
     out = json.loads(m.group(1))

@@ -60,6 +60,18 @@ class HealthWatch:
     def probe_timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.health_timeout_s)
 
+    def _health_timeout(self, server: ServerState) -> aiohttp.ClientTimeout:
+        """Recovery's /health deadline: a real SGLang's /health is a generation that answers a second or more
+        after it is asked even when idle, so the engine's patience applies (its last known dialect's)."""
+        patience = server.dialect.hang_timeouts if server.dialect is not None else None
+        return aiohttp.ClientTimeout(total=self.health_timeout_s * (patience or 1))
+
+    def _back_in_rotation(self, server: ServerState) -> None:
+        self.router.set_state(server.url, "serving")
+        server.dialect = None  # asked again at the next exchange: a restarted process may be another release
+        self._any_healthy.set()
+        self.counts["servers_recovered"] += 1
+
     async def _recover(self, server: ServerState) -> None:
         """Probe GET /health until it answers 200, then `ready_check` until it passes; then back in rotation."""
         delay = self.probe_interval_s
@@ -69,7 +81,9 @@ class HealthWatch:
                 await asyncio.sleep(delay)
             first = False
             try:
-                status, _ = await self.send(server, "GET", "/health", None, timeout=self.probe_timeout(), probe=True)
+                status, _ = await self.send(
+                    server, "GET", "/health", None, timeout=self._health_timeout(server), probe=True
+                )
             except (ConnectionFailed, InferenceError):
                 continue
             if status != 200:
@@ -85,9 +99,7 @@ class HealthWatch:
                 delay = min(30.0, max(delay * 2, self.probe_interval_s))
                 continue
             if server.url in self.router.servers and server.state == "syncing":
-                self.router.set_state(server.url, "serving")
-                self._any_healthy.set()
-                self.counts["servers_recovered"] += 1
+                self._back_in_rotation(server)
                 log.warning("inference server %s is back in rotation", server.url)
                 return
             # it failed again meanwhile (state "down"): keep probing
@@ -97,7 +109,9 @@ class HealthWatch:
         if server.url not in self.router.servers or server.state not in ("down", "syncing"):
             return server.state == "serving"
         try:
-            status, _ = await self.send(server, "GET", "/health", None, timeout=self.probe_timeout(), probe=True)
+            status, _ = await self.send(
+                server, "GET", "/health", None, timeout=self._health_timeout(server), probe=True
+            )
             if status != 200:
                 return False
             if server.state == "down":
@@ -107,9 +121,7 @@ class HealthWatch:
         except (ConnectionFailed, InferenceError):
             return False
         if server.url in self.router.servers and server.state == "syncing":
-            self.router.set_state(server.url, "serving")
-            self._any_healthy.set()
-            self.counts["servers_recovered"] += 1
+            self._back_in_rotation(server)
             log.warning("inference server %s is in rotation", server.url)
         return server.state == "serving"
 

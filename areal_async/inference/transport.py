@@ -315,7 +315,6 @@ class ServerPool(HealthWatch):
         server.num_failures += 1
         server.health_failures = 0
         server.incremental_stream = None  # it may come back as another process, with other settings
-        server.dialect = None  # ... or another engine release
         if server.url not in self.router.servers:
             return
         if server.state == "serving":

@@ -1,8 +1,9 @@
 """Every config key with its default and documentation (`python -m areal_async.run --help`).
 
-The documentation of a field is the string literal under it in config/run_config.py, config/trainer.py or
-config/cluster.py (an attribute docstring, as Sphinx reads them); it is read from the modules' source, so it works
-from an installed copy too. tests/test_config.py checks that no field goes without one. No torch here.
+The documentation of a field is the string literal under it in config/run_config.py, config/trainer.py,
+config/server.py or config/cluster.py (an attribute docstring, as Sphinx reads them); it is read from the modules'
+source, so it works from an installed copy too. tests/test_config.py checks that no field goes without one. No
+torch here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import yaml
 
 from areal_async.config import cluster as config_cluster
 from areal_async.config import run_config
+from areal_async.config import server as config_server
 from areal_async.config import trainer as config_trainer
 
 
@@ -25,7 +27,8 @@ from areal_async.config import trainer as config_trainer
 def _field_docs() -> dict[tuple[str, str], str]:
     """(class name, field) -> the string literal under the field in the modules that define sections."""
     docs: dict[tuple[str, str], str] = {}
-    nodes = [n for m in (run_config, config_trainer, config_cluster) for n in ast.parse(inspect.getsource(m)).body]
+    modules = (run_config, config_trainer, config_cluster, config_server)
+    nodes = [n for m in modules for n in ast.parse(inspect.getsource(m)).body]
     for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue

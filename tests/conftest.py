@@ -132,6 +132,7 @@ _LONG_FIRST = (
     "smollm2",
     "test_faults.py",
     "test_e2e.py",
+    "test_ray_launcher.py",
     "slurm",
     "test_benchmark_e2e.py",
     "test_learning.py",

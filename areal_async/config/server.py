@@ -30,7 +30,7 @@ class ServerConfig(Section):
     max_running_requests: int = 256
     """Embedded: requests decoded together."""
     max_total_tokens: int = 65536
-    """Embedded: KV-cache token budget per server."""
+    """Embedded and sglang: KV-cache token budget per server (SGLang's --max-total-tokens)."""
     api_key: str | None = None
     """Bearer token the servers require (and the client sends)."""
     extra_args: list[str] = []

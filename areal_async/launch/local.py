@@ -317,6 +317,7 @@ def _start_server(
         device=srv.device,
         radix_cache=sglang_radix_cache(cfg),
         threads=srv.torch_threads,
+        max_total_tokens=srv.max_total_tokens,
     )
 
 

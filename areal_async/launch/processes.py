@@ -359,6 +359,7 @@ class Processes:
         device: str = "auto",
         radix_cache: bool = True,
         threads: int = 1,
+        max_total_tokens: int | None = None,
     ) -> Child:
         port = port or free_port(host)  # SGLang needs its port on the command line
         cmd = sglang_server_cmd(
@@ -375,6 +376,7 @@ class Processes:
             device=device,
             radix_cache=radix_cache,
             threads=threads,
+            max_total_tokens=max_total_tokens,
         )
         return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 

@@ -415,6 +415,7 @@ async def _start_server(
             device=srv.device,
             radix_cache=sglang_radix_cache(cfg),
             threads=srv.torch_threads,
+            max_total_tokens=srv.max_total_tokens,
         )
     try:
         info = await cluster.parts.future(actor.start_server.remote(srv.backend, kwargs, srv.startup_timeout_s))

@@ -96,12 +96,14 @@ def sglang_server_cmd(
     device: str = "auto",
     radix_cache: bool = True,
     threads: int = 1,
+    max_total_tokens: int | None = None,
 ) -> list[str]:
     """`python -m sglang.launch_server ...` (through `env` on CPU). `tp_size` (server.gpus_per_server) becomes
     --tp-size: without it SGLang runs tp 1 on the first of the server's GPUs, and the weight broadcast would count
     ranks the server does not have. `dtype` (model.dtype) becomes --dtype unless `extra_args` has one. `lora_args`:
-    the LoRA flags of a train.lora run (launch/sglang_lora.py). `threads`: intra-op threads on a CPU. A flag the
-    user put in `extra_args` wins."""
+    the LoRA flags of a train.lora run (launch/sglang_lora.py). `threads`: intra-op threads on a CPU.
+    `max_total_tokens` (server.max_total_tokens) bounds its KV pool: on a CPU, SGLang otherwise sizes it from the
+    host's free memory (a scheduler of SmolLM2-135M was seen at 18 GB). A flag the user put in `extra_args` wins."""
     cpu = device == "cpu" or (device == "auto" and not cuda_present())
     cmd = [
         os.path.expanduser(python) if python else sys.executable,
@@ -127,6 +129,8 @@ def sglang_server_cmd(
         cmd += ["--tp-size", str(tp_size)]
     if sglang_flag(extra_args, "--dtype") is None:
         cmd += ["--dtype", served_dtype(dtype)]
+    if max_total_tokens and sglang_flag(extra_args, "--max-total-tokens") is None:
+        cmd += ["--max-total-tokens", str(max_total_tokens)]
     if not radix_cache and sglang_flag(extra_args, "--disable-radix-cache") is None:
         cmd.append("--disable-radix-cache")
     if api_key:

@@ -219,6 +219,7 @@ def start_server_step(
             device=srv.device,
             radix_cache=sglang_radix_cache(cfg),
             threads=srv.torch_threads,
+            max_total_tokens=srv.max_total_tokens,
         )
     name = f"server{index}"
     step = [

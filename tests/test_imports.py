@@ -46,6 +46,7 @@ CONTROLLER_SIDE = [
     "areal_async.inference.routing",
     "areal_async.inference.resume",
     "areal_async.inference.sglang_wire",
+    "areal_async.inference.vllm_dialect",
     "areal_async.inference.fleet",
     "areal_async.protocol.sglang",
     "areal_async.protocol.openai_requests",

@@ -219,7 +219,7 @@ async def test_added_server_catches_up_before_it_serves(fakes):
             b.version == "2"
             and (
                 "update",
-                {"model_path": "/ckpt/v2", "weight_version": "2", "abort_all_requests": False, "flush_cache": True},
+                {"model_path": "/ckpt/v2", "weight_version": "2", "abort_all_requests": False, "flush_cache": False},
             )
             in b.admin
         )
@@ -265,9 +265,9 @@ async def test_broadcast_weights_a_restarted_server_waits_for_a_checkpoint(fakes
                     "model_path": "/ckpt/published-v4",
                     "weight_version": "4",
                     "abort_all_requests": False,
-                    "flush_cache": True,
+                    "flush_cache": False,
                 },
-            ) in srv.admin
+            ) in srv.admin and ("/flush_cache", {}) in srv.admin
         res = await c.agenerate(PROMPT, sp(2))
         assert res.output_versions == [4, 4]
 

@@ -354,9 +354,9 @@ class InferenceClient(WeightGroups, LoRAAdapters):
         old = sorted(u for u, ok in self._in_place_ok.items() if not ok and u in self._pool.router.servers)
         if old:
             raise AdminError(
-                f"pause(mode='in_place') needs SGLang >= {'.'.join(map(str, IN_PLACE_MIN_SGLANG))}; "
-                f"older servers ignore the mode and abort every request: {', '.join(old)} "
-                "(set schedule.interrupt_mode=abort, or upgrade SGLang)",
+                f"pause(mode='in_place') needs SGLang >= {'.'.join(map(str, IN_PLACE_MIN_SGLANG))} started with "
+                f"--disable-radix-cache (older ones abort every request; a radix cache would reuse old-weight KV): "
+                f"{', '.join(old)} (set schedule.interrupt_mode=abort, or restart them so)",
                 {},
             )
 

@@ -76,9 +76,11 @@ def sglang_version(info: dict) -> tuple[int, ...] | None:
 
 
 def in_place_supported(info: dict) -> bool:
-    """False only for a server known to be an SGLang older than IN_PLACE_MIN_SGLANG."""
+    """False only for a server known to be an SGLang older than IN_PLACE_MIN_SGLANG, or one whose radix cache is
+    on: requests that run across an in-place update keep their old-weight KV, and SGLang's radix cache would hand
+    it to new requests with the same prefix (a flush is refused while they run)."""
     v = sglang_version(info)
-    return v is None or v >= IN_PLACE_MIN_SGLANG
+    return v is None or (v >= IN_PLACE_MIN_SGLANG and info.get("disable_radix_cache", True) is not False)
 
 
 class Fleet:

@@ -10,8 +10,9 @@ The client writes SGLang's protocol as 0.5.6-0.5.18 speak it. What later release
   closed first.
 - 0.5.22: /generate refuses unknown sampling_params keys and integers written as floats (`strict_json`): only
   SGLang's keys are sent, integers as integers.
-- 0.5.22: a cache flush refused after an update answers 400 "Weights were updated, but the cache was not flushed"
-  (up to 0.5.21 an assertion ended the scheduler): read as a successful load.
+- A cache flush refused after an update (a request still running): up to 0.5.21 an assertion ends the
+  scheduler, from 0.5.22 the update answers 400 with the weights loaded. So an update never asks SGLang to flush:
+  it loads with `flush_cache` off, then POST /flush_cache is asked until it is taken.
 
 Liveness: a real SGLang's /health is a one-token generation queued behind the running batch (on a busy CPU it takes
 seconds, and while paused it waits for /continue_generation), so the heartbeat asks /model_info (/get_model_info
@@ -21,19 +22,19 @@ still asks /health, which proves the scheduler generates. No torch here.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import msgspec
 
-from areal_async.inference.dialect import Dialect, EventSink, RawSend, json_answer
+from areal_async.inference.dialect import Dialect, EventSink, RawSend
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SGLangDialect", "FLUSH_REFUSED"]
+__all__ = ["SGLangDialect"]
 
-# the 400 message of 0.5.22+ when /update_weights_from_* loaded the weights but could not flush the radix cache
-FLUSH_REFUSED = "cache was not flushed"
+FLUSH_TRIES = 100  # x 0.1 s: how long a flush after an update waits for the last requests to leave
 
 # sampling_params keys SGLang has had throughout the window (the client sends a subset of these)
 SAMPLING_KEYS = frozenset(
@@ -97,11 +98,15 @@ class SGLangDialect(Dialect):
     ) -> tuple[int, bytes]:
         if path == "/generate" and self.strict_json and body is not None:
             body = _strict_generate(body)
+        flush = False
+        if path.startswith("/update_weights_from") and body is not None:
+            body, flush = _without_flush(body)
         if path in _SESSION_PATHS and self.weight_update_sessions:
-            return await self._in_session(raw, method, path, body, on_event)
-        status, data = await raw(method, path, body, on_event)
-        if status == 400 and path.startswith("/update_weights_from") and FLUSH_REFUSED.encode() in data:
-            return _loaded_without_flush(data)
+            status, data = await self._in_session(raw, method, path, body, on_event)
+        else:
+            status, data = await raw(method, path, body, on_event)
+        if status == 200 and flush:
+            await _flush_when_idle(raw)
         return status, data
 
     async def _in_session(
@@ -120,8 +125,6 @@ class SGLangDialect(Dialect):
             status, data = await raw(method, path, body, on_event)
         finally:
             end_status, end_data = await raw("POST", "/end_weight_update", b"{}", None)
-        if status == 400 and FLUSH_REFUSED.encode() in data:
-            status, data = _loaded_without_flush(data)
         if status == 200 and end_status != 200:
             return end_status, end_data
         return status, data
@@ -147,12 +150,27 @@ def _strict_generate(body: bytes) -> bytes:
     return msgspec.json.encode(payload)
 
 
-def _loaded_without_flush(data: bytes) -> tuple[int, bytes]:
-    """0.5.22+: the weights were loaded but the radix cache was not flushed (requests were running). The load
-    succeeded; the client never asks for a flush with requests running (in-place updates), so this is logged."""
+def _without_flush(body: bytes) -> tuple[bytes, bool]:
+    """The update's body with `flush_cache` off, and whether it was on. Up to 0.5.21 an update whose flush is
+    refused (a request still running, if only for the moment it takes to finish) fails an assertion that ends the
+    scheduler; from 0.5.22 it answers 400 with the weights loaded. Either way the flush is better asked apart."""
     try:
-        message = str(msgspec.json.decode(data))
+        payload = msgspec.json.decode(body)
     except msgspec.DecodeError:
-        message = data[:200].decode("utf-8", "replace")
-    log.warning("SGLang loaded the weights without flushing its cache: %s", message)
-    return json_answer(200, {"success": True, "message": message, "flushed": False})
+        return body, False
+    if not isinstance(payload, dict) or not payload.get("flush_cache", True):
+        return body, False
+    payload["flush_cache"] = False
+    return msgspec.json.encode(payload), True
+
+
+async def _flush_when_idle(raw: RawSend, tries: int = FLUSH_TRIES, wait_s: float = 0.1) -> None:
+    """POST /flush_cache until SGLang takes it: it refuses while a request runs, and the requests of an abort-mode
+    pause take a scheduler step or two to leave. A flush still refused after `tries` is logged: the radix cache
+    then holds prefixes of the old weights (the launcher turns it off where requests run across updates)."""
+    for _ in range(tries):
+        status, data = await raw("POST", "/flush_cache", None, None)
+        if status == 200:
+            return
+        await asyncio.sleep(wait_s)
+    log.error("SGLang refused to flush its cache after a weight update (%s): old-weight prefixes may be reused", data)

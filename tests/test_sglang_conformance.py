@@ -109,7 +109,11 @@ def real_server(tmp_path_factory):
 @pytest.fixture(params=[*[f"fake-{r}" for r in FAKE_RELEASES], "real"])
 async def target(request):
     if request.param == "real":
-        yield request.getfixturevalue("real_server")
+        real = request.getfixturevalue("real_server")
+        async with aiohttp.ClientSession() as http:  # each check starts at version 0, as on a new fake
+            await http.post(real.url + "/continue_generation", json={})
+            await http.post(real.url + "/update_weight_version", json={"new_version": "0"})
+        yield real
         return
     fake = await FakeSGLang.like(request.param.split("-", 1)[1], token_delay=0.01).start()
     try:

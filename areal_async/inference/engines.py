@@ -2,8 +2,9 @@
 
     GET /get_server_info (or /server_info) -> 200
         carries `api_key_required`  -> the embedded server (it speaks the client's protocol as it is)
+        carries `vllm_config`       -> vLLM (its dev mode's /server_info; inference/vllm_dialect.py)
         otherwise                   -> SGLang of the release its `version` says
-    both 404                        -> the other engines' detectors, in order (vLLM: its GET /version)
+    both 404                        -> vLLM when its GET /version answers
     anything else                   -> not known yet (starting, unauthorised): asked again at the next exchange
 
 No torch here.
@@ -17,6 +18,7 @@ import msgspec
 
 from areal_async.inference.dialect import Dialect, RawSend, parse_release
 from areal_async.inference.sglang_dialect import SGLangDialect
+from areal_async.inference.vllm_dialect import detect_vllm, is_vllm_server_info
 
 __all__ = ["EmbeddedDialect", "detect", "dialect_from_info"]
 
@@ -44,20 +46,12 @@ async def detect(raw: RawSend) -> Dialect | None:
         status, data = await raw("GET", path, None, None)
         if status == 200:
             try:
-                return dialect_from_info(msgspec.json.decode(data))
+                info = msgspec.json.decode(data)
             except msgspec.DecodeError:
                 return None
+            if is_vllm_server_info(info):  # vLLM's dev mode has a /server_info of its own
+                return await detect_vllm(raw)
+            return dialect_from_info(info)
         if status != 404:
             return None
-    for other in _OTHER_ENGINES:
-        found = await other(raw)
-        if found is not None:
-            return found
-    return None
-
-
-async def _no_other(raw: RawSend) -> Dialect | None:
-    return None
-
-
-_OTHER_ENGINES = (_no_other,)
+    return await detect_vllm(raw)

@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 
 from areal_async.inference.dialect import Dialect, EventSink, RawSend, json_answer, parse_release
+from areal_async.inference.errors import ConnectionFailed, InferenceError
 
 __all__ = [
     "VLLMDialect",
@@ -355,9 +356,19 @@ class VLLMDialect(Dialect):
     async def _restore(self, raw: RawSend) -> str:
         """After a failed reload: load the weights the server held, so it does not serve (and die on) unloaded
         layers. Returns the clause the failure message ends with."""
+        if not self.loaded_path:  # /server_info has not answered yet: the launch model, as /v1/models names it
+            status, data = await raw("GET", "/v1/models", None, None)
+            models = (_decode(data) or {}).get("data") if status == 200 else None
+            if models and isinstance(models[0], dict) and models[0].get("root"):
+                self.loaded_path = str(models[0]["root"])
         if not self.loaded_path:
             return "; the server's previous weights are unknown to the dialect: it may be left unloaded"
-        status, data = await self._reload(raw, self.loaded_path)
+        try:
+            status, data = await self._reload(raw, self.loaded_path)
+        except ConnectionFailed:
+            # vLLM answers a failed collective_rpc from an unhandled exception: uvicorn closes the connection after
+            # the 500, and the pooled connection this call took may be that one; a second try opens a new one
+            status, data = await self._reload(raw, self.loaded_path)
         if status == 200:
             return f"; the previous weights ({self.loaded_path}) were reloaded"
         log.error("vLLM: restoring %s after a failed reload failed too: %s", self.loaded_path, _message(data))
@@ -471,6 +482,9 @@ class VLLMDialect(Dialect):
             return status, data
         info = read_server_info(_decode(data), self.version)
         self.info.update(info)
+        self.prefix_caching = bool(info["enable_prefix_caching"])
+        if not self.loaded_path:
+            self.loaded_path = info.get("model_path")
         return json_answer(200, {**info, "weight_version": self.label})
 
 
@@ -481,7 +495,8 @@ def read_server_info(info: Any, version: tuple[int, ...] | None) -> dict[str, An
     caching = _config_value(config, "enable_prefix_caching")
     return {
         "engine": "vllm",
-        "version": ".".join(map(str, version)) if version else None,
+        # not "version": that key names an SGLang release to the client's checks (fleet.in_place_supported)
+        "vllm_version": ".".join(map(str, version)) if version else None,
         "model_path": _config_value(config, "model"),
         "dtype": dtype,
         "enable_prefix_caching": caching != "False",
@@ -543,10 +558,11 @@ def _int_label(label: str) -> int:
 
 
 async def detect_vllm(raw: RawSend) -> VLLMDialect | None:
-    """A vLLM server's dialect, or None when the server is not vLLM. GET /version answers {"version"} on vLLM; its
-    dev-mode /server_info (VLLM_SERVER_DEV_MODE=1: the pause, reload and version routes) carries `vllm_config`.
-    A vLLM started without dev mode or without --enable-scale-out (the token-in/token-out route) gets a dialect
-    that refuses every call with the flag to add, rather than being half spoken to."""
+    """A vLLM server's dialect, or None when the server is not vLLM. GET /version answers {"version"} on vLLM, and
+    GET /weight_info (a route of VLLM_SERVER_DEV_MODE=1, with the pause and reload routes) its weight label. A vLLM
+    started without dev mode or without --enable-scale-out (the token-in/token-out route) gets a dialect that
+    refuses every call with the flag to add, rather than being half spoken to. /server_info is asked last and may
+    time out: vLLM's first answer to it collects its environment (~10 s on a 2-core host), cached after."""
     status, data = await raw("GET", "/version", None, None)
     if status != 200:
         return None
@@ -554,28 +570,31 @@ async def detect_vllm(raw: RawSend) -> VLLMDialect | None:
     if not isinstance(answer, dict) or not isinstance(answer.get("version"), str):
         return None
     version = parse_release(answer["version"])
-    status, data = await raw("GET", "/server_info", None, None)
-    info = _decode(data) if status == 200 else None
-    if not is_vllm_server_info(info):
-        if status == 404:
-            return VLLMDialect(version, setup_error="start vLLM with VLLM_SERVER_DEV_MODE=1 (its RL routes)")
-        return None  # not vLLM, or not answering yet
+    try:
+        status, data = await raw("GET", "/server_info", None, None)
+        info = _decode(data) if status == 200 else None
+    except InferenceError:  # no answer within the probe's deadline (its first answer is slow): asked again later
+        status, info = 200, None
+    if status == 200 and info is not None and not is_vllm_server_info(info):
+        return None  # /server_info that is not vLLM's: another engine
     return await vllm_dialect_from_info(raw, info, version)
 
 
 async def vllm_dialect_from_info(raw: RawSend, info: Any, version: tuple[int, ...] | None = None) -> VLLMDialect:
-    """The dialect of a server whose /server_info answer `is_vllm_server_info` (for a detector that asked
-    /server_info first). `version`: the release GET /version gave (None: asked here)."""
+    """The dialect of a vLLM server (for a detector that asked /server_info first: `info` is its answer, None when
+    it did not come). `version`: the release GET /version gave (None: asked here)."""
     if version is None:
         status, data = await raw("GET", "/version", None, None)
         answer = _decode(data) if status == 200 else None
         version = parse_release(answer.get("version")) if isinstance(answer, dict) else None
+    status, data = await raw("GET", "/weight_info", None, None)
+    if status == 404:
+        return VLLMDialect(version, setup_error="start vLLM with VLLM_SERVER_DEV_MODE=1 (its RL routes)")
+    label = _decode(data) if status == 200 else None
     status, _ = await raw("POST", _GENERATE, b"{}", None)
     if status == 404:
         return VLLMDialect(version, setup_error="start vLLM with --enable-scale-out (/inference/v1/generate)")
-    fields = read_server_info(info, version)
-    status, data = await raw("GET", "/weight_info", None, None)
-    label = _decode(data) if status == 200 else None
+    fields = read_server_info(info, version) if is_vllm_server_info(info) else {"engine": "vllm"}
     if isinstance(label, dict) and label.get("weight_version") is not None:
         fields["weight_version"] = str(label["weight_version"])
     return VLLMDialect(version, fields)

@@ -2,9 +2,9 @@
 
     GET /get_server_info (or /server_info) -> 200
         carries `api_key_required`  -> the embedded server (it speaks the client's protocol as it is)
-        carries `vllm_config`       -> vLLM (its dev mode's /server_info; inference/vllm_dialect.py)
         otherwise                   -> SGLang of the release its `version` says
-    both 404                        -> vLLM when its GET /version answers
+    404                             -> vLLM when its GET /version answers (inference/vllm_dialect.py), else
+                                       GET /server_info as above (SGLang's newer name)
     anything else                   -> not known yet (starting, unauthorised): asked again at the next exchange
 
 No torch here.
@@ -41,7 +41,6 @@ def dialect_from_info(info: Any) -> Dialect | None:
 
 async def detect(raw: RawSend) -> Dialect | None:
     """The server's dialect, or None when it cannot tell yet. Connection errors propagate (the caller's)."""
-    status = 404
     for path in ("/get_server_info", "/server_info"):
         status, data = await raw("GET", path, None, None)
         if status == 200:
@@ -54,4 +53,8 @@ async def detect(raw: RawSend) -> Dialect | None:
             return dialect_from_info(info)
         if status != 404:
             return None
-    return await detect_vllm(raw)
+        if path == "/get_server_info":  # vLLM before SGLang's newer name: vLLM's first /server_info takes ~10 s
+            found = await detect_vllm(raw)
+            if found is not None:
+                return found
+    return None

@@ -90,7 +90,7 @@ def test_help_says_how_override_values_are_read():
     [
         ("mode=fast", "schedule.mode", "async, sync"),
         ("model.dtype=fp16", "model.dtype", "auto, bfloat16, float16, float32"),
-        ("server.backend=vllm", "server.backend", "embedded, external, sglang"),
+        ("server.backend=tgi", "server.backend", "embedded, external, sglang, vllm"),
     ],
 )
 def test_enum_errors_list_the_choices(override, key, choices):

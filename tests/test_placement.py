@@ -163,20 +163,21 @@ def test_slurm_places_nothing_but_checks_the_arguments():
 
 def test_sglang_command_carries_tp_size_and_base_gpu_id(tmp_path):
     args = ["--mem-fraction-static", "0.5"]
-    cmd = sglang_server_cmd(
-        "/m", host="127.0.0.1", port="30000", api_key=None, extra_args=args, base_gpu_id=4, tp_size=2
+    cmd = sglang_server_cmd(  # a GPU host's command (device=cuda: on a CPU, SGLang's CPU engine takes no GPU id)
+        "/m", host="127.0.0.1", port="30000", api_key=None, extra_args=args, base_gpu_id=4, tp_size=2, device="cuda"
     )
     assert sglang_flag(cmd, "--tp-size") == "2" and sglang_flag(cmd, "--base-gpu-id") == "4"
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    one = sglang_server_cmd("/m", host="h", port="1", api_key=None, extra_args=[], tp_size=1)
+    one = sglang_server_cmd("/m", host="h", port="1", api_key=None, extra_args=[], tp_size=1, device="cuda")
     assert sglang_flag(one, "--tp-size") is None
     given = sglang_server_cmd("/m", host="h", port="1", api_key=None, extra_args=["--tp=2"], tp_size=2)
     assert given.count("--tp-size") == 0 and "--tp=2" in given  # not passed twice
     # the launcher: server i's base GPU is base_gpu_id + i * gpus_per_server, and its tp size goes with it
     procs = Processes(str(tmp_path))
     child = procs.start_sglang_server(
-        1, "/nonexistent", host="127.0.0.1", port=0, api_key=None, extra_args=[], base_gpu_id=2, gpus_per_server=2
-    )
+        1, "/nonexistent", host="127.0.0.1", port=0, api_key=None, extra_args=[], base_gpu_id=2, gpus_per_server=2,
+        device="cuda",
+    )  # fmt: skip
     procs.shutdown(grace_s=5)
     logged = shlex.split(open(child.log_path).readline()[2:])
     assert sglang_flag(logged, "--base-gpu-id") == "4" and sglang_flag(logged, "--tp-size") == "2"

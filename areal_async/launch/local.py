@@ -302,6 +302,13 @@ def _start_server(
             cuda_visible_devices=place.server_visible[index],
             dtype=cfg.model.dtype,
         )
+    if srv.backend == "vllm":
+        lora = cfg.train.lora
+        return procs.start_vllm_server(
+            index, model_path, host=srv.host, port=port, api_key=srv.api_key, extra_args=list(srv.extra_args),
+            python=srv.python, tp_size=srv.gpus_per_server, dtype=cfg.model.dtype, prefix_cache=srv.prefix_cache,
+            lora_rank=lora.rank if lora.enabled else None,
+        )  # fmt: skip
     return procs.start_sglang_server(
         index,
         model_path,

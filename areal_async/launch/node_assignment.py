@@ -86,7 +86,7 @@ def place(cfg: RunConfig, nodes: list[str], controller_node: str | None) -> Node
         ("train.rdzv.local_agents", t.rdzv.local_agents is not None, "is for launcher=local"),
         (
             "slurm.gpus_per_node",
-            srv.backend == "sglang" and s.gpus_per_node == 0,
+            srv.backend in ("sglang", "vllm") and s.gpus_per_node == 0,
             "sglang servers need GPUs: set the GPUs each node has",
         ),
     ):
@@ -121,7 +121,8 @@ def place(cfg: RunConfig, nodes: list[str], controller_node: str | None) -> Node
                 f"reaches them; set a key (the controller sends it)"
             )
     gpus = s.gpus_per_node > 0
-    server_gpus = 0 if not gpus else (srv.gpus_per_server if srv.backend == "sglang" else int(srv.device != "cpu"))
+    engine = srv.backend in ("sglang", "vllm")
+    server_gpus = 0 if not gpus else (srv.gpus_per_server if engine else int(srv.device != "cpu"))
     p = NodeAssignment(
         nodes=nodes,
         server_nodes=server_nodes,

@@ -168,7 +168,7 @@ def _place_servers(
     server takes each GPU index. Refuses overlapping servers and GPUs past the host's count."""
     srv = cfg.server
     n = len(gpus)
-    launched = srv.backend in ("embedded", "sglang")
+    launched = srv.backend in ("embedded", "sglang", "vllm")
     servers: list[tuple[int, ...]] = []
     devices: list[str] = []
     server_visible: list[str | None] = []
@@ -178,7 +178,7 @@ def _place_servers(
             f"server.device: {dev} would put all server.num_servers={srv.num_servers} servers on one "
             "GPU; use auto or cuda (server i on cuda:<base_gpu_id + i * gpus_per_server>)"
         )
-    on_gpu = srv.backend == "sglang" or dev in ("auto", "cuda") or dev.startswith("cuda:")
+    on_gpu = srv.backend in ("sglang", "vllm") or dev in ("auto", "cuda") or dev.startswith("cuda:")
     for i in range(srv.num_servers if launched else 0):
         first = srv.base_gpu_id + i * srv.gpus_per_server
         if srv.backend == "embedded" and dev.startswith("cuda:"):

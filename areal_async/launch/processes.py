@@ -28,6 +28,7 @@ import aiohttp
 
 from areal_async.host.torch_threads import thread_env
 from areal_async.launch.sglang_server import sglang_server_cmd
+from areal_async.launch.vllm_server import vllm_server_cmd
 
 __all__ = ["sglang_server_cmd", "thread_env"]  # where launchers imported them from before
 from areal_async.protocol.ready_line import READY_PREFIX
@@ -378,6 +379,28 @@ class Processes:
             threads=threads,
             max_total_tokens=max_total_tokens,
         )
+        return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
+
+    def start_vllm_server(
+        self,
+        index: int,
+        model: str,
+        *,
+        host: str,
+        port: int,
+        api_key: str | None,
+        extra_args: list[str],
+        python: str | None = None,
+        tp_size: int = 1,
+        dtype: str = "auto",
+        prefix_cache: bool = True,
+        lora_rank: int | None = None,
+    ) -> Child:
+        port = port or free_port(host)  # vLLM needs its port on the command line
+        cmd = vllm_server_cmd(
+            model, host=host, port=str(port), api_key=api_key, extra_args=extra_args, python=python, tp_size=tp_size,
+            dtype=dtype, prefix_cache=prefix_cache, lora_rank=lora_rank,
+        )  # fmt: skip
         return self.spawn(f"server{index}", cmd, role="server", url=f"http://{host}:{port}")
 
     async def wait_healthy(

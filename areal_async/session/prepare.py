@@ -24,6 +24,7 @@ from areal_async.host.cpu_features import describe, model_hidden_size, resolve_m
 from areal_async.inference.dialect import parse_release
 from areal_async.launch.placement import plan_placement
 from areal_async.launch.sglang_server import SGLANG_NEWEST, SGLANG_OLDEST, installed_release
+from areal_async.launch.vllm_server import check_vllm_python
 from areal_async.metrics_sinks import build_sinks
 from areal_async.model_store import ModelPathError, resolve_model_path
 from areal_async.rewards.registry import resolve as resolve_reward
@@ -170,6 +171,11 @@ def check_backend_installed(cfg: RunConfig) -> None:
     """`server.backend=sglang` needs SGLang in the interpreter that runs it (`server.python`, else this one; in
     Slurm steps and Ray actors the same path). Its release is read from that interpreter's package metadata, without
     importing SGLang (which imports torch and CUDA), and must lie in the tested window."""
+    if cfg.server.backend == "vllm":
+        why = check_vllm_python(cfg.server.python)
+        if why:
+            raise ConfigError(f"server.python: {why}")
+        return
     if cfg.server.backend != "sglang":
         return
     python = os.path.expanduser(cfg.server.python) if cfg.server.python else sys.executable
@@ -219,7 +225,7 @@ def check_ports(cfg: RunConfig) -> None:
     if cfg.launcher != "local":
         return
     srv, t = cfg.server, cfg.train
-    if srv.backend in ("embedded", "sglang") and srv.port:
+    if srv.backend in ("embedded", "sglang", "vllm") and srv.port:
         last = srv.port + srv.num_servers - 1
         if last > 65535:
             raise ConfigError(f"server.port: {srv.num_servers} servers from port {srv.port} run past 65535")

@@ -28,8 +28,7 @@ from areal_async.launch.api import ClusterEvent, EventHandler, ProcessExited, Se
 from areal_async.launch.membership import JoinFile, join_file
 from areal_async.launch.placement import Placement, plan_placement
 from areal_async.launch.processes import Child, Processes, c10d_args, free_port, tail, trainer_cmd
-from areal_async.launch.sglang_lora import sglang_lora_args
-from areal_async.launch.sglang_server import sglang_radix_cache
+from areal_async.launch.sglang_server import sglang_options
 from areal_async.launch.shrink import Shrink, TrainerLayout
 from areal_async.launch.slurm import SlurmLauncher
 from areal_async.net.address import advertised, host_address, rendezvous_host
@@ -314,17 +313,9 @@ def _start_server(
         model_path,
         host=srv.host,
         port=port,
-        api_key=srv.api_key,
-        extra_args=srv.extra_args,
         base_gpu_id=srv.base_gpu_id,
         gpus_per_server=srv.gpus_per_server,
-        dtype=cfg.model.dtype,
-        lora_args=sglang_lora_args(cfg, list(srv.extra_args)),
-        python=srv.python,
-        device=srv.device,
-        radix_cache=sglang_radix_cache(cfg),
-        threads=srv.torch_threads,
-        max_total_tokens=srv.max_total_tokens,
+        **sglang_options(cfg),
     )
 
 

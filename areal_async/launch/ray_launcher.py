@@ -42,8 +42,7 @@ from areal_async.launch.processes import ChildFailed, c10d_args
 from areal_async.launch.ray_actor import NodeProcesses
 from areal_async.launch.ray_cluster import RayCluster, RayParts, _Proc
 from areal_async.launch.ray_placement import RayNode, bundles, check_fits, check_reachable
-from areal_async.launch.sglang_lora import sglang_lora_args
-from areal_async.launch.sglang_server import sglang_radix_cache
+from areal_async.launch.sglang_server import sglang_options
 from areal_async.net.rank_registry import Registry, route_address
 
 if TYPE_CHECKING:
@@ -402,20 +401,7 @@ async def _start_server(
         )
     else:
         kwargs = dict(
-            index=index,
-            model=model,
-            host=srv.host,
-            port=port,
-            api_key=srv.api_key,
-            extra_args=list(srv.extra_args),
-            tp_size=srv.gpus_per_server,
-            dtype=cfg.model.dtype,
-            lora_args=sglang_lora_args(cfg, list(srv.extra_args)),
-            python=srv.python,
-            device=srv.device,
-            radix_cache=sglang_radix_cache(cfg),
-            threads=srv.torch_threads,
-            max_total_tokens=srv.max_total_tokens,
+            index=index, model=model, host=srv.host, port=port, tp_size=srv.gpus_per_server, **sglang_options(cfg)
         )
     try:
         info = await cluster.parts.future(actor.start_server.remote(srv.backend, kwargs, srv.startup_timeout_s))

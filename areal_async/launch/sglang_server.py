@@ -22,10 +22,11 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from areal_async.host.torch_threads import thread_env
 from areal_async.launch.placement import sglang_flag
+from areal_async.launch.sglang_lora import sglang_lora_args
 
 if TYPE_CHECKING:
     from areal_async.config import RunConfig
@@ -42,6 +43,7 @@ __all__ = [
     "STAND_IN_DIR",
     "cuda_present",
     "served_dtype",
+    "sglang_options",
     "sglang_radix_cache",
     "sglang_server_cmd",
 ]
@@ -68,6 +70,23 @@ def installed_release(python: str, package: str) -> str | None:
 def cuda_present() -> bool:
     """An NVIDIA GPU on this host, told without torch: the driver's device node and nvidia-smi."""
     return os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
+
+
+def sglang_options(cfg: RunConfig) -> dict[str, Any]:
+    """The run's part of `sglang_server_cmd`'s keywords, the same in every launcher (where a server runs: its model,
+    host, port and GPUs, is each launcher's)."""
+    srv = cfg.server
+    return {
+        "api_key": srv.api_key,
+        "extra_args": list(srv.extra_args),
+        "dtype": cfg.model.dtype,
+        "lora_args": sglang_lora_args(cfg, list(srv.extra_args)),
+        "python": srv.python,
+        "device": srv.device,
+        "radix_cache": sglang_radix_cache(cfg),
+        "threads": srv.torch_threads,
+        "max_total_tokens": srv.max_total_tokens,
+    }
 
 
 def sglang_radix_cache(cfg: RunConfig) -> bool:

@@ -31,7 +31,7 @@ from areal_async.launch.processes import (
     thread_env,
     trainer_cmd,
 )
-from areal_async.launch.sglang_server import sglang_radix_cache
+from areal_async.launch.sglang_server import sglang_options
 from areal_async.launch.slurm_allocation import Allocation
 from areal_async.net.rank_registry import Registry
 
@@ -207,19 +207,7 @@ def start_server_step(
         )
     else:
         cmd = sglang_server_cmd(
-            model_path,
-            host=srv.host,
-            port=port,
-            api_key=srv.api_key,
-            extra_args=srv.extra_args,
-            base_gpu_id=0,
-            tp_size=srv.gpus_per_server,
-            dtype=cfg.model.dtype,
-            python=srv.python,
-            device=srv.device,
-            radix_cache=sglang_radix_cache(cfg),
-            threads=srv.torch_threads,
-            max_total_tokens=srv.max_total_tokens,
+            model_path, host=srv.host, port=port, base_gpu_id=0, tp_size=srv.gpus_per_server, **sglang_options(cfg)
         )
     name = f"server{index}"
     step = [

@@ -119,11 +119,11 @@ def prepare(cfg: RunConfig, workflow: Any = None) -> RunPlan:
     rewards = RewardRunner()
     score = make_score(rewards, cfg.data.reward, cfg.rollout.reward_timeout_s, cfg.data.reward_options)
     wf = _build_workflow(cfg, tokenizer, score, workflow)  # the runner starts its workers on first use only
-    if cfg.schedule.interrupt_mode == "in_place" and cfg.server.backend != "embedded":
+    if cfg.schedule.interrupt_mode == "in_place" and _may_lack_version_spans(cfg):
         log.warning(
-            "schedule.interrupt_mode=in_place: SGLang stamps a whole response with its last weight version, "
-            "so tokens made before an update are labelled newer than they are (the staleness bound holds; "
-            "the staleness statistics undercount)"
+            "schedule.interrupt_mode=in_place: SGLang before 0.5.19 stamps a whole response with its last weight "
+            "version, so tokens made before an update are labelled newer than they are (the staleness bound "
+            "holds; the staleness statistics undercount)"
         )
     resumed = load_state(cfg.run_dir) if cfg.resume else None
     return RunPlan(
@@ -165,6 +165,18 @@ def check_devices(cfg: RunConfig, gpus: tuple[str, ...]) -> None:
             f"train.device: {t.device}{ranks} on a host without a visible GPU ({_no_gpu_reason()}); "
             "use train.device=auto (the CPU here) or cpu"
         )
+
+
+def _may_lack_version_spans(cfg: RunConfig) -> bool:
+    """The servers may answer without exact per-token versions: an SGLang before 0.5.19, or servers of unknown
+    engine (external). The embedded server and vLLM always carry them."""
+    if cfg.server.backend in ("embedded", "vllm"):
+        return False
+    if cfg.server.backend == "external":
+        return True
+    python = os.path.expanduser(cfg.server.python) if cfg.server.python else sys.executable
+    version = parse_release(installed_release(python, "sglang"))
+    return version is None or version < (0, 5, 19)
 
 
 def check_backend_installed(cfg: RunConfig) -> None:

@@ -98,7 +98,7 @@ class DiskSync:
                 continue
             if not info.get("weights_delta"):  # the embedded server says it takes deltas; SGLang cannot
                 if not self._full_only:
-                    log.warning("%s takes no delta (only the embedded server does): full checkpoints only", url)
+                    log.warning("%s cannot load a delta (only the embedded server can): full checkpoints only", url)
                 self._full_only = True
             d = info.get("dtype")
             if d == "auto":  # SGLang started without --dtype: what it serves depends on the model (never guessed)

@@ -61,8 +61,6 @@ class Dialect:
     # a busy server counts as hung when one liveness probe goes unanswered for this many of the client's
     # health_timeout_s (None: max_health_failures probes in a row, each of health_timeout_s; health.py)
     hang_timeouts: int | None = None
-    # a path that answers 503 while the server is paused or not ready, 200 when it takes work (None: no such path)
-    ready_path: str | None = None
     # /update_weights_from_distributed must be wrapped in /begin_weight_update ... /end_weight_update
     weight_update_sessions = False
     # /generate answers carry exact per-token version spans (meta_info "weight_versions" or "weight_version_spans")

@@ -4,7 +4,7 @@ The client writes SGLang's protocol as 0.5.6-0.5.18 speak it. What later release
 (each read from the released wheels and checked against real servers in CI: tests/test_sglang_real.py):
 
 - 0.5.19: /generate answers carry exact per-token `meta_info.weight_versions` spans (read by sglang_wire.py).
-- 0.5.20: GET /ready answers 503 while paused (`ready_path`).
+- 0.5.20: GET /ready answers 503 while paused; not needed: the heartbeat's liveness path ignores pauses (below).
 - 0.5.21: /update_weights_from_distributed and _from_tensor run only between POST /begin_weight_update and
   POST /end_weight_update (`weight_update_sessions`): each call is wrapped, and a session left open by a crash is
   closed first.
@@ -15,8 +15,8 @@ The client writes SGLang's protocol as 0.5.6-0.5.18 speak it. What later release
   it loads with `flush_cache` off, then POST /flush_cache is asked until it is taken.
 
 Liveness: a real SGLang's /health is a one-token generation queued behind the running batch (on a busy CPU it takes
-seconds, and while paused it waits for /continue_generation), so the heartbeat asks /model_info (/get_model_info
-before it existed) instead, which the HTTP front answers at once. A hung front (SIGSTOP) answers neither. Recovery
+seconds, and while paused it waits for /continue_generation), so the heartbeat asks /model_info instead, which the
+HTTP front answers at once. A hung front (SIGSTOP) answers neither. Recovery
 still asks /health, which proves the scheduler generates. No torch here.
 """
 
@@ -63,9 +63,7 @@ SAMPLING_KEYS = frozenset(
         "custom_params",
     }
 )
-OLDEST = (0, 5, 6)  # the oldest release the client supports
-# the release that added GET /model_info (/get_model_info logs a deprecation warning at every call from then on)
-MODEL_INFO_SINCE = (0, 5, 6)
+OLDEST = (0, 5, 6)  # the oldest release the client speaks to (each has /model_info, the liveness path)
 INT_KEYS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
 _SESSION_PATHS = ("/update_weights_from_distributed", "/update_weights_from_tensor")
 
@@ -84,14 +82,9 @@ class SGLangDialect(Dialect):
     def __init__(self, version: tuple[int, ...] | None = None, info: dict[str, Any] | None = None):
         super().__init__(version, info)
         v = version or OLDEST
-        if v < MODEL_INFO_SINCE:
-            self.liveness_path = "/get_model_info"
         self.version_spans = v >= (0, 5, 19)
-        self.ready_path = "/ready" if v >= (0, 5, 20) else None
         self.weight_update_sessions = v >= (0, 5, 21)
         self.strict_json = v >= (0, 5, 22)
-        # radix cache on: KV computed under old weights can be reused by new requests after an in-place update
-        self.radix_cache = not bool(self.info.get("disable_radix_cache", False))
 
     async def call(
         self, raw: RawSend, method: str, path: str, body: bytes | None, on_event: EventSink | None

@@ -151,7 +151,6 @@ class VLLMDialect(Dialect):
 
     engine = "vllm"
     health_path = "/health"  # vLLM's HTTP front answers it at once, paused or not; 503 once the engine died
-    ready_path = None  # /is_paused answers 200 either way
     weight_update_sessions = False
     version_spans = True
     strict_json = False

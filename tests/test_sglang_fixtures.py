@@ -164,6 +164,9 @@ async def test_validation_error_is_a_clear_error(replay):
 
 
 async def test_admin_calls_read_sglang_answers(replay):
+    # the recorded server ran with its radix cache, where an in-place pause is refused (test_in_place_refusals);
+    # as launched for an in-place run it has none
+    replay.server_info = {**replay.server_info, "disable_radix_cache": True}
     async with InferenceClient([replay.url]) as c:
         await c.pause("in_place")
         await c.resume()
@@ -201,6 +204,15 @@ async def test_admin_calls_read_sglang_answers(replay):
         assert info["model_path"] == "/models/Qwen2.5-7B-Instruct" and info["weight_version"] == "default"
         assert (await c.health()) == {replay.url: True}
         assert replay.url in await c.flush_cache()
+
+
+async def test_in_place_refusals(replay):
+    """An in-place pause on the recorded SGLang (radix cache on) is refused before anything is sent: requests that
+    keep running across the update would leave old-weight KV in a cache new requests reuse."""
+    async with InferenceClient([replay.url]) as c:
+        with pytest.raises(AdminError, match="disable-radix-cache"):
+            await c.pause("in_place")
+    assert replay.admin_calls == []
 
 
 async def test_broadcast_layout_from_get_server_info(replay):

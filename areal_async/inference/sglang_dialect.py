@@ -89,6 +89,8 @@ class SGLangDialect(Dialect):
     async def call(
         self, raw: RawSend, method: str, path: str, body: bytes | None, on_event: EventSink | None
     ) -> tuple[int, bytes]:
+        if path == "/flush_cache":  # refused while a request runs, if only for the step in which it finishes
+            return await _flush_when_idle(raw)
         if path == "/generate" and self.strict_json and body is not None:
             body = _strict_generate(body)
         flush = False
@@ -157,13 +159,15 @@ def _without_flush(body: bytes) -> tuple[bytes, bool]:
     return msgspec.json.encode(payload), True
 
 
-async def _flush_when_idle(raw: RawSend, tries: int = FLUSH_TRIES, wait_s: float = 0.1) -> None:
+async def _flush_when_idle(raw: RawSend, tries: int = FLUSH_TRIES, wait_s: float = 0.1) -> tuple[int, bytes]:
     """POST /flush_cache until SGLang takes it: it refuses while a request runs, and the requests of an abort-mode
     pause take a scheduler step or two to leave. A flush still refused after `tries` is logged: the radix cache
     then holds prefixes of the old weights (the launcher turns it off where requests run across updates)."""
+    status, data = 400, b""
     for _ in range(tries):
         status, data = await raw("POST", "/flush_cache", None, None)
         if status == 200:
-            return
+            return status, data
         await asyncio.sleep(wait_s)
-    log.error("SGLang refused to flush its cache after a weight update (%s): old-weight prefixes may be reused", data)
+    log.error("SGLang refused to flush its cache (%s): old-weight prefixes may be reused", data[:200])
+    return status, data

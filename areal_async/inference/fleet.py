@@ -9,7 +9,6 @@ fleet". No torch here.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
@@ -17,6 +16,7 @@ from typing import Any, NamedTuple
 import aiohttp
 import msgspec
 
+from areal_async.inference.dialect import parse_release
 from areal_async.inference.routing import ServerState
 from areal_async.inference.transport import AdminError, ConnectionFailed, InferenceError, ServerPool, error_message
 
@@ -63,16 +63,7 @@ def sglang_version(info: dict) -> tuple[int, ...] | None:
     answer without a readable version."""
     if not isinstance(info, dict) or "api_key_required" in info:
         return None
-    raw = info.get("version")
-    if not isinstance(raw, str):
-        return None
-    parts: list[int] = []
-    for piece in raw.strip().split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts) or None
+    return parse_release(info.get("version"))
 
 
 def in_place_supported(info: dict) -> bool:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real-vLLM leg: builds (once, cached outside the clone) the vLLM engine venv with scripts/install_vllm.sh, then
 # runs the tests marked vllm_real against real vLLM servers (tests/test_vllm_real.py: every endpoint the vLLM
-# dialect uses, through the client's own calls). AREAL_REQUIRE_VLLM=1 makes them fail rather than skip, so this leg
+# dialect uses, through the client's own calls; tests/test_vllm_run.py: `python -m areal_async.run
+# server.backend=vllm` end to end, in abort and in-place modes). AREAL_REQUIRE_VLLM=1 makes them fail rather than skip, so this leg
 # cannot pass without a real vLLM having answered.
 #
 # A real vLLM-CPU server takes ~5 GB of memory (VLLM_CPU_KVCACHE_SPACE=2) and both cores of a small host while it
@@ -11,5 +12,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 bash scripts/install_vllm.sh
-AREAL_REQUIRE_VLLM=1 .venv/bin/python -m pytest -m vllm_real -p no:randomly tests/test_vllm_real.py "$@"
+AREAL_REQUIRE_VLLM=1 .venv/bin/python -m pytest -m vllm_real -p no:randomly tests/test_vllm_real.py tests/test_vllm_run.py "$@"
 echo "vllm leg: $(( $(date +%s) - start )) s"

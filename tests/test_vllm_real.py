@@ -392,6 +392,57 @@ def test_partial_fingerprint_matches_the_checkpoints_own_digests(vllm_url, smoll
         assert digest == hashlib.sha256(_bf16_bytes(tensors[name])).hexdigest()[:32], name
 
 
+@pytest.fixture(scope="module")
+def renormed(smollm2, tmp_path_factory) -> str:
+    """A copy of SmolLM2 whose norm weights are scaled: what the partial fingerprint can see changed (its linear
+    weights are vLLM-CPU's repacked ones, which no digest covers)."""
+    from safetensors.numpy import load_file, save_file
+
+    out = tmp_path_factory.mktemp("model_n")
+    for name in os.listdir(smollm2):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(smollm2, name), out / name)
+    tensors = load_file(os.path.join(smollm2, "model.safetensors"))
+    for k, v in tensors.items():
+        if "norm" in k:
+            tensors[k] = (v * 1.25).astype(v.dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def _identity(model_dir: str, version: int):
+    """The trainer's side: the identity of a checkpoint as served in bfloat16 (weights/digest.py)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from areal_async.weights.digest import identity_of
+
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    return identity_of(sorted(tensors.items()), torch.bfloat16, version)
+
+
+@real
+def test_identity_is_checked_by_partial_digests_after_an_update(vllm_url, renormed, smollm2, vllm_detect):
+    """After a disk update the identity gate proves what vLLM serves by the tensors it holds as loaded: the
+    trainer's identity of the loaded checkpoint passes (every norm compared), that of the previous one fails, naming
+    the norms."""
+    from areal_async.inference.identity import check_server
+
+    async def go():
+        async with InferenceClient(vllm_url) as c:
+            await c.update_weights_from_disk(renormed, 5)
+            ok = await c.verify_weights(_identity(renormed, 5))
+            server = c._pool.router.servers[vllm_url]
+            stale = await check_server(c._pool, server, _identity(smollm2, 5))  # no taint: the verdict only
+            await c.update_weights_from_disk(smollm2, 6)
+            return ok[vllm_url], stale
+
+    ok, stale = _run(go())
+    assert ok.ok and ok.method == "partial digests" and ok.checked >= 2 * 30 + 1, ok
+    assert not stale.ok and not stale.unknown and "model.norm.weight" in stale.differs, stale
+    assert all("norm" in n for n in stale.differs) and len(stale.differs) >= 2 * 30 + 1, stale
+
+
 @real
 def test_a_killed_server_is_caught_up_before_it_serves(vllm_server, perturbed, smollm2, vllm_detect):
     """SIGKILL the server, start it again (on its launch weights, label "default"): the client's recovery finds it,

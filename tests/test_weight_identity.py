@@ -320,3 +320,30 @@ async def test_delta_sync_with_a_torchrun_trainer_through_restart_and_rollback(t
             await client.close()
         for s in servers:
             await s.close()
+
+
+def test_a_partial_fingerprint_is_compared_on_the_names_it_gives():
+    """vLLM-CPU proves only the tensors it holds as loaded (its dialect's `?partial=1` answer): those are compared
+    exactly, the others are not held against it; a changed one, another dtype, or an answer naming nothing is not
+    taken as proof."""
+    from areal_async.inference.identity import _compare_digests
+    from areal_async.protocol.weight_identity import Identity, combine
+
+    digests = {"a.norm.weight": "1" * 32, "b.norm.weight": "2" * 32, "b.q_proj.weight": "3" * 32}
+    expected = Identity(version=3, dtype="bfloat16", digests=digests, combined=combine(digests))
+
+    def served(d: dict[str, str], dtype: str = "bfloat16") -> Identity:
+        return Identity(version=3, dtype=dtype, digests=d, combined="")
+
+    norms = {k: v for k, v in digests.items() if "norm" in k}
+    ok = _compare_digests("u", served(norms), expected, partial=True)
+    assert ok.ok and ok.checked == 2 and ok.method == "partial digests"
+    full = _compare_digests("u", served(norms), expected, partial=False)  # a full answer lacking one: a mismatch
+    assert not full.ok and full.differs == ["b.q_proj.weight"]
+    changed = _compare_digests("u", served({**norms, "b.norm.weight": "9" * 32}), expected, partial=True)
+    assert not changed.ok and changed.differs == ["b.norm.weight"] and not changed.unknown
+    unknown_name = _compare_digests("u", served({"c.norm.weight": "4" * 32}), expected, partial=True)
+    assert not unknown_name.ok and unknown_name.differs == ["c.norm.weight"]
+    assert _compare_digests("u", served(norms, "float32"), expected, partial=True).differs[0].startswith("<serves")
+    empty = _compare_digests("u", served({}), expected, partial=True)
+    assert not empty.ok and empty.unknown

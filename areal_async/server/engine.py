@@ -85,7 +85,7 @@ class AsyncEngine(WeightUpdates):
     ):
         self.device = resolve_visible_device(device)
         bind_cuda(self.device)  # this thread loads the weights; the engine thread binds itself
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.device, model_path)
         if chunked_prefill_size is None:
             # A step's length is the latency of everything that waits for a step boundary (requests joining, the
             # token cadence of streams): on CPU, 256 prompt tokens per step keep a small model's step in the tens

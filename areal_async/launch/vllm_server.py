@@ -14,20 +14,35 @@ too: a venv per release, e.g. the one scripts/install_vllm.sh builds at
   version and pause epoch, so old-weight KV is never matched after an update (inference/vllm_dialect.py).
 - `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache on a CPU build) defaults to 2 unless the environment sets it: vLLM's
   own default takes a large share of a small host's memory.
+- broadcast weight sync: vLLM's own transfer engines are CUDA-only and do not join the trainer's c10d group, so the
+  project ships one as a vLLM plugin (launch/vllm_plugin/, `areal_c10d`; gloo on CPU). Its folder goes first on
+  vLLM's PYTHONPATH, where importlib.metadata finds its entry point, and `--weight-transfer-config` selects it. A
+  VLLM_PLUGINS allow-list in the environment gets the plugin's name added (vLLM loads only the plugins it names).
 The environment is carried by an `env` prefix, so a Slurm step or a Ray actor runs exactly the same command.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 from areal_async.launch.placement import sglang_flag
 
-__all__ = ["VLLM_RELEASE", "check_vllm_python", "default_vllm_python", "vllm_server_cmd"]
+__all__ = [
+    "PLUGIN_DIR",
+    "TRANSFER_ENGINE",
+    "VLLM_RELEASE",
+    "check_vllm_python",
+    "default_vllm_python",
+    "vllm_server_cmd",
+]
 
 VLLM_RELEASE = "0.32.0"  # the release tested for real in CI (.ci/vllm_leg.sh)
+# the folder holding the weight-transfer plugin package and its dist-info (put first on vLLM's PYTHONPATH)
+PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_plugin")
+TRANSFER_ENGINE = "areal_c10d"  # the plugin's entry point and engine name (vllm_plugin/areal_vllm_plugin)
 
 
 def default_vllm_python() -> str:
@@ -75,7 +90,13 @@ def vllm_server_cmd(
         cmd += ["--tensor-parallel-size", str(tp_size)]
     if sglang_flag(extra_args, "--enable-prefix-caching", "--no-enable-prefix-caching") is None:
         cmd.append("--enable-prefix-caching" if prefix_cache else "--no-enable-prefix-caching")
-    env = ["VLLM_SERVER_DEV_MODE=1"]
+    if sglang_flag(extra_args, "--weight-transfer-config") is None:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_ENGINE}, separators=(",", ":"))]
+    path = os.environ.get("PYTHONPATH")
+    env = ["VLLM_SERVER_DEV_MODE=1", f"PYTHONPATH={PLUGIN_DIR}" + (f":{path}" if path else "")]
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and TRANSFER_ENGINE not in allowed.split(","):
+        env.append(f"VLLM_PLUGINS={allowed},{TRANSFER_ENGINE}" if allowed else f"VLLM_PLUGINS={TRANSFER_ENGINE}")
     if lora_rank is not None:
         env.append("VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
         if sglang_flag(extra_args, "--enable-lora") is None:

@@ -24,8 +24,9 @@ What it does, as a run does it:
   whose importance weight pi_trainer / pi_server is past the cap (the tokens a train step would mask), and below
   1 / cap, quantiles of |diff|, and the same by position in the response.
 
-`--device` / `--dtype` set both sides (server weights and trainer compute): auto is fp32 on CPU and bf16 on CUDA,
-as a run's defaults are (`model.dtype`, `train.mixed_precision`); `--server-dtype` / `--train-dtype` set one side
+`--device` / `--dtype` set both sides (server weights and trainer compute): auto resolves as a run's defaults do
+(`model.dtype`, `train.mixed_precision`: one rule, bf16 on CUDA and on a CPU with AVX512-BF16 or AMX for a model
+with hidden size >= 512, fp32 elsewhere); `--server-dtype` / `--train-dtype` set one side
 only, to split a mismatch into its two causes. The script is device-agnostic; a CUDA run needs nothing else.
 """
 
@@ -159,7 +160,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4, help="completions per prompt")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1: both sides")
     ap.add_argument(
-        "--dtype", default="auto", choices=sorted(DTYPE_NAMES), help="both sides; auto: fp32 on CPU, bf16 on CUDA"
+        "--dtype", default="auto", choices=sorted(DTYPE_NAMES), help="both sides; auto: as a run resolves it (bf16 on CUDA and on bf16-capable CPUs)"
     )
     ap.add_argument("--server-dtype", default=None, choices=sorted(DTYPE_NAMES), help="the server's only")
     ap.add_argument(
@@ -188,9 +189,11 @@ def main() -> None:
     import torch
 
     from areal_async.config import load_config
+    from areal_async.host.cpu_features import model_hidden_size, resolve_mixed_precision
     from areal_async.model_store import resolve_model_path
     from areal_async.rollout.prompts import prompt_ids
     from areal_async.rollout.workflow_api import trajectory_from_generation
+    from areal_async.server.device import resolve_dtype
     from areal_async.tasks.datasets import load_samples
     from areal_async.tokenizer import Tokenizer
     from areal_async.types import SamplingParams
@@ -204,17 +207,21 @@ def main() -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     on_cuda = device.startswith("cuda")
     both = DTYPE_NAMES[args.dtype]
+    model_dir = resolve_model_path(cfg.model.path)
+    # auto as a run resolves it on each side: the server's --dtype auto and the trainer's mixed_precision=auto
+    # follow one rule (host/cpu_features.py: bf16 on CUDA, and on a CPU with a bf16 dot product for a model with
+    # hidden size >= 512)
     server_dtype = DTYPE_NAMES[args.server_dtype] if args.server_dtype else both
     if server_dtype == "auto":
-        server_dtype = "bfloat16" if on_cuda else "float32"
+        server_dtype = str(resolve_dtype("auto", torch.device(device), model_dir)).removeprefix("torch.")
     train_dtype = DTYPE_NAMES[args.train_dtype] if args.train_dtype else both
     if train_dtype == "auto":
-        train_dtype = "bfloat16" if on_cuda else "float32"
+        mp, _ = resolve_mixed_precision("auto", torch.device(device).type, model_hidden_size(model_dir))
+        train_dtype = "bfloat16" if mp == "bf16" else "float32"
     threads = args.threads
     cap = args.cap if args.cap is not None else cfg.train.loss.behav_imp_weight_cap
     cap = float(cap) if cap is not None else 5.0
 
-    model_dir = resolve_model_path(cfg.model.path)
     tok = Tokenizer(model_dir)
     data = msgspec.structs.replace(cfg.data, num_train=max(args.prompts, 1), num_eval=1)
     train, _ = load_samples(data)

@@ -1,8 +1,12 @@
-"""Generation speed of the embedded server over HTTP, against transformers' batched `generate` and against this
-machine's own GEMM limit, plus how fast a pause empties a busy server and how close the logprobs are.
+"""Generation speed of the embedded server over HTTP against what else could serve the same model on this CPU
+(transformers' batched `generate`, llama.cpp's llama-server, real SGLang and vLLM) and against this machine's own GEMM
+limit, plus how fast a pause empties a busy server and how close the logprobs are.
 
     python benchmarks/inference_throughput.py --model smollm2-135m-instruct --threads 2 \
-        --out benchmarks/out/inference_throughput_smollm2.json
+        --llama-precisions f32,bf16 --embedded-dtypes bfloat16 \
+        --sglang-python ~/.cache/areal_async/engines/sglang-0.5.23/bin/python \
+        --vllm-python ~/.cache/areal_async/engines/vllm-0.32.0/bin/python \
+        --out benchmarks/results/inference_throughput_smollm2.json
     python benchmarks/inference_throughput.py --model tiny --out benchmarks/out/inference_throughput.json
     python benchmarks/inference_throughput.py --quick --out /tmp/x.json          # smoke test, not a measurement
 
@@ -11,41 +15,70 @@ machine's own GEMM limit, plus how fast a pause empties a busy server and how cl
 
 Workload: `--requests` prompts (default 64): chat-templated user messages of random words for a model with a chat
 template, else 16-64 random tokens; completion lengths lognormal (median 96, sigma 0.8, capped at 384), greedy,
-ignore_eos, so both sides make exactly the same tokens.
+ignore_eos, so every side makes exactly the same number of tokens.
 - embedded: `python -m areal_async.serve` in its own process, driven by the real InferenceClient with every request
-  in flight at once (continuous batching lets short requests leave early).
+  in flight at once (continuous batching lets short requests leave early). `--embedded-dtypes` adds runs of the
+  server at other dtypes (workload and decode rates only), for per-precision ratios.
 - hf: the same prompts as one left-padded batch through `model.generate` (KV cache, greedy, fp32 on CPU), which runs
   every row to the longest request. Useful tokens/s counts what the requests asked for (what a user gets); padded
   tokens/s counts every row to the longest (what the hardware did).
-- decode MFU: 64 requests of the same length, run twice (16 and 16 + `--decode-steps` new tokens); the difference
-  is pure decode at batch 64. Model FLOPs per token (2 x parameters in matmuls, LM head included, plus attention
-  at the mean context) x decode tokens/s, divided by the GEMM roofline: the model's own matmul shapes at 64 rows
-  timed in a plain loop in this process, same thread count, measured in this run.
+- decode: the workload's prompts at batch 64 (`decode_tokens_per_s`) and batch 1 (`batch1_decode_tokens_per_s`),
+  run twice (16 and 16 + `--decode-steps` new tokens); the difference is pure decode.
+- llama.cpp (benchmarks/llama_server_side.py), when a build of benchmarks/build_llama_cpp.py is found (or
+  `--llama-cpp DIR`): llama-server `-np 64` on the workload per precision, and llama-batched-bench's decode rates at
+  batch 1 and 64. Written as two separate comparisons: end to end (scheduling: who keeps the cores busy through the
+  long tail of finishing requests) and decode (kernels: tokens/s at a fixed batch).
+- SGLang / vLLM (benchmarks/engine_sides.py): real servers from their own interpreters, through the same client.
+- roofline and MFU (benchmarks/roofline.py): model FLOPs per token (2 x parameters in matmuls, LM head included,
+  plus attention at the mean context) x decode tokens/s, divided by the best rate measured in this run on the
+  model's own matmul shapes at 64 rows and the same threads, across torch, oneDNN, MKL and ggml, per dtype and ISA
+  (native, and AVX2 when `--roofline-isas` names it).
 - pause latency: `--requests` long requests decoding (non-streamed, with logprobs, as the RL client sends them),
   then pause(abort): the time until every one has come back with its partial output.
 - logprobs: a few completions re-scored by transformers (teacher forcing); the largest difference is reported.
-Both sides use the same torch thread count and never run at the same time; timed runs alternate (best of
-`--repeats` each), so that load changing on a shared machine hits both alike.
+Every side uses the same thread count and no two ever run at the same time; embedded and transformers runs alternate
+(best of `--repeats` each), so that load changing on a shared machine hits both alike. The JSON records the CPU, its
+ISA flags and the load average at the start and end: on a shared machine read speeds with the load beside them.
+There, run it with OMP_WAIT_POLICY=PASSIVE (every side inherits it; the JSON records it): with more runnable threads
+than cores, OpenMP threads spinning at barriers cost ggml's 2-thread GEMMs 3-4x and torch's far less, so the default
+policy would measure the load rather than the kernels.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# start_server, wait_healthy and friends are imported from this module by other benchmarks: re-exported here
+from engine_sides import (  # noqa: E402,F401
+    HFGenerate,
+    decode_rate,
+    embedded_run,
+    pause_latency,
+    raw_generate,
+    server_info,
+    sglang_side,
+    start_server,
+    stop,
+    vllm_side,
+    wait_healthy,
+)
+from roofline import model_flops  # noqa: E402,F401
+
 MODEL_NAMES = ("tiny", "smollm2-135m-instruct")
+ISA_FLAGS_OF_NOTE = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
+                     "amx_bf16")  # fmt: skip
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}  # the server's dtype -> the roofline's / llama.cpp's name
+LLAMA_OF = {"fp32": "f32", "bf16": "bf16"}
 WORDS = (
     "the cat sat on a mat while seven quick foxes ran over lazy dogs near old red barns under bright "
     "stars and one small bird sang songs about rivers mountains numbers apples code tests trains"
@@ -55,20 +88,28 @@ WORDS = (
 def machine_info(torch, load_start: tuple[float, float, float]) -> dict[str, Any]:
     """What the figures ran on: the CPU, the ISA torch dispatches to (ATEN_CPU_CAPABILITY and friends can hold it
     below the CPU's), the C kernels' target, and the load average (1/5/15 min) at the start and the end."""
-    model = ""
+    model, flags = "", []
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+            lines = f.read().splitlines()
+        model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+        flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
     except OSError:
         pass
+    try:
+        uptime = subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        uptime = ""
     return {
         "cpu": model,
         "cores": os.cpu_count(),
+        "isa_flags": [f for f in ISA_FLAGS_OF_NOTE if f in flags],
+        "uptime_end": uptime,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "kernel_march": os.environ.get("AREAL_KERNEL_MARCH", "native"),
         "isa_env": {
             k: os.environ[k]
-            for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+            for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_WAIT_POLICY")
             if k in os.environ
         },
         "load_average_start": load_start,
@@ -125,281 +166,35 @@ def make_chat_workload(
     return prompts, _lengths(rng, n, median, sigma, max_new)
 
 
-# ---- the embedded server ------------------------------------------------------------------------------------------
-
-
-def _drain(stream) -> None:
-    """Keep reading the server's output so its pipe never fills and blocks it."""
-    for _ in stream:
-        pass
-
-
-def start_server(model_dir: str, threads: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """Launch `python -m areal_async.serve` and return (process, URL) once it printed its URL."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_async.serve", "--model", model_dir, "--port", "0", "--device", "cpu", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    deadline = time.monotonic() + 600
-    lines = []
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"ready at (http://\S+)", line)
-        if m:
-            threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
-            return proc, m.group(1)
-    proc.kill()
-    raise RuntimeError("server did not print its URL:\n" + "".join(lines[-30:]))
-
-
-async def wait_healthy(client) -> None:
-    for _ in range(600):
-        if all((await client.health()).values()):
-            return
-        await asyncio.sleep(0.1)
-    raise RuntimeError("server never became healthy")
-
-
-async def embedded_run(client, prompts: list[list[int]], lengths: list[int]) -> tuple[float, list]:
-    from areal_async.types import SamplingParams
-
-    t0 = time.perf_counter()
-    results = await asyncio.gather(
-        *(
-            client.agenerate(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-            for p, n in zip(prompts, lengths)
-        )
-    )
-    wall = time.perf_counter() - t0
-    made = sum(len(r.output_ids) for r in results)
-    if made != sum(lengths):
-        raise RuntimeError(f"embedded server made {made} tokens, expected {sum(lengths)}")
-    return wall, results
-
-
-def real_engine_run(
-    python: str, model_dir: str, threads: int, prompts: list[list[int]], lengths: list[int], repeats: int, dtype: str
-) -> dict[str, Any]:
-    """The same workload through a real SGLang server started as `server.backend=sglang` starts one (its own
-    interpreter, the CPU engine, `threads` threads), driven by the same client: useful tokens/s, best of `repeats`."""
-    import urllib.request
-
-    from areal_async.inference.client import InferenceClient
-    from areal_async.launch.processes import free_port
-    from areal_async.launch.sglang_server import installed_release, sglang_server_cmd
-    from areal_async.types import SamplingParams
-
-    port = free_port()
-    cmd = sglang_server_cmd(
-        model_dir, host="127.0.0.1", port=str(port), api_key=None, extra_args=[], dtype=dtype, python=python,
-        device="cpu", threads=threads,
-    )  # fmt: skip
-    log = tempfile.NamedTemporaryFile(prefix="sglang_bench_", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"SGLang did not come up; log: {log.name}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1.0)
-
-        async def run() -> float:
-            async with InferenceClient([url], probe_interval_s=0.2) as client:
-                warm = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-                await asyncio.gather(*(client.agenerate(p, warm) for p in prompts))
-                return min([(await embedded_run(client, prompts, lengths))[0] for _ in range(repeats)])
-
-        wall = asyncio.run(run())
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return {
-        "sglang_release": installed_release(python, "sglang"),
-        "sglang_dtype": dtype,
-        "sglang_tokens_per_s": sum(lengths) / wall,
-        "sglang_wall_s": wall,
-    }
-
-
-async def raw_generate(client, prompt: list[int], n: int, logprobs: bool = False) -> dict:
-    return await client.acompletion_raw(
-        "/generate",
-        {
-            "input_ids": prompt,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-            "return_logprob": logprobs,
-            "stream": False,
-        },
-    )
-
-
-async def server_info(url: str) -> dict:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session, session.get(url + "/server_info") as r:
-        return await r.json()
-
-
-async def pause_latency(client, url: str, prompts: list[list[int]], pause_new: int, prefill_s: float) -> dict[str, Any]:
-    """Every request admitted and decoding (as the RL client sends them: non-streamed, with logprobs), then
-    pause(abort): the time until the last one has come back. `prefill_s` (how long these prompts took to prefill in
-    the decode runs) is waited out after the last admission, so the pause lands in decode."""
-    returned: list[float] = []
-
-    async def one(p: list[int]) -> dict:
-        out = await raw_generate(client, p, pause_new, logprobs=True)
-        returned.append(time.perf_counter())
-        return out
-
-    tasks = [asyncio.create_task(one(p)) for p in prompts]
-    for _ in range(6000):
-        info = await server_info(url)
-        if info["num_running_reqs"] == len(prompts) and info["num_waiting_reqs"] == 0:
-            break
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(max(0.2, 1.5 * prefill_s))
-    t_pause = time.perf_counter()
-    await client.pause(mode="abort")
-    t_call = time.perf_counter()
-    outs = await asyncio.gather(*tasks)
-    await client.resume()
-    aborted = sum(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
-    decoded = sum(len(o["output_ids"]) > 0 for o in outs)
-    if aborted < len(prompts) or decoded < len(prompts):
-        print(
-            f"warning: {aborted} of {len(prompts)} requests aborted by the pause, {decoded} had started decoding",
-            file=sys.stderr,
-        )
-    return {
-        "pause_latency_ms": (max(returned) - t_pause) * 1000,
-        "pause_call_ms": (t_call - t_pause) * 1000,
-        "pause_aborted_requests": aborted,
-        "pause_decoding_requests": decoded,
-        "pause_in_flight": len(prompts),
-    }
-
-
-# ---- transformers and the roofline --------------------------------------------------------------------------------
-
-
-class HFGenerate:
-    """transformers' batched generate over all prompts at once: left padding, KV cache, greedy, EOS suppressed."""
-
-    def __init__(self, model_dir: str, prompts: list[list[int]]):
-        import torch
-        import transformers
-
-        self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.pad = self.model.generation_config.pad_token_id or 0
-        self.width = max(len(p) for p in prompts)
-        self.ids = torch.full((len(prompts), self.width), self.pad, dtype=torch.long)  # [B, T] left padded
-        self.mask = torch.zeros_like(self.ids)  # [B, T]
-        for i, p in enumerate(prompts):
-            self.ids[i, self.width - len(p) :] = torch.tensor(p)
-            self.mask[i, self.width - len(p) :] = 1
-
-    def run(self, n_new: int) -> float:
-        """Seconds for one generate of `n_new` tokens per row."""
-        t0 = time.perf_counter()
-        with self.torch.inference_mode():
-            out = self.model.generate(
-                input_ids=self.ids,
-                attention_mask=self.mask,
-                max_new_tokens=n_new,
-                min_new_tokens=n_new,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=self.pad,
-            )
-        wall = time.perf_counter() - t0
-        assert out.shape[1] == self.width + n_new  # [B, T + n_new]
-        return wall
-
-    def max_logprob_diff(self, prompt: list[int], out: dict) -> float:
-        """Teacher-forced logprobs of the server's tokens against the server's own."""
-        torch = self.torch
-        ids = out["output_ids"]
-        got = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
-        with torch.inference_mode():
-            logits = self.model(torch.tensor([prompt + ids])).logits[0].float()  # [T, V]
-        lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
-        return float((lp - got).abs().max())
-
-
-def model_flops(cfg: dict) -> dict[str, Any]:
-    """Matmul shapes of one token through the model ([in, out] and count), and FLOPs per token."""
-    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    d = cfg.get("head_dim") or h // heads
-    shapes = [
-        ((h, (heads + 2 * kv) * d), layers),
-        ((heads * d, h), layers),
-        ((h, 2 * i), layers),
-        ((i, h), layers),
-        ((h, cfg["vocab_size"]), 1),
-    ]
-    per_token = sum(2 * a * b * n for (a, b), n in shapes)
-    return {
-        "shapes": shapes,
-        "matmul_flops_per_token": per_token,
-        "attn_flops_per_ctx_token": 4 * layers * heads * d,
-    }  # q.k and p.v, per token of context
-
-
-def gemm_roofline(shapes: list, rows: int, threads: int, seconds: float = 3.0) -> float:
-    """FLOP/s of the model's own matmuls ([rows, in] x [in, out], each as often as the model has it) in a plain
-    loop: what this machine does for exactly this work with nothing else in the way. Best of several rounds."""
-    import torch
-
-    torch.set_num_threads(threads)
-    mats = [(torch.randn(rows, a), torch.randn(b, a), n) for (a, b), n in shapes]
-    flops = sum(2 * rows * a * b * n for (a, b), n in shapes)
-
-    def once() -> float:
-        t0 = time.perf_counter()
-        for x, w, n in mats:
-            for _ in range(n):
-                torch.mm(x, w.t())
-        return time.perf_counter() - t0
-
-    once()
-    best, t_end = math.inf, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        best = min(best, once())
-    return flops / best
-
-
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 
-async def bench(
-    url: str, model_dir: str, cfg: dict, prompts: list[list[int]], lengths: list[int], args, threads: int
-) -> dict[str, Any]:
+async def embedded_decode(client, prompts: list[list[int]], args) -> dict[str, Any]:
+    """The embedded server's decode rates at batch `--decode-batch` (64) and 1 (see decode_rate)."""
+    big = await decode_rate(client, prompts, args.decode_batch, args.decode_steps, args.repeats)
+    one = await decode_rate(client, prompts, 1, args.decode_steps, args.repeats)
+    return {
+        "decode_batch": args.decode_batch,
+        "decode_steps": args.decode_steps,
+        "decode_tokens_per_s": big["tokens_per_s"],
+        "decode_mean_context": big["mean_context"],
+        "batch1_decode_tokens_per_s": one["tokens_per_s"],
+        "batch1_decode_mean_context": one["mean_context"],
+        "decode_proportional": big["proportional"] or one["proportional"],
+        "_prefill_s": big["short_wall_s"],
+    }
+
+
+async def bench(url: str, model_dir: str, prompts: list[list[int]], lengths: list[int], args) -> dict[str, Any]:
+    """The embedded server against transformers (alternating, best of `--repeats` each), its decode rates, the
+    pause of a busy server, and its logprobs against transformers'."""
     from areal_async.inference.client import InferenceClient
     from areal_async.types import SamplingParams
 
     hf = HFGenerate(model_dir, prompts)
     hf.run(4)  # warm-up
     longest = max(lengths)
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"embedded_dtype": (await server_info(url)).get("dtype")}
     async with InferenceClient([url], probe_interval_s=0.2) as client:
         await wait_healthy(client)
         await asyncio.gather(
@@ -431,62 +226,41 @@ async def bench(
                     "hf_padded_tokens_per_s": len(prompts) * longest / hf_wall,
                 }
             )
-
-        # decode at a fixed batch: the difference of two runs of the same prompts is pure decode
-        batch = prompts[: args.decode_batch] * -(-args.decode_batch // len(prompts))
-        batch = batch[: args.decode_batch]
-        short, long_ = 16, 16 + args.decode_steps
-        walls = {short: math.inf, long_: math.inf}
-        for _ in range(args.repeats):
-            for n in (short, long_):
-                t0 = time.perf_counter()
-                await asyncio.gather(*(raw_generate(client, p, n) for p in batch))
-                walls[n] = min(walls[n], time.perf_counter() - t0)
-        decode_tps = len(batch) * args.decode_steps / (walls[long_] - walls[short])
-        mean_ctx = sum(map(len, batch)) / len(batch) + 16 + args.decode_steps / 2
-        fl = model_flops(cfg)
-        flops_per_token = fl["matmul_flops_per_token"] + fl["attn_flops_per_ctx_token"] * mean_ctx
-        roof = gemm_roofline(fl["shapes"], len(batch), threads)
-        res.update(
-            {
-                "decode_batch": len(batch),
-                "decode_steps": args.decode_steps,
-                "decode_tokens_per_s": decode_tps,
-                "decode_mean_context": mean_ctx,
-                "flops_per_token": flops_per_token,
-                "gemm_roofline_gflops": roof / 1e9,
-                "decode_gflops": decode_tps * flops_per_token / 1e9,
-                "decode_mfu": decode_tps * flops_per_token / roof,
-                "roofline_tokens_per_s": roof / fl["matmul_flops_per_token"],
-                "embedded_mfu": made * flops_per_token / emb_wall / roof,
-            }
-        )
-
+        res.update(await embedded_decode(client, prompts, args))
         outs = await asyncio.gather(
             *(raw_generate(client, p, min(n, 64), logprobs=True) for p, n in zip(prompts[:4], lengths[:4]))
         )
         res["max_logprob_diff_vs_hf"] = max(hf.max_logprob_diff(p, o) for p, o in zip(prompts[:4], outs))
-        res.update(await pause_latency(client, url, prompts, args.pause_new, walls[short]))
+        res.update(await pause_latency(client, url, prompts, args.pause_new, res.pop("_prefill_s")))
     return res
 
 
+def embedded_at(model_dir: str, dtype: str, prompts: list[list[int]], lengths: list[int], args) -> dict[str, Any]:
+    """The embedded server started with `--dtype dtype`: the workload's useful tokens/s and the decode rates."""
+    from areal_async.inference.client import InferenceClient
+
+    proc, url = start_server(model_dir, args.threads, [*args.server_arg, "--dtype", dtype])
+    try:
+
+        async def run() -> dict[str, Any]:
+            async with InferenceClient([url], probe_interval_s=0.2) as client:
+                await wait_healthy(client)
+                served = (await server_info(url)).get("dtype")
+                await embedded_run(client, prompts, [8] * len(prompts))  # warm-up
+                wall = min([(await embedded_run(client, prompts, lengths))[0] for _ in range(args.repeats)])
+                dec = await embedded_decode(client, prompts, args)
+                dec.pop("_prefill_s")
+                return {"dtype": served, "tokens_per_s": sum(lengths) / wall, "wall_s": wall, **dec}
+
+        return asyncio.run(run())
+    finally:
+        stop(proc, 30)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model", default="tiny", help=f"{' | '.join(MODEL_NAMES)} | a checkpoint directory")
-    ap.add_argument("--quick", action="store_true", help="tiny model and workload: a smoke test, not a measurement")
-    ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: all cores)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per side, best kept (default 2; quick 1)")
-    ap.add_argument("--decode-steps", type=int, default=None, help="decode tokens per request in the MFU runs")
-    ap.add_argument("--decode-batch", type=int, default=None, help="requests in the MFU runs (default 64)")
-    ap.add_argument("--pause-new", type=int, default=None, help="max_new_tokens of the pause-latency requests")
-    ap.add_argument("--skip-hf", action="store_true", help="embedded side only (for A/B runs of engine changes)")
-    ap.add_argument("--server-arg", action="append", default=[], help="extra argument for areal_async.serve")
-    ap.add_argument("--sglang-python", default=None, help="also run the workload on real SGLang from this interpreter")
-    ap.add_argument("--sglang-dtype", default="bfloat16", help="SGLang's --dtype (bfloat16: its fastest on a CPU)")
-    args = ap.parse_args()
+    import inference_report as rep
+
+    args = rep.parse_args(__doc__.split("\n")[0])
     if args.quick:
         n_req, median, sigma, max_new = args.requests or 8, 12.0, 0.5, 32
     else:
@@ -494,7 +268,7 @@ def main() -> None:
     args.repeats = args.repeats or (1 if args.quick else 2)
     args.decode_steps = args.decode_steps or (16 if args.quick else 64)
     args.decode_batch = args.decode_batch or (8 if args.quick else 64)
-    threads = args.threads or os.cpu_count() or 1
+    args.threads = threads = args.threads or os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
     import torch
@@ -517,24 +291,35 @@ def main() -> None:
 
         proc, url = start_server(model_dir, threads, args.server_arg)
         try:
-            res = asyncio.run(bench(url, model_dir, cfg, prompts, lengths, args, threads))
+            res = asyncio.run(bench(url, model_dir, prompts, lengths, args))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 30)
+        main_dtype = DTYPE_NAMES.get(res["embedded_dtype"], res["embedded_dtype"])
+        by_dtype = {
+            main_dtype: {k: res[k] for k in ("decode_tokens_per_s", "batch1_decode_tokens_per_s")}
+            | {"tokens_per_s": res["embedded_tokens_per_s"], "dtype": res["embedded_dtype"]}
+        }
+        for dt in args.embedded_dtypes:  # one server at a time: each after the last one stopped
+            row = embedded_at(model_dir, dt, prompts, lengths, args)
+            by_dtype[DTYPE_NAMES.get(row["dtype"], row["dtype"])] = row
+        res["embedded_by_dtype"] = by_dtype
 
-        if args.sglang_python:  # after the embedded server stopped: the two never share the cores
-            res.update(
-                real_engine_run(
-                    args.sglang_python, model_dir, threads, prompts, lengths, args.repeats, args.sglang_dtype
-                )
-            )
-            res["embedded_over_sglang"] = res["embedded_tokens_per_s"] / res["sglang_tokens_per_s"]
+        # the other engines, one after the other, each after the previous one stopped; one that fails is recorded
+        # as an error and the rest still run (a 20-minute run should not be lost to one engine's start-up)
+        if args.sglang_python:
+            res.update(rep.guarded("sglang", sglang_side, args.sglang_python, model_dir, threads, prompts, lengths,
+                                   args.repeats, args.sglang_dtype))  # fmt: skip
+        if args.vllm_python:
+            res.update(rep.guarded("vllm", vllm_side, args.vllm_python, model_dir, threads, prompts, lengths,
+                                   args.repeats, args.vllm_dtype))  # fmt: skip
+        res.update(rep.guarded("llama_cpp", rep.llama_cpp_runs, args, model_dir, prompts, lengths))
+        for name in ("sglang", "vllm"):
+            if f"{name}_tokens_per_s" in res:
+                res[f"embedded_over_{name}"] = res["embedded_tokens_per_s"] / res[f"{name}_tokens_per_s"]
+        res.update(rep.roofline_and_mfu(args, cfg, res, main_dtype))
     if "hf_tokens_per_s" in res:
         res["ratio"] = res["embedded_tokens_per_s"] / res["hf_tokens_per_s"]
+    res.update(rep.llama_cpp_ratios(res))
     result = {
         **res,
         "settings": {
@@ -558,35 +343,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-
-    rows = [("embedded tokens/s (HTTP)", f"{res['embedded_tokens_per_s']:.0f}")]
-    if "ratio" in res:
-        rows += [
-            (
-                "transformers useful / padded tokens/s",
-                f"{res['hf_tokens_per_s']:.0f} / {res['hf_padded_tokens_per_s']:.0f}",
-            ),
-            ("ratio to useful (target >= 4)", f"{res['ratio']:.2f}"),
-        ]
-    if "sglang_tokens_per_s" in res:
-        rows.append(
-            (
-                f"SGLang {res['sglang_release']} ({res['sglang_dtype']}) tokens/s, embedded / SGLang",
-                f"{res['sglang_tokens_per_s']:.0f}, {res['embedded_over_sglang']:.2f}x",
-            )
-        )
-    rows += [
-        (f"decode tokens/s at batch {res['decode_batch']}", f"{res['decode_tokens_per_s']:.0f}"),
-        ("GEMM roofline GFLOP/s (same rows, threads)", f"{res['gemm_roofline_gflops']:.0f}"),
-        ("decode MFU (target >= 0.5)", f"{res['decode_mfu']:.2f}"),
-        ("whole-run MFU", f"{res['embedded_mfu']:.2f}"),
-        ("pause to all returned ms (target < 50)", f"{res['pause_latency_ms']:.1f}"),
-        ("max |logprob - transformers| (target < 1e-3)", f"{res['max_logprob_diff_vs_hf']:.2e}"),
-        ("requests / tokens", f"{n_req} / {sum(lengths)} (longest {max(lengths)})"),
-    ]
-    w = max(len(r[0]) for r in rows)
-    for k, v in rows:
-        print(f"{k:<{w}}  {v}")
+    rep.print_summary(result)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ def test_inference_throughput_quick(tmp_path):
     data = json.loads(out.read_text())
     for key in ("embedded_tokens_per_s", "hf_tokens_per_s", "ratio", "pause_latency_ms"):
         assert data[key] > 0, key
+    # batch-64 (here the quick batch) and batch-1 decode rates, and a roofline with the best backend named
+    assert data["decode_tokens_per_s"] > 0 and data["batch1_decode_tokens_per_s"] > 0
+    assert data["gemm_roofline_gflops"] > 0 and data["gemm_roofline_backend"]
+    assert data["llama_cpp"] is None  # never auto-found in --quick
     assert data["tokens"] == data["settings"]["sum_new_tokens"]
     assert data["pause_aborted_requests"] == data["pause_in_flight"] == data["settings"]["requests"]
     assert "ratio" in proc.stdout

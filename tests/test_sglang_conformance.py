@@ -7,8 +7,13 @@ Every check below runs on each target:
   SmolLM2-135M-Instruct on the CPU. Without the variable the real target skips, saying so; with
   AREAL_REQUIRE_SGLANG=1 (CI) it fails instead.
 A check the fake passes and the real server fails (or the other way round) is drift, caught in the same CI run.
-Checks that only a real engine can answer (weights that really change, its radix cache, a stopped process, a run
-end to end) follow the shared ones. Tests marked `sglang_real` need the real server.
+Beside the checks, every answer a real server of each release gave to a fixed script of exchanges is recorded in
+tests/fixtures/sglang/<release>/answers.json (scripts/record_sglang_fixtures.py; testing/sglang_record.py): the
+fake set up as that release must answer the same script alike (fields, statuses, the messages the client matches),
+and in CI the live server must still answer as recorded.
+Checks that only a real engine can answer (weights that really change, a gloo weight broadcast from the project's
+trainer side, its radix cache, a stopped process, a run end to end) follow the shared ones. Tests marked
+`sglang_real` need the real server.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import aiohttp
@@ -27,10 +34,12 @@ import pytest
 
 from areal_async.inference.client import AdminError, InferenceClient
 from areal_async.inference.dialect import parse_release
-from areal_async.testing.fake_sglang import FakeSGLang, next_tok
+from areal_async.testing import sglang_record
+from areal_async.testing.fake_sglang import LORA_OFF, LORA_OFF_GENERATE, FakeSGLang, next_tok
 from areal_async.types import SamplingParams
 
 PYTHON = os.environ.get("AREAL_SGLANG_PYTHON", "")
+RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sglang")
 REQUIRED = os.environ.get("AREAL_REQUIRE_SGLANG") == "1"
 FAKE_RELEASES = ["0.5.10", "0.5.23"]
 
@@ -278,6 +287,53 @@ async def test_weight_update_sessions_exist_from_0_5_21(target):
                 assert r.status == (200 if target.version >= (0, 5, 21) else 404), (path, r.status)
 
 
+async def test_lora_is_refused_where_the_server_has_none(target, tmp_path):
+    """Runtime LoRA needs `--enable-lora` at launch, and SGLang's LoRA layers cannot run on a CPU (they pin host
+    memory, which needs a CUDA driver: docs/inference.md, "LoRA"), so every server here has none. The client's own
+    LoRA calls (inference/lora_window.py) must read that refusal as SGLang words it, on the fake as on the real."""
+    from areal_async.inference.lora_window import load_adapter, probe_adapter, unload_adapter
+
+    async with client(target) as c:
+        await c.agenerate(PROMPT, greedy(1))
+        server = c._pool.router.servers[target.url]
+        assert await load_adapter(c._pool, server, 1, str(tmp_path)) == f"HTTP 400: {LORA_OFF}"
+        assert await unload_adapter(c._pool, server, 1) == f"HTTP 400: {LORA_OFF}"
+        probe = await probe_adapter(c._pool, server, 1)
+        assert probe == f"HTTP 400: LoRA adapter 'areal-v1' was requested, but LoRA is not enabled. {LORA_OFF_GENERATE}"
+        assert (await c.agenerate(PROMPT, greedy(2))).finish_reason == "length"  # the refusals left it serving
+
+
+# ---- the fake and the live server against the recorded answers ------------------------------------------------
+
+
+def _recorded(release: str) -> dict:
+    path = os.path.join(RECORDED, release, "answers.json")
+    if not os.path.exists(path):
+        pytest.fail(f"no answers recorded for SGLang {release}: scripts/record_sglang_fixtures.py <its python>")
+    return sglang_record.load(path)
+
+
+@pytest.mark.parametrize("release", FAKE_RELEASES)
+async def test_fake_answers_as_the_release_was_recorded(release, tmp_path):
+    fake = await FakeSGLang.like(release, token_delay=0.01).start()
+    fake.weights = {sglang_record.NORM: [1.0] * 576}
+    try:
+        got = await sglang_record.record(fake.url, model=str(tmp_path / "m"), scratch=str(tmp_path), real=False)
+    finally:
+        await fake.kill()
+    assert sglang_record.differences(_recorded(release), got) == []
+
+
+@pytest.mark.sglang_real
+async def test_real_server_answers_as_recorded(real_server, tmp_path):
+    """The live release still answers the script as recorded (a re-installed or patched venv would show here)."""
+    t = real_server
+    scratch = tmp_path / "not-a-checkpoint"
+    scratch.mkdir()
+    got = await sglang_record.record(t.url, model=t.model, scratch=str(scratch), real=True)
+    assert sglang_record.differences(_recorded(t.release), got) == []
+
+
 # ---- real engine only ------------------------------------------------------------------------------------------
 
 
@@ -307,6 +363,141 @@ async def test_disk_update_changes_outputs_and_restores_bit_exactly(real_server,
         await c.update_weight_version(0)
     assert changed.output_logprobs != before.output_logprobs and set(changed.output_versions) == {1}
     assert back.output_ids == before.output_ids and back.output_logprobs == before.output_logprobs
+
+
+# trainer rank 0 as train.weight_sync=broadcast runs it (train/worker.py's TrainerService and its WeightBroadcaster)
+# over a stand-in engine that holds the checkpoint's tensors with every RMSNorm weight scaled, under the names SGLang
+# loads, and broadcasts them in the served dtype (bfloat16), as the real engine does
+_TRAINER = textwrap.dedent("""
+    import asyncio, json, os, sys, torch, torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch import nn
+    from areal_async.net.rpc import RpcServer
+    from areal_async.train.broadcast import WeightBroadcaster, plan_buckets
+    from areal_async.train.worker import TrainerService
+    from areal_async.types import TrainerInfo
+
+    run_dir, secret, model, factor = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    class Held(nn.Module):
+        def __init__(self, tensors):
+            super().__init__()
+            self.tensors = tensors
+
+        def state_dict(self, *args, **kwargs):
+            return dict(self.tensors)
+
+    class Engine:
+        checkpoint_dtype = torch.bfloat16
+        tied_names = set()
+
+        def __init__(self):
+            t = load_file(os.path.join(model, "model.safetensors"))
+            self.model = Held({k: (v * factor if k.endswith("norm.weight") else v) for k, v in t.items()})
+            self.wb = WeightBroadcaster(timeout_s=120.0)
+            self.version = 0
+
+        def info(self):
+            n = sum(v.numel() for v in self.model.tensors.values())
+            return TrainerInfo(rank=0, world_size=1, version=self.version, device="cpu", num_params=n)
+
+        def bind_device(self):
+            pass
+
+        def weight_plan(self, bucket_bytes):
+            return plan_buckets(self.model, skip=set(), dtype=torch.bfloat16, bucket_bytes=bucket_bytes)
+
+        def open_broadcast(self, group_name, world_size, host, port):
+            return self.wb.open_store(group_name, world_size, host, port)
+
+        def init_broadcast(self, req):
+            self.wb.init_group(req, torch.device("cpu"))
+
+        def broadcast(self, req):
+            self.version = req.version
+            return self.wb.broadcast(self.model, group_name=req.group_name, skip=set(), dtype=torch.bfloat16,
+                                     bucket_bytes=req.bucket_bytes)
+
+        def _weight_broadcaster(self):
+            return self.wb
+
+    async def main():
+        server = RpcServer(secret, name="trainer-rank0")
+        TrainerService(Engine(), server).register()
+        address = await server.start_tcp("127.0.0.1", 0)
+        os.makedirs(os.path.join(run_dir, "trainer"), exist_ok=True)
+        tmp = os.path.join(run_dir, "trainer", "rank0.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"address": address, "rank": 0, "world_size": 1, "pid": os.getpid()}, f)
+        os.replace(tmp, os.path.join(run_dir, "trainer", "rank0.json"))
+        await server.serve_forever()
+
+    asyncio.run(main())
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+@pytest.mark.sglang_real
+@pytest.mark.timeout(600)
+async def test_gloo_broadcast_from_the_trainer_equals_a_disk_load(real_server, tmp_path):
+    """train.weight_sync=broadcast on a CPU: the project's trainer side (ElasticBroadcastSync forming a gloo group
+    with SGLang's /init_weights_update_group, then WeightBroadcaster sending each bucket while the client posts
+    /update_weights_from_distributed, inside begin/end sessions from 0.5.21) leaves SGLang serving exactly what a
+    disk load of the same weights gives: the same logprobs, the same /get_weights_by_name values, and the policy
+    identity check passes on it."""
+    from areal_async.rollout.broadcast_sync import ElasticBroadcastSync
+    from areal_async.train.client import TrainerGroup
+
+    t = real_server
+    scaled = _scaled_copy(t.model, str(tmp_path / "scaled"), 1.5)
+    norm = {"name": sglang_record.NORM, "truncate_size": 1000}
+    secret = secrets.token_bytes(32)
+    with open(tmp_path / "trainer.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _TRAINER, str(tmp_path), secret.hex(), t.model, "1.5"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    group = sync = None
+    try:
+        group = await TrainerGroup.connect(str(tmp_path), 1, secret, timeout=120)
+        async with client(t) as c, aiohttp.ClientSession() as http:
+
+            async def served_norm() -> list:
+                async with http.post(t.url + "/get_weights_by_name", json=norm) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.json()
+
+            base = await c.agenerate(PROMPT, greedy(8, ignore_eos=True))
+            await c.update_weights_from_disk(scaled, 1)
+            want = await c.agenerate(PROMPT, greedy(8, ignore_eos=True))
+            want_norm = await served_norm()
+            await c.update_weights_from_disk(t.model, 0)
+            assert (await c.agenerate(PROMPT, greedy(8, ignore_eos=True))).output_logprobs == base.output_logprobs
+
+            sync = ElasticBroadcastSync(group, c, "127.0.0.1", ranks_per_server=1, backend="gloo", max_attempts=1)
+            await c.pause("abort")
+            try:
+                await asyncio.wait_for(sync.apply(2, flush_cache=True), 300)
+            finally:
+                await c.resume()
+            got = await c.agenerate(PROMPT, greedy(8, ignore_eos=True))
+            got_norm = await served_norm()
+            verdicts = await c.verify_weights(await group.identity("bfloat16"))
+            await c.destroy_weights_update_group(sync.group_name or "")
+            await c.update_weights_from_disk(t.model, 0)
+        assert want.output_logprobs != base.output_logprobs
+        assert got.output_ids == want.output_ids and got.output_logprobs == want.output_logprobs
+        assert got.output_versions == [2] * 8
+        assert got_norm == want_norm and len(got_norm) == 576
+        assert [v.ok and not v.unknown for v in verdicts.values()] == [True], verdicts
+        assert sync.stats["identity_mismatches"] == 0
+    finally:
+        if group is not None:
+            await group.close()
+        proc.kill()
+        proc.wait(30)
 
 
 @pytest.mark.sglang_real

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,15 @@ def tok_logprob(t: int, version: str) -> float:
 
 
 LORA_OFF = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+LORA_OFF_GENERATE = (
+    "Please launch the server with --enable-lora flag and preload adapters using --lora-paths or "
+    "/load_lora_adapter endpoint."
+)
+# /flush_cache's plain-text answer (http_server.py), 200 when taken
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the "
+    "operation will not be performed.)\n"
+)
 
 
 def lora_logprob(name: str | None) -> float:
@@ -86,6 +96,16 @@ class FakeSGLang:
         self.exact_abort = False
         self.model_info_path = "/model_info"
         self.sglang_version: str | None = None
+        # as recorded from real releases (tests/fixtures/sglang/<release>/answers.json; FakeSGLang.like sets them):
+        # - both_model_info: /model_info and /get_model_info both answer
+        # - server_args: ServerArgs fields /get_server_info adds (dtype, tp_size, ...; left out by default: tests
+        #   of the broadcast layout give their own)
+        # - retractions_key: meta_info's retraction count ("total_retractions" at 0.5.10, "num_retractions" at 0.5.23)
+        # - unknown_key_500: an unknown sampling_params key fails SamplingParams(**kw) with a 500, before 0.5.22
+        self.both_model_info = False
+        self.server_args: dict[str, Any] = {}
+        self.retractions_key = "total_retractions"
+        self.unknown_key_500 = False
         # what later releases changed (FakeSGLang.like sets them for a release; tests/test_sglang_conformance.py
         # runs the same checks against this and a real server of the release):
         # - version_spans (0.5.19): the finishing answer carries meta_info.weight_versions [{version, start, end}]
@@ -140,6 +160,11 @@ class FakeSGLang:
         fake.version_spans = v >= (0, 5, 19)
         fake.update_sessions = v >= (0, 5, 21)
         fake.strict_json = v >= (0, 5, 22)
+        fake.unknown_key_500 = not fake.strict_json
+        fake.both_model_info = True
+        fake.retractions_key = "num_retractions" if v > (0, 5, 10) else "total_retractions"
+        fake.server_args = {"dtype": "bfloat16", "tp_size": 1, "dp_size": 1, "pp_size": 1,
+                            "enable_dp_attention": False, "disable_radix_cache": True}  # fmt: skip
         return fake
 
     @property
@@ -178,7 +203,7 @@ class FakeSGLang:
         app.router.add_post("/update_weight_version", self._update_version)
         app.router.add_post("/init_weights_update_group", self._init_group)
         app.router.add_post("/destroy_weights_update_group", self._destroy_group)
-        app.router.add_post("/flush_cache", self._record_ok)
+        app.router.add_post("/flush_cache", self._flush)
         app.router.add_post("/begin_weight_update", self._session)
         app.router.add_post("/end_weight_update", self._session)
         app.router.add_post("/update_weights_from_distributed", self._distributed)
@@ -219,7 +244,9 @@ class FakeSGLang:
             status = self.fail_statuses.pop(0)
             return self._json({"error": {"message": f"injected {status}"}}, status)
         sp = body["sampling_params"]
-        unknown = sorted(set(sp) - _SAMPLING_KEYS) if self.strict_json else []
+        unknown = sorted(set(sp) - _SAMPLING_KEYS) if self.strict_json or self.unknown_key_500 else []
+        if unknown and self.unknown_key_500:
+            return web.Response(text="Internal Server Error", status=500)
         if unknown:
             return self._json({"error": f"unknown field `{unknown[0]}`, expected one of ..."}, 400)
         if sp["max_new_tokens"] > 10_000:
@@ -228,8 +255,11 @@ class FakeSGLang:
         if rid in self._inflight:
             return self._json({"error": {"message": f"rid {rid} in flight"}}, 400)
         lora = body.get("lora_path")
+        if lora is not None and not self.lora_enabled:  # the tokenizer manager's _validate_and_resolve_lora
+            why = f"LoRA adapter '{lora}' was requested, but LoRA is not enabled. " + LORA_OFF_GENERATE
+            return self._json({"error": {"message": why}}, 400)
         if lora is not None:  # the tokenizer manager resolves the name first (LoRARegistry.acquire)
-            if not self.lora_enabled or lora not in self.adapters:
+            if lora not in self.adapters:
                 why = f"The following requested LoRA adapters are not loaded: {lora}\n"
                 return self._json({"error": {"message": why + f"Loaded adapters: {list(self.adapters)}."}}, 400)
             self._lora_users[lora] = self._lora_users.get(lora, 0) + 1  # acquired before it waits
@@ -253,6 +283,7 @@ class FakeSGLang:
             with_text = body.get("return_text_in_logprobs", False)
             stream = body.get("stream", False)
             sent = 0  # tokens already streamed
+            answered = [0]  # answers (events) sent so far
 
             def answer(final: bool) -> dict:
                 lo = sent if (stream and self.incremental) else 0
@@ -262,13 +293,23 @@ class FakeSGLang:
                     "prompt_tokens": len(ids),
                     "completion_tokens": len(out),
                     "cached_tokens": 0,
+                    "cached_tokens_details": None,
+                    "dp_rank": None,
+                    "reasoning_tokens": 0,
+                    self.retractions_key: 0,
                     "weight_version": self.version,
-                    "e2e_latency": 0.0,
+                    "input_token_logprobs": [],
                     "output_token_logprobs": [
                         [tok_logprob(t, v) + lora_logprob(lora), t, tok_text(t) if with_text else None]
                         for t, v in zip(out[lo:], vers[lo:])
                     ],
+                    "output_token_logprobs_length": len(out) - lo,
                 }
+                if final:
+                    meta["e2e_latency"] = 0.0
+                if not answered[0]:  # SGLang stamps the first answer of a request only
+                    meta["response_sent_to_client_ts"] = 0.0
+                answered[0] += 1
                 if final and self.version_spans and out:
                     starts = [k for k in range(len(vers)) if k == 0 or vers[k] != vers[k - 1]]
                     ends = [*starts[1:], len(vers)]
@@ -292,7 +333,7 @@ class FakeSGLang:
                 if st["aborted"] or (abort_at is not None and len(out) >= abort_at):
                     finish = {
                         "type": "abort",
-                        "message": "Abort before prefill" if not out else "aborted",
+                        "message": "Abort before prefill" if not out else "Aborted",
                         "status_code": None,
                         "err_type": None,
                     }
@@ -310,7 +351,7 @@ class FakeSGLang:
                         finish = {"type": "stop", "matched": hit}
                         text = text[: -len(hit)]
                         break
-                if resp is not None:
+                if resp is not None and len(out) < sp["max_new_tokens"]:  # the last token comes with the finish
                     await resp.write(b"data: " + msgspec.json.encode(answer(False)) + b"\n\n")
                     sent = len(out)
             if finish is None:
@@ -339,7 +380,7 @@ class FakeSGLang:
         return web.Response(status=self.health_status)
 
     async def _model_info(self, request: web.Request) -> web.Response:
-        if request.path != self.model_info_path:
+        if request.path != self.model_info_path and not self.both_model_info:
             return self._json({"detail": "Not Found"}, 404)
         return self._json(
             {"model_path": "fake", "tokenizer_path": "fake", "is_generation": True, "weight_version": self.version}
@@ -347,7 +388,7 @@ class FakeSGLang:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         await self._hang_if_hung()
-        info = {"model_path": "fake", "incremental_streaming_output": self.incremental}
+        info = {"model_path": "fake", "incremental_streaming_output": self.incremental, **self.server_args}
         if self.sglang_version is not None:
             info["version"] = self.sglang_version
         return self._json(info)
@@ -383,12 +424,17 @@ class FakeSGLang:
     async def _update(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
         self.admin.append(("update", body))
+        path = body.get("model_path", "")
         if not self.update_ok:
             return self._json({"success": False, "message": "cannot load", "num_paused_requests": 0}, 400)
+        if os.path.isdir(path) and not os.listdir(path):  # a folder without weights, as SGLang words it
+            why = f"Failed to get weights iterator: Cannot find any model weights with `{path}`."
+            return self._json({"success": False, "message": why, "num_paused_requests": 0}, 400)
         self.version = body["weight_version"]
-        if body.get("model_path") in self.weights_by_path:
-            self.weights = self.weights_by_path[body["model_path"]]
-        return self._json({"success": True, "message": "ok", "num_paused_requests": 0})
+        if path in self.weights_by_path:
+            self.weights = self.weights_by_path[path]
+        why = f"Succeeded to update model weights. Weight version updated to {self.version}."
+        return self._json({"success": True, "message": why, "num_paused_requests": 0})
 
     async def _weights_by_name(self, request: web.Request) -> web.Response:
         """SGLang 0.5's GetWeightsByNameReqInput {"name", "truncate_size": 100}; the answer is the parameter's
@@ -409,12 +455,12 @@ class FakeSGLang:
         if opening and self.in_session:
             return self._json({"success": False, "message": "a weight-update session is already open"}, 400)
         self.in_session = opening
-        return self._json({"success": True, "message": "ok"})
+        return self._json({"success": True, "message": "Success"})
 
-    async def _record_ok(self, request: web.Request) -> web.Response:
+    async def _flush(self, request: web.Request) -> web.Response:
         raw = await request.read()
         self.admin.append((request.path, msgspec.json.decode(raw) if raw else {}))
-        return self._json({"success": True, "message": "ok"})
+        return web.Response(text=FLUSHED)
 
     @staticmethod
     async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -457,7 +503,7 @@ class FakeSGLang:
         self.admin.append((request.path, body))
         held = self._groups.pop(body.get("group_name", ""), None)
         if held is None:
-            return self._json({"success": False, "message": "group does not exist"}, 400)
+            return self._json({"success": False, "message": "The group to be destroyed does not exist."}, 400)
         from areal_async.server.weights import destroy_group  # lazy: torch
 
         # in the background: a receive still blocked on it (the trainer stopped mid-bucket) may hold it
@@ -548,7 +594,8 @@ class FakeSGLang:
         body = msgspec.json.decode(await request.read())
         self.admin.append(("version", body))
         self.version = body["new_version"]
-        return self._json({"success": True, "message": "ok"})
+        why = f"Weight version updated to {self.version}"
+        return self._json({"success": True, "message": why, "new_version": self.version})
 
 
 def _quietly(fn: Callable[..., Any], *args: Any) -> None:

@@ -1,7 +1,7 @@
 """SGLang's releases 0.5.6 to 0.5.23 as one dialect: what changed in its HTTP protocol, mapped in one place.
 
 The client writes SGLang's protocol as 0.5.6-0.5.18 speak it. What later releases changed, and how it is met here
-(each read from the released wheels and checked against real servers in CI: tests/test_sglang_real.py):
+(each read from the released wheels and checked against real servers in CI: tests/test_sglang_conformance.py):
 
 - 0.5.19: /generate answers carry exact per-token `meta_info.weight_versions` spans (read by sglang_wire.py).
 - 0.5.20: GET /ready answers 503 while paused; not needed: the heartbeat's liveness path ignores pauses (below).

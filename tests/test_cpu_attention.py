@@ -133,3 +133,29 @@ def test_kernel_reads_a_bf16_cache(target_kernel, h, hkv, d):
     _assert_within(got, reference(q, kv_pages.float(), table, lens, hkv))
     with pytest.raises(TypeError):
         cpu_attention.paged_decode_attention(target_kernel, q.bfloat16(), kv_pages, table, lens, hkv)
+
+
+@pytest.mark.parametrize(
+    "h,hkv,d,ps,dtype",
+    [
+        (9, 3, 40, 16, torch.float32),  # a head dim that is no multiple of the vector width: zero-padded scratch
+        (6, 2, 8, 4, torch.bfloat16),  # pages shorter than a block of keys
+        (16, 1, 72, 32, torch.float32),  # a 16-query group, two blocks a page
+        (12, 4, 64, 64, torch.bfloat16),  # the largest page
+        (8, 8, 128, 16, torch.bfloat16),  # no grouping, the 128 specialisation
+    ],
+)
+def test_kernel_shapes_page_sizes_and_long_rows(target_kernel, h, hkv, d, ps, dtype):
+    """Head dims, page sizes and groups around the kernel's blocking (VL keys a block, 4 accumulator vectors at a
+    time), with rows up to ~1,000 keys whose peaked scores move the max across pages; the last rows' pages are
+    prefetched across the row boundary."""
+    g = torch.Generator().manual_seed(h * d + ps)
+    lens = torch.tensor([1, ps - 1 if ps > 1 else 1, ps + 1, 3 * ps, 517, 1030])
+    b, p = len(lens), int(max(-(-lens // ps)))
+    num_pages = b * p + 1
+    kv_pages = torch.randn(num_pages, ps, 2 * hkv, d, generator=g).to(dtype)
+    table = (torch.randperm(num_pages - 1, generator=g)[: b * p] + 1).view(b, p).clone()
+    for scale in (1.0, 12.0):
+        q = torch.randn(b, h, d, generator=g) * d**-0.5 * scale
+        got = cpu_attention.paged_decode_attention(target_kernel, q, kv_pages, table, lens, hkv)
+        _assert_within(got, reference(q, kv_pages.float(), table, lens, hkv))

@@ -41,7 +41,7 @@ def _records(run_dir: str, kind: str) -> list[dict]:
 
 
 @pytest.mark.vllm_real
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("mode", ["abort", "in_place"])
 def test_run_end_to_end_through_vllm(tmp_path, mode):
     """Three steps at eta=1 through the project's own launch of vLLM: each sample trained, dropped or unfinished
@@ -52,12 +52,12 @@ def test_run_end_to_end_through_vllm(tmp_path, mode):
     run_dir = str(tmp_path / "run")
     args = [
         "--config", "configs/smollm2.yaml", f"run_dir={run_dir}", "server.backend=vllm", f"server.python={PYTHON}",
-        f"schedule.interrupt_mode={mode}", "schedule.total_steps=3", "schedule.eta=1",
+        f"schedule.interrupt_mode={mode}", "schedule.total_steps=3", "schedule.eta=1", "server.startup_timeout_s=900",
         "schedule.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=64", "schedule.eval_every=0",
         "schedule.filter_uniform_reward=false", "data.num_eval=4", "eval.num_prompts=4", "eval.max_new_tokens=32",
     ]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "areal_async.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=1100
+        [sys.executable, "-m", "areal_async.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=1700
     )
     tail = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail

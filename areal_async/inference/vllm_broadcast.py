@@ -32,15 +32,12 @@ No torch here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from areal_async.inference.dialect import RawSend, json_answer
 from areal_async.inference.errors import ConnectionFailed
-
-if TYPE_CHECKING:
-    from areal_async.inference.vllm_dialect import VLLMDialect
 
 __all__ = ["BroadcastSession", "init_group", "receive_bucket", "destroy_group", "close_session"]
 
@@ -55,6 +52,20 @@ class BroadcastSession:
     def __init__(self) -> None:
         self.open = False
         self.names: set[str] = set()
+
+
+class VLLMDialect(Protocol):
+    """What these calls use of the vLLM dialect (vllm_dialect.py), named here so that neither module imports the
+    other's names both ways."""
+
+    broadcast: BroadcastSession
+    epoch: int
+    label: str
+    prefix_caching: bool
+
+    async def _restore(self, raw: RawSend) -> str: ...
+
+    async def _reset_prefix_cache(self, raw: RawSend) -> bool: ...
 
 
 def _fail(status: int, message: str) -> tuple[int, bytes]:

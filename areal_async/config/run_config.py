@@ -98,8 +98,8 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights' (and KV cache's) dtype on the servers: embedded servers' --dtype (auto: bf16 on CUDA; on a CPU
     train.mixed_precision's auto rule, bf16 where it has AVX512-BF16 or AMX and the model's hidden size is >= 512,
-    else fp32), SGLang's --dtype unless server.extra_args has one (auto: SGLang's choice). The trainers' compute
-    dtype is train.mixed_precision."""
+    else fp32), SGLang's and vLLM's --dtype unless server.extra_args has one (auto: bfloat16, never the engine's
+    own auto, which the identity check could not know). The trainers' compute dtype is train.mixed_precision."""
 
 
 class DataConfig(Section):

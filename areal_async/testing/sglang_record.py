@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["EXACT", "SERVER_INFO_KEYS", "differences", "load", "record", "shape"]
+__all__ = ["EXACT", "MODEL_INFO_KEYS", "SERVER_INFO_KEYS", "differences", "load", "record", "shape", "write"]
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 # the /get_server_info fields the project reads (the rest of SGLang's ServerArgs is hundreds of fields, many of them

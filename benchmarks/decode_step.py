@@ -75,15 +75,17 @@ def main() -> None:
     rng = random.Random(args.seed)
     cap = spec.max_position_embeddings - 2
     ctxs = [max(1, min(cap, int(rng.lognormvariate(math.log(args.context), 0.5)))) for _ in range(b)]
-    max_pages = -(-(max(ctxs) + 1) // ps)
-    cache = KVCache(spec, b * max_pages * ps, ps, cpu, dtype)
+    need = [-(-(c + 1) // ps) for c in ctxs]  # pages per row, the new token's included
+    max_pages = max(need)
+    # as many pages as the rows use (sized b * max_pages, long contexts would not fit in memory); KVCache adds page 0
+    cache = KVCache(spec, sum(need) * ps, ps, cpu, dtype)
     cache.kv.normal_().mul_(0.5)
     table = torch.zeros(b, max_pages, dtype=torch.long)
-    order = torch.randperm(b * max_pages, generator=torch.Generator().manual_seed(args.seed)) + 1  # scattered pages
+    order = (torch.randperm(sum(need), generator=torch.Generator().manual_seed(args.seed)) + 1).tolist()  # scattered
     seqs = []
     for i, c in enumerate(ctxs):
-        pages = order[i * max_pages : (i + 1) * max_pages].tolist()
-        table[i] = torch.tensor(pages)
+        pages = order[sum(need[:i]) : sum(need[: i + 1])]
+        table[i, : len(pages)] = torch.tensor(pages)
         seqs.append(([rng.randrange(spec.vocab_size)], c, pages, i))
     greedy_rows = [RowParams(temperature=0.0) for _ in range(b)]
     temp_rows = [RowParams(temperature=0.7) for _ in range(b)]

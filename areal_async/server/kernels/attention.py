@@ -5,13 +5,22 @@ per element read for every query head that shares it. The portable path (gather 
 batch, then SDPA with an additive mask) reads the cache three times (gather, write, attend), pads every row to the
 longest and, with grouped-query attention, works per query head. This kernel reads each key and value once,
 straight from its page, for all query heads that share it, with no padding: one pass per request over its pages,
-parallel over requests with OpenMP, the next page prefetched while one is worked on (pages are scattered, so the
-hardware prefetcher cannot guess it).
+parallel over requests with OpenMP.
+
+At batch 64 the cache does not fit any cache level (SmolLM2-135M, context ~170: 0.5 GB of fp32 KV a step over 30
+layers), so reading it is half the cost. Pages are scattered, so the hardware prefetcher cannot guess the next one:
+the page PF_AHEAD on is prefetched into L2 (prefetcht1), a kv head's share between each kv head's work, running on
+into the next row's first pages. Prefetching a whole page into L1 at once (the first version) stalled the core on
+its miss buffers and overlapped nothing: with the arithmetic below, 30 layers at batch 64, 1 thread, that took
+67 -> 48 ms with an fp32 cache and 68 -> 35 ms with bf16, near what a plain C loop needs to read the same
+scattered pages on this machine (~40 and ~29 ms; AMD EPYC family 25 model 17, shared, scratch A/B).
 
 How the arithmetic is laid out, and why: a score is a dot product over the head dim, which in SIMD ends in a
 horizontal sum. Done per key (the first version: one `omp simd` reduction per key and query head) the horizontal
 sums and the accumulators' trips through memory bound the kernel: ~9 GFLOP/s in a SmolLM2-135M step (78 ms of a
-348 ms fp32 step at batch 64, and no faster with a bf16 cache that halves the bytes). Here, per page and kv head:
+348 ms fp32 step at batch 64, and no faster with a bf16 cache that halves the bytes); with the cache hot, 26
+GFLOP/s against 33 here, where this machine's FMA peak measured ~45 a thread under the same load. Here, per page and
+kv head:
 - scores: for each query head of the group, a block of VL keys (VL = 16 floats with AVX-512, 8 with AVX2) gets VL
   vector accumulators filled by vertical FMAs over the head dim; one shuffle-and-add tree (VL - 1 two-input
   shuffle pairs, `hsum_keys`) then turns the VL accumulators into one vector whose lane j is key j's score, so a

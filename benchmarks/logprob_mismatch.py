@@ -160,7 +160,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4, help="completions per prompt")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1: both sides")
     ap.add_argument(
-        "--dtype", default="auto", choices=sorted(DTYPE_NAMES), help="both sides; auto: as a run resolves it (bf16 on CUDA and on bf16-capable CPUs)"
+        "--dtype",
+        default="auto",
+        choices=sorted(DTYPE_NAMES),
+        help="both sides; auto: as a run resolves it (bf16 on CUDA and on bf16-capable CPUs)",
     )
     ap.add_argument("--server-dtype", default=None, choices=sorted(DTYPE_NAMES), help="the server's only")
     ap.add_argument(
@@ -205,7 +208,6 @@ def main() -> None:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    on_cuda = device.startswith("cuda")
     both = DTYPE_NAMES[args.dtype]
     model_dir = resolve_model_path(cfg.model.path)
     # auto as a run resolves it on each side: the server's --dtype auto and the trainer's mixed_precision=auto

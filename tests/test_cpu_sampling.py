@@ -31,7 +31,7 @@ def _bound(logits: torch.Tensor, temps: torch.Tensor) -> float:
     """logsumexp_bound over the tempered rows, plus the rounding of x / T."""
     t = torch.where(temps > 0, temps, 1.0)
     scaled = logits / t[:, None]
-    spread = float((scaled.max() - scaled[scaled > -float("inf")].min()))
+    spread = float(scaled.max() - scaled[scaled > -float("inf")].min())
     lse = float(torch.logsumexp(scaled, dim=-1).abs().max())
     return 2 * logsumexp_bound(logits.shape[1], spread, lse) + 2**-24 * float(scaled.abs().max())
 
@@ -83,7 +83,10 @@ def test_frequencies_follow_the_tempered_softmax(kernel):
     vocab, n, temp = 40, 40000, 0.7
     row = torch.randn(vocab, generator=g)
     tok, _ = kernel.sample(
-        row.repeat(n, 1).contiguous(), torch.full((n,), temp), torch.zeros(n), torch.rand(n, generator=g, dtype=torch.float64)
+        row.repeat(n, 1).contiguous(),
+        torch.full((n,), temp),
+        torch.zeros(n),
+        torch.rand(n, generator=g, dtype=torch.float64),
     )
     p = torch.softmax(row.double() / temp, dim=-1)
     counts = torch.bincount(tok, minlength=vocab).double()

@@ -118,7 +118,11 @@ ALWAYS_INLINE vf ldv(const float* p) { vf v; memcpy(&v, p, sizeof v); return v; 
 ALWAYS_INLINE void stv(float* p, vf v) { memcpy(p, &v, sizeof v); }
 ALWAYS_INLINE vf splat(float x) { return (vf){0} + x; }  /* x in every lane */
 /* VL bf16 -> fp32: the 16 bits become the top half of the float (exact) */
-ALWAYS_INLINE vf ld_bf16(const uint16_t* p) { vh h; memcpy(&h, p, sizeof h); return (vf)(__builtin_convertvector(h, vu) << 16); }
+ALWAYS_INLINE vf ld_bf16(const uint16_t* p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
 /* lane j of the result: the sum of P[j]'s lanes (the tree is generated: attention.py _hsum_keys) */

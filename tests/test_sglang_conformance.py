@@ -604,4 +604,5 @@ def test_run_end_to_end_through_sglang(real_server, tmp_path, mode):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = ledger.read(os.path.join(run_dir, ledger.FILE_NAME))
     ledger.check_invariant(lines)
-    assert "taken out of rotation" not in proc.stderr, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr  # the run logs to stdout
+    assert "taken out of rotation" not in out, out[-3000:]

@@ -1,4 +1,4 @@
-"""The LM head's bf16 -> fp32 product kernel (train/head_kernel.py): the same fp32 logits as torch's fp32 product
+"""The LM head's bf16 -> fp32 product kernel (server/kernels/head.py): the same fp32 logits as torch's fp32 product
 of the upcast operands, within the fp32 error bound of a K-term dot product, and the same log-probabilities and
 gradients through train/lm_head.py with and without it."""
 
@@ -9,7 +9,8 @@ import torch
 from error_bounds import EXP_POLY_REL, U32, gamma, logsumexp_bound
 
 from areal_async.server.kernels import build as cpu_build
-from areal_async.train import head_kernel, lm_head
+from areal_async.server.kernels import head as head_kernel
+from areal_async.train import lm_head
 
 kernel = head_kernel.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the head kernels could not be built here")

@@ -6,7 +6,7 @@ bf16, computes in fp32 between the matmuls), so every product here takes fp32 ro
 - bf16 weights: kernels/gemm_bf16.py for few rows (weights read once, in bf16), torch's bf16 matmul above (oneDNN:
   ~200 GFLOP/s a thread with AVX512-BF16, measured on the model's shapes at 64 rows) with the rows rounded to bf16
   on the way in, which is what the bf16 kernel and a bf16 trainer's matmuls take too;
-- the LM head with bf16 weights: fp32 logits from bf16 operands (the trainer's head kernel, train/head_kernel.py,
+- the LM head with bf16 weights: fp32 logits from bf16 operands (the trainer's head kernel, server/kernels/head.py,
   on AVX512-BF16 CPUs: its packed product was 20 ms against oneDNN's 23 ms for 64 rows of SmolLM2's 49k-row head,
   and oneDNN's result would be bf16: ~0.06 of rounding on logits of magnitude 10-20, all of it in the logprobs).
   The head is packed once per weight version: `Tensor._version` moves on every in-place write, so a weight update
@@ -26,8 +26,8 @@ __all__ = ["Matmuls"]
 
 
 def _head_kernel():
-    """train/head_kernel.py's product (the same arithmetic as the trainer's head), or None where not built."""
-    from areal_async.train import head_kernel
+    """server/kernels/head.py's product (the same arithmetic as the trainer's head), or None where not built."""
+    from areal_async.server.kernels import head as head_kernel
 
     k = head_kernel.load()
     return k if k is not None and k.forward_fn is not None else None

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from areal_async.train import head_kernel
+from areal_async.server.kernels import head as head_kernel
 from areal_async.train.losses import entropy_from_logits
 
 __all__ = [
@@ -64,7 +64,7 @@ _LOGIT_TRANSFORMS = {
 class LMHead:
     weight: Tensor  # [V, H]
     bias: Tensor | None  # [V]
-    # what the head's product prepares once per weight (train/head_kernel.py's packed layout): an LMHead lives for
+    # what the head's product prepares once per weight (server/kernels/head.py's packed layout): an LMHead lives for
     # one model forward and its backward, while the weight stays the same
     prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -250,7 +250,7 @@ def _head_product(hidden: Tensor, weight: Tensor, bias: Tensor | None, prepared:
     The product is fp32: with a bf16 matmul the logits carry bf16 rounding (about 1e-2 on the log-probabilities),
     which lands in the importance ratios of the loss. The inference side keeps its bf16 head, so this removes the
     trainer's half of that noise. With bf16 operands on a CPU with AVX512-BF16 the product runs in
-    train/head_kernel.py (exact bf16 products, fp32 sums: the same fp32 logits at the bf16 rate); otherwise both
+    server/kernels/head.py (exact bf16 products, fp32 sums: the same fp32 logits at the bf16 rate); otherwise both
     operands are upcast once and torch multiplies in fp32. `prepared` keeps the kernel's packed weight for the
     head's later calls in the same forward; a first call of few rows (a pack costs about as much as the product of
     PACK_ROWS rows) takes torch's product."""
@@ -281,7 +281,7 @@ def _chunk_z(product: Callable[[Tensor], Tensor], hidden: Tensor, temperature: f
 
 
 def _fused_softmax(hidden: Tensor, weight: Tensor) -> head_kernel.Kernel | None:
-    """train/head_kernel.py's log-softmax passes where they apply: bf16 weights on CPU (a bf16 trainer; the fp32
+    """server/kernels/head.py's log-softmax passes where they apply: bf16 weights on CPU (a bf16 trainer; the fp32
     path keeps torch's ops), else None."""
     if hidden.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None

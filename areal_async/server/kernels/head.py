@@ -9,6 +9,10 @@ against ~400 for bf16, and for SmolLM2-135M (a 49k-row head, a fifth of the matm
 fp32, so the kernel computes the same fp32 logits (up to summation order, like any two fp32 GEMMs) at the bf16
 instruction rate, with no bf16 rounding of the result.
 
+Used by the trainer's head (train/lm_head.py) and by the CPU engine's head when it serves bf16 weights
+(server/cpu_matmul.py), so it lives with the server's kernels: the trainer may import those, the server never
+imports the trainer.
+
 Layout: `pack` reorders W [N, K] once per call into panels of 32 columns, each k-pair of the 32 columns one 64-byte
 vector (pairs of bf16, as the instruction reads them); the product then runs 12 rows x 32 columns of fp32
 accumulators per block over the whole K, rows in blocks of MC that stay in L2.

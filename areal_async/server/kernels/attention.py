@@ -194,15 +194,9 @@ ALWAYS_INLINE vf vmax(vf a, vf b) { return select(a > b, a, b); }
 ALWAYS_INLINE vf exp_vec(vf x) {
     x = vmax(x, splat(-87.0f));
     x = select(x > 88.0f, splat(88.0f), x);
-    const vf kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const vf r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
-    vf p = splat(1.3888949e-3f);
-    p = p * r + 8.3333958e-3f;
-    p = p * r + 4.1666641e-2f;
-    p = p * r + 1.6666666e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const vf kf = EXP_KF(x);
+    const vf r = EXP_R(x, kf);
+    const vf p = EXP_HORNER(splat(1.3888949e-3f), r);
     return (vf)((vi)p + (__builtin_convertvector(kf, vi) << 23));
 }
 

@@ -41,17 +41,19 @@ EXP_POLY_C = r"""
 #include <stdint.h>
 #include <string.h>
 
+/* The reduction and the polynomial as expressions, for a float or a GCC float vector alike (kernels with vector
+   code reuse them, so every exp in the project has the same constants and order of operations). */
+#define EXP_KF(x) (((x) * 1.44269504088896341f + 12582912.0f) - 12582912.0f)  /* round to nearest */
+#define EXP_R(x, kf) ((x) - (kf) * 0.693145751953125f - (kf) * 1.428606765330187e-06f)
+#define EXP_HORNER(p, r) \
+    ((((((((p) * (r) + 8.3333958e-3f) * (r) + 4.1666641e-2f) * (r) + 1.6666666e-1f) * (r) + 0.5f) * (r) + 1.0f) \
+      * (r)) + 1.0f)
+
 static inline float exp_poly(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
-    const float r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
-    float p = 1.3888949e-3f;
-    p = p * r + 8.3333958e-3f;
-    p = p * r + 4.1666641e-2f;
-    p = p * r + 1.6666666e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const float kf = EXP_KF(x);
+    const float r = EXP_R(x, kf);
+    float p = EXP_HORNER(1.3888949e-3f, r);
     int32_t bits;
     memcpy(&bits, &p, 4);
     bits += (int32_t)kf << 23;

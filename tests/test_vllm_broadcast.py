@@ -24,19 +24,15 @@ import urllib.request
 
 import msgspec
 import pytest
+from vllm_opt_in import PYTHON, need_vllm
 
 from areal_async.inference.vllm_dialect import VLLMDialect
 from areal_async.launch.vllm_server import (
     PLUGIN_DIR,
     TRANSFER_ENGINE,
-    check_vllm_python,
-    default_vllm_python,
     vllm_server_cmd,
 )
 
-PYTHON = os.environ.get("AREAL_VLLM_PYTHON") or default_vllm_python()
-REQUIRED = os.environ.get("AREAL_REQUIRE_VLLM") == "1"
-WANTED = REQUIRED or os.environ.get("AREAL_VLLM_TESTS") == "1"  # opt-in: ~5 GB and both cores of a small host
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 GROUP = "vllm_bcast"
@@ -229,16 +225,6 @@ class _Server:
 _LIVE: list[_Server] = []  # the module's server, stopped before the end-to-end run starts a vLLM of its own
 
 
-def _need_vllm() -> None:
-    if not WANTED:
-        pytest.skip("real-vLLM tests are opt-in: AREAL_VLLM_TESTS=1, or .ci/vllm_leg.sh (AREAL_REQUIRE_VLLM=1)")
-    why = check_vllm_python(PYTHON)
-    if why:
-        if REQUIRED:
-            pytest.fail(f"AREAL_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
-        pytest.skip(f"no vLLM engine venv ({why}); scripts/install_vllm.sh builds it")
-
-
 @pytest.fixture(scope="module")
 def smollm2() -> str:
     from areal_async.testing.real_model import smollm2_path
@@ -248,7 +234,7 @@ def smollm2() -> str:
 
 @pytest.fixture(scope="module")
 def vllm_server(smollm2, tmp_path_factory):
-    _need_vllm()
+    need_vllm()
     import socket
 
     with socket.socket() as s:
@@ -471,7 +457,7 @@ def test_a_trainer_lost_mid_update_leaves_vllm_serving(vllm_server, smollm2, tra
 def test_run_with_broadcast_weight_sync_through_vllm(tmp_path):
     """`python -m areal_async.run server.backend=vllm train.weight_sync=broadcast` for two steps: each update goes
     through the gloo group into the vLLM server the launcher started, and its identity is proved."""
-    _need_vllm()
+    need_vllm()
     for server in _LIVE:  # one vLLM at a time on a small host: the run starts its own
         server.stop()
     run_dir = str(tmp_path / "run")

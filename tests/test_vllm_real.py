@@ -21,12 +21,13 @@ import urllib.request
 
 import numpy as np
 import pytest
+from vllm_opt_in import PYTHON, need_vllm
 
 from areal_async.inference import transport
 from areal_async.inference.client import InferenceClient
 from areal_async.inference.errors import AdminError, ConnectionFailed
 from areal_async.inference.vllm_dialect import VLLMDialect, detect_vllm, vllm_dialect_from_info
-from areal_async.launch.vllm_server import check_vllm_python, default_vllm_python, vllm_server_cmd
+from areal_async.launch.vllm_server import vllm_server_cmd
 from areal_async.types import SamplingParams
 
 
@@ -36,15 +37,7 @@ def real(test):
     return pytest.mark.vllm_real(pytest.mark.timeout(900)(test))
 
 
-PYTHON = os.environ.get("AREAL_VLLM_PYTHON") or default_vllm_python()
-REQUIRED = os.environ.get("AREAL_REQUIRE_VLLM") == "1"
-# opt-in even where the venv exists: a real vLLM takes ~5 GB and both cores of a small host for minutes
-WANTED = REQUIRED or os.environ.get("AREAL_VLLM_TESTS") == "1"
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # "<|im_start|>The capital of France is"-like: any fixed ids do
-
-
-def _unavailable() -> str:
-    return check_vllm_python(PYTHON)
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +74,7 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def vllm_server(smollm2, tmp_path_factory):
-    if not WANTED:
-        pytest.skip("real-vLLM tests are opt-in: AREAL_VLLM_TESTS=1, or .ci/vllm_leg.sh (AREAL_REQUIRE_VLLM=1)")
-    why = _unavailable()
-    if why:
-        if REQUIRED:
-            pytest.fail(f"AREAL_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
-        pytest.skip(f"no vLLM engine venv ({why}); scripts/install_vllm.sh builds it")
+    need_vllm()
     port = _free_port()
     cmd = vllm_server_cmd(
         smollm2,

@@ -16,23 +16,9 @@ import subprocess
 import sys
 
 import pytest
+from vllm_opt_in import PYTHON, need_vllm
 
-from areal_async.launch.vllm_server import check_vllm_python, default_vllm_python
-
-PYTHON = os.environ.get("AREAL_VLLM_PYTHON") or default_vllm_python()
-REQUIRED = os.environ.get("AREAL_REQUIRE_VLLM") == "1"
-WANTED = REQUIRED or os.environ.get("AREAL_VLLM_TESTS") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _need_vllm() -> None:
-    if not WANTED:
-        pytest.skip("real-vLLM tests are opt-in: AREAL_VLLM_TESTS=1, or .ci/vllm_leg.sh (AREAL_REQUIRE_VLLM=1)")
-    why = check_vllm_python(PYTHON)
-    if why:
-        if REQUIRED:
-            pytest.fail(f"AREAL_REQUIRE_VLLM=1 but vLLM cannot run: {why}")
-        pytest.skip(f"no vLLM engine venv ({why}); scripts/install_vllm.sh builds it")
 
 
 def _records(run_dir: str, kind: str) -> list[dict]:
@@ -48,7 +34,7 @@ def test_run_end_to_end_through_vllm(tmp_path, mode):
     exactly once, no server out of rotation, every update's identity proved."""
     from areal_async.rollout import ledger
 
-    _need_vllm()
+    need_vllm()
     run_dir = str(tmp_path / "run")
     args = [
         "--config", "configs/smollm2.yaml", f"run_dir={run_dir}", "server.backend=vllm", f"server.python={PYTHON}",

@@ -26,6 +26,8 @@ import stat
 import uuid
 from collections.abc import Iterator
 
+from areal_async.host import safe_ast
+
 ENV_VAR = "AREAL_CACHE"
 
 
@@ -77,7 +79,7 @@ def code_fingerprint(modules: list[str]) -> str:
         if spec is None or not spec.origin or not spec.origin.endswith(".py"):
             raise RuntimeError(f"cannot find the source of module {name}")
         with open(spec.origin, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
+            tree = safe_ast.parse(f.read(), spec.origin)
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
             if (

@@ -27,6 +27,8 @@ from typing import Any
 
 import msgspec
 
+from areal_async.host import safe_ast
+
 _FN_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _BUILTINS = frozenset(dir(builtins))
 
@@ -54,7 +56,7 @@ def solution_names(snippets: list[str], setup: str = "") -> tuple[list[str], lis
     direct: set[str] = set()  # names used other than as `name.attr`
     for src, is_setup in [(s, False) for s in snippets] + [(setup, True)]:
         try:
-            tree = ast.parse(src)
+            tree = safe_ast.parse(src)
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue  # the judge reports a test that does not compile as failed
         attr_bases = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}

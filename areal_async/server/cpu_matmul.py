@@ -2,13 +2,10 @@
 
 On CPU the model keeps its activations in fp32 whatever its weights' dtype (bf16 serving stores weights and KV in
 bf16, computes in fp32 between the matmuls), so every product here takes fp32 rows and returns fp32:
-- fp32 weights: kernels/gemm.py for few rows (torch's MKL is far from the bandwidth bound there), oneDNN on a
-  weight reordered once above (packed_linear.py: 1.4-1.6x torch's MKL product at decode sizes), torch's product
-  where the packing budget is spent;
-- bf16 weights: kernels/gemm_bf16.py for few rows (weights read once, in bf16), oneDNN's bf16 product above (on a
-  reordered weight, else torch's, which is oneDNN reordering per call: ~200 GFLOP/s a thread with AVX512-BF16 at
-  64 rows) with the rows rounded to bf16 on the way in, which is what the bf16 kernel and a bf16 trainer's
-  matmuls take too;
+- fp32 weights: kernels/gemm.py for few rows (torch's MKL is far from the bandwidth bound there), torch above;
+- bf16 weights: kernels/gemm_bf16.py for few rows (weights read once, in bf16), torch's bf16 matmul above (oneDNN:
+  ~200 GFLOP/s a thread with AVX512-BF16, measured on the model's shapes at 64 rows) with the rows rounded to bf16
+  on the way in, which is what the bf16 kernel and a bf16 trainer's matmuls take too;
 - the LM head with bf16 weights: fp32 logits from bf16 operands (the trainer's head kernel, server/kernels/head.py,
   on AVX512-BF16 CPUs: its packed product was 20 ms against oneDNN's 23 ms for 64 rows of SmolLM2's 49k-row head,
   and oneDNN's result would be bf16: ~0.06 of rounding on logits of magnitude 10-20, all of it in the logprobs).
@@ -22,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from areal_async.server import packed_linear
 from areal_async.server.kernels import gemm as cpu_gemm
 from areal_async.server.kernels import gemm_bf16 as cpu_gemm_bf16
 
@@ -46,24 +42,16 @@ class Matmuls:
         self.gemm_bf16 = cpu_gemm_bf16.load() if cpu and weight_dtype == torch.bfloat16 else None
         self.head_kernel = _head_kernel() if cpu and weight_dtype == torch.bfloat16 else None
         self._packed: tuple[int, int, torch.Tensor] | None = None  # (data_ptr, _version, packed head)
-        self.packs = packed_linear.PackedLinear() if cpu and packed_linear.available() else None
-
-    def _reordered(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-        """w's oneDNN copy where that path takes x's rows (packed_linear.py), else None."""
-        return self.packs.packed(w) if self.packs is not None and self.packs.applies(x, w) else None
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ w [N, K].T (+ b) -> [M, N] in x's dtype."""
         if self.gemm is not None and self.gemm.applies(x, w):
             return cpu_gemm.linear(self.gemm, x, w, b)
         if w.dtype == x.dtype:
-            p = self._reordered(x, w)
-            return F.linear(x, w, b) if p is None else packed_linear.linear(p, x, b)
+            return F.linear(x, w, b)
         if self.gemm_bf16 is not None and self.gemm_bf16.applies(x, w):
             return cpu_gemm_bf16.linear(self.gemm_bf16, x, w, b)
-        p = self._reordered(x, w)
-        xw = x.to(w.dtype)
-        return (F.linear(xw, w, b) if p is None else packed_linear.linear(p, xw, b)).to(x.dtype)
+        return F.linear(x.to(w.dtype), w, b).to(x.dtype)
 
     def linear_add(self, x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """x + inp @ w.T (+ b) for the residual connections, x [M, N] and inp [M, K]; a kernel adds into x in place
@@ -71,16 +59,11 @@ class Matmuls:
         if self.gemm is not None and self.gemm.applies(inp, w) and x.is_contiguous():
             return cpu_gemm.linear(self.gemm, inp, w, b, add_to=x)
         if w.dtype == x.dtype == inp.dtype:
-            p = self._reordered(inp, w)
-            if p is not None:
-                return packed_linear.linear_add(p, x, inp, b)
             out = torch.addmm(x, inp, w.t())
             return out if b is None else out.add_(b)
         if self.gemm_bf16 is not None and self.gemm_bf16.applies(inp, w) and x.is_contiguous():
             return cpu_gemm_bf16.linear(self.gemm_bf16, inp, w, b, add_to=x)
-        p = self._reordered(inp, w)
-        iw = inp.to(w.dtype)
-        return torch.add(x, F.linear(iw, w, b) if p is None else packed_linear.linear(p, iw, b))  # in x's dtype
+        return torch.add(x, F.linear(inp.to(w.dtype), w, b))  # promoted to x's dtype
 
     def head(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The LM head: x [M, hidden] @ w [V, hidden].T -> fp32 logits [M, V]."""

@@ -30,34 +30,3 @@ def keep_freed_memory(single_arena: bool = False) -> bool:
     if single_arena:
         ok = bool(mallopt(_M_ARENA_MAX, 1)) and ok
     return ok
-
-
-HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # linux/mman.h; MADV_COLLAPSE since Linux 6.1
-
-
-def advise_huge_pages(addr: int, nbytes: int, collapse: bool = False) -> int:
-    """Ask Linux to back the 2 MiB-aligned interior of [addr, addr + nbytes) with transparent huge pages: pages
-    touched later are faulted in 2 MiB at a time, and with `collapse` the pages already there are merged now
-    (MADV_COLLAPSE, ~50 ms per 100 MB). Returns the bytes advised, 0 where the kernel or C library refuses
-    (`transparent_hugepage` set to never, not Linux).
-
-    Why: a decode step of few rows streams every weight once from DRAM, and with 4 KiB pages each 2 MiB of weights
-    costs 512 TLB misses; most distributions set THP to `madvise`, so memory gets huge pages only when asked. The
-    engine's few-row kernels read 1.2-1.3x faster from huge pages (AMD EPYC, bf16 weights, 1-2 threads)."""
-    lo = -(-addr // HUGE_PAGE) * HUGE_PAGE
-    hi = (addr + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return 0
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    if madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
-        return 0
-    if collapse:
-        madvise(lo, hi - lo, _MADV_COLLAPSE)  # best effort: the advice above still holds for later faults
-    return hi - lo

@@ -22,13 +22,12 @@ name as a view into the fused storage, so loading a checkpoint is a `copy_` per 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from areal_async.server import arena
 from areal_async.server.cpu_matmul import Matmuls
 from areal_async.server.kernels import attention as cpu_attention
 from areal_async.server.kernels import elementwise as cpu_elementwise
@@ -210,48 +209,35 @@ class KVCache:
     def __init__(self, spec: ModelSpec, max_tokens: int, page_size: int, device: torch.device, dtype: torch.dtype):
         self.page_size = page_size
         self.num_pages = -(-max_tokens // page_size) + 1  # + the dummy page 0
-        shape = (spec.num_layers, self.num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim)
-        self.kv = arena.zeros([shape], device, dtype)[0]  # in huge pages on CPU (arena.py)
-
-
-def _layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...] | None]:
-    """One decoder layer's tensors (fused storage) and their shapes; None where the model has no such tensor."""
-    h, i = spec.hidden_size, spec.intermediate_size
-    qkv_out = spec.q_size + 2 * spec.kv_size
-    return {
-        "ln1": (h,),
-        "ln2": (h,),
-        "qkv_w": (qkv_out, h),  # [q | k | v, hidden]
-        "qkv_b": (qkv_out,) if spec.qkv_bias else None,
-        "o_w": (h, spec.q_size),
-        "o_b": (h,) if spec.o_bias else None,
-        # Qwen3: one weight per head row [H + Hkv, D]: q_norm repeated for q heads, then k_norm for k heads
-        "qk_norm": (spec.num_heads + spec.num_kv_heads, spec.head_dim) if spec.qk_norm else None,
-        "gate_up_w": (2 * i, h),  # [gate | up, hidden]
-        "gate_up_b": (2 * i,) if spec.mlp_bias else None,
-        "down_w": (h, i),
-        "down_b": (h,) if spec.mlp_bias else None,
-    }
+        self.kv = torch.zeros(
+            (spec.num_layers, self.num_pages, page_size, 2 * spec.num_kv_heads, spec.head_dim),
+            device=device,
+            dtype=dtype,
+        )
 
 
 class _Layer:
-    """One decoder layer's tensors (fused storage), taken in `_layer_shapes` order from `tensors`."""
+    """One decoder layer's tensors (fused storage)."""
 
-    ln1: torch.Tensor
-    ln2: torch.Tensor
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
-    o_b: torch.Tensor | None
-    qk_norm: torch.Tensor | None
-    gate_up_w: torch.Tensor
-    gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
-    down_b: torch.Tensor | None
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype):
+        h, i = spec.hidden_size, spec.intermediate_size
+        qkv_out = spec.q_size + 2 * spec.kv_size
 
-    def __init__(self, spec: ModelSpec, tensors: Iterator[torch.Tensor]):
-        for name, shape in _layer_shapes(spec).items():
-            setattr(self, name, next(tensors) if shape is not None else None)
+        def new(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        self.ln1 = new(h)
+        self.ln2 = new(h)
+        self.qkv_w = new(qkv_out, h)  # [q | k | v, hidden]
+        self.qkv_b = new(qkv_out) if spec.qkv_bias else None
+        self.o_w = new(h, spec.q_size)
+        self.o_b = new(h) if spec.o_bias else None
+        # Qwen3: one weight per head row [H + Hkv, D]: q_norm repeated for q heads, then k_norm for k heads
+        self.qk_norm = new(spec.num_heads + spec.num_kv_heads, spec.head_dim) if spec.qk_norm else None
+        self.gate_up_w = new(2 * i, h)  # [gate | up, hidden]
+        self.gate_up_b = new(2 * i) if spec.mlp_bias else None
+        self.down_w = new(h, i)
+        self.down_b = new(h) if spec.mlp_bias else None
 
     def named_views(self, spec: ModelSpec, prefix: str) -> dict[str, torch.Tensor]:
         q, kv, i = spec.q_size, spec.kv_size, spec.intermediate_size
@@ -303,15 +289,10 @@ class DecoderModel:
         self.dtype = dtype  # the weights' (and the KV cache's): the served dtype
         # [N, hidden] activations, RoPE tables: fp32 on CPU (see the class docstring), else the weights' dtype
         self.act_dtype = torch.float32 if self.device.type == "cpu" else dtype
-        # every weight in one huge-page buffer on CPU (arena.py): embedding, final norm, untied head, layers
-        vocab = (spec.vocab_size, spec.hidden_size)
-        shapes = [vocab, (spec.hidden_size,)] + ([] if spec.tie_word_embeddings else [vocab])
-        layer_shapes = [s for s in _layer_shapes(spec).values() if s is not None]
-        tensors = iter(arena.zeros(shapes + layer_shapes * spec.num_layers, self.device, dtype))
-        self.embed = next(tensors)  # [vocab, hidden]
-        self.norm = next(tensors)  # [hidden]
-        self.lm_head = self.embed if spec.tie_word_embeddings else next(tensors)  # [vocab, hidden]
-        self.layers = [_Layer(spec, tensors) for _ in range(spec.num_layers)]
+        self.embed = torch.zeros(spec.vocab_size, spec.hidden_size, device=self.device, dtype=dtype)
+        self.norm = torch.zeros(spec.hidden_size, device=self.device, dtype=dtype)
+        self.lm_head = self.embed if spec.tie_word_embeddings else torch.zeros_like(self.embed)
+        self.layers = [_Layer(spec, self.device, dtype) for _ in range(spec.num_layers)]
         self.params: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not spec.tie_word_embeddings:
             self.params["lm_head.weight"] = self.lm_head

@@ -32,7 +32,7 @@ def target_kernel(request):
     return k
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 37, 50), (2, 960, 576), (3, 64, 1536), (4, 70, 130), (5, 9, 33), (16, 130, 100)])
+@pytest.mark.parametrize("m,n,k", [(1, 37, 50), (2, 960, 576), (3, 64, 1536), (5, 9, 33), (16, 130, 100)])
 def test_kernel_matches_the_product_of_bf16_operands(target_kernel, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g)  # [M, K] fp32: the kernel rounds it to bf16

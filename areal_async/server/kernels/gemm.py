@@ -6,8 +6,7 @@ far from that bound: the step's matmuls took 36 ms at 4 rows, 47 ms at 8 and 57 
 (2 threads). In a long-tailed batch most steps run with that few requests left. This kernel streams each block of
 eight weight rows once and multiplies it with two input rows at a time held in registers, so the weights are read
 once whatever the row count: 26, 31 and 36 ms at those sizes (the model's own shapes, 2 threads; MKL is kept below
-3 rows, where its matrix-vector path is at the bandwidth, and above 24, where it is faster). Up to three rows it
-reads the weight rows one after the other instead, the order DRAM serves fastest (stream_rows).
+3 rows, where its matrix-vector path is at the bandwidth, and above 24, where it is faster).
 
 It is plain C with GCC vector extensions, blocked per target (AVX-512: 16-float vectors, 8 weight rows x 2 input
 rows; the AVX2 baseline: 8-float vectors, 6 x 2, which fits its 16 registers), built on first use (build.py).
@@ -79,55 +78,11 @@ static inline float hsum(vf v) {
     return s;
 }
 
-/* Up to SR rows: each thread streams its share of the weight rows one row after the other, with every input row
-   against each weight vector (two accumulators each, for two independent chains). Memory serves this order far
-   faster than the blocked loop's NB rows read side by side: 23 against 15 GB/s at one row, 18 against 12 at three,
-   one thread, the model's shapes from DRAM; from four rows the product is bound by arithmetic, where the blocked
-   loop's register reuse wins (the two were even at four). */
-#define SR 3
-static inline __attribute__((always_inline)) void stream_rows(const int MM, const float* x, const float* w,
-                                                              const float* bias, const float* c, float* y,
-                                                              int64_t N, int64_t K, int64_t ldy, int64_t threads) {
-    const int64_t KV = K - K % VL;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
-        const float* wn = w + n * K;
-        vf a0[SR], a1[SR];
-        for (int m = 0; m < MM; m++) a0[m] = a1[m] = (vf){0};
-        int64_t k = 0;
-        for (; k + 2 * VL <= KV; k += 2 * VL) {
-            const vf w0 = LD(wn + k), w1 = LD(wn + k + VL);
-            for (int m = 0; m < MM; m++) {
-                a0[m] += w0 * LD(x + m * K + k);
-                a1[m] += w1 * LD(x + m * K + k + VL);
-            }
-        }
-        for (; k < KV; k += VL) {
-            const vf w0 = LD(wn + k);
-            for (int m = 0; m < MM; m++) a0[m] += w0 * LD(x + m * K + k);
-        }
-        for (int m = 0; m < MM; m++) {
-            float s = hsum(a0[m] + a1[m]);
-            for (int64_t kk = KV; kk < K; kk++) s += x[m * K + kk] * wn[kk];
-            const int64_t at = m * ldy + n;
-            if (bias) s += bias[n];
-            if (c) s += c[at];
-            y[at] = s;
-        }
-    }
-}
-
 /* y[m, n] = (c ? c[m, n] : 0) + (bias ? bias[n] : 0) + sum_k x[m, k] w[n, k] for m < M, n < N. x [M, K] and
    w [N, K] contiguous; y and c have row stride ldy, and c may be y itself (each element of c is read just before
    the same element of y is written). */
 void skinny_linear(const float* x, const float* w, const float* bias, const float* c, float* y, int64_t M,
                    int64_t N, int64_t K, int64_t ldy, int64_t threads) {
-    switch (M) {
-        case 1: stream_rows(1, x, w, bias, c, y, N, K, ldy, threads); return;
-        case 2: stream_rows(2, x, w, bias, c, y, N, K, ldy, threads); return;
-        case 3: stream_rows(3, x, w, bias, c, y, N, K, ldy, threads); return;
-        default: break;
-    }
     const int64_t KV = K - K % VL, nblocks = (N + NB - 1) / NB;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t nb = 0; nb < nblocks; nb++) {

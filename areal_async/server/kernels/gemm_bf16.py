@@ -5,8 +5,7 @@ bf16 trainer's matmuls take), so a product reads half the bytes of an fp32 one. 
 by reading the weights, and torch's bf16 product (oneDNN) is slow there: a SmolLM2-135M step at one row spent
 6.7 ms in its 49k-row LM head against 4 ms for a bf16 kernel (1 thread, AMD EPYC Zen 4, CPU time). This kernel
 reads the weights in their natural [N, K] layout (no packed copy, so an in-place weight update needs no repack),
-streams each block of eight weight rows once and multiplies it with up to two input rows held in registers; up
-to three rows it reads the weight rows one after the other instead, the order DRAM serves fastest.
+streams each block of eight weight rows once and multiplies it with up to two input rows held in registers.
 
 Arithmetic: the input rows are rounded to bf16 once per call (round to nearest even, as `.to(torch.bfloat16)`),
 every product of two bf16 values is exact in fp32, and sums are fp32. Where the target has AVX512-BF16 the inner
@@ -40,7 +39,6 @@ _SOURCE = r"""
 #include <string.h>
 
 #define NB 8  /* weight rows per block: streamed once, multiplied with MB input rows at a time */
-#define SR 3  /* up to this many input rows, the weights are streamed row by row instead (stream_rows) */
 
 static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch's .to(bfloat16); NaN stays NaN */
     uint32_t u;
@@ -76,28 +74,6 @@ typedef uint16_t xin_t;  /* the rounded input rows, as bf16 */
         for (int m = 0; m < (MBV); m++)                                                                        \
             for (int r = 0; r < NB && n0 + r < N; r++) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);           \
     }
-
-/* One weight row wn against MM input rows: s[m] = sum_k xs[m, k] wn[k], two accumulators per input row. */
-static inline __attribute__((always_inline)) void row_dots(const int MM, const xin_t* xs, const uint16_t* wn,
-                                                           int64_t K, float* s) {
-    __m512 a0[SR], a1[SR];
-    for (int m = 0; m < MM; m++) a0[m] = a1[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        const __m512i w0 = _mm512_loadu_si512(wn + k), w1 = _mm512_loadu_si512(wn + k + 32);
-        for (int m = 0; m < MM; m++) {
-            a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_loadu_si512(xs + m * K + k), (__m512bh)w0);
-            a1[m] = _mm512_dpbf16_ps(a1[m], (__m512bh)_mm512_loadu_si512(xs + m * K + k + 32), (__m512bh)w1);
-        }
-    }
-    for (; k < K; k += 32) {
-        const __mmask32 mk = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
-        const __m512i w0 = _mm512_maskz_loadu_epi16(mk, wn + k);
-        for (int m = 0; m < MM; m++)
-            a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_maskz_loadu_epi16(mk, xs + m * K + k), (__m512bh)w0);
-    }
-    for (int m = 0; m < MM; m++) s[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
-}
 #else
 #define HAS_DP 0
 #if defined(__AVX512F__)
@@ -138,55 +114,7 @@ static inline vf widen(const uint16_t* p) {  /* VL bf16 -> fp32: the bits shifte
                 sums[r][m] = s;                                                                                \
             }                                                                                                  \
     }
-
-/* One weight row wn against MM input rows: s[m] = sum_k xs[m, k] wn[k], two accumulators per input row. */
-static inline __attribute__((always_inline)) void row_dots(const int MM, const xin_t* xs, const uint16_t* wn,
-                                                           int64_t K, float* s) {
-    vf a0[SR], a1[SR];
-    for (int m = 0; m < MM; m++) a0[m] = a1[m] = (vf){0};
-    const int64_t kv = K - K % VL;
-    int64_t k = 0;
-    for (; k + 2 * VL <= kv; k += 2 * VL) {
-        const vf w0 = widen(wn + k), w1 = widen(wn + k + VL);
-        for (int m = 0; m < MM; m++) {
-            a0[m] += w0 * *(const vfu*)(xs + m * K + k);
-            a1[m] += w1 * *(const vfu*)(xs + m * K + k + VL);
-        }
-    }
-    for (; k < kv; k += VL) {
-        const vf w0 = widen(wn + k);
-        for (int m = 0; m < MM; m++) a0[m] += w0 * *(const vfu*)(xs + m * K + k);
-    }
-    for (int m = 0; m < MM; m++) {
-        const vf a = a0[m] + a1[m];
-        float t = 0.f;
-        for (int i = 0; i < VL; i++) t += a[i];
-        for (int64_t kk = kv; kk < K; kk++) t += xs[m * K + kk] * bf2f(wn[kk]);
-        s[m] = t;
-    }
-}
 #endif
-
-/* Up to SR rows: each thread streams its share of the weight rows one row after the other (row_dots). Memory
-   serves this order far faster than BLOCK's NB rows read side by side: 24 against 10 GB/s at one row and 15
-   against 5-10 at three (AVX512-BF16), one thread, the model's shapes from DRAM; from four rows the product is
-   bound by arithmetic, where BLOCK's register reuse wins (the two were even at four). */
-static inline __attribute__((always_inline)) void stream_rows(const int MM, const xin_t* xs, const uint16_t* w,
-                                                              const float* bias, const float* c, float* y,
-                                                              int64_t N, int64_t K, int64_t ldy, int64_t threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
-        float s[SR];
-        row_dots(MM, xs, w + n * K, K, s);
-        for (int m = 0; m < MM; m++) {
-            const int64_t at = m * ldy + n;
-            float v = s[m];
-            if (bias) v += bias[n];
-            if (c) v += c[at];
-            y[at] = v;
-        }
-    }
-}
 
 /* y[m, n] = (c ? c[m, n] : 0) + (bias ? bias[n] : 0) + sum_k bf16(x[m, k]) w[n, k] for m < M, n < N. x [M, K]
    fp32 and w [N, K] bf16 contiguous, bias fp32; y and c fp32 with row stride ldy, and c may be y itself (each
@@ -201,15 +129,6 @@ int skinny_linear_bf16(const float* x, const uint16_t* w, const float* bias, con
 #else
         xs[i] = bf2f(f2bf(x[i]));
 #endif
-    }
-    if (M <= SR) {
-        switch (M) {
-            case 1: stream_rows(1, xs, w, bias, c, y, N, K, ldy, threads); break;
-            case 2: stream_rows(2, xs, w, bias, c, y, N, K, ldy, threads); break;
-            default: stream_rows(3, xs, w, bias, c, y, N, K, ldy, threads); break;
-        }
-        free(xs);
-        return 0;
     }
     const int64_t nblocks = (N + NB - 1) / NB;
     #pragma omp parallel for schedule(static) num_threads(threads)

@@ -14,4 +14,4 @@ PY=${PYTHON:-.venv/bin/python}
 assert c == "AVX2", c'
 exec "$PY" -m pytest -q tests/test_cpu_gemm.py tests/test_cpu_attention.py \
     tests/test_cpu_elementwise.py tests/test_model.py tests/test_lm_head.py tests/test_engine.py \
-    tests/test_cpu_gemm_bf16.py
+    tests/test_cpu_gemm_bf16.py tests/test_cpu_gemm_packed.py tests/test_decode_layer.py

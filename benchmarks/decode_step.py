@@ -11,7 +11,7 @@ alternating so that load drifting on a shared machine hits every variant alike:
 - `paged`: the step as the engine runs it on CPU (decode attention straight from the pages, kernels/attention.py;
   every matmul routed by server/cpu_matmul.py), greedy sampling included;
 - `gather_sdpa`: every row's pages gathered into a padded batch, SDPA with an additive mask (the portable path);
-- `paged_torch_mm`: as `paged`, with every matmul through torch (the few-rows kernels off);
+- `paged_torch_mm`: as `paged`, with every matmul through torch (the packed and few-rows kernels off);
 - `gemm_only`: torch's product of the step's matmuls alone (the model's own weights, same rows, same threads).
 Then the parts of a `paged` step, each timed alone over all layers with the step's own tensors (`parts`):
 each matmul shape through the engine's route (qkv, o, gate_up, down, lm_head), attention over the paged KV, the
@@ -70,7 +70,7 @@ def main() -> None:
     model.load_tensors(tensors)
     del tensors
     kernel, mm = model._kernel, model.mm
-    few_rows = (mm.gemm, mm.gemm_bf16)
+    few_rows = (mm.packed, mm.gemm, mm.gemm_bf16)
     cpu, ps, b = torch.device("cpu"), 16, args.batch
     rng = random.Random(args.seed)
     cap = spec.max_position_embeddings - 2
@@ -93,7 +93,7 @@ def main() -> None:
 
     def step(paged: bool, own_mm: bool = True) -> torch.Tensor:
         model.paged_decode, model._kernel = paged, kernel if paged else None
-        mm.gemm, mm.gemm_bf16 = few_rows if own_mm else (None, None)
+        mm.packed, mm.gemm, mm.gemm_bf16 = few_rows if own_mm else (None, None, None)
         batch = build_step_batch(seqs, table, ps, cpu, [[0]] * b, dtype, paged_decode=paged)
         logits = model.forward(batch, cache)
         sample(logits, greedy_rows, gen, 0, model.elementwise)
@@ -164,7 +164,7 @@ def main() -> None:
         for name, fn in timed.items():
             if name.startswith("part."):  # the engine's own state, as a `paged` step leaves it
                 model.paged_decode, model._kernel = True, kernel
-                mm.gemm, mm.gemm_bf16 = few_rows
+                mm.packed, mm.gemm, mm.gemm_bf16 = few_rows
             t0 = clock()
             fn()
             best[name] = min(best[name], clock() - t0)
@@ -194,6 +194,7 @@ def main() -> None:
                 "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "kernel_march": os.environ.get("AREAL_KERNEL_MARCH", "native"),
                 "few_rows_kernel": {"fp32": mm.gemm is not None, "bf16": mm.gemm_bf16 is not None},
+                "packed_kernel": mm.packed is not None,
                 "load_average": os.getloadavg(),
             },
         }

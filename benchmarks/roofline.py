@@ -9,6 +9,8 @@ it) at the engine's thread count, and the roofline is the best of them:
 - `onednn_packed`: oneDNN's linear on a weight reordered once for this batch (`torch.ops.mkldnn._linear_pointwise`,
   the path torch.compile's CPU backend takes);
 - `mkl_packed`: MKL's packed sgemm (`torch.ops.mkl._mkl_linear`), fp32 only;
+- `engine_packed`: the engine's own packed-weight kernel (areal_async/server/kernels/gemm_packed.py: fp32 rows against
+  fp32 or bf16 weights), built for the same ISA (x86-64-v3 under `avx2`);
 - `ggml`: ggml_mul_mat through benchmarks/ggml_gemm_bench.c, built against llama.cpp for the same ISA;
 - `llama_decode`: llama.cpp's whole batch-64 decode step (model FLOPs / step time). A lower bound of ggml's GEMM rate
   (the step does more than matmuls), counted because it has been the best figure on this CPU.
@@ -106,8 +108,27 @@ def torch_rates(shapes: Shapes, rows: int, threads: int, dtypes: list[str], seco
                     torch.ops.mkl._mkl_linear(x[a], p, w, None, rows)
 
             rates["mkl_packed"] = _best_rate(mkl_linear, flops, seconds)
+        eng = _engine_packed()
+        if eng is not None:
+            xf = {a: v.float() for a, v in x.items()}  # the engine's rows are fp32 whatever the weights
+            panels = [(a, eng.pack(w), w) for a, w in ws]
+
+            def engine(panels=panels, xf=xf) -> None:
+                for a, p, w in panels:
+                    eng.linear(xf[a], p, w)
+
+            rates["engine_packed"] = _best_rate(engine, flops, seconds)
         out[name] = {k: v / 1e9 for k, v in rates.items()}
     return out
+
+
+def _engine_packed():
+    """The engine's packed matmul kernel for this process's target, or None where it cannot be built."""
+    try:
+        from areal_async.server.kernels import gemm_packed
+    except ImportError:
+        return None
+    return gemm_packed.load()
 
 
 def torch_rates_in_child(
@@ -115,10 +136,11 @@ def torch_rates_in_child(
 ) -> dict[str, dict]:
     """torch_rates in a fresh interpreter, held to AVX2 when `isa` is "avx2" (the ISA variables are read at start)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    for k in AVX2_ENV:
+    for k in [*AVX2_ENV, "AREAL_KERNEL_MARCH"]:
         env.pop(k, None)
     if isa == "avx2":
         env.update(AVX2_ENV)
+        env["AREAL_KERNEL_MARCH"] = "x86-64-v3"
     cmd = [
         sys.executable, os.path.abspath(__file__), "--rows", str(rows), "--threads", str(threads),
         "--shapes", json.dumps(shapes), "--dtypes", ",".join(dtypes), "--seconds", str(seconds),

@@ -66,7 +66,8 @@ def test_model_logits_are_the_same_with_and_without_the_kernel(tiny_ckpt):
     spec, tensors = load_checkpoint(tiny_ckpt)
     model = DecoderModel(spec)
     model.load_tensors(tensors)
-    assert model._gemm is not None
+    model.mm.packed = None  # this file's kernel on unpacked weights (tests/test_cpu_gemm_packed.py: the packed one)
+    model._gemm = kernel
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, spec.vocab_size, (int(n),), generator=g).tolist() for n in (5, 9, 3)]
     assert model._gemm.applies(torch.zeros(17, 4), torch.zeros(4, 4))

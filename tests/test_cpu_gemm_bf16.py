@@ -72,8 +72,9 @@ def _models(ckpt: str) -> tuple[DecoderModel, DecoderModel]:
 
 
 def test_bf16_forward_stays_near_fp32_on_every_route(tiny_ckpt):
-    """The same prompts scored with fp32 weights and with bf16 weights and KV: decode-sized passes (few rows: the
-    kernel), prefill-sized ones (torch's bf16 matmul and the packed head) and with the kernel off. bf16 rounds
+    """The same prompts scored with fp32 weights and with bf16 weights and KV, on each route: packed weights
+    (kernels/gemm_packed.py), the unpacked few-rows kernel (decode-sized passes) with torch's bf16 matmul and the
+    head kernel above it, and torch alone. bf16 rounds
     every matmul input (relative 2^-9), so the logits move by a few times that of their scale, not more."""
     m32, m16 = _models(tiny_ckpt)
     assert m16.act_dtype == torch.float32 and m16.dtype == torch.bfloat16
@@ -82,16 +83,17 @@ def test_bf16_forward_stays_near_fp32_on_every_route(tiny_ckpt):
     for lengths in ((3,), (5, 4, 2), (40, 23)):  # 3, 11 and 63 rows in one pass
         seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
         ref = m32.score(seqs)
-        for kernel_on in (True, False):
-            saved = m16.mm.gemm_bf16
-            if not kernel_on:
-                m16.mm.gemm_bf16 = None
+        for route in ("packed", "unpacked", "torch"):
+            saved = m16.mm.packed, m16.mm.gemm_bf16
+            if route != "packed":
+                m16.mm.packed = None
+                m16.mm.gemm_bf16 = gemm_bf16.load() if route == "unpacked" else None
             got = m16.score(seqs)
-            m16.mm.gemm_bf16 = saved
+            m16.mm.packed, m16.mm.gemm_bf16 = saved
             for a, b in zip(got, ref):
                 assert a.dtype == torch.float32
                 scale = float(b.abs().max())
-                assert float((a - b).abs().max()) <= 0.05 * scale + 1e-3, (lengths, kernel_on)
+                assert float((a - b).abs().max()) <= 0.05 * scale + 1e-3, (lengths, route)
 
 
 def test_packed_head_follows_weight_updates(tiny_ckpt, tiny_ckpt_b):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from areal_async.server.cpu_matmul import Matmuls
 from areal_async.server.kernels import attention as cpu_attention
+from areal_async.server.kernels import decode_layer
 from areal_async.server.kernels import elementwise as cpu_elementwise
 from areal_async.server.step_batch import AttnGroup, SeqChunk, StepBatch, build_step_batch
 
@@ -326,6 +327,9 @@ class DecoderModel:
         # one-pass RMSNorm, SiLU-gating and greedy sampling on the fp32 activations (kernels/elementwise.py; the
         # scheduler samples with it)
         self.elementwise = cpu_elementwise.load() if self.device.type == "cpu" else None
+        # decode steps' layers as one C call each where every kernel above is built (kernels/decode_layer.py)
+        lib = decode_layer.load_library_for() if self.elementwise is not None and self._kernel is not None else None
+        self._fused = decode_layer.FusedDecode(lib, self) if lib is not None else None
 
     @property
     def _gemm(self):
@@ -343,6 +347,8 @@ class DecoderModel:
             if name == "lm_head.weight" and self.spec.tie_word_embeddings:
                 continue  # the same tensor as the embeddings
             self.params[name].copy_(t)
+        # the CPU kernels' packed copies now, not in the next step (kernels/gemm_packed.py; unchanged ones are kept)
+        self.mm.prepack([w for la in self.layers for w in (la.qkv_w, la.o_w, la.gate_up_w, la.down_w)] + [self.lm_head])
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, cache: KVCache, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
@@ -360,6 +366,10 @@ class DecoderModel:
         cos = torch.addcmul(self._cos_add, self.cos[batch.positions][:, None, :], self._rope_mul)
         sin = self.sin[batch.positions][:, None, :] * self._rope_mul
         half, i = d // 2, spec.intermediate_size
+        if self._fused is not None and self._fused.applies(batch) and x.is_contiguous():
+            if self._fused.run(x, batch, cache, cos, sin, interrupt):  # the same layers in one C call each
+                raise StepInterrupted
+            return self._head(x, batch)
         for li, layer in enumerate(self.layers):
             hs = self._rms_norm(x, layer.ln1, eps)
             qkv = self._linear(hs, layer.qkv_w, layer.qkv_b).view(n, h + 2 * hkv, d)  # [N, H + 2Hkv, D]
@@ -380,7 +390,11 @@ class DecoderModel:
             x = self._linear_add(x, act, layer.down_w, layer.down_b)
             if interrupt is not None and interrupt():
                 raise StepInterrupted
-        x = self._rms_norm(x[batch.logits_idx], self.norm, eps)  # [M, hidden]
+        return self._head(x, batch)
+
+    def _head(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """The final norm and the LM head over the rows that want logits: x [N, hidden] -> [M, V] fp32."""
+        x = self._rms_norm(x[batch.logits_idx], self.norm, self.spec.rms_norm_eps)  # [M, hidden]
         return self.mm.head(x, self.lm_head)  # [M, V] fp32
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

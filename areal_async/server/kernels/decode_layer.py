@@ -1,0 +1,265 @@
+"""A decode step's decoder layer on CPU as one C call: the same kernels the model calls op by op, driven from C.
+
+Why: at batch 1 a SmolLM2-135M decode step spent about as long in Python and torch's dispatch as in its matmuls
+(perf on the serving process, 2 threads, AMD EPYC Zen 5: the engine thread was in the packed matmul ~50% of its
+time, in the interpreter and torch ~30%): a layer is ~15 tensor ops, each a few microseconds of dispatch, 30 layers a
+step. Here a layer is one ctypes call: RMSNorm, the q|k|v product, RoPE with the k|v rows stored into the paged
+cache, paged attention, the output product added into the residual stream, RMSNorm, the gate|up product, SiLU-gating
+and the down product added into the residual stream. Every step but RoPE + store calls the very function the
+op-by-op path calls (their addresses are passed in), with the same arguments, so the two paths give the same bits;
+RoPE is the op-by-op path's arithmetic (torch.addcmul(x cos, roll(x, D/2), sin), which rounds x cos and then
+fuses the multiply-add; the tables built once per step as before).
+
+It takes a step when every token is a decode token read from the pages (one attention group), the packed matmuls
+take its rows, and the model has no per-head q/k norm (Qwen3 keeps the op-by-op path); the model polls its interrupt
+between layers as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from areal_async.server.kernels.build import BF16_C, load_library
+
+__all__ = ["FusedDecode", "load_library_for"]
+
+_SOURCE = (
+    BF16_C
+    + r"""
+#pragma GCC optimize("fp-contract=off")  /* RoPE as torch computes it, no other contraction */
+
+typedef int (*linear_fn)(const float*, const void*, const float*, const float*, float*, int64_t, int64_t, int64_t,
+                         int64_t, int64_t);
+typedef void (*norm_fn)(const float*, const float*, float*, int64_t, int64_t, int64_t, float, int64_t);
+typedef void (*silu_fn)(const float*, float*, int64_t, int64_t, int64_t);
+typedef void (*attn_fn)(const float*, const void*, const int64_t*, const int64_t*, float*, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, int64_t);
+
+/* What every layer of one step shares. */
+struct Step {
+    void* linear;  /* kernels/gemm_packed.py's product for the weights' dtype */
+    void* norm;    /* kernels/elementwise.py's rms_norm */
+    void* silu;    /* kernels/elementwise.py's silu_mul */
+    void* attn;    /* kernels/attention.py's paged decode attention for the cache's dtype */
+    int64_t B, hidden, H, Hkv, D, inter, P, page_size, threads, attn_threads, kv_bf16;
+    float eps;
+    const float* cos;           /* [B, H + 2Hkv, D] the step's RoPE tables (q scaled, v passed through) */
+    const float* sin;           /* [B, H + 2Hkv, D] */
+    const int64_t* write_slots; /* [B] page * page_size + offset of each row's new k/v */
+    const int64_t* table;       /* [B, P] */
+    const int64_t* lens;        /* [B] */
+    float* x;                   /* [B, hidden] the residual stream, updated in place */
+    float* hs;                  /* [B, hidden] */
+    float* qkv;                 /* [B, (H + 2Hkv) D] */
+    float* q;                   /* [B, H, D] */
+    float* attn_out;            /* [B, H D] */
+    float* gu;                  /* [B, 2 inter] */
+    float* act;                 /* [B, inter] */
+};
+
+/* One layer's weights: packed matrices, fp32 norms and biases (NULL: none), its cache pages. */
+struct Layer {
+    const float* ln1;
+    const float* ln2;
+    const void* qkv_w;
+    const float* qkv_b;
+    const void* o_w;
+    const float* o_b;
+    const void* gu_w;
+    const float* gu_b;
+    const void* down_w;
+    const float* down_b;
+    void* kv;  /* [pages, page_size, 2Hkv, D] fp32 or bf16 */
+};
+
+/* RoPE on every head row of qkv (v rows have cos 1, sin 0), then q -> s->q and k|v -> the cache slots */
+static void rope_store(const struct Step* s, void* kv) {
+    const int64_t rows = s->H + 2 * s->Hkv, D = s->D, half = D / 2;
+    for (int64_t b = 0; b < s->B; b++) {
+        float* qkv = s->qkv + b * rows * D;
+        const float* c = s->cos + b * rows * D;
+        const float* sn = s->sin + b * rows * D;
+        const int64_t slot = s->write_slots[b];
+        for (int64_t r = 0; r < rows; r++) {
+            const float* xr = qkv + r * D;
+            float out[512];
+            /* torch.addcmul(x * cos, roll(x, D/2), sin): the product x cos rounded, then one fused multiply-add;
+               roll(x, D/2)[d] = x[(d - D/2) mod D] */
+            const float* cr = c + r * D;
+            const float* sr = sn + r * D;
+            for (int64_t d = 0; d < half; d++) out[d] = __builtin_fmaf(xr[d + D - half], sr[d], xr[d] * cr[d]);
+            for (int64_t d = half; d < D; d++) out[d] = __builtin_fmaf(xr[d - half], sr[d], xr[d] * cr[d]);
+            if (r < s->H) {
+                memcpy(s->q + (b * s->H + r) * D, out, sizeof(float) * (size_t)D);
+            } else {
+                const int64_t at = (slot * 2 * s->Hkv + (r - s->H)) * D;
+                if (s->kv_bf16)
+                    for (int64_t d = 0; d < D; d++) ((uint16_t*)kv)[at + d] = f2bf(out[d]);
+                else
+                    memcpy((float*)kv + at, out, sizeof(float) * (size_t)D);
+            }
+        }
+    }
+}
+
+/* Returns 0, or the failing product's code. */
+int decode_layer(const struct Step* s, const struct Layer* l) {
+    const linear_fn lin = (linear_fn)s->linear;
+    const norm_fn norm = (norm_fn)s->norm;
+    const int64_t B = s->B, hid = s->hidden, qkv_n = (s->H + 2 * s->Hkv) * s->D, qn = s->H * s->D;
+    int rc;
+    norm(s->x, l->ln1, s->hs, B, hid, hid, s->eps, s->threads);
+    if ((rc = lin(s->hs, l->qkv_w, l->qkv_b, NULL, s->qkv, B, qkv_n, hid, qkv_n, s->threads))) return rc;
+    rope_store(s, l->kv);
+    ((attn_fn)s->attn)(s->q, l->kv, s->table, s->lens, s->attn_out, B, s->H, s->Hkv, s->D, s->P, s->page_size,
+                       s->attn_threads);
+    if ((rc = lin(s->attn_out, l->o_w, l->o_b, s->x, s->x, B, hid, qn, hid, s->threads))) return rc;
+    norm(s->x, l->ln2, s->hs, B, hid, hid, s->eps, s->threads);
+    if ((rc = lin(s->hs, l->gu_w, l->gu_b, NULL, s->gu, B, 2 * s->inter, hid, 2 * s->inter, s->threads))) return rc;
+    ((silu_fn)s->silu)(s->gu, s->act, B, s->inter, s->threads);
+    return lin(s->act, l->down_w, l->down_b, s->x, s->x, B, hid, s->inter, hid, s->threads);
+}
+"""
+)
+
+MAX_HEAD_DIM = 512  # rope_store's row buffer
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *[(n, _P) for n in ("linear", "norm", "silu", "attn")],
+        *[(n, _I64) for n in ("B", "hidden", "H", "Hkv", "D", "inter", "P", "page_size", "threads", "attn_threads")],
+        ("kv_bf16", _I64),
+        ("eps", ctypes.c_float),
+        *[(n, _P) for n in ("cos", "sin", "write_slots", "table", "lens", "x", "hs", "qkv", "q", "attn_out", "gu")],
+        ("act", _P),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (n, _P) for n in ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "gu_w", "gu_b", "down_w", "down_b", "kv")
+    ]
+
+
+def load_library_for(march: str | None = None) -> ctypes.CDLL | None:
+    """The built driver for `march` (default: build.default_march()), or None (`AREAL_CPU_FUSED_DECODE=0` turns it
+    off)."""
+    return load_library("decode_layer", _SOURCE, "AREAL_CPU_FUSED_DECODE", "the op-by-op decode layer", march)
+
+
+def _addr(fn: Any) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+class FusedDecode:
+    """Runs a model's decode layers through the C driver. Holds the per-layer argument blocks, rebuilt whenever any
+    weight they point at was written (its version moved) or repacked."""
+
+    def __init__(self, lib: ctypes.CDLL, model: Any):
+        self._fn = lib.decode_layer
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer)]
+        self.model = model
+        self._layers: list[_Layer] = []
+        self._key: tuple = ()
+        self._keep: list[torch.Tensor] = []  # the fp32 copies the blocks point at
+
+    def applies(self, batch: Any) -> bool:
+        """Whether this step can take the fused layers: one paged decode group of every token, packed products for
+        its rows, the elementwise and attention kernels built, no per-head q/k norm, head dim within bounds."""
+        m = self.model
+        mm = m.mm
+        if mm.packed is None or m.elementwise is None or m._kernel is None or not m.paged_decode:
+            return False
+        if len(batch.groups) != 1 or m.spec.head_dim > MAX_HEAD_DIM or m.layers[0].qk_norm is not None:
+            return False
+        g, w = batch.groups[0], m.layers[0].qkv_w
+        limit = mm.packed.max_rows_f32 if w.dtype == torch.float32 else mm.packed.max_rows_bf16
+        return g.table is not None and g.start == 0 and g.end == batch.num_tokens and 1 <= batch.num_tokens <= limit
+
+    def _f32(self, t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        f = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+        self._keep.append(f)
+        return f.data_ptr()
+
+    def _blocks(self, cache: Any) -> list[_Layer]:
+        m = self.model
+        weights = [w for la in m.layers for w in (la.qkv_w, la.o_w, la.gate_up_w, la.down_w)]
+        panels = [m.mm._panels(w) for w in weights]  # repacks what was written since
+        small = [t for la in m.layers for t in (la.ln1, la.ln2, la.qkv_b, la.o_b, la.gate_up_b, la.down_b)]
+        key = (
+            tuple(p.data_ptr() for p in panels),
+            tuple(-1 if t is None else t._version for t in small),
+            cache.kv.data_ptr(),
+        )
+        if key != self._key:
+            self._keep = []
+            self._layers = []
+            for li, la in enumerate(m.layers):
+                qkv, o, gu, down = panels[4 * li : 4 * li + 4]
+                self._layers.append(
+                    _Layer(
+                        self._f32(la.ln1),
+                        self._f32(la.ln2),
+                        qkv.data_ptr(),
+                        self._f32(la.qkv_b),
+                        o.data_ptr(),
+                        self._f32(la.o_b),
+                        gu.data_ptr(),
+                        self._f32(la.gate_up_b),
+                        down.data_ptr(),
+                        self._f32(la.down_b),
+                        cache.kv[li].data_ptr(),
+                    )  # fmt: skip
+                )
+            self._key = key
+        return self._layers
+
+    def run(self, x: torch.Tensor, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor, interrupt) -> bool:
+        """Every layer over x [B, hidden] fp32 (contiguous, updated in place); cos, sin [B, H + 2Hkv, D] fp32.
+        `interrupt` (or None) is polled after every layer; returns True when it asked to stop there."""
+        m = self.model
+        spec, mm = m.spec, m.mm
+        b, d, h, hkv, i = batch.num_tokens, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.intermediate_size
+        g = batch.groups[0]
+        table, lens = g.table.contiguous(), g.lens.contiguous()
+        slots = batch.write_slots.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        f32 = torch.float32
+        bufs = [
+            torch.empty(b, spec.hidden_size, dtype=f32),  # hs
+            torch.empty(b, (h + 2 * hkv) * d, dtype=f32),  # qkv
+            torch.empty(b, h, d, dtype=f32),  # q
+            torch.empty(b, h * d, dtype=f32),  # attention's output
+            torch.empty(b, 2 * i, dtype=f32),  # gate|up
+            torch.empty(b, i, dtype=f32),  # silu(gate) * up
+        ]
+        packed, ew, att = mm.packed, m.elementwise, m._kernel
+        bf16_w = m.layers[0].qkv_w.dtype == torch.bfloat16
+        kv_bf16 = cache.kv.dtype == torch.bfloat16
+        threads = torch.get_num_threads()
+        step = _Step(
+            _addr(packed.bf16_fn if bf16_w else packed.f32_fn), _addr(ew._norm), _addr(ew._silu),
+            _addr(att.bf16 if kv_bf16 else att.f32),
+            b, spec.hidden_size, h, hkv, d, i, table.shape[1], cache.kv.shape[2], threads, min(threads, b),
+            int(kv_bf16), spec.rms_norm_eps,
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), table.data_ptr(), lens.data_ptr(), x.data_ptr(),
+            *(t.data_ptr() for t in bufs),
+        )  # fmt: skip
+        layers = self._blocks(cache)
+        sp = ctypes.byref(step)
+        for li in range(len(layers)):
+            rc = self._fn(sp, ctypes.byref(layers[li]))
+            if rc != 0:
+                raise MemoryError("decode_layer: a product could not allocate its input copy")
+            if interrupt is not None and interrupt():
+                return True
+        return False

@@ -9,15 +9,17 @@ activations are fp32 either way), a KV cache filled with random values (so reads
 `--batch` rows with lognormal context lengths (median `--context`), one new token each. Timed, best of `--rounds`,
 alternating so that load drifting on a shared machine hits every variant alike:
 - `paged`: the step as the engine runs it on CPU (decode attention straight from the pages, kernels/attention.py;
-  every matmul routed by server/cpu_matmul.py), greedy sampling included;
+  every matmul routed by server/cpu_matmul.py; each layer one C call, kernels/decode_layer.py), greedy sampling
+  included;
+- `paged_op_by_op`: as `paged`, the layers op by op from Python (the same kernels, the same results);
 - `gather_sdpa`: every row's pages gathered into a padded batch, SDPA with an additive mask (the portable path);
 - `paged_torch_mm`: as `paged`, with every matmul through torch (the packed and few-rows kernels off);
 - `gemm_only`: torch's product of the step's matmuls alone (the model's own weights, same rows, same threads).
-Then the parts of a `paged` step, each timed alone over all layers with the step's own tensors (`parts`):
+Then the parts of a `paged_op_by_op` step, each timed alone over all layers with the step's own tensors (`parts`):
 each matmul shape through the engine's route (qkv, o, gate_up, down, lm_head), attention over the paged KV, the
 norms, SiLU-gating, RoPE + KV store, the embedding, building the step's tensors on the host, and sampling (greedy,
-and temperature 0.7 as the training runs sample). `other` = the step minus its parts: the Python and dispatch
-cost of the forward's ~20 ops per layer.
+and temperature 0.7 as the training runs sample). `other` = the op-by-op step minus its parts: the Python and
+dispatch cost of the forward's ~20 ops per layer, which the one-call layers of `paged` take out.
 `--cpu-time` times with the process's CPU time instead of the wall clock: on a shared machine (load above the core
 count) a preempted step then costs what it computed, not what it waited; meaningful at `--threads 1`.
 MFU = gemm_only / step time: the share of torch's matmul-only speed the whole step reaches.
@@ -91,9 +93,12 @@ def main() -> None:
     temp_rows = [RowParams(temperature=0.7) for _ in range(b)]
     gen = torch.Generator().manual_seed(args.seed)
 
-    def step(paged: bool, own_mm: bool = True) -> torch.Tensor:
+    fused = model._fused
+
+    def step(paged: bool, own_mm: bool = True, whole_layers: bool = True) -> torch.Tensor:
         model.paged_decode, model._kernel = paged, kernel if paged else None
         mm.packed, mm.gemm, mm.gemm_bf16 = few_rows if own_mm else (None, None, None)
+        model._fused = fused if whole_layers else None
         batch = build_step_batch(seqs, table, ps, cpu, [[0]] * b, dtype, paged_decode=paged)
         logits = model.forward(batch, cache)
         sample(logits, greedy_rows, gen, 0, model.elementwise)
@@ -115,7 +120,12 @@ def main() -> None:
 
     variants = {"gather_sdpa": lambda: step(False), "gemm_only": gemm_only}
     if kernel is not None:
-        variants = {"paged": lambda: step(True), "paged_torch_mm": lambda: step(True, False), **variants}
+        variants = {
+            "paged": lambda: step(True),
+            "paged_op_by_op": lambda: step(True, True, False),
+            "paged_torch_mm": lambda: step(True, False),
+            **variants,
+        }
         diff = float((step(True) - step(False)).abs().max())
     else:
         print("the CPU attention kernel is not available here; timing the portable path only", file=sys.stderr)
@@ -165,17 +175,19 @@ def main() -> None:
             if name.startswith("part."):  # the engine's own state, as a `paged` step leaves it
                 model.paged_decode, model._kernel = True, kernel
                 mm.packed, mm.gemm, mm.gemm_bf16 = few_rows
+                model._fused = fused
             t0 = clock()
             fn()
             best[name] = min(best[name], clock() - t0)
     res: dict = {f"{k}_ms": v * 1000 for k, v in best.items() if not k.startswith("part.")}
-    for k in ("paged", "paged_torch_mm", "gather_sdpa"):
+    for k in ("paged", "paged_op_by_op", "paged_torch_mm", "gather_sdpa"):
         if k in best:
             res[f"{k}_tokens_per_s"] = b / best[k]
             res[f"{k}_mfu"] = best["gemm_only"] / best[k]
     if parts:
         part_ms = {k: best[f"part.{k}"] * 1000 for k in parts if k != "sampling_t0.7"}
-        part_ms["other"] = res["paged_ms"] - sum(part_ms.values())  # Python and dispatch between the parts
+        # the parts are op-by-op calls: `other` is the op-by-op step minus them (Python and dispatch between them)
+        part_ms["other"] = res["paged_op_by_op_ms"] - sum(part_ms.values())
         res["parts_ms"] = part_ms
         res["sampling_t0.7_ms"] = best["part.sampling_t0.7"] * 1000
     res.update(
@@ -207,7 +219,7 @@ def main() -> None:
         extra = f"  MFU {res[k + '_mfu']:.2f}" if k + "_mfu" in res else ""
         print(f"  {k:<15} {res[k + '_ms']:8.2f} ms{extra}")
     for k, v in res.get("parts_ms", {}).items():
-        print(f"    {k:<15} {v:8.2f} ms  {100 * v / res['paged_ms']:5.1f}%")
+        print(f"    {k:<15} {v:8.2f} ms  {100 * v / res['paged_op_by_op_ms']:5.1f}%")
     if parts:
         print(f"    (sampling at temperature 0.7: {res['sampling_t0.7_ms']:.2f} ms)")
 

@@ -277,8 +277,10 @@ class DecoderModel:
     whole fused q|k|v row at once with tables that leave v unchanged and fold the softmax scale into q; the k|v
     half is then stored with a single `index_copy_`; residual adds are fused into `addmm`. On CPU in fp32, C kernels
     take over where torch is slow at decode sizes (each falls back to torch where it cannot be built): decode
-    attention (kernels/attention.py), matmuls of few rows with the residual added in place (kernels/gemm.py),
-    RMSNorm and SiLU-gating (kernels/elementwise.py).
+    attention (kernels/attention.py), matmuls on weights packed into panels with the residual added in place
+    (kernels/gemm_packed.py, routed by cpu_matmul.py), RMSNorm and SiLU-gating (kernels/elementwise.py); a step of
+    decode tokens only runs each layer as one C call over those same kernels (kernels/decode_layer.py), which
+    takes the per-op dispatch out of a batch-1 step.
 
     On CPU the activations are fp32 whatever `dtype` is: with bf16 weights (and a bf16 KV cache) only the matmuls'
     inputs are rounded to bf16, as a bf16 trainer's are, and the rest (norms, RoPE, softmax, residual stream) stays
@@ -328,7 +330,8 @@ class DecoderModel:
         # scheduler samples with it)
         self.elementwise = cpu_elementwise.load() if self.device.type == "cpu" else None
         # decode steps' layers as one C call each where every kernel above is built (kernels/decode_layer.py)
-        lib = decode_layer.load_library_for() if self.elementwise is not None and self._kernel is not None else None
+        kernels_built = self.elementwise is not None and self._kernel is not None and self.mm.packed is not None
+        lib = decode_layer.load_library_for() if kernels_built else None
         self._fused = decode_layer.FusedDecode(lib, self) if lib is not None else None
 
     @property

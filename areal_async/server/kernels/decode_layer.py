@@ -168,6 +168,7 @@ class FusedDecode:
         self.model = model
         self._layers: list[_Layer] = []
         self._key: tuple = ()
+        self._tensors: list[torch.Tensor | None] = []
         self._keep: list[torch.Tensor] = []  # the fp32 copies the blocks point at
 
     def applies(self, batch: Any) -> bool:
@@ -192,19 +193,20 @@ class FusedDecode:
 
     def _blocks(self, cache: Any) -> list[_Layer]:
         m = self.model
-        weights = [w for la in m.layers for w in (la.qkv_w, la.o_w, la.gate_up_w, la.down_w)]
-        panels = [m.mm._panels(w) for w in weights]  # repacks what was written since
-        small = [t for la in m.layers for t in (la.ln1, la.ln2, la.qkv_b, la.o_b, la.gate_up_b, la.down_b)]
-        key = (
-            tuple(p.data_ptr() for p in panels),
-            tuple(-1 if t is None else t._version for t in small),
-            cache.kv.data_ptr(),
-        )
+        if not self._tensors:  # the model's tensors are fixed objects: loads copy into them
+            self._tensors = [
+                t
+                for la in m.layers
+                for t in (la.qkv_w, la.o_w, la.gate_up_w, la.down_w, la.ln1, la.ln2, la.qkv_b, la.o_b, la.gate_up_b)
+                + (la.down_b,)
+            ]
+        # every version the blocks depend on (a write moves it, and with it the packed panels), cheaply per step
+        key = (tuple(-1 if t is None else t._version for t in self._tensors), cache.kv.data_ptr(), id(m.mm.packed))
         if key != self._key:
             self._keep = []
             self._layers = []
             for li, la in enumerate(m.layers):
-                qkv, o, gu, down = panels[4 * li : 4 * li + 4]
+                qkv, o, gu, down = (m.mm._panels(w) for w in (la.qkv_w, la.o_w, la.gate_up_w, la.down_w))  # repacked
                 self._layers.append(
                     _Layer(
                         self._f32(la.ln1),

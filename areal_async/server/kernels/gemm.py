@@ -10,8 +10,9 @@ once whatever the row count: 26, 31 and 36 ms at those sizes (the model's own sh
 
 It is plain C with GCC vector extensions, blocked per target (AVX-512: 16-float vectors, 8 weight rows x 2 input
 rows; the AVX2 baseline: 8-float vectors, 6 x 2, which fits its 16 registers), built on first use (build.py).
-The rows it takes depend on the build (ROWS). `AREAL_CPU_GEMM=0` turns it off; where it cannot be built the engine
-uses torch's matmul.
+The rows it takes depend on the build (ROWS). The engine uses it where the packed-weight kernels
+(kernels/gemm_packed.py, faster at every row count) are off or cannot be built; `AREAL_CPU_GEMM=0` turns it off
+too, and the engine uses torch's matmul.
 """
 
 from __future__ import annotations

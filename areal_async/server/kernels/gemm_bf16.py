@@ -13,7 +13,9 @@ step is `vdpbf16ps` (32 pairs per instruction); elsewhere (the AVX2 baseline, AV
 widened to fp32 by a 16-bit shift and multiplied with FMA: the same products, summed in another order. The result
 (fp32) is not rounded to bf16.
 
-Built on first use (build.py); `AREAL_CPU_GEMM_BF16=0` turns it off and the model uses torch's bf16 product.
+Built on first use (build.py). The engine uses it where the packed-weight kernels (kernels/gemm_packed.py, faster
+at every row count) are off or cannot be built; `AREAL_CPU_GEMM_BF16=0` turns it off too, and the model uses
+torch's bf16 product.
 """
 
 from __future__ import annotations

@@ -285,10 +285,10 @@ int64_t packed_vector_width(void) { return VL; }
 
 # Rows up to which the packed kernels beat torch's product (MKL for fp32, oneDNN for bf16; above, the engine uses
 # torch's), measured by benchmarks/gemm_packed.py on SmolLM2-135M's shapes at 2 threads, AMD EPYC Zen 5 (see
-# benchmarks/README.md). fp32, AVX-512: 2.3x MKL at 1 row, 1.8x at 64, still 1.29x at 512 (the largest measured);
-# AVX2 (x86-64-v3, torch held to AVX2): 1.14x at 64, 1.04x at 256. bf16 with AVX512-BF16: 2.2x oneDNN at 1 row,
-# 1.26x at 64, 1.08x at 128, 0.92x at 256; without it (widened weights) 1.7-4.8x oneDNN's emulated bf16 from 2 to
-# 256 rows and even at 1.
+# benchmarks/README.md). fp32, AVX-512: 2.4x MKL at 1 row, 1.67x at 64, still 1.30x at 512 (the largest measured);
+# AVX2 (x86-64-v3, torch held to AVX2): 1.53x at 64, 1.08x at 256. bf16 with AVX512-BF16: 2.2x oneDNN at 1 row,
+# 1.30x at 64, 1.06x at 128, 0.88x at 256; without it (widened weights) 1.35-4.3x oneDNN's emulated bf16 from 1 to
+# 256 rows.
 MAX_ROWS_F32 = {16: 512, 8: 256}  # by floats per vector
 MAX_ROWS_BF16 = {True: 128, False: 256}  # by has_dp
 

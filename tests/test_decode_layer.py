@@ -124,3 +124,23 @@ def test_weight_writes_reach_the_next_fused_step(tiny_ckpt, tiny_ckpt_b):
     (after,), _ = run.decode(1, fused=True)
     (ref,), _ = run.decode(1, fused=False)
     assert torch.equal(after, ref) and not torch.equal(after, before[0])
+
+
+def test_a_page_above_the_attention_kernels_limit_is_refused_as_op_by_op(tiny_ckpt):
+    """Pages larger than the attention kernel's buffers: the same ValueError the op-by-op path raises, never a
+    write past them."""
+    from areal_async.server.kernels.attention import MAX_PAGE
+
+    m = _model(tiny_ckpt, torch.float32)
+    _fused_or_skip(m)
+    ps = MAX_PAGE * 2
+    cache = KVCache(m.spec, 2 * ps, ps, m.device, m.dtype)
+    table = torch.tensor([[1]])
+    batch = build_step_batch([([5], 3, [1], 0)], table, ps, m.device, [[0]], m.dtype, True)
+    for fused in (m._fused, None):
+        saved, m._fused = m._fused, fused
+        try:
+            with pytest.raises(ValueError, match="page size"):
+                m.forward(batch, cache)
+        finally:
+            m._fused = saved

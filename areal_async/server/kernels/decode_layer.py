@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from areal_async.server.kernels import attention as cpu_attention
 from areal_async.server.kernels.build import BF16_C, load_library
 
 __all__ = ["FusedDecode", "load_library_for"]
@@ -232,6 +233,8 @@ class FusedDecode:
         spec, mm = m.spec, m.mm
         b, d, h, hkv, i = batch.num_tokens, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.intermediate_size
         g = batch.groups[0]
+        if cache.kv.shape[2] > cpu_attention.MAX_PAGE:  # the attention kernel's page buffers, as its wrapper checks
+            raise ValueError(f"page size {cache.kv.shape[2]} is above the kernel's {cpu_attention.MAX_PAGE}")
         table, lens = g.table.contiguous(), g.lens.contiguous()
         slots = batch.write_slots.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()

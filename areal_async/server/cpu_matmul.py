@@ -45,15 +45,16 @@ class Matmuls:
         self.gemm = cpu_gemm.load() if unpacked and weight_dtype == torch.float32 else None
         self.gemm_bf16 = cpu_gemm_bf16.load() if unpacked and weight_dtype == torch.bfloat16 else None
         self.head_kernel = _head_kernel() if cpu and weight_dtype == torch.bfloat16 else None
-        self._packs: dict[int, tuple[int, tuple[int, ...], torch.Tensor]] = {}  # data_ptr -> (_version, shape, panels)
+        self._packs: dict[int, tuple[int, torch.Size, torch.Tensor]] = {}  # data_ptr -> (_version, shape, panels)
 
     def _panels(self, w: torch.Tensor) -> torch.Tensor:
         """w's packed panels, packed again when w was written since (its `_version` moved) or is another tensor."""
-        hit = self._packs.get(w.data_ptr())
-        if hit is None or hit[0] != w._version or hit[1] != tuple(w.shape):
+        ptr, version = w.data_ptr(), w._version
+        hit = self._packs.get(ptr)
+        if hit is None or hit[0] != version or hit[1] != w.shape:
             packer = self.packed.pack if self.packed is not None else self.head_kernel.pack  # one layout
-            hit = (w._version, tuple(w.shape), packer(w))
-            self._packs[w.data_ptr()] = hit
+            hit = (version, w.shape, packer(w))
+            self._packs[ptr] = hit
         return hit[2]
 
     def prepack(self, weights: list[torch.Tensor]) -> int:

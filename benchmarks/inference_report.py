@@ -7,13 +7,17 @@ The ratios against llama.cpp come in two kinds, never mixed:
   arithmetic: `tail_efficiency` (useful tokens/s over the same server's batch-64 decode rate) says how much of its
   own decode speed each server keeps through the long tail of finishing requests;
 - `vs_llama_cpp.decode_batch64` / `decode_batch1`: decode tokens/s at a fixed batch, engine / llama.cpp, per
-  precision: the kernels.
+  precision: the kernels. Each side's best round; at the precisions the embedded server serves, llama.cpp's rounds
+  alternate with the engine's (inference_throughput.py's embedded_decode), and `decode_batch64_paired` /
+  `decode_batch1_paired` give the median of the rounds' own ratios beside them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -36,6 +40,7 @@ def parse_args(description: str) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per side, best kept (default 2; quick 1)")
     ap.add_argument("--decode-steps", type=int, default=None, help="decode tokens per request in the decode runs")
+    ap.add_argument("--decode-rounds", type=int, default=None, help="decode rounds per side, best kept (default 4)")
     ap.add_argument("--decode-batch", type=int, default=None, help="requests in the batch decode runs (default 64)")
     ap.add_argument("--pause-new", type=int, default=None, help="max_new_tokens of the pause-latency requests")
     ap.add_argument("--skip-hf", action="store_true", help="embedded side only (for A/B runs of engine changes)")
@@ -85,22 +90,56 @@ def _build_for(isa: str, args) -> Any:
     return lss.find_build(isa, given)
 
 
-def llama_cpp_runs(args, model_dir: str, prompts: list[list[int]], lengths: list[int]) -> dict[str, Any]:
-    """llama-server on the workload and llama-batched-bench's decode rates, per precision, from the build of this
-    run's ISA; {"llama_cpp": None} when there is no build."""
+def llama_bin(args) -> Any:
+    """The llama.cpp bin dir of this run's ISA (waiting up to `--llama-cpp-wait` for a build in progress), or None."""
     isa = run_isa()
     bin_dir = _build_for(isa, args)
     deadline = time.monotonic() + args.llama_cpp_wait
     while bin_dir is None and time.monotonic() < deadline and not args.no_llama_cpp:
         time.sleep(10)
         bin_dir = _build_for(isa, args)
+    return bin_dir
+
+
+def decode_prompt_len(prompts: list[list[int]]) -> int:
+    """llama-batched-bench's prompt length: the mean prompt + the 16 tokens the engine's decode runs start in."""
+    return round(sum(map(len, prompts)) / len(prompts)) + 16
+
+
+def llama_decoders(args, model_dir: str, prompts: list[list[int]]) -> dict[str, Callable[[], dict[int, float]]]:
+    """{the engine's dtype name: one llama-batched-bench run at the same precision -> {batch: decode tokens/s}}, for
+    the precisions of `--llama-precisions` the embedded server also serves; the engine's decode rounds alternate with
+    these (engine_decode in inference_throughput.py). Empty when there is no build."""
+    bin_dir = llama_bin(args)
+    if bin_dir is None:
+        return {}
+    precs = [p for p in args.llama_precisions.split(",") if p in lss.PRECISIONS and lss.PRECISIONS[p] in DTYPES]
+    batches, prompt_len = (1, args.decode_batch), decode_prompt_len(prompts)
+    out = {}
+    for p in precs:
+        gguf = lss.find_gguf(model_dir, p)
+        out[lss.PRECISIONS[p]] = functools.partial(
+            lss.batched_decode, bin_dir, gguf, args.threads, prompt_len, args.decode_steps, batches
+        )
+    return out
+
+
+def llama_cpp_runs(
+    args, model_dir: str, prompts: list[list[int]], lengths: list[int], interleaved: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """llama-server on the workload and llama-batched-bench's decode rates, per precision, from the build of this
+    run's ISA; {"llama_cpp": None} when there is no build. `interleaved` (llama.cpp precision -> decode rates) holds
+    the rates already taken in alternation with the engine's: those precisions are not measured again."""
+    isa = run_isa()
+    bin_dir = llama_bin(args)
     if bin_dir is None:
         return {"llama_cpp": None}
-    prompt_len = round(sum(map(len, prompts)) / len(prompts)) + 16  # the engine's decode runs start 16 tokens in
+    prompt_len = decode_prompt_len(prompts)
     precs = [p for p in args.llama_precisions.split(",") if p]
     rows = lss.llama_side(
-        bin_dir, model_dir, precs, args.threads, prompts, lengths, args.repeats, prompt_len, args.decode_steps
-    )
+        bin_dir, model_dir, precs, args.threads, prompts, lengths, args.repeats, prompt_len, args.decode_steps,
+        decoded=interleaved,
+    )  # fmt: skip
     return {
         "llama_cpp": {
             "build": str(bin_dir),
@@ -109,6 +148,7 @@ def llama_cpp_runs(args, model_dir: str, prompts: list[list[int]], lengths: list
             "decode_tool": "llama-batched-bench (S_TG, non-unified KV)",
             "decode_prompt_tokens": prompt_len,
             "decode_steps": args.decode_steps,
+            "decode_interleaved_with_engine": sorted(interleaved),
             "precisions": rows,
         }
     }
@@ -177,6 +217,7 @@ def llama_cpp_ratios(res: dict[str, Any]) -> dict[str, Any]:
         return {}
     emb = res.get("embedded_by_dtype", {})
     out: dict[str, Any] = {"end_to_end": {}, "decode_batch64": {}, "decode_batch1": {}, "tail_efficiency": {}}
+    out |= {"decode_batch64_paired": {}, "decode_batch1_paired": {}}
     for prec, row in llama["precisions"].items():
         server = row.get("server")
         if server:
@@ -188,6 +229,11 @@ def llama_cpp_ratios(res: dict[str, Any]) -> dict[str, Any]:
             out["end_to_end"][prec] = mine["tokens_per_s"] / server["tokens_per_s"]
         out["decode_batch64"][prec] = mine["decode_tokens_per_s"] / row["decode_tokens_per_s"]
         out["decode_batch1"][prec] = mine["batch1_decode_tokens_per_s"] / row["batch1_decode_tokens_per_s"]
+        # rounds taken in turns: the median of each round's own ratio, a view that no single lucky round decides
+        paired = [r for r in mine.get("decode_rounds", []) if "llama_batch1" in r]
+        if paired:
+            for b in ("batch64", "batch1"):
+                out[f"decode_{b}_paired"][prec] = statistics.median(r[b] / r[f"llama_{b}"] for r in paired)
     for dt, mine in emb.items():
         out["tail_efficiency"][f"embedded_{dt}"] = mine["tokens_per_s"] / mine["decode_tokens_per_s"]
     servers = {p: r["server"]["tokens_per_s"] for p, r in llama["precisions"].items() if r.get("server")}
@@ -224,7 +270,7 @@ def print_summary(result: dict[str, Any]) -> None:
                      f"{row['decode_tokens_per_s']:.0f}"))  # fmt: skip
     vs = res.get("vs_llama_cpp")
     if vs:
-        for kind in ("end_to_end", "decode_batch1", "decode_batch64"):
+        for kind in ("end_to_end", "decode_batch1", "decode_batch64", "decode_batch1_paired", "decode_batch64_paired"):
             rows.append((f"engine / llama.cpp, {kind}", ", ".join(f"{p} {v:.2f}x" for p, v in vs[kind].items()) or "-"))
         if "embedded_over_best_llama_server" in vs:
             rows.append((f"engine / best llama-server ({vs['best_llama_server']}) (target >= 2.5)",

@@ -23,11 +23,14 @@ ignore_eos, so every side makes exactly the same number of tokens.
   every row to the longest request. Useful tokens/s counts what the requests asked for (what a user gets); padded
   tokens/s counts every row to the longest (what the hardware did).
 - decode: the workload's prompts at batch 64 (`decode_tokens_per_s`) and batch 1 (`batch1_decode_tokens_per_s`),
-  run twice (16 and 16 + `--decode-steps` new tokens); the difference is pure decode.
+  run twice (16 and 16 + `--decode-steps` new tokens); the difference is pure decode. Best of `--decode-rounds`
+  rounds (default 4); every round's rates are in `decode_rounds`.
 - llama.cpp (benchmarks/llama_server_side.py), when a build of benchmarks/build_llama_cpp.py is found (or
   `--llama-cpp DIR`): llama-server `-np 64` on the workload per precision, and llama-batched-bench's decode rates at
   batch 1 and 64. Written as two separate comparisons: end to end (scheduling: who keeps the cores busy through the
-  long tail of finishing requests) and decode (kernels: tokens/s at a fixed batch).
+  long tail of finishing requests) and decode (kernels: tokens/s at a fixed batch). At the precisions the embedded
+  server runs, llama-batched-bench runs once in every decode round, right after the engine's rates, while the
+  server idles (see embedded_decode): both sides' rates come from the same minutes of the host.
 - SGLang / vLLM (benchmarks/engine_sides.py): real servers from their own interpreters, through the same client.
 - roofline and MFU (benchmarks/roofline.py): model FLOPs per token (2 x parameters in matmuls, LM head included,
   plus attention at the mean context) x decode tokens/s, divided by the best rate measured in this run on the
@@ -55,6 +58,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -171,11 +176,33 @@ def make_chat_workload(
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 
-async def embedded_decode(client, prompts: list[list[int]], args) -> dict[str, Any]:
-    """The embedded server's decode rates at batch `--decode-batch` (64) and 1 (see decode_rate)."""
-    big = await decode_rate(client, prompts, args.decode_batch, args.decode_steps, args.repeats)
-    one = await decode_rate(client, prompts, 1, args.decode_steps, args.repeats)
-    return {
+async def embedded_decode(
+    client, prompts: list[list[int]], args, rival: Callable[[], dict[int, float]] | None = None
+) -> dict[str, Any]:
+    """The embedded server's decode rates at batch `--decode-batch` (64) and 1 (see decode_rate), best of
+    `--decode-rounds` rounds. With `rival` (one llama-batched-bench run at the server's precision: {batch:
+    tokens/s}), every round runs it right after the engine's two rates, while the server idles, and its best rates
+    come back as `llama_decode`. Why in turns: under a VM the host moves a batch-1 step by up to ~1.4x for tens of
+    seconds at a time (2-core AMD EPYC Zen 5: the same process's step went 8.3 -> 11 ms and back with its threads
+    on the same cores; both engines read every weight once a token, so both follow the host's memory bandwidth).
+    Rates taken minutes apart then compare two moments of the host as much as two engines; in turns, every round
+    gives both sides the same stretch of time, and each side keeps its best round."""
+    rounds: list[dict[str, float]] = []
+    big: dict[str, Any] = {}
+    one: dict[str, Any] = {}
+    theirs: dict[int, float] = {}
+    for _ in range(args.decode_rounds):
+        b = await decode_rate(client, prompts, args.decode_batch, args.decode_steps, 1)
+        o = await decode_rate(client, prompts, 1, args.decode_steps, 1)
+        big = b if not big or b["tokens_per_s"] > big["tokens_per_s"] else big
+        one = o if not one or o["tokens_per_s"] > one["tokens_per_s"] else one
+        rnd = {"batch64": b["tokens_per_s"], "batch1": o["tokens_per_s"]}
+        if rival is not None:
+            rates = await asyncio.to_thread(rival)
+            rnd |= {"llama_batch64": rates[args.decode_batch], "llama_batch1": rates[1]}
+            theirs = {k: max(theirs.get(k, 0.0), r) for k, r in rates.items()}
+        rounds.append(rnd)
+    out = {
         "decode_batch": args.decode_batch,
         "decode_steps": args.decode_steps,
         "decode_tokens_per_s": big["tokens_per_s"],
@@ -183,13 +210,24 @@ async def embedded_decode(client, prompts: list[list[int]], args) -> dict[str, A
         "batch1_decode_tokens_per_s": one["tokens_per_s"],
         "batch1_decode_mean_context": one["mean_context"],
         "decode_proportional": big["proportional"] or one["proportional"],
+        "decode_rounds": rounds,
         "_prefill_s": big["short_wall_s"],
     }
+    if rival is not None:
+        out["llama_decode"] = {
+            "batch1_decode_tokens_per_s": theirs[1],
+            "decode_tokens_per_s": theirs[args.decode_batch],
+            "decode_interleaved_rounds": len(rounds),
+        }
+    return out
 
 
-async def bench(url: str, model_dir: str, prompts: list[list[int]], lengths: list[int], args) -> dict[str, Any]:
-    """The embedded server against transformers (alternating, best of `--repeats` each), its decode rates, the
-    pause of a busy server, and its logprobs against transformers'."""
+async def bench(
+    url: str, model_dir: str, prompts: list[list[int]], lengths: list[int], args, rivals: dict[str, Callable]
+) -> dict[str, Any]:
+    """The embedded server against transformers (alternating, best of `--repeats` each), its decode rates (in turns
+    with llama.cpp's at the server's precision, `rivals`), the pause of a busy server, and its logprobs against
+    transformers'."""
     from areal_async.inference.client import InferenceClient
     from areal_async.types import SamplingParams
 
@@ -228,7 +266,8 @@ async def bench(url: str, model_dir: str, prompts: list[list[int]], lengths: lis
                     "hf_padded_tokens_per_s": len(prompts) * longest / hf_wall,
                 }
             )
-        res.update(await embedded_decode(client, prompts, args))
+        rival = rivals.get(DTYPE_NAMES.get(res["embedded_dtype"], res["embedded_dtype"]))
+        res.update(await embedded_decode(client, prompts, args, rival))
         outs = await asyncio.gather(
             *(raw_generate(client, p, min(n, 64), logprobs=True) for p, n in zip(prompts[:4], lengths[:4]))
         )
@@ -237,8 +276,11 @@ async def bench(url: str, model_dir: str, prompts: list[list[int]], lengths: lis
     return res
 
 
-def embedded_at(model_dir: str, dtype: str, prompts: list[list[int]], lengths: list[int], args) -> dict[str, Any]:
-    """The embedded server started with `--dtype dtype`: the workload's useful tokens/s and the decode rates."""
+def embedded_at(
+    model_dir: str, dtype: str, prompts: list[list[int]], lengths: list[int], args, rivals: dict[str, Callable]
+) -> dict[str, Any]:
+    """The embedded server started with `--dtype dtype`: the workload's useful tokens/s and the decode rates (in
+    turns with llama.cpp's at the same precision, `rivals`)."""
     from areal_async.inference.client import InferenceClient
 
     proc, url = start_server(model_dir, args.threads, [*args.server_arg, "--dtype", dtype])
@@ -250,7 +292,8 @@ def embedded_at(model_dir: str, dtype: str, prompts: list[list[int]], lengths: l
                 served = (await server_info(url)).get("dtype")
                 await embedded_run(client, prompts, [8] * len(prompts))  # warm-up
                 wall = min([(await embedded_run(client, prompts, lengths))[0] for _ in range(args.repeats)])
-                dec = await embedded_decode(client, prompts, args)
+                rival = rivals.get(DTYPE_NAMES.get(served, served))
+                dec = await embedded_decode(client, prompts, args, rival)
                 dec.pop("_prefill_s")
                 return {"dtype": served, "tokens_per_s": sum(lengths) / wall, "wall_s": wall, **dec}
 
@@ -269,6 +312,7 @@ def main() -> None:
         n_req, median, sigma, max_new = args.requests or 64, 96.0, 0.8, 384
     args.repeats = args.repeats or (1 if args.quick else 2)
     args.decode_steps = args.decode_steps or (16 if args.quick else 64)
+    args.decode_rounds = args.decode_rounds or (1 if args.quick else 4)
     args.decode_batch = args.decode_batch or (8 if args.quick else 64)
     args.threads = threads = args.threads or os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -291,19 +335,28 @@ def main() -> None:
         ctx = cfg.get("max_position_embeddings", 1024)
         args.pause_new = args.pause_new or min(900, ctx - max(map(len, prompts)) - 1)
 
+        try:  # llama.cpp's decode runs at the engine's precisions, taken in turns with the engine's own
+            rivals = rep.llama_decoders(args, model_dir, prompts)
+        except Exception:  # noqa: BLE001 - llama.cpp is optional to the run: its rates are then taken apart
+            traceback.print_exc()
+            rivals = {}
         proc, url = start_server(model_dir, threads, args.server_arg)
         try:
-            res = asyncio.run(bench(url, model_dir, prompts, lengths, args))
+            res = asyncio.run(bench(url, model_dir, prompts, lengths, args, rivals))
         finally:
             stop(proc, 30)
         main_dtype = DTYPE_NAMES.get(res["embedded_dtype"], res["embedded_dtype"])
+        interleaved = {LLAMA_OF[main_dtype]: res.pop("llama_decode")} if "llama_decode" in res else {}
         by_dtype = {
-            main_dtype: {k: res[k] for k in ("decode_tokens_per_s", "batch1_decode_tokens_per_s")}
+            main_dtype: {k: res[k] for k in ("decode_tokens_per_s", "batch1_decode_tokens_per_s", "decode_rounds")}
             | {"tokens_per_s": res["embedded_tokens_per_s"], "dtype": res["embedded_dtype"]}
         }
         for dt in args.embedded_dtypes:  # one server at a time: each after the last one stopped
-            row = embedded_at(model_dir, dt, prompts, lengths, args)
-            by_dtype[DTYPE_NAMES.get(row["dtype"], row["dtype"])] = row
+            row = embedded_at(model_dir, dt, prompts, lengths, args, rivals)
+            name = DTYPE_NAMES.get(row["dtype"], row["dtype"])
+            if "llama_decode" in row:
+                interleaved[LLAMA_OF[name]] = row.pop("llama_decode")
+            by_dtype[name] = row
         res["embedded_by_dtype"] = by_dtype
 
         # the other engines, one after the other, each after the previous one stopped; one that fails is recorded
@@ -314,7 +367,7 @@ def main() -> None:
         if args.vllm_python:
             res.update(rep.guarded("vllm", vllm_side, args.vllm_python, model_dir, threads, prompts, lengths,
                                    args.repeats, args.vllm_dtype))  # fmt: skip
-        res.update(rep.guarded("llama_cpp", rep.llama_cpp_runs, args, model_dir, prompts, lengths))
+        res.update(rep.guarded("llama_cpp", rep.llama_cpp_runs, args, model_dir, prompts, lengths, interleaved))
         for name in ("sglang", "vllm"):
             if f"{name}_tokens_per_s" in res:
                 res[f"embedded_over_{name}"] = res["embedded_tokens_per_s"] / res[f"{name}_tokens_per_s"]

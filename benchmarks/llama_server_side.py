@@ -167,21 +167,26 @@ def batched_decode(
 def llama_side(
     bin_dir: Path, model_dir: str, precisions: list[str], threads: int, prompts: list[list[int]],
     lengths: list[int], repeats: int, prompt_len: int, steps: int, server: bool = True,
+    decoded: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict]:  # fmt: skip
     """Per precision: llama-server's workload run (unless `server` is False) and batch-1/64 decode rates, each the
-    best of `repeats` runs."""
+    best of `repeats` runs; a precision in `decoded` keeps the decode rates given there (taken in alternation with
+    the engine's, see inference_throughput.py) instead of measuring them apart."""
     res: dict[str, dict] = {}
     for prec in precisions:
         gguf = find_gguf(model_dir, prec)
         row: dict[str, Any] = {"gguf": os.path.basename(gguf)}
         if server:
             row["server"] = server_run(bin_dir, gguf, threads, prompts, lengths, repeats)
-        rates: dict[int, float] = {}
-        for _ in range(max(1, repeats)):  # best of `repeats`, as the engine's decode rates are
-            for b, r in batched_decode(bin_dir, gguf, threads, prompt_len, steps, (1, len(prompts))).items():
-                rates[b] = max(rates.get(b, 0.0), r)
-        row["batch1_decode_tokens_per_s"] = rates[1]
-        row["decode_tokens_per_s"] = rates[len(prompts)]
+        if decoded and prec in decoded:
+            row.update(decoded[prec])
+        else:
+            rates: dict[int, float] = {}
+            for _ in range(max(1, repeats)):  # best of `repeats`, as the engine's decode rates are
+                for b, r in batched_decode(bin_dir, gguf, threads, prompt_len, steps, (1, len(prompts))).items():
+                    rates[b] = max(rates.get(b, 0.0), r)
+            row["batch1_decode_tokens_per_s"] = rates[1]
+            row["decode_tokens_per_s"] = rates[len(prompts)]
         res[prec] = row
         print(f"llama.cpp {prec}: {json.dumps({k: v for k, v in row.items() if k != 'server'})}", flush=True)
     return res

@@ -59,6 +59,31 @@ def test_kernel_matches_a_float64_product(target_kernel, dtype, m, n, k):
     assert float(((out.double() - want_c).abs() - bound).max()) <= 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_threads_share_the_panels_from_both_ends(target_kernel, dtype):
+    """Two threads and at most one register block of rows take panels from both ends until they meet: every panel
+    computed exactly once, the same bits as one thread, from 1 panel to the LM head's 1,536 (even and odd counts)."""
+    saved = torch.get_num_threads()
+    g = torch.Generator().manual_seed(3)
+    try:
+        for m in (1, 2, 7):
+            for n in (5, 32, 33, 96, 575, 49152):
+                k = 64 if n == 49152 else 96
+                x = torch.randn(m, k, generator=g)  # [M, K]
+                w = torch.randn(n, k, generator=g).to(dtype)  # [N, K]
+                panels = target_kernel.pack(w)
+                c = torch.randn(m, n, generator=g)
+                outs = []
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    outs.append(
+                        (target_kernel.linear(x, panels, w), target_kernel.linear(x, panels, w, add_to=c.clone()))
+                    )
+                assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (m, n)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_pack_takes_a_row_strided_view(target_kernel):
     """A weight that is a row slice of a wider tensor (row stride > K) packs as its contiguous copy would."""
     g = torch.Generator().manual_seed(1)

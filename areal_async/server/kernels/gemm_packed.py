@@ -38,6 +38,7 @@ PANEL = 32  # output columns per packed panel
 _SOURCE = (
     BF16_C
     + r"""
+#include <omp.h>
 #include <stdlib.h>
 #if defined(__AVX512F__)
 #define VL 16
@@ -76,6 +77,45 @@ static inline void store(vf acc[MR][NV], int rows, const float* bias, const floa
         }
 }
 
+/* The next chunk [*a, *b) of the panels a team of two shares through `st` (the panels not yet taken, [lo, hi), as
+   lo << 32 | hi): thread 0 takes from the front, thread 1 from the back, a third of what is left each time (at
+   least one panel), until they meet. Returns 0 when none is left. Why not a static half each: at one row the
+   product is a race to read the weights, and the two cores of a VM do not read equally fast (perf, 2-core AMD EPYC
+   Zen 5: the engine thread's half took ~8% longer than the other's, which then waited); from both ends each thread
+   still reads long runs of adjacent panels, and a product costs a handful of claims. */
+static inline int take(uint64_t* st, int front, int64_t* a, int64_t* b) {
+    uint64_t cur = __atomic_load_n(st, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t lo = (int64_t)(cur >> 32), hi = (int64_t)(cur & 0xffffffffu);
+        if (lo >= hi) return 0;
+        const int64_t n = (hi - lo) / 3 > 0 ? (hi - lo) / 3 : 1;
+        const uint64_t nxt = front ? ((uint64_t)(lo + n) << 32) | (uint64_t)hi
+                                   : ((uint64_t)lo << 32) | (uint64_t)(hi - n);
+        if (__atomic_compare_exchange_n(st, &cur, nxt, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *a = front ? lo : hi - n;
+            *b = front ? lo + n : hi;
+            return 1;
+        }
+    }
+}
+
+/* Runs BODY(p) for every panel p < P: from both ends with two threads and at most one register block of rows
+   (take: there the product only reads weights), else a static split. */
+#define FOR_PANELS(P, M, threads, BODY)                                                                      \
+    if ((threads) == 2 && (M) <= MR && (P) > 1 && (P) < ((int64_t)1 << 31)) {                                \
+        uint64_t st_ = (uint64_t)(P);                                                                        \
+        _Pragma("omp parallel num_threads(2)")                                                               \
+        {                                                                                                    \
+            const int front_ = omp_get_thread_num() == 0;                                                    \
+            int64_t a_, b_;                                                                                  \
+            while (take(&st_, front_, &a_, &b_))                                                             \
+                for (int64_t p = a_; p < b_; p++) BODY(p);                                                   \
+        }                                                                                                    \
+    } else {                                                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                   \
+        for (int64_t p = 0; p < (P); p++) BODY(p);                                                           \
+    }
+
 /* ---- fp32: panel p = wp[p][K][32] -------------------------------------------------------------------------- */
 
 void packed_pack_f32(const float* w, float* wp, int64_t N, int64_t K, int64_t ldw, int64_t threads) {
@@ -101,43 +141,48 @@ void packed_pack_f32(const float* w, float* wp, int64_t N, int64_t K, int64_t ld
         }                                                                                                    \
     }
 
+/* Every row block of x against panel p. */
+static inline void f32_panel(const float* x, const float* wp, const float* bias, const float* c, float* y, int64_t M,
+                             int64_t N, int64_t K, int64_t ldy, int64_t p) {
+    const vf* pw = (const vf*)(wp + p * K * PANEL);
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int rows = M - m0 < MR ? (int)(M - m0) : MR;
+        const float* xr = x + m0 * K;
+        vf acc[MR][NV];
+        for (int m = 0; m < MR; m++)
+            for (int j = 0; j < NV; j++) acc[m][j] = (vf){0};
+        if (rows == 1) {  /* two independent chains per vector: even and odd k */
+            vf odd[NV];
+            for (int j = 0; j < NV; j++) odd[j] = (vf){0};
+            int64_t k = 0;
+            for (; k + 1 < K; k += 2) {
+                const vf* wk = pw + k * NV;
+                for (int j = 0; j < NV; j++) {
+                    acc[0][j] += wk[j] * xr[k];
+                    odd[j] += wk[NV + j] * xr[k + 1];
+                }
+            }
+            for (; k < K; k++)
+                for (int j = 0; j < NV; j++) acc[0][j] += pw[k * NV + j] * xr[k];
+            for (int j = 0; j < NV; j++) acc[0][j] += odd[j];
+        }
+#if MR > 2
+        else if (rows == 2) F32_BLOCK(2)
+        else if (rows == 3) F32_BLOCK(3)
+        else if (rows == 4) F32_BLOCK(4)
+        else if (rows == 5) F32_BLOCK(5)
+#endif
+        else F32_BLOCK(MR)
+        store(acc, rows, bias, c, y, m0, p * PANEL, N, ldy);
+    }
+}
+
 int packed_linear_f32(const float* x, const float* wp, const float* bias, const float* c, float* y, int64_t M,
                       int64_t N, int64_t K, int64_t ldy, int64_t threads) {
     const int64_t P = (N + PANEL - 1) / PANEL;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < P; p++) {
-        const vf* pw = (const vf*)(wp + p * K * PANEL);
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int rows = M - m0 < MR ? (int)(M - m0) : MR;
-            const float* xr = x + m0 * K;
-            vf acc[MR][NV];
-            for (int m = 0; m < MR; m++)
-                for (int j = 0; j < NV; j++) acc[m][j] = (vf){0};
-            if (rows == 1) {  /* two independent chains per vector: even and odd k */
-                vf odd[NV];
-                for (int j = 0; j < NV; j++) odd[j] = (vf){0};
-                int64_t k = 0;
-                for (; k + 1 < K; k += 2) {
-                    const vf* wk = pw + k * NV;
-                    for (int j = 0; j < NV; j++) {
-                        acc[0][j] += wk[j] * xr[k];
-                        odd[j] += wk[NV + j] * xr[k + 1];
-                    }
-                }
-                for (; k < K; k++)
-                    for (int j = 0; j < NV; j++) acc[0][j] += pw[k * NV + j] * xr[k];
-                for (int j = 0; j < NV; j++) acc[0][j] += odd[j];
-            }
-#if MR > 2
-            else if (rows == 2) F32_BLOCK(2)
-            else if (rows == 3) F32_BLOCK(3)
-            else if (rows == 4) F32_BLOCK(4)
-            else if (rows == 5) F32_BLOCK(5)
-#endif
-            else F32_BLOCK(MR)
-            store(acc, rows, bias, c, y, m0, p * PANEL, N, ldy);
-        }
-    }
+#define F32_PANEL(p) f32_panel(x, wp, bias, c, y, M, N, K, ldy, p)
+    FOR_PANELS(P, M, threads, F32_PANEL)
+#undef F32_PANEL
     return 0;
 }
 
@@ -247,6 +292,28 @@ static inline void one_row(const uint32_t* pw, const xin_t* xr, int64_t Kp, vf a
 }
 #endif
 
+/* Every row block of the rounded rows xs against panel p. */
+static inline void bf16_panel(const xin_t* xs, const uint32_t* wp, const float* bias, const float* c, float* y,
+                              int64_t M, int64_t N, int64_t Kp, int64_t ldy, int64_t p) {
+    const uint32_t* pw = wp + p * Kp * PANEL;
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int rows = M - m0 < MR ? (int)(M - m0) : MR;
+        const xin_t* xr = xs + m0 * XIN_LEN(Kp);
+        vf acc[MR][NV];
+        for (int m = 0; m < MR; m++)
+            for (int j = 0; j < NV; j++) acc[m][j] = (vf){0};
+        if (rows == 1) one_row(pw, xr, Kp, acc);
+#if MR > 2
+        else if (rows == 2) BF16_BLOCK(2)
+        else if (rows == 3) BF16_BLOCK(3)
+        else if (rows == 4) BF16_BLOCK(4)
+        else if (rows == 5) BF16_BLOCK(5)
+#endif
+        else BF16_BLOCK(MR)
+        store(acc, rows, bias, c, y, m0, p * PANEL, N, ldy);
+    }
+}
+
 /* Returns 0, or -1 when out of memory for the rounded copy of x. */
 int packed_linear_bf16(const float* x, const uint32_t* wp, const float* bias, const float* c, float* y, int64_t M,
                        int64_t N, int64_t K, int64_t ldy, int64_t threads) {
@@ -254,26 +321,9 @@ int packed_linear_bf16(const float* x, const uint32_t* wp, const float* bias, co
     xin_t* xs = (xin_t*)malloc(sizeof(xin_t) * (size_t)(M * XIN_LEN(Kp) > 0 ? M * XIN_LEN(Kp) : 1));
     if (!xs) return -1;
     round_rows(x, xs, M, K, Kp);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < P; p++) {
-        const uint32_t* pw = wp + p * Kp * PANEL;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int rows = M - m0 < MR ? (int)(M - m0) : MR;
-            const xin_t* xr = xs + m0 * XIN_LEN(Kp);
-            vf acc[MR][NV];
-            for (int m = 0; m < MR; m++)
-                for (int j = 0; j < NV; j++) acc[m][j] = (vf){0};
-            if (rows == 1) one_row(pw, xr, Kp, acc);
-#if MR > 2
-            else if (rows == 2) BF16_BLOCK(2)
-            else if (rows == 3) BF16_BLOCK(3)
-            else if (rows == 4) BF16_BLOCK(4)
-            else if (rows == 5) BF16_BLOCK(5)
-#endif
-            else BF16_BLOCK(MR)
-            store(acc, rows, bias, c, y, m0, p * PANEL, N, ldy);
-        }
-    }
+#define BF16_PANEL(p) bf16_panel(xs, wp, bias, c, y, M, N, Kp, ldy, p)
+    FOR_PANELS(P, M, threads, BF16_PANEL)
+#undef BF16_PANEL
     free(xs);
     return 0;
 }

@@ -8,7 +8,9 @@ stream: panel p holds columns 32p..32p+31 k after k (fp32: [K][32] floats; bf16:
 AVX512-BF16 dot-product instruction reads them, the same layout as server/kernels/head.py's), so one vector load
 gives 16 outputs' weights for one k, and 16 outputs accumulate in one register with no horizontal sum at the end.
 Rows come in register blocks of MR (AVX-512: 6 rows x 32 columns of accumulators; AVX2: 2 x 32), later blocks
-reading the panel from L1/L2, so the same code serves every batch of a decode step.
+reading the panel from L1/L2, so the same code serves every batch of a decode step. With two threads and no more
+rows than one block (a product that only reads weights), the threads take panels from both ends until they meet
+instead of half each, since the two cores of a VM do not read equally fast (`take`).
 
 Costs: a packed copy of every weight matrix the kernel takes (server/cpu_matmul.py packs on first use and again
 after any in-place write; `Tensor._version` tells it), so weights take twice their memory;

@@ -59,3 +59,51 @@ def test_prefix_cache_quick(tmp_path):
     assert on["tokens_per_s"] > 0 and off["tokens_per_s"] > 0
     assert off["cached_prompt_frac"] == 0
     assert len(on["rounds"]) == len(off["rounds"]) == 2
+
+
+def test_decode_rounds_alternate_with_llama_cpp(monkeypatch):
+    """The engine's decode rounds and llama.cpp's runs go in turns, each side keeps its best round, and the ratios
+    report best over best beside the median of the rounds' own ratios."""
+    import asyncio
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import inference_report as rep
+    import inference_throughput as it
+
+    calls: list[str] = []
+    engine = iter([(600.0, 80.0), (640.0, 70.0), (620.0, 90.0)])  # (batch 64, batch 1) per round
+    rival = iter([{1: 75.0, 64: 400.0}, {1: 100.0, 64: 420.0}, {1: 85.0, 64: 410.0}])
+    pending: list[float] = []
+
+    async def fake_rate(client, prompts, batch, steps, repeats):
+        if batch == 64:
+            pending[:] = list(next(engine))
+        calls.append(f"engine{batch}")
+        rate = pending[0] if batch == 64 else pending[1]
+        return {"tokens_per_s": rate, "mean_context": 50.0, "short_wall_s": 0.1, "proportional": False}
+
+    def fake_rival():
+        calls.append("llama")
+        return next(rival)
+
+    monkeypatch.setattr(it, "decode_rate", fake_rate)
+    args = types.SimpleNamespace(decode_rounds=3, decode_batch=64, decode_steps=64)
+    out = asyncio.run(it.embedded_decode(None, [[1, 2, 3]], args, fake_rival))
+    assert calls == ["engine64", "engine1", "llama"] * 3
+    assert out["decode_tokens_per_s"] == 640.0 and out["batch1_decode_tokens_per_s"] == 90.0
+    assert out["llama_decode"]["batch1_decode_tokens_per_s"] == 100.0
+    assert out["llama_decode"]["decode_tokens_per_s"] == 420.0
+    assert [r["llama_batch1"] for r in out["decode_rounds"]] == [75.0, 100.0, 85.0]
+
+    row = {"tokens_per_s": 400.0, **{k: out[k] for k in ("decode_tokens_per_s", "batch1_decode_tokens_per_s")}}
+    res = {
+        "embedded_tokens_per_s": 400.0,
+        "embedded_by_dtype": {"bf16": row | {"decode_rounds": out["decode_rounds"]}},
+        "llama_cpp": {"precisions": {"bf16": {"server": {"tokens_per_s": 100.0}, **out["llama_decode"]}}},
+    }
+    vs = rep.llama_cpp_ratios(res)["vs_llama_cpp"]
+    assert vs["decode_batch1"]["bf16"] == pytest.approx(90.0 / 100.0)
+    assert vs["decode_batch1_paired"]["bf16"] == pytest.approx(sorted([80 / 75, 70 / 100, 90 / 85])[1])
+    assert vs["decode_batch64_paired"]["bf16"] == pytest.approx(sorted([600 / 400, 640 / 420, 620 / 410])[1])
+    assert vs["end_to_end"]["bf16"] == pytest.approx(4.0)

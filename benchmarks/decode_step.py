@@ -81,7 +81,7 @@ def main() -> None:
     max_pages = max(need)
     # as many pages as the rows use (sized b * max_pages, long contexts would not fit in memory); KVCache adds page 0
     cache = KVCache(spec, sum(need) * ps, ps, cpu, dtype)
-    cache.kv.normal_().mul_(0.5)
+    cache.kv.normal_(generator=torch.Generator().manual_seed(args.seed)).mul_(0.5)  # the same cache every run
     table = torch.zeros(b, max_pages, dtype=torch.long)
     order = (torch.randperm(sum(need), generator=torch.Generator().manual_seed(args.seed)) + 1).tolist()  # scattered
     seqs = []

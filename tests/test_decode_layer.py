@@ -111,6 +111,46 @@ def test_interrupt_between_layers(tiny_ckpt):
     assert len(polls) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_step_in_one_call_equals_the_layer_calls(tiny_ckpt, dtype):
+    """A decode step as one C call (embedding, layers, final norm, LM head) gives the logits and cache of the
+    per-layer calls with the head in Python (what an interrupt callback that C cannot poll gets)."""
+    m = _model(tiny_ckpt, dtype)
+    _fused_or_skip(m)
+    run = _Run(m)
+    b = run.batch(run.next, run.lens)
+    assert m._fused.whole_step(b, run.cache, None, None, None)
+    kv = run.cache.kv.clone()
+    whole = m.forward(b, run.cache)
+    kv_whole, run.cache.kv[:] = run.cache.kv.clone(), kv
+    assert not m._fused.whole_step(b, run.cache, None, None, lambda: False)
+    layered = m.forward(b, run.cache, lambda: False)
+    assert torch.equal(whole, layered) and torch.equal(kv_whole, run.cache.kv)
+
+
+def test_interrupt_word_stops_the_whole_step_after_a_layer(tiny_ckpt):
+    """The engine's InterruptWord, set while a step runs, is read by the one-call step after every layer: the step
+    stops there (later layers' k/v untouched) and, cleared, the redone step gives the uninterrupted logits."""
+    from areal_async.server.kernels.decode_layer import InterruptWord
+
+    m = _model(tiny_ckpt, torch.float32)
+    _fused_or_skip(m)
+    run = _Run(m)
+    b = run.batch(run.next, run.lens)
+    word = InterruptWord()
+    word.set(True)
+    assert word() and m._fused.whole_step(b, run.cache, None, None, word)
+    before = run.cache.kv.clone()
+    with pytest.raises(StepInterrupted):
+        m.forward(b, run.cache, word)
+    assert not torch.equal(run.cache.kv[0], before[0])  # the first layer stored the new k/v
+    assert torch.equal(run.cache.kv[1:], before[1:])  # and nothing after it ran
+    word.set(False)
+    got = m.forward(b, run.cache, word)
+    run.cache.kv[:] = before
+    assert torch.equal(got, m.forward(b, run.cache))
+
+
 def test_weight_writes_reach_the_next_fused_step(tiny_ckpt, tiny_ckpt_b):
     """A load (new weights, norms and biases) and an in-place write of one norm between two decode steps: the
     fused step's logits equal the op-by-op path's on the same written weights."""

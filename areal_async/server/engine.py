@@ -46,6 +46,7 @@ from areal_async.host.torch_threads import single_torch_thread
 from areal_async.net.custom_group import bind_cuda, device_uuid
 from areal_async.protocol.engine_api import EngineChunk, EngineRequest, PauseMode
 from areal_async.server.device import resolve_dtype, resolve_visible_device
+from areal_async.server.kernels.decode_layer import InterruptWord
 from areal_async.server.model import DecoderModel, KVCache, ModelSpec
 from areal_async.server.scheduler import Request, Scheduler, abort_reason, validate_request
 from areal_async.server.weight_updates import WeightUpdates, destroy_update_group
@@ -123,6 +124,7 @@ class AsyncEngine(WeightUpdates):
         self.gpu_uuid = device_uuid(self.device)  # "" on CPU; the broadcast compares it with the trainer's
 
         # engine-thread state
+        self._stop_word = InterruptWord()  # set with _urgent: the step in progress polls it between layers
         self._sched = Scheduler(
             self.model,
             self.cache,
@@ -132,7 +134,7 @@ class AsyncEngine(WeightUpdates):
             prefix_cache=prefix_cache,
             tokenizer=self.tokenizer,
             generator=generator,
-            interrupt=lambda: self._urgent,
+            interrupt=self._stop_word,
         )
         self._paused = False
         self._pending_swap: Callable[[], None] | None = None  # a weight swap waiting for running requests to end
@@ -330,6 +332,8 @@ class AsyncEngine(WeightUpdates):
         with self._cv:
             self._cmds.append(cmd)
             self._urgent = self._urgent or urgent
+            if urgent:
+                self._stop_word.set(True)
             self._cv.notify()
 
     async def _call(self, fn: Callable[[], object], urgent: bool = False):
@@ -412,6 +416,7 @@ class AsyncEngine(WeightUpdates):
                     self._cv.wait()
                 cmds, self._cmds = self._cmds, []
                 self._urgent = False
+                self._stop_word.set(False)
                 stopping = self._stopping
             for cmd in cmds:
                 cmd()

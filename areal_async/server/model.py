@@ -364,12 +364,18 @@ class DecoderModel:
         spec = self.spec
         n, h, hkv, d = batch.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
         eps = spec.rms_norm_eps
-        x = F.embedding(batch.input_ids, self.embed).to(self.act_dtype)  # [N, hidden]
         # [N, H + 2Hkv, D] rope tables for the fused rows: (q: scaled rope, k: rope, v: identity)
         cos = torch.addcmul(self._cos_add, self.cos[batch.positions][:, None, :], self._rope_mul)
         sin = self.sin[batch.positions][:, None, :] * self._rope_mul
+        fused = self._fused is not None and self._fused.applies(batch)
+        if fused and self._fused.whole_step(batch, cache, cos, sin, interrupt):
+            logits = self._fused.step(batch, cache, cos, sin, interrupt)  # the same kernels, one C call
+            if logits is None:
+                raise StepInterrupted
+            return logits
+        x = F.embedding(batch.input_ids, self.embed).to(self.act_dtype)  # [N, hidden]
         half, i = d // 2, spec.intermediate_size
-        if self._fused is not None and self._fused.applies(batch) and x.is_contiguous():
+        if fused and x.is_contiguous():
             if self._fused.run(x, batch, cache, cos, sin, interrupt):  # the same layers in one C call each
                 raise StepInterrupted
             return self._head(x, batch)

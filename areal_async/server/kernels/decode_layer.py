@@ -25,7 +25,7 @@ import torch
 from areal_async.server.kernels import attention as cpu_attention
 from areal_async.server.kernels.build import BF16_C, load_library
 
-__all__ = ["FusedDecode", "load_library_for"]
+__all__ = ["FusedDecode", "InterruptWord", "load_library_for"]
 
 _SOURCE = (
     BF16_C
@@ -123,6 +123,38 @@ int decode_layer(const struct Step* s, const struct Layer* l) {
     ((silu_fn)s->silu)(s->gu, s->act, B, s->inter, s->threads);
     return lin(s->act, l->down_w, l->down_b, s->x, s->x, B, hid, s->inter, hid, s->threads);
 }
+
+/* What a whole step adds around the layers. */
+struct Ends {
+    const int64_t* ids;           /* [B] the step's tokens */
+    const void* embed;            /* [V, hidden] fp32 or bf16 */
+    int64_t embed_bf16;
+    const float* norm_w;          /* [hidden] the final norm's weight */
+    const void* head;             /* the LM head's packed panels */
+    int64_t vocab;
+    float* logits;                /* [B, V] */
+    const volatile int32_t* stop; /* polled after every layer: nonzero stops the step there */
+};
+
+/* The embedding rows, every layer, the final norm and the LM head: 0 when done, 1 when *stop cut it short after a
+   layer, else the failing product's code. */
+int decode_step(const struct Step* s, const struct Layer* layers, int64_t n_layers, const struct Ends* e) {
+    const int64_t B = s->B, hid = s->hidden;
+    for (int64_t b = 0; b < B; b++) {  /* rows widened exactly, as torch's embedding(...).float() */
+        float* xb = s->x + b * hid;
+        if (e->embed_bf16)
+            for (int64_t i = 0; i < hid; i++) xb[i] = bf2f(((const uint16_t*)e->embed)[e->ids[b] * hid + i]);
+        else
+            memcpy(xb, (const float*)e->embed + e->ids[b] * hid, sizeof(float) * (size_t)hid);
+    }
+    for (int64_t li = 0; li < n_layers; li++) {
+        const int rc = decode_layer(s, layers + li);
+        if (rc) return rc;
+        if (*e->stop) return 1;
+    }
+    ((norm_fn)s->norm)(s->x, e->norm_w, s->hs, B, hid, hid, s->eps, s->threads);
+    return ((linear_fn)s->linear)(s->hs, e->head, NULL, NULL, e->logits, B, e->vocab, hid, e->vocab, s->threads);
+}
 """
 )
 
@@ -148,6 +180,26 @@ class _Layer(ctypes.Structure):
     ]
 
 
+class _Ends(ctypes.Structure):
+    _fields_ = [("ids", _P), ("embed", _P), ("embed_bf16", _I64), ("norm_w", _P), ("head", _P), ("vocab", _I64)]
+    _fields_ += [("logits", _P), ("stop", _P)]
+
+
+class InterruptWord:
+    """The engine's "cut the step short" flag, readable both ways: called from Python (as `forward`'s `interrupt`
+    callbacks are) and polled from C through `address` (a whole decode step in one call polls it between layers)."""
+
+    def __init__(self) -> None:
+        self._word = ctypes.c_int32(0)
+        self.address = ctypes.addressof(self._word)
+
+    def __call__(self) -> bool:
+        return bool(self._word.value)
+
+    def set(self, on: bool) -> None:
+        self._word.value = 1 if on else 0
+
+
 def load_library_for(march: str | None = None) -> ctypes.CDLL | None:
     """The built driver for `march` (default: build.default_march()), or None (`AREAL_CPU_FUSED_DECODE=0` turns it
     off)."""
@@ -166,6 +218,11 @@ class FusedDecode:
         self._fn = lib.decode_layer
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer)]
+        self._step_fn = lib.decode_step
+        self._step_fn.restype = ctypes.c_int
+        self._step_fn.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.POINTER(_Ends)]
+        self._array: Any = None  # the layer blocks as one C array (decode_step)
+        self._no_stop = ctypes.c_int32(0)
         self.model = model
         self._layers: list[_Layer] = []
         self._key: tuple = ()
@@ -224,11 +281,11 @@ class FusedDecode:
                     )  # fmt: skip
                 )
             self._key = key
+            self._array = (_Layer * len(self._layers))(*self._layers)
         return self._layers
 
-    def run(self, x: torch.Tensor, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor, interrupt) -> bool:
-        """Every layer over x [B, hidden] fp32 (contiguous, updated in place); cos, sin [B, H + 2Hkv, D] fp32.
-        `interrupt` (or None) is polled after every layer; returns True when it asked to stop there."""
+    def _step_args(self, x: torch.Tensor, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor) -> _Step:
+        """The argument block every layer of this step shares (its scratch buffers and tables kept alive on it)."""
         m = self.model
         spec, mm = m.spec, m.mm
         b, d, h, hkv, i = batch.num_tokens, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.intermediate_size
@@ -259,6 +316,13 @@ class FusedDecode:
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), table.data_ptr(), lens.data_ptr(), x.data_ptr(),
             *(t.data_ptr() for t in bufs),
         )  # fmt: skip
+        step._keep = (table, lens, slots, cos, sin, bufs)  # type: ignore[attr-defined]
+        return step
+
+    def run(self, x: torch.Tensor, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor, interrupt) -> bool:
+        """Every layer over x [B, hidden] fp32 (contiguous, updated in place); cos, sin [B, H + 2Hkv, D] fp32.
+        `interrupt` (or None) is polled after every layer; returns True when it asked to stop there."""
+        step = self._step_args(x, batch, cache, cos, sin)
         layers = self._blocks(cache)
         sp = ctypes.byref(step)
         for li in range(len(layers)):
@@ -268,3 +332,39 @@ class FusedDecode:
             if interrupt is not None and interrupt():
                 return True
         return False
+
+    def whole_step(self, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor, interrupt) -> bool:
+        """Whether `step` can take this batch: every row wants its logits (a decode step's rows do) and the
+        interrupt, if any, is an InterruptWord that C can poll."""
+        m = self.model
+        return (
+            (interrupt is None or isinstance(interrupt, InterruptWord))
+            and len(batch.logits_idx) == batch.num_tokens
+            and batch.input_ids.dtype == torch.int64
+            and m.embed.is_contiguous()
+            and m.lm_head.is_contiguous()
+        )
+
+    def step(self, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor, interrupt) -> torch.Tensor | None:
+        """The whole decode step in one C call: embedding rows, every layer, final norm and LM head (the same
+        kernels, so the same bits as `run` and the model's own head) -> fp32 logits [B, V], or None when the
+        interrupt word stopped it after a layer. Why: what a step did in Python between its kernels (~20 small torch
+        ops and 30 calls) ran with cold caches, each step's weights having just streamed through them; perf of a
+        batch-1 bf16 step put ~10% of the engine thread there."""
+        m = self.model
+        b, hidden, vocab = batch.num_tokens, m.spec.hidden_size, m.lm_head.shape[0]
+        x = torch.empty(b, hidden, dtype=torch.float32)  # [B, hidden] the residual stream
+        logits = torch.empty(b, vocab, dtype=torch.float32)  # [B, V]
+        step = self._step_args(x, batch, cache, cos, sin)
+        self._blocks(cache)
+        ids = batch.input_ids.contiguous()
+        norm_w = m.norm if m.norm.dtype == torch.float32 else m.norm.float()
+        stop = interrupt.address if interrupt is not None else ctypes.addressof(self._no_stop)
+        ends = _Ends(
+            ids.data_ptr(), m.embed.data_ptr(), int(m.embed.dtype == torch.bfloat16), norm_w.data_ptr(),
+            m.mm._panels(m.lm_head).data_ptr(), vocab, logits.data_ptr(), stop,
+        )  # fmt: skip
+        rc = self._step_fn(ctypes.byref(step), self._array, len(self._layers), ctypes.byref(ends))
+        if rc not in (0, 1):
+            raise MemoryError("decode_step: a product could not allocate its input copy")
+        return None if rc == 1 else logits

@@ -119,11 +119,11 @@ def test_whole_step_in_one_call_equals_the_layer_calls(tiny_ckpt, dtype):
     _fused_or_skip(m)
     run = _Run(m)
     b = run.batch(run.next, run.lens)
-    assert m._fused.whole_step(b, run.cache, None, None, None)
+    assert m._fused.whole_step(b, None)
     kv = run.cache.kv.clone()
     whole = m.forward(b, run.cache)
     kv_whole, run.cache.kv[:] = run.cache.kv.clone(), kv
-    assert not m._fused.whole_step(b, run.cache, None, None, lambda: False)
+    assert not m._fused.whole_step(b, lambda: False)
     layered = m.forward(b, run.cache, lambda: False)
     assert torch.equal(whole, layered) and torch.equal(kv_whole, run.cache.kv)
 
@@ -139,7 +139,7 @@ def test_interrupt_word_stops_the_whole_step_after_a_layer(tiny_ckpt):
     b = run.batch(run.next, run.lens)
     word = InterruptWord()
     word.set(True)
-    assert word() and m._fused.whole_step(b, run.cache, None, None, word)
+    assert word() and m._fused.whole_step(b, word)
     before = run.cache.kv.clone()
     with pytest.raises(StepInterrupted):
         m.forward(b, run.cache, word)

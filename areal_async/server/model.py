@@ -368,7 +368,7 @@ class DecoderModel:
         cos = torch.addcmul(self._cos_add, self.cos[batch.positions][:, None, :], self._rope_mul)
         sin = self.sin[batch.positions][:, None, :] * self._rope_mul
         fused = self._fused is not None and self._fused.applies(batch)
-        if fused and self._fused.whole_step(batch, cache, cos, sin, interrupt):
+        if fused and self._fused.whole_step(batch, interrupt):
             logits = self._fused.step(batch, cache, cos, sin, interrupt)  # the same kernels, one C call
             if logits is None:
                 raise StepInterrupted

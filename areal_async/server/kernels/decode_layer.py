@@ -338,7 +338,7 @@ class FusedDecode:
                 return True
         return False
 
-    def whole_step(self, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor, interrupt) -> bool:
+    def whole_step(self, batch: Any, interrupt) -> bool:
         """Whether `step` can take this batch: every row wants its logits (a decode step's rows do) and the
         interrupt, if any, is an InterruptWord that C can poll."""
         m = self.model

@@ -107,3 +107,17 @@ def test_decode_rounds_alternate_with_llama_cpp(monkeypatch):
     assert vs["decode_batch1_paired"]["bf16"] == pytest.approx(sorted([80 / 75, 70 / 100, 90 / 85])[1])
     assert vs["decode_batch64_paired"]["bf16"] == pytest.approx(sorted([600 / 400, 640 / 420, 620 / 410])[1])
     assert vs["end_to_end"]["bf16"] == pytest.approx(4.0)
+
+    # llama.cpp failing in a round: the engine's rates stand, llama.cpp's are left to be measured apart
+    engine = iter([(600.0, 80.0), (640.0, 70.0), (620.0, 90.0)])
+    runs = iter([{1: 75.0, 64: 400.0}])
+
+    def failing_rival():
+        rates = next(runs, None)
+        if rates is None:
+            raise RuntimeError("llama-batched-bench failed")
+        return rates
+
+    out = asyncio.run(it.embedded_decode(None, [[1, 2, 3]], args, failing_rival))
+    assert out["batch1_decode_tokens_per_s"] == 90.0 and "llama_decode" not in out
+    assert [sorted(r) for r in out["decode_rounds"]] == [["batch1", "batch64"]] * 3

@@ -124,7 +124,8 @@ class AsyncEngine(WeightUpdates):
         self.gpu_uuid = device_uuid(self.device)  # "" on CPU; the broadcast compares it with the trainer's
 
         # engine-thread state
-        self._stop_word = InterruptWord()  # set with _urgent: the step in progress polls it between layers
+        # a pause, abort or weight swap is queued: the step in progress (which polls this between layers) stops
+        self._urgent = InterruptWord()
         self._sched = Scheduler(
             self.model,
             self.cache,
@@ -134,7 +135,7 @@ class AsyncEngine(WeightUpdates):
             prefix_cache=prefix_cache,
             tokenizer=self.tokenizer,
             generator=generator,
-            interrupt=self._stop_word,
+            interrupt=self._urgent,
         )
         self._paused = False
         self._pending_swap: Callable[[], None] | None = None  # a weight swap waiting for running requests to end
@@ -143,7 +144,6 @@ class AsyncEngine(WeightUpdates):
         # shared between threads (guarded by _cv)
         self._cv = threading.Condition()
         self._cmds: list[Callable[[], None]] = []
-        self._urgent = False  # a pause, abort or weight swap is queued: cut the running step short
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -331,9 +331,8 @@ class AsyncEngine(WeightUpdates):
         layers; the step is redone later), so pause and abort wait for one layer instead of a whole step."""
         with self._cv:
             self._cmds.append(cmd)
-            self._urgent = self._urgent or urgent
             if urgent:
-                self._stop_word.set(True)
+                self._urgent.set(True)
             self._cv.notify()
 
     async def _call(self, fn: Callable[[], object], urgent: bool = False):
@@ -415,8 +414,7 @@ class AsyncEngine(WeightUpdates):
                 while not (self._cmds or self._stopping or self._can_step() or self._swap_ready()):
                     self._cv.wait()
                 cmds, self._cmds = self._cmds, []
-                self._urgent = False
-                self._stop_word.set(False)
+                self._urgent.set(False)
                 stopping = self._stopping
             for cmd in cmds:
                 cmd()

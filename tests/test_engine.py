@@ -373,6 +373,40 @@ async def test_weight_update_waits_for_running_or_aborts_them(make_engine, tiny_
     assert finish["type"] == "abort" and len(out) < 900
 
 
+async def test_unstreamed_requests_come_back_whole_and_split_only_at_a_version_change(
+    make_engine, tiny_ckpt, tiny_ckpt_b
+):
+    """stream=False: the request is handed to the loop when it ends, not after every step (each hand-over wakes
+    the loop, whose thread then takes a core from the step), so it comes back as one chunk holding exactly the
+    tokens of a streamed twin that got many. Paused in place across a weight swap, its tokens still come back
+    split exactly where the version changed."""
+    engine = await make_engine(tiny_ckpt, weight_version="0")
+    ids = engine.encode("abc")
+    sampling = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+    streamed = req("s", ids, **sampling)
+    whole = EngineRequest(rid="w", input_ids=ids, sampling=EngineSampling(**sampling), stream=False)
+    (s_ids, _, _, s_chunks), (w_ids, _, w_finish, w_chunks) = await asyncio.gather(
+        run(engine, streamed), run(engine, whole)
+    )
+    assert len(s_chunks) > 1 and len(w_chunks) == 1
+    assert w_ids == s_ids and w_finish == {"type": "length", "length": 300}
+
+    long_ = EngineRequest(
+        rid="v", input_ids=ids, sampling=EngineSampling(max_new_tokens=1000, ignore_eos=True), stream=False
+    )
+    task = asyncio.create_task(run(engine, long_))
+    while engine.num_running() == 0:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)  # some tokens under version 0
+    await engine.pause("in_place")
+    ok, msg, _ = await engine.update_weights_from_disk(tiny_ckpt_b, "1", flush_cache=False)
+    assert ok, msg
+    await engine.resume()
+    out, _, finish, chunks = await task
+    assert finish == {"type": "length", "length": 1000} and len(out) == 1000
+    assert [c.weight_version for c in chunks] == ["0", "1"] and all(c.new_ids for c in chunks)
+
+
 async def test_kv_budget_queues_requests_and_all_complete(make_engine, lively_ckpt):
     # 128 tokens of KV: each request reserves 64 (prompt + max_new_tokens rounded to pages), so two run at once.
     engine = await make_engine(lively_ckpt, max_total_tokens=128)

@@ -251,6 +251,18 @@ def test_abort_reason_shape(tok):
 # ---- OpenAI-compatible --------------------------------------------------------------------------------------------
 
 
+def test_every_endpoint_tells_the_engine_whether_the_client_streams(tok):
+    """The engine hands unstreamed requests over only at their end (engine.py): each parser must pass `stream` on."""
+    for streamed in (False, True):
+        plan = gen(tok, {"text": ["a", "b"], "sampling_params": {"n": 2}, "stream": streamed})
+        assert len(plan.requests) == 4 and {r.stream for r in plan.requests} == {streamed}
+        plan = openai_requests.parse_completion(body({"prompt": ["a", "b"], "stream": streamed}), tok, LIMITS)
+        assert {r.stream for r in plan.requests} == {streamed}
+        chat = {"messages": [{"role": "user", "content": "h"}], "n": 2, "stream": streamed}
+        plan = openai_requests.parse_chat(body(chat), tok, LIMITS, _template(tok))
+        assert len(plan.requests) == 2 and {r.stream for r in plan.requests} == {streamed}
+
+
 def test_completion_prompt_forms(tok):
     assert openai_requests.parse_completion(body({"prompt": "ab"}), tok, LIMITS).prompts == [tok.encode("ab")]
     plan = openai_requests.parse_completion(body({"prompt": ["a", "b"], "n": 2, "max_tokens": 3}), tok, LIMITS)

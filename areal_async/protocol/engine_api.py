@@ -43,6 +43,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: also input logprobs from position k
     top_logprobs_num: int = 0
     priority: int = 0  # larger is admitted first; equal priorities keep arrival order
+    # False: the consumer reads only the end (a non-streaming HTTP request): its tokens are handed to the event loop
+    # when it finishes, or when the weights change under it, instead of after every step (engine.py `_flush`)
+    stream: bool = True
 
 
 class EngineChunk(msgspec.Struct, kw_only=True):

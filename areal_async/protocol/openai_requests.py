@@ -198,6 +198,7 @@ def parse_completion(
             return_logprob=want_lp,
             logprob_start_len=0 if (want_lp and echo) else -1,
             top_logprobs_num=c.logprobs or 0,
+            stream=bool(c.stream),
         )
         for i, ids in enumerate(prompts)
         for j in range(n)
@@ -308,7 +309,12 @@ def parse_chat(
     want_lp = bool(c.logprobs)
     reqs = [
         EngineRequest(
-            rid=r, input_ids=ids, sampling=s, return_logprob=want_lp, top_logprobs_num=(top or 0) if want_lp else 0
+            rid=r,
+            input_ids=ids,
+            sampling=s,
+            return_logprob=want_lp,
+            top_logprobs_num=(top or 0) if want_lp else 0,
+            stream=bool(c.stream),
         )
         for r in rids
     ]

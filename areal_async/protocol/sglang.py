@@ -289,6 +289,7 @@ def parse_generate(body: bytes, tok: Tokenizer, limits: Limits) -> GeneratePlan:
                     logprob_start_len=start if ret_lp[i] else -1,
                     top_logprobs_num=top if ret_lp[i] else 0,
                     priority=prios[i],
+                    stream=g.stream,
                 )
             )
     check_unique_rids([r.rid for r in requests])

@@ -349,6 +349,7 @@ class SGLangServer:
             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
             input_ids=[0],
             sampling=EngineSampling(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+            stream=False,
         )
         run = self.start_run([req])
         try:

@@ -184,3 +184,34 @@ def test_a_page_above_the_attention_kernels_limit_is_refused_as_op_by_op(tiny_ck
                 m.forward(batch, cache)
         finally:
             m._fused = saved
+
+
+def test_draws_made_inside_the_step_equal_draws_after_it(tiny_ckpt):
+    """A DrawPlan handed to the one-call step is drawn right after the LM head: the same tokens and logprobs, bit
+    for bit, as the sampling kernel on the returned logits (greedy, tempered with min-p, mixed rows); steps that
+    cannot take the whole-step call leave the draws to the caller (`done` stays False)."""
+    from areal_async.server.kernels import sampling as cpu_sampling
+    from areal_async.server.sampling import DrawPlan
+
+    kernel = cpu_sampling.load()
+    if kernel is None:
+        pytest.skip("the sampling kernel could not be built here")
+    m = _model(tiny_ckpt, torch.float32)
+    _fused_or_skip(m)
+    run = _Run(m)
+    b = run.batch(run.next, run.lens)
+    kv = run.cache.kv.clone()
+    for temps, min_p in (([0.0] * 3, [0.0] * 3), ([1.0, 0.7, 1.3], [0.0, 0.05, 0.0]), ([0.0, 1.0, 0.0], [0.0] * 3)):
+        run.cache.kv[:] = kv
+        u = torch.tensor([0.11, 0.52, 0.93], dtype=torch.float64)
+        plan = DrawPlan(
+            kernel, torch.tensor(temps), torch.tensor(min_p), u, torch.empty(3, dtype=torch.long), torch.empty(3)
+        )
+        logits = m.forward(b, run.cache, None, plan)
+        assert plan.done
+        want_tok, want_lp = kernel.sample(logits, plan.temps, plan.min_p, u)
+        assert torch.equal(plan.tokens, want_tok) and torch.equal(plan.logprobs, want_lp)
+    plan = DrawPlan(kernel, torch.zeros(3), torch.zeros(3), u, torch.empty(3, dtype=torch.long), torch.empty(3))
+    run.cache.kv[:] = kv
+    m.forward(b, run.cache, lambda: False, plan)  # a callback C cannot poll: the per-layer calls
+    assert not plan.done

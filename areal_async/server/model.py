@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from areal_async.server.kernels import attention as cpu_attention
 from areal_async.server.kernels import decode_layer
 from areal_async.server.kernels import elementwise as cpu_elementwise
 from areal_async.server.step_batch import AttnGroup, SeqChunk, StepBatch, build_step_batch
+
+if TYPE_CHECKING:
+    from areal_async.server.sampling import DrawPlan
 
 # Hugging Face `architectures[0]` -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -354,13 +358,20 @@ class DecoderModel:
         self.mm.prepack([w for la in self.layers for w in (la.qkv_w, la.o_w, la.gate_up_w, la.down_w)] + [self.lm_head])
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, cache: KVCache, interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: StepBatch,
+        cache: KVCache,
+        interrupt: Callable[[], bool] | None = None,
+        draws: DrawPlan | None = None,
+    ) -> torch.Tensor:
         """Run the new tokens through the model, storing their k/v in `cache`; returns fp32 logits
         `[len(batch.logits_idx), vocab]`.
 
         `interrupt` is polled after every layer; when it returns True the pass stops with `StepInterrupted`. The
         cache then holds some layers' k/v for these tokens, which is harmless: a later pass over the same positions
-        rewrites every layer before reading it."""
+        rewrites every layer before reading it. `draws` (one per logits row): where the whole decode step runs in one
+        C call, its draws are made there too (`draws.done`); otherwise the caller draws from the logits."""
         spec = self.spec
         n, h, hkv, d = batch.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
         eps = spec.rms_norm_eps
@@ -369,7 +380,7 @@ class DecoderModel:
         sin = self.sin[batch.positions][:, None, :] * self._rope_mul
         fused = self._fused is not None and self._fused.applies(batch)
         if fused and self._fused.whole_step(batch, interrupt):
-            logits = self._fused.step(batch, cache, cos, sin, interrupt)  # the same kernels, one C call
+            logits = self._fused.step(batch, cache, cos, sin, interrupt, draws)  # the same kernels, one C call
             if logits is None:
                 raise StepInterrupted
             return logits

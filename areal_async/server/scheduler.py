@@ -35,7 +35,7 @@ import torch
 from areal_async.protocol.engine_api import EngineRequest
 from areal_async.server.model import DecoderModel, KVCache, StepInterrupted, build_step_batch
 from areal_async.server.pages import ROOT, PagePool
-from areal_async.server.sampling import RowParams, process_logits, sample
+from areal_async.server.sampling import DrawPlan, RowParams, plan_draws, process_logits, sample
 
 
 def abort_reason(message: str) -> dict:
@@ -125,6 +125,7 @@ class Request:
         self.input_logprobs: list[float | None] = [None] if req.logprob_start_len == 0 else []
         self.lp_next = max(req.logprob_start_len, 1) if self.want_input_lp else self.prompt_len
         self.sent_first = False
+        self.saved_u: float | None = None  # the uniform drawn for a step that was interrupted (reused when redone)
         # tokens made since the last chunk; sealed into one chunk when the loop is ready for more (engine._flush)
         self.pend_ids: list[int] = []
         self.pend_lps: list[float] = []
@@ -341,11 +342,15 @@ class Scheduler:
         batch = build_step_batch(
             seqs, self._page_table, self.page_size, self.device, logit_rows, self.model.dtype, self.model.paged_decode
         )
+        draws = self._plan_draws(sample_reqs) if sample_reqs and n_rows == len(sample_reqs) else None
         try:
-            logits = self.model.forward(batch, self.cache, self._interrupt)  # [n_rows, V]
+            logits = self.model.forward(batch, self.cache, self._interrupt, draws)  # [n_rows, V]
         except StepInterrupted:  # nothing was sampled: put the requests back as they were; the step is redone
             for (r, _), (_, start, _, _), lp_next in zip(sched, seqs, saved_lp_next):
                 r.num_cached, r.lp_next = start, lp_next
+            if draws is not None:  # the redo reuses these draws: a seeded request's tokens ignore interruptions
+                for (r, _), u in zip(sample_reqs, draws.uniforms.tolist()):
+                    r.saved_u = u if not r.params.greedy else None
             return
         for r, row0, positions in input_lp:
             temp = 1.0 if r.params.greedy else r.params.temperature
@@ -356,30 +361,51 @@ class Scheduler:
             if start < r.prompt_len:  # this step wrote prompt KV
                 self._register_prefix(r)
         if sample_reqs:
-            self._sample(logits, sample_reqs)
+            self._sample(logits, sample_reqs, draws)
         for r, _n in sched:  # prompts of max_new_tokens == 0 end after their prefill
             if not r.done and r.max_new == 0 and r.num_cached == len(r.tokens):
                 self.finish(r, {"type": "length", "length": 0})
 
-    def _sample(self, logits: torch.Tensor, sample_reqs: list[tuple[Request, int]]) -> None:
-        rows = [i for _, i in sample_reqs]
-        if rows == list(range(logits.shape[0])):  # every logits row samples (a pure decode step): no copy
-            lg = logits  # [B, V]; input logprobs were read from it already, so processing it in place is safe
+    @staticmethod
+    def _row_params(r: Request) -> RowParams:
+        """r's sampling settings for this step: the stop-token ban before min_new_tokens, its outputs for
+        penalties."""
+        p = r.params
+        p.banned = sorted(r.stop_ids) if len(r.output_ids) < r.req.sampling.min_new_tokens and r.stop_ids else None
+        p.output_ids = r.output_ids if p.has_penalty else None
+        return p
+
+    def _plan_draws(self, sample_reqs: list[tuple[Request, int]]) -> DrawPlan | None:
+        """This step's draws fixed before its forward (sampling.plan_draws), when every logits row samples, the
+        model runs on CPU and nobody asks for top logprobs; else None (sampling after the forward, as _sample)."""
+        if self.device.type != "cpu" or any(r.req.top_logprobs_num for r, _ in sample_reqs):
+            return None
+        params = [self._row_params(r) for r, _ in sample_reqs]
+        return plan_draws(params, self._generator, self.model.lm_head.shape[0], [r.saved_u for r, _ in sample_reqs])
+
+    def _sample(
+        self, logits: torch.Tensor, sample_reqs: list[tuple[Request, int]], draws: DrawPlan | None = None
+    ) -> None:
+        top_l = None
+        if draws is not None:  # every logits row samples, in order; the forward may have drawn already
+            draws.draw(logits)
+            tokens_l, lps_l = draws.tokens.tolist(), draws.logprobs.tolist()
         else:
-            lg = logits.index_select(0, torch.tensor(rows, device=logits.device))  # [B, V]
-        params = []
-        for r, _ in sample_reqs:
-            p = r.params
-            p.banned = sorted(r.stop_ids) if len(r.output_ids) < r.req.sampling.min_new_tokens and r.stop_ids else None
-            p.output_ids = r.output_ids if p.has_penalty else None
-            params.append(p)
-        lg = process_logits(lg, params)
-        k = max(r.req.top_logprobs_num for r, _ in sample_reqs)
-        tokens, lps, top = sample(lg, params, self._generator, k, getattr(self.model, "elementwise", None))
-        tokens_l, lps_l = tokens.tolist(), lps.tolist()
+            rows = [i for _, i in sample_reqs]
+            if rows == list(range(logits.shape[0])):  # every logits row samples (a pure decode step): no copy
+                lg = logits  # [B, V]; input logprobs were read from it already, so processing it in place is safe
+            else:
+                lg = logits.index_select(0, torch.tensor(rows, device=logits.device))  # [B, V]
+            params = [self._row_params(r) for r, _ in sample_reqs]
+            lg = process_logits(lg, params)
+            k = max(r.req.top_logprobs_num for r, _ in sample_reqs)
+            saved = [r.saved_u for r, _ in sample_reqs]
+            tokens, lps, top = sample(lg, params, self._generator, k, getattr(self.model, "elementwise", None), saved)
+            tokens_l, lps_l = tokens.tolist(), lps.tolist()
+            top_l = (top[0].tolist(), top[1].tolist()) if top is not None else None
         finished: list[Request] = []
-        top_l = (top[0].tolist(), top[1].tolist()) if top is not None else None
         for i, (r, _) in enumerate(sample_reqs):
+            r.saved_u = None
             tok = tokens_l[i]
             r.tokens.append(tok)
             r.output_ids.append(tok)

@@ -23,12 +23,15 @@ layers are called one by one and the model polls its interrupt between them.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from areal_async.server.kernels import attention as cpu_attention
 from areal_async.server.kernels.build import BF16_C, load_library
+
+if TYPE_CHECKING:
+    from areal_async.server.sampling import DrawPlan
 
 __all__ = ["FusedDecode", "InterruptWord", "load_library_for"]
 
@@ -139,10 +142,19 @@ struct Ends {
     int64_t vocab;
     float* logits;                /* [B, V] */
     const volatile int32_t* stop; /* polled after every layer: nonzero stops the step there */
+    void* sample;                 /* kernels/sampling.py's sample_rows, or NULL: the draws after the head */
+    const float* temps;           /* [B] its inputs (sampling.py DrawPlan) */
+    const float* min_p;           /* [B] */
+    const double* uniforms;       /* [B] */
+    int64_t* tokens;              /* [B] its outputs */
+    float* logprobs;              /* [B] */
 };
 
-/* The embedding rows, every layer, the final norm and the LM head: 0 when done, 1 when *stop cut it short after a
-   layer, else the failing product's code. */
+typedef void (*sample_fn)(const float*, const float*, const float*, const double*, int64_t*, float*, int64_t, int64_t,
+                          int64_t);
+
+/* The embedding rows, every layer, the final norm, the LM head and (e->sample) the draws: 0 when done, 1 when
+   *stop cut it short after a layer, else the failing product's code. */
 int decode_step(const struct Step* s, const struct Layer* layers, int64_t n_layers, const struct Ends* e) {
     const int64_t B = s->B, hid = s->hidden;
     for (int64_t b = 0; b < B; b++) {  /* rows widened exactly, as torch's embedding(...).float() */
@@ -158,7 +170,13 @@ int decode_step(const struct Step* s, const struct Layer* layers, int64_t n_laye
         if (*e->stop) return 1;
     }
     ((norm_fn)s->norm)(s->x, e->norm_w, s->hs, B, hid, hid, s->eps, s->threads);
-    return ((linear_fn)s->linear)(s->hs, e->head, NULL, NULL, e->logits, B, e->vocab, hid, e->vocab, s->threads);
+    const linear_fn lin = (linear_fn)s->linear;
+    const int rc = lin(s->hs, e->head, NULL, NULL, e->logits, B, e->vocab, hid, e->vocab, s->threads);
+    if (rc) return rc;
+    if (e->sample)
+        ((sample_fn)e->sample)(e->logits, e->temps, e->min_p, e->uniforms, e->tokens, e->logprobs, B, e->vocab,
+                               s->threads);
+    return 0;
 }
 """
 )
@@ -187,7 +205,8 @@ class _Layer(ctypes.Structure):
 
 class _Ends(ctypes.Structure):
     _fields_ = [("ids", _P), ("embed", _P), ("embed_bf16", _I64), ("norm_w", _P), ("head", _P), ("vocab", _I64)]
-    _fields_ += [("logits", _P), ("stop", _P)]
+    _fields_ += [("logits", _P), ("stop", _P), *[(n, _P) for n in ("sample", "temps", "min_p", "uniforms")]]
+    _fields_ += [("tokens", _P), ("logprobs", _P)]
 
 
 class InterruptWord:
@@ -350,10 +369,13 @@ class FusedDecode:
             and m.lm_head.is_contiguous()
         )
 
-    def step(self, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor, interrupt) -> torch.Tensor | None:
+    def step(
+        self, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor, interrupt, draws: DrawPlan | None = None
+    ) -> torch.Tensor | None:
         """The whole decode step in one C call: embedding rows, every layer, final norm and LM head (the same
         kernels, so the same bits as `run` and the model's own head) -> fp32 logits [B, V], or None when the
-        interrupt word stopped it after a layer. Why: what a step did in Python between its kernels (~20 small torch
+        interrupt word stopped it after a layer; with `draws` (one per row), also the sampling kernel on the logits,
+        filling its tokens and logprobs (`done`). Why: what a step did in Python between its kernels (~20 small torch
         ops and 30 calls) ran with cold caches, each step's weights having just streamed through them; perf of a
         batch-1 bf16 step put ~10% of the engine thread there."""
         m = self.model
@@ -369,7 +391,18 @@ class FusedDecode:
             ids.data_ptr(), m.embed.data_ptr(), int(m.embed.dtype == torch.bfloat16), norm_w.data_ptr(),
             m.mm._panels(m.lm_head).data_ptr(), vocab, logits.data_ptr(), stop,
         )  # fmt: skip
+        if draws is not None and draws.temps.shape[0] == b:
+            ends.sample, ends.temps, ends.min_p = draws.kernel.address, draws.temps.data_ptr(), draws.min_p.data_ptr()
+            ends.uniforms, ends.tokens, ends.logprobs = (
+                draws.uniforms.data_ptr(),
+                draws.tokens.data_ptr(),
+                draws.logprobs.data_ptr(),
+            )
         rc = self._step_fn(ctypes.byref(step), self._array, len(self._layers), ctypes.byref(ends))
         if rc not in (0, 1):
             raise MemoryError("decode_step: a product could not allocate its input copy")
-        return None if rc == 1 else logits
+        if rc == 1:
+            return None
+        if ends.sample:
+            draws.done = True  # type: ignore[union-attr]
+        return logits

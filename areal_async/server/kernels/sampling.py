@@ -135,6 +135,7 @@ class Kernel:
     def __init__(self, lib: ctypes.CDLL):
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn = bind(lib, "sample_rows", [ptr] * 6 + [i64] * 3)
+        self.address: int = ctypes.cast(self._fn, ctypes.c_void_p).value or 0  # for C callers (decode_layer.py)
 
     def sample(
         self, logits: torch.Tensor, temps: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor

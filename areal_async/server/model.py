@@ -375,15 +375,15 @@ class DecoderModel:
         spec = self.spec
         n, h, hkv, d = batch.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
         eps = spec.rms_norm_eps
-        # [N, H + 2Hkv, D] rope tables for the fused rows: (q: scaled rope, k: rope, v: identity)
-        cos = torch.addcmul(self._cos_add, self.cos[batch.positions][:, None, :], self._rope_mul)
-        sin = self.sin[batch.positions][:, None, :] * self._rope_mul
         fused = self._fused is not None and self._fused.applies(batch)
         if fused and self._fused.whole_step(batch, interrupt):
-            logits = self._fused.step(batch, cache, cos, sin, interrupt, draws)  # the same kernels, one C call
+            logits = self._fused.step(batch, cache, interrupt, draws)  # the same kernels and tables, one C call
             if logits is None:
                 raise StepInterrupted
             return logits
+        # [N, H + 2Hkv, D] rope tables for the fused rows: (q: scaled rope, k: rope, v: identity)
+        cos = torch.addcmul(self._cos_add, self.cos[batch.positions][:, None, :], self._rope_mul)
+        sin = self.sin[batch.positions][:, None, :] * self._rope_mul
         x = F.embedding(batch.input_ids, self.embed).to(self.act_dtype)  # [N, hidden]
         half, i = d // 2, spec.intermediate_size
         if fused and x.is_contiguous():

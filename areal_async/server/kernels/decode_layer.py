@@ -148,6 +148,11 @@ struct Ends {
     const double* uniforms;       /* [B] */
     int64_t* tokens;              /* [B] its outputs */
     float* logprobs;              /* [B] */
+    const int64_t* pos;           /* [B] the rows' positions: the step's rope tables are built here (s->cos, s->sin) */
+    const float* cos_tab;         /* [max_pos, D] the model's tables */
+    const float* sin_tab;         /* [max_pos, D] */
+    const float* rope_mul;        /* [H + 2Hkv] per head row: the softmax scale for q, 1 for k, 0 for v */
+    const float* cos_add;         /* [H + 2Hkv] 1 for v rows (cos = 1, sin = 0: v passes unchanged), else 0 */
 };
 
 typedef void (*sample_fn)(const float*, const float*, const float*, const double*, int64_t*, float*, int64_t, int64_t,
@@ -157,6 +162,23 @@ typedef void (*sample_fn)(const float*, const float*, const float*, const double
    *stop cut it short after a layer, else the failing product's code. */
 int decode_step(const struct Step* s, const struct Layer* layers, int64_t n_layers, const struct Ends* e) {
     const int64_t B = s->B, hid = s->hidden;
+    if (e->pos) { /* model.forward's tables: cos = add + tab[pos] * mul, sin = tab[pos] * mul, per head row. add is 0
+                     wherever mul is not, so the sum is exact and equals torch.addcmul's whether or not it fuses */
+        const int64_t rows = s->H + 2 * s->Hkv, D = s->D;
+        for (int64_t b = 0; b < B; b++) {
+            const float* ct = e->cos_tab + e->pos[b] * D;
+            const float* st = e->sin_tab + e->pos[b] * D;
+            for (int64_t r = 0; r < rows; r++) {
+                float* c = (float*)s->cos + (b * rows + r) * D;
+                float* sn = (float*)s->sin + (b * rows + r) * D;
+                const float mul = e->rope_mul[r], add = e->cos_add[r];
+                for (int64_t d = 0; d < D; d++) {
+                    c[d] = add + ct[d] * mul;
+                    sn[d] = st[d] * mul;
+                }
+            }
+        }
+    }
     for (int64_t b = 0; b < B; b++) {  /* rows widened exactly, as torch's embedding(...).float() */
         float* xb = s->x + b * hid;
         if (e->embed_bf16)
@@ -206,7 +228,8 @@ class _Layer(ctypes.Structure):
 class _Ends(ctypes.Structure):
     _fields_ = [("ids", _P), ("embed", _P), ("embed_bf16", _I64), ("norm_w", _P), ("head", _P), ("vocab", _I64)]
     _fields_ += [("logits", _P), ("stop", _P), *[(n, _P) for n in ("sample", "temps", "min_p", "uniforms")]]
-    _fields_ += [("tokens", _P), ("logprobs", _P)]
+    _fields_ += [("tokens", _P), ("logprobs", _P), *[(n, _P) for n in ("pos", "cos_tab", "sin_tab", "rope_mul")]]
+    _fields_ += [("cos_add", _P)]
 
 
 class InterruptWord:
@@ -252,6 +275,27 @@ class FusedDecode:
         self._key: tuple = ()
         self._tensors: list[torch.Tensor | None] = []
         self._keep: list[torch.Tensor] = []  # the fp32 copies the blocks point at
+        self._arena: dict[str, torch.Tensor] = {}  # scratch for the largest batch so far; a step takes rows [:B]
+
+    def _scratch(self, b: int) -> dict[str, torch.Tensor]:
+        """A step's scratch buffers for b rows, [b, ...] fp32, contiguous: views of buffers kept from step to step
+        (grown when b outgrows them), since allocating ten tensors a step cost ~0.05 ms of cold torch calls."""
+        spec = self.model.spec
+        d, h, hkv, i, hid = spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.hidden_size
+        if not self._arena or self._arena["x"].shape[0] < b:
+            shapes = {
+                "x": (hid,),  # the residual stream (whole steps)
+                "hs": (hid,),
+                "qkv": ((h + 2 * hkv) * d,),
+                "q": (h, d),
+                "attn": (h * d,),  # attention's output
+                "gu": (2 * i,),  # gate|up
+                "act": (i,),  # silu(gate) * up
+                "cos": (h + 2 * hkv, d),  # rope tables (whole steps build them in C)
+                "sin": (h + 2 * hkv, d),
+            }
+            self._arena = {k: torch.empty(b, *s, dtype=torch.float32) for k, s in shapes.items()}
+        return {k: t[:b] for k, t in self._arena.items()}
 
     def applies(self, batch: Any) -> bool:
         """Whether this step can take the fused layers: one paged decode group of every token, packed products for
@@ -319,15 +363,8 @@ class FusedDecode:
         table, lens = g.table.contiguous(), g.lens.contiguous()
         slots = batch.write_slots.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
-        f32 = torch.float32
-        bufs = [
-            torch.empty(b, spec.hidden_size, dtype=f32),  # hs
-            torch.empty(b, (h + 2 * hkv) * d, dtype=f32),  # qkv
-            torch.empty(b, h, d, dtype=f32),  # q
-            torch.empty(b, h * d, dtype=f32),  # attention's output
-            torch.empty(b, 2 * i, dtype=f32),  # gate|up
-            torch.empty(b, i, dtype=f32),  # silu(gate) * up
-        ]
+        scratch = self._scratch(b)
+        bufs = [scratch[k] for k in ("hs", "qkv", "q", "attn", "gu", "act")]
         packed, ew, att = mm.packed, m.elementwise, m._kernel
         bf16_w = m.layers[0].qkv_w.dtype == torch.bfloat16
         kv_bf16 = cache.kv.dtype == torch.bfloat16
@@ -365,13 +402,13 @@ class FusedDecode:
             (interrupt is None or isinstance(interrupt, InterruptWord))
             and len(batch.logits_idx) == batch.num_tokens
             and batch.input_ids.dtype == torch.int64
+            and batch.positions.dtype == torch.int64
+            and m.cos.dtype == torch.float32  # the rope tables C builds the step's from
             and m.embed.is_contiguous()
             and m.lm_head.is_contiguous()
         )
 
-    def step(
-        self, batch: Any, cache: Any, cos: torch.Tensor, sin: torch.Tensor, interrupt, draws: DrawPlan | None = None
-    ) -> torch.Tensor | None:
+    def step(self, batch: Any, cache: Any, interrupt, draws: DrawPlan | None = None) -> torch.Tensor | None:
         """The whole decode step in one C call: embedding rows, every layer, final norm and LM head (the same
         kernels, so the same bits as `run` and the model's own head) -> fp32 logits [B, V], or None when the
         interrupt word stopped it after a layer; with `draws` (one per row), also the sampling kernel on the logits,
@@ -379,10 +416,10 @@ class FusedDecode:
         ops and 30 calls) ran with cold caches, each step's weights having just streamed through them; perf of a
         batch-1 bf16 step put ~10% of the engine thread there."""
         m = self.model
-        b, hidden, vocab = batch.num_tokens, m.spec.hidden_size, m.lm_head.shape[0]
-        x = torch.empty(b, hidden, dtype=torch.float32)  # [B, hidden] the residual stream
+        b, vocab = batch.num_tokens, m.lm_head.shape[0]
+        scratch = self._scratch(b)
         logits = torch.empty(b, vocab, dtype=torch.float32)  # [B, V]
-        step = self._step_args(x, batch, cache, cos, sin)
+        step = self._step_args(scratch["x"], batch, cache, scratch["cos"], scratch["sin"])  # tables filled in C
         self._blocks(cache)
         ids = batch.input_ids.contiguous()
         norm_w = m.norm if m.norm.dtype == torch.float32 else m.norm.float()
@@ -391,6 +428,9 @@ class FusedDecode:
             ids.data_ptr(), m.embed.data_ptr(), int(m.embed.dtype == torch.bfloat16), norm_w.data_ptr(),
             m.mm._panels(m.lm_head).data_ptr(), vocab, logits.data_ptr(), stop,
         )  # fmt: skip
+        pos = batch.positions.contiguous()
+        ends.pos, ends.cos_tab, ends.sin_tab = pos.data_ptr(), m.cos.data_ptr(), m.sin.data_ptr()
+        ends.rope_mul, ends.cos_add = m._rope_mul.data_ptr(), m._cos_add.data_ptr()
         if draws is not None and draws.temps.shape[0] == b:
             ends.sample, ends.temps, ends.min_p = draws.kernel.address, draws.temps.data_ptr(), draws.min_p.data_ptr()
             ends.uniforms, ends.tokens, ends.logprobs = (

@@ -121,3 +121,28 @@ def test_decode_rounds_alternate_with_llama_cpp(monkeypatch):
     out = asyncio.run(it.embedded_decode(None, [[1, 2, 3]], args, failing_rival))
     assert out["batch1_decode_tokens_per_s"] == 90.0 and "llama_decode" not in out
     assert [sorted(r) for r in out["decode_rounds"]] == [["batch1", "batch64"]] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_engine_ab_measures_both_servers_in_turns(tmp_path):
+    """benchmarks/engine_ab.py with this checkout as its own base: both servers come up, every round has a rate
+    from each side, and the report's medians and ratio are what those rates give."""
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "engine_ab.py"),
+            *("--base", ROOT, "--model", "tiny", "--threads", "1", "--rounds", "3", "--steps", "8"),
+            *("--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    base, new = data["base_tokens_per_s"], data["new_tokens_per_s"]
+    assert len(base) == len(new) == 3 and min(base + new) > 0
+    ratios = sorted(n / b for b, n in zip(base, new))
+    assert data["ratio_median"] == pytest.approx(ratios[1]) and data["new_faster_rounds"] == sum(r > 1 for r in ratios)

@@ -106,7 +106,10 @@ def wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
 @pytest.fixture(scope="module")
 def async_run(tiny_ckpt, tmp_path_factory) -> str:
     run_dir = str(tmp_path_factory.mktemp("e2e") / "async")
-    # eta=1 over 4 steps: the bound can bite (tokens of version 0 trained at step 4 would be 3 versions stale)
+    # eta=1 over 4 steps: the bound can bite (tokens of version 0 trained at step 4 would be 3 versions stale).
+    # Requests are in flight at an update only while the groups eta admits take longer to generate than a train
+    # step: two running requests and up to 400 new tokens keep it so on a loaded machine (with four and 200, a
+    # whole run under xdist load once had no request in flight at any update)
     p = run_cli(
         [
             f"model.path={tiny_ckpt}",
@@ -116,8 +119,9 @@ def async_run(tiny_ckpt, tmp_path_factory) -> str:
             "total_steps=4",
             "schedule.eval_every=2",
             "schedule.checkpoint_every=2",
-            "server.max_running_requests=4",
-            *COMMON,
+            "server.max_running_requests=2",
+            *[a for a in COMMON if not a.startswith("rollout.max_new_tokens=")],
+            "rollout.max_new_tokens=400",
         ]
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -159,9 +159,7 @@ def plan_draws(
     """The draws of `rows` when the CPU kernel can make them with nothing to apply to the logits first (no
     penalties, no banned tokens, no top-k/top-p), else None. `saved[i]`: a uniform row i already drew for this step
     before the step was interrupted (reused, so a seeded request's draws do not depend on interruptions)."""
-    kernel = _cpu_kernel[0] if _cpu_kernel else None
-    if not _cpu_kernel:
-        _cpu_kernel.append(kernel := cpu_sampling.load())
+    kernel = _loaded_kernel()
     if kernel is None or any(r.has_penalty or r.banned or r.needs_sort(vocab) for r in rows):
         return None
     n = len(rows)
@@ -170,13 +168,9 @@ def plan_draws(
             _greedy_inputs[n] = (torch.zeros(n), torch.zeros(n, dtype=torch.float64))
         zeros, zeros_d = _greedy_inputs[n]
         return DrawPlan(kernel, zeros, zeros, zeros_d, torch.empty(n, dtype=torch.long), torch.empty(n))
+    temps, min_p = _kernel_inputs(rows)
     return DrawPlan(
-        kernel,
-        torch.tensor([0.0 if r.greedy else r.temperature for r in rows], dtype=torch.float32),  # [B]
-        torch.tensor([r.min_p for r in rows], dtype=torch.float32),  # [B]
-        uniforms(rows, generator, saved),
-        torch.empty(n, dtype=torch.long),
-        torch.empty(n, dtype=torch.float32),
+        kernel, temps, min_p, uniforms(rows, generator, saved), torch.empty(n, dtype=torch.long), torch.empty(n)
     )
 
 
@@ -184,9 +178,20 @@ def _kernel_for(logits: torch.Tensor) -> cpu_sampling.Kernel | None:
     """The CPU sampling kernel where it serves these logits (fp32, contiguous, on CPU), else None."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
         return None
+    return _loaded_kernel()
+
+
+def _loaded_kernel() -> cpu_sampling.Kernel | None:
+    """The CPU sampling kernel, loaded on first use (None where it cannot be built)."""
     if not _cpu_kernel:
         _cpu_kernel.append(cpu_sampling.load())
     return _cpu_kernel[0]
+
+
+def _kernel_inputs(rows: list[RowParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's per-row temperature (0 for greedy rows) and min-p, [B] fp32 each."""
+    temps = torch.tensor([0.0 if r.greedy else r.temperature for r in rows], dtype=torch.float32)
+    return temps, torch.tensor([r.min_p for r in rows], dtype=torch.float32)
 
 
 def uniforms(
@@ -218,8 +223,7 @@ def _sample_cpu(
     saved: list[float | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """`sample` for CPU rows without top-k/top-p: the kernel draws (min-p included) and reports the logprobs."""
-    temps = torch.tensor([0.0 if r.greedy else r.temperature for r in rows], dtype=torch.float32)  # [B]
-    min_p = torch.tensor([r.min_p for r in rows], dtype=torch.float32)  # [B]
+    temps, min_p = _kernel_inputs(rows)  # [B], [B]
     tokens, token_logprobs = kernel.sample(logits, temps, min_p, uniforms(rows, generator, saved))
     top = None
     if top_logprobs_num > 0:
